@@ -1,0 +1,103 @@
+"""Pure-jnp ragged paged attention: the reference every kernel is checked against.
+
+Shapes (T tokens in the step, S sequence slots, Hq query heads, Hkv KV heads, D head dim, P pages):
+
+    queries       [T, Hq, D]          all scheduled tokens of all sequences, concatenated
+    kv_pages      [P, page_size, 2*Hkv, D]   one layer's cache, K/V interleaved (kv_cache/layout.py)
+    kv_lens       [S] int32           tokens in each sequence's cache *including* this step's new ones
+    page_indices  [S, pages_per_seq] int32   page table rows
+    cu_q_lens     [S + 1] int32       prefix sums of per-sequence query lengths
+    num_seqs      [1] int32           live sequences; slots >= num_seqs are padding (q_len 0)
+
+A sequence with query length q and kv length n owns query positions n - q .. n - 1: its queries are
+the *last* q tokens of its context (prefill chunks and decodes alike). Tokens past
+``cu_q_lens[num_seqs]`` are padding and produce zeros.
+
+The signature of ``ragged_paged_attention_ref`` is that of jax's
+``jax.experimental.pallas.ops.tpu.ragged_paged_attention.ref_ragged_paged_attention`` so the two can
+be compared directly. This version is jittable (no data-dependent Python control flow); it gathers
+each token's whole page row, so memory grows with T * pages_per_seq * page_size: the engine keeps
+``pages_per_seq`` bucketed to the batch's longest context.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+DEFAULT_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+def token_sequence_info(kv_lens, cu_q_lens, num_seqs, num_tokens: int):
+    """Per token: (sequence slot, absolute position, is-real-token). All [T]."""
+    tok = jnp.arange(num_tokens, dtype=jnp.int32)
+    num_slots = kv_lens.shape[0]
+    seq = jnp.searchsorted(cu_q_lens[1:], tok, side="right").astype(jnp.int32)
+    seq = jnp.minimum(seq, num_slots - 1)
+    valid = tok < cu_q_lens[num_seqs[0]]
+    q_len = cu_q_lens[seq + 1] - cu_q_lens[seq]
+    pos = kv_lens[seq] - q_len + (tok - cu_q_lens[seq])
+    return seq, jnp.where(valid, pos, 0), valid
+
+
+def write_kv_ref(kv_pages, new_kv, kv_lens, page_indices, cu_q_lens, num_seqs):
+    """Scatter this step's K/V into the cache.
+
+    new_kv: [T, 2*Hkv, D] (interleaved). Padding tokens are dropped. Returns the updated kv_pages.
+    """
+    num_pages, page_size = kv_pages.shape[:2]
+    seq, pos, valid = token_sequence_info(kv_lens, cu_q_lens, num_seqs, new_kv.shape[0])
+    page = page_indices[seq, pos // page_size]
+    page = jnp.where(valid, page, num_pages)  # out of range -> dropped by the scatter
+    return kv_pages.at[page, pos % page_size].set(new_kv.astype(kv_pages.dtype), mode="drop")
+
+
+def ragged_paged_attention_ref(
+    queries,
+    kv_pages,
+    kv_lens,
+    page_indices,
+    cu_q_lens,
+    num_seqs,
+    *,
+    sm_scale: float = 1.0,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    mask_value: float | None = DEFAULT_MASK_VALUE,
+    k_scale: float | None = None,
+    v_scale: float | None = None,
+):
+    """Causal attention of ragged queries over paged KV. Returns [T, Hq, D] in queries.dtype."""
+    if mask_value is None:
+        mask_value = DEFAULT_MASK_VALUE
+    num_tokens, num_q_heads, head_dim = queries.shape
+    _, page_size, num_combined, _ = kv_pages.shape
+    num_kv_heads = num_combined // 2
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"num_q_heads={num_q_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+    group = num_q_heads // num_kv_heads
+    pages_per_seq = page_indices.shape[1]
+    ctx = pages_per_seq * page_size
+
+    seq, q_pos, valid = token_sequence_info(kv_lens, cu_q_lens, num_seqs, num_tokens)
+    kv = kv_pages[page_indices[seq]].reshape(num_tokens, ctx, num_combined, head_dim)
+    k = kv[:, :, 0::2, :].astype(jnp.float32)
+    v = kv[:, :, 1::2, :].astype(jnp.float32)
+    if k_scale is not None:
+        k = k * k_scale
+    if v_scale is not None:
+        v = v * v_scale
+
+    q = queries.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, head_dim)
+    scores = jnp.einsum("thgd,tchd->thgc", q, k) * sm_scale
+    if soft_cap is not None:
+        scores = soft_cap * jnp.tanh(scores / soft_cap)
+    kv_pos = jnp.arange(ctx, dtype=jnp.int32)
+    mask = kv_pos[None, :] <= q_pos[:, None]
+    if sliding_window is not None:
+        mask &= kv_pos[None, :] > q_pos[:, None] - sliding_window
+    scores = jnp.where(mask[:, None, None, :], scores, mask_value)
+    probs = jax.nn.softmax(scores, axis=-1)
+    out = jnp.einsum("thgc,tchd->thgd", probs, v).reshape(num_tokens, num_q_heads, head_dim)
+    out = jnp.where(valid[:, None, None], out, 0.0)
+    return out.astype(queries.dtype)

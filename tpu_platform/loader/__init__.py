@@ -1,0 +1,1 @@
+"""tpu_platform/loader."""
