@@ -16,8 +16,8 @@ the *last* q tokens of its context (prefill chunks and decodes alike). Tokens pa
 The signature of ``ragged_paged_attention_ref`` is that of jax's
 ``jax.experimental.pallas.ops.tpu.ragged_paged_attention.ref_ragged_paged_attention`` so the two can
 be compared directly. This version is jittable (no data-dependent Python control flow); it gathers
-each token's whole page row, so memory grows with T * pages_per_seq * page_size: the engine keeps
-``pages_per_seq`` bucketed to the batch's longest context.
+each token's whole page row (in token tiles, to bound memory), so work grows with
+T * pages_per_seq * page_size: the engine keeps ``pages_per_seq`` bucketed to the batch's longest context.
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ import jax
 import jax.numpy as jnp
 
 DEFAULT_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+# Elements of gathered KV one token tile may hold (~64 MiB of f32).
+_GATHER_BUDGET = 16 * 1024 * 1024
 
 
 def token_sequence_info(kv_lens, cu_q_lens, num_seqs, num_tokens: int):
@@ -80,24 +82,39 @@ def ragged_paged_attention_ref(
     ctx = pages_per_seq * page_size
 
     seq, q_pos, valid = token_sequence_info(kv_lens, cu_q_lens, num_seqs, num_tokens)
-    kv = kv_pages[page_indices[seq]].reshape(num_tokens, ctx, num_combined, head_dim)
-    k = kv[:, :, 0::2, :].astype(jnp.float32)
-    v = kv[:, :, 1::2, :].astype(jnp.float32)
-    if k_scale is not None:
-        k = k * k_scale
-    if v_scale is not None:
-        v = v * v_scale
-
-    q = queries.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, head_dim)
-    scores = jnp.einsum("thgd,tchd->thgc", q, k) * sm_scale
-    if soft_cap is not None:
-        scores = soft_cap * jnp.tanh(scores / soft_cap)
     kv_pos = jnp.arange(ctx, dtype=jnp.int32)
-    mask = kv_pos[None, :] <= q_pos[:, None]
-    if sliding_window is not None:
-        mask &= kv_pos[None, :] > q_pos[:, None] - sliding_window
-    scores = jnp.where(mask[:, None, None, :], scores, mask_value)
-    probs = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum("thgc,tchd->thgd", probs, v).reshape(num_tokens, num_q_heads, head_dim)
+
+    def attend(q, seq, q_pos):
+        """q [t, Hq, D], seq / q_pos [t] -> [t, Hq, D] f32 for a tile of t tokens."""
+        t = q.shape[0]
+        kv = kv_pages[page_indices[seq]].reshape(t, ctx, num_combined, head_dim)
+        k = kv[:, :, 0::2, :].astype(jnp.float32)
+        v = kv[:, :, 1::2, :].astype(jnp.float32)
+        if k_scale is not None:
+            k = k * k_scale
+        if v_scale is not None:
+            v = v * v_scale
+        q = q.astype(jnp.float32).reshape(t, num_kv_heads, group, head_dim)
+        scores = jnp.einsum("thgd,tchd->thgc", q, k) * sm_scale
+        if soft_cap is not None:
+            scores = soft_cap * jnp.tanh(scores / soft_cap)
+        mask = kv_pos[None, :] <= q_pos[:, None]
+        if sliding_window is not None:
+            mask &= kv_pos[None, :] > q_pos[:, None] - sliding_window
+        scores = jnp.where(mask[:, None, None, :], scores, mask_value)
+        probs = jax.nn.softmax(scores, axis=-1)
+        return jnp.einsum("thgc,tchd->thgd", probs, v).reshape(t, num_q_heads, head_dim)
+
+    # Gathering a page row per token costs t * ctx memory: bound it by mapping over token tiles.
+    tile = max(1, min(num_tokens, _GATHER_BUDGET // max(1, ctx * num_combined * head_dim)))
+    while num_tokens % tile:
+        tile -= 1
+    if tile == num_tokens:
+        out = attend(queries, seq, q_pos)
+    else:
+        n = num_tokens // tile
+        out = jax.lax.map(lambda a: attend(*a), (queries.reshape(n, tile, num_q_heads, head_dim),
+                                                 seq.reshape(n, tile), q_pos.reshape(n, tile)))
+        out = out.reshape(num_tokens, num_q_heads, head_dim)
     out = jnp.where(valid[:, None, None], out, 0.0)
     return out.astype(queries.dtype)

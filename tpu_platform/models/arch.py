@@ -1,0 +1,129 @@
+"""Model architecture description parsed from a Hugging Face ``config.json`` dict, validated once."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+# Architectures the decoder implements, with the features each turns on.
+SUPPORTED = {
+    "LlamaForCausalLM": dict(qk_norm=False, default_qkv_bias=False),
+    "MistralForCausalLM": dict(qk_norm=False, default_qkv_bias=False),
+    "Qwen2ForCausalLM": dict(qk_norm=False, default_qkv_bias=True),
+    "Qwen3ForCausalLM": dict(qk_norm=True, default_qkv_bias=False),
+}
+
+
+class ModelConfigError(ValueError):
+    """The checkpoint's config is unsupported or inconsistent."""
+
+
+@dataclass(frozen=True)
+class ModelArch:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    rope_scaling: tuple | None = None  # frozen (key, value) pairs of the HF rope_scaling dict
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict) -> "ModelArch":
+        archs = cfg.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED), None)
+        if arch is None:
+            raise ModelConfigError(f"unsupported architecture {archs or cfg.get('model_type')!r}; "
+                                   f"supported: {', '.join(SUPPORTED)}")
+
+        def need(key):
+            if cfg.get(key) is None:
+                raise ModelConfigError(f"config.json is missing {key!r}")
+            return cfg[key]
+
+        hidden, heads = int(need("hidden_size")), int(need("num_attention_heads"))
+        kv_heads = int(cfg.get("num_key_value_heads") or heads)
+        head_dim = int(cfg.get("head_dim") or 0) or hidden // heads
+        if heads % kv_heads:
+            raise ModelConfigError(f"num_attention_heads={heads} is not a multiple of "
+                                   f"num_key_value_heads={kv_heads}")
+        if not cfg.get("head_dim") and hidden % heads:
+            raise ModelConfigError(f"hidden_size={hidden} is not divisible by num_attention_heads={heads}")
+        rope_scaling = cfg.get("rope_scaling") or None
+        rope_theta = cfg.get("rope_theta")
+        params = cfg.get("rope_parameters")  # transformers 5 folds theta/scaling into this dict
+        if isinstance(params, dict):
+            rope_theta = params.get("rope_theta", rope_theta)
+            if params.get("rope_type", "default") != "default":
+                rope_scaling = params
+        if rope_scaling is not None:
+            kind = rope_scaling.get("rope_type", rope_scaling.get("type"))
+            if kind not in ("default", "llama3", "linear"):
+                raise ModelConfigError(f"unsupported rope_scaling type {kind!r} (supported: llama3, linear)")
+            if kind == "default":
+                rope_scaling = None
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
+        sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window", arch == "MistralForCausalLM") else None
+        feats = SUPPORTED[arch]
+        qkv_bias = bool(cfg.get("attention_bias", feats["default_qkv_bias"]))
+        return cls(
+            architecture=arch,
+            vocab_size=int(need("vocab_size")),
+            hidden_size=hidden,
+            intermediate_size=int(need("intermediate_size")),
+            num_layers=int(need("num_hidden_layers")),
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=qkv_bias,
+            o_bias=qkv_bias and arch in ("LlamaForCausalLM", "MistralForCausalLM"),
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            qk_norm=feats["qk_norm"],
+            rope_scaling=tuple(sorted((k, v) for k, v in rope_scaling.items()
+                                      if isinstance(v, (int, float, str)))) if rope_scaling else None,
+            sliding_window=int(sliding) if sliding else None,
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+    def inv_freq(self) -> np.ndarray:
+        """Rotary inverse frequencies [head_dim // 2], with Llama 3 / linear scaling applied."""
+        d = self.head_dim
+        inv = 1.0 / (self.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+        if not self.rope_scaling:
+            return inv.astype(np.float32)
+        rs = dict(self.rope_scaling)
+        kind = rs.get("rope_type", rs.get("type"))
+        factor = float(rs.get("factor", 1.0))
+        if kind == "linear":
+            return (inv / factor).astype(np.float32)
+        # Llama 3: long wavelengths are slowed by `factor`, short ones kept, a smooth blend between.
+        low = float(rs.get("low_freq_factor", 1.0))
+        high = float(rs.get("high_freq_factor", 4.0))
+        old_ctx = float(rs.get("original_max_position_embeddings", 8192))
+        wavelen = 2 * math.pi / inv
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        blended = (1 - smooth) * inv / factor + smooth * inv
+        out = np.where(wavelen > old_ctx / low, inv / factor, inv)
+        mid = (wavelen <= old_ctx / low) & (wavelen >= old_ctx / high)
+        return np.where(mid, blended, out).astype(np.float32)

@@ -1,0 +1,73 @@
+"""Turn Hugging Face-named tensors (from safetensors or GGUF) into the decoder's stacked parameter tree."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax.numpy as jnp
+import numpy as np
+
+from tpu_platform.models.arch import ModelArch, ModelConfigError
+
+
+def build_params(arch: ModelArch, get: Callable[[str], np.ndarray | None], dtype) -> dict:
+    """``get(name)`` returns the HF tensor (any float dtype, HF [out, in] layout) or None if absent.
+
+    Returns the tree documented in ``tpu_platform/models/decoder.py``, arrays in ``dtype``.
+    """
+    def need(name: str) -> np.ndarray:
+        t = get(name)
+        if t is None:
+            raise ModelConfigError(f"checkpoint is missing tensor {name!r}")
+        return np.asarray(t, dtype=np.float32)
+
+    def check(name: str, t: np.ndarray, shape: tuple) -> np.ndarray:
+        if t.shape != shape:
+            raise ModelConfigError(f"tensor {name!r} has shape {t.shape}, config implies {shape}")
+        return t
+
+    hq, hkv, d, hid = arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.hidden_size
+    f = arch.intermediate_size
+    per_layer: dict[str, list[np.ndarray]] = {}
+
+    def add(key: str, t: np.ndarray):
+        per_layer.setdefault(key, []).append(t)
+
+    for i in range(arch.num_layers):
+        p = f"model.layers.{i}."
+        q = check(p + "self_attn.q_proj.weight", need(p + "self_attn.q_proj.weight"), (hq * d, hid))
+        k = check(p + "self_attn.k_proj.weight", need(p + "self_attn.k_proj.weight"), (hkv * d, hid))
+        v = check(p + "self_attn.v_proj.weight", need(p + "self_attn.v_proj.weight"), (hkv * d, hid))
+        add("qkv", np.concatenate([q, k, v], axis=0).T)
+        if arch.qkv_bias:
+            add("qkv_bias", np.concatenate([need(p + f"self_attn.{n}_proj.bias") for n in "qkv"]))
+        if arch.qk_norm:
+            add("q_norm", check(p + "self_attn.q_norm.weight", need(p + "self_attn.q_norm.weight"), (d,)))
+            add("k_norm", check(p + "self_attn.k_norm.weight", need(p + "self_attn.k_norm.weight"), (d,)))
+        add("o", check(p + "self_attn.o_proj.weight", need(p + "self_attn.o_proj.weight"), (hid, hq * d)).T)
+        if arch.o_bias:
+            add("o_bias", need(p + "self_attn.o_proj.bias"))
+        gate = check(p + "mlp.gate_proj.weight", need(p + "mlp.gate_proj.weight"), (f, hid))
+        up = check(p + "mlp.up_proj.weight", need(p + "mlp.up_proj.weight"), (f, hid))
+        add("gate_up", np.concatenate([gate, up], axis=0).T)
+        add("down", check(p + "mlp.down_proj.weight", need(p + "mlp.down_proj.weight"), (hid, f)).T)
+        if arch.mlp_bias:
+            add("gate_up_bias", np.concatenate([need(p + "mlp.gate_proj.bias"), need(p + "mlp.up_proj.bias")]))
+            add("down_bias", need(p + "mlp.down_proj.bias"))
+        add("input_norm", check(p + "input_layernorm.weight", need(p + "input_layernorm.weight"), (hid,)))
+        add("post_norm", check(p + "post_attention_layernorm.weight",
+                               need(p + "post_attention_layernorm.weight"), (hid,)))
+
+    embed = check("model.embed_tokens.weight", need("model.embed_tokens.weight"), (arch.vocab_size, hid))
+    params = {
+        "embed": jnp.asarray(embed, dtype),
+        "final_norm": jnp.asarray(need("model.norm.weight"), dtype),
+        "layers": {k: jnp.asarray(np.stack(v), dtype) for k, v in per_layer.items()},
+    }
+    if not arch.tie_word_embeddings:
+        head = get("lm_head.weight")
+        if head is None:
+            raise ModelConfigError("checkpoint has no lm_head.weight and tie_word_embeddings is false")
+        params["lm_head"] = jnp.asarray(check("lm_head.weight", np.asarray(head, np.float32),
+                                              (arch.vocab_size, hid)).T, dtype)
+    return params
