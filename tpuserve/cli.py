@@ -1,0 +1,149 @@
+"""The ``tpuserve`` command: ``generate`` (offline batch, JSONL in/out) and ``serve`` (HTTP API)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from typing import Any
+
+# EngineConfig fields that are not command-line flags (set from positional args or derived).
+_NOT_FLAGS = {"model", "token_buckets"}
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """One --flag per EngineConfig field, spelled as vLLM spells it (--max-model-len, ...)."""
+    from tpu_platform.config import EngineConfig
+
+    group = parser.add_argument_group("engine")
+    for f in dataclasses.fields(EngineConfig):
+        if f.name in _NOT_FLAGS:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        kind = str(f.type).split("|")[0].strip()  # annotations are strings: "int | None", "bool", ...
+        if kind == "bool":
+            group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None)
+        else:
+            group.add_argument(flag, dest=f.name, default=None,
+                               type={"int": int, "float": float}.get(kind, str))
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    from tpu_platform.config import EngineConfig
+
+    names = {f.name for f in dataclasses.fields(EngineConfig)} - _NOT_FLAGS
+    return {k: v for k, v in vars(args).items() if k in names and v is not None}
+
+
+def _read_prompts(args) -> list[dict]:
+    items: list[dict] = []
+    for p in args.prompt or []:
+        items.append({"prompt": p})
+    if args.input:
+        stream = sys.stdin if args.input == "-" else open(args.input)
+        with stream:
+            for n, line in enumerate(stream, 1):
+                line = line.strip()
+                if not line:
+                    continue
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise SystemExit(f"{args.input}:{n}: not valid JSON ({e})")
+                if isinstance(obj, str):
+                    obj = {"prompt": obj}
+                if not isinstance(obj, dict) or not ({"prompt", "prompt_token_ids", "messages"} & obj.keys()):
+                    raise SystemExit(f"{args.input}:{n}: need an object with 'prompt', "
+                                     f"'prompt_token_ids' or 'messages'")
+                items.append(obj)
+    if not items:
+        raise SystemExit("no prompts: give --prompt TEXT (repeatable) or --input FILE.jsonl")
+    return items
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from server.llm import LLM
+    from server.sampling_params import SamplingParams
+
+    items = _read_prompts(args)
+    llm = LLM(args.model, **engine_kwargs(args))
+    base = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                top_k=args.top_k, seed=args.sampling_seed)
+    prompts, params = [], []
+    for item in items:
+        try:
+            params.append(SamplingParams(**{**base, **item.get("sampling_params", {})}))
+        except (TypeError, ValueError) as e:
+            params.append(None)
+            item["_error"] = str(e)
+        if "messages" in item:
+            try:
+                prompts.append({"prompt_token_ids": llm.apply_chat_template(item["messages"],
+                                                                            add_generation_prompt=True)})
+            except Exception as e:  # a bad conversation fails its own line only
+                prompts.append({"prompt_token_ids": []})
+                item["_error"] = f"messages: {e}"
+        elif "prompt_token_ids" in item:
+            prompts.append({"prompt_token_ids": item["prompt_token_ids"]})
+        else:
+            prompts.append(item["prompt"])
+    good = [i for i, it in enumerate(items) if "_error" not in it]
+    outs = llm.generate([prompts[i] for i in good], [params[i] for i in good], use_tqdm=not args.quiet)
+    by_index = dict(zip(good, outs))
+    out_stream = sys.stdout if args.output in (None, "-") else open(args.output, "w")
+    with out_stream:
+        for i, item in enumerate(items):
+            rec: dict[str, Any] = {"index": i}
+            if "prompt" in item:
+                rec["prompt"] = item["prompt"]
+            o = by_index.get(i)
+            error = item.get("_error") or (o.error if o else None)
+            if error:
+                rec["error"] = error
+            else:
+                rec["outputs"] = [{"text": c.text, "token_ids": c.token_ids,
+                                   "finish_reason": c.finish_reason} for c in o.outputs]
+            out_stream.write(json.dumps(rec, ensure_ascii=False) + "\n")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tpuserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="offline batch generation (JSONL in, JSONL out)")
+    gen.add_argument("model", nargs="?", default=None, help="model path (default: SmolLM2-135M-Instruct)")
+    gen.add_argument("--prompt", action="append", help="a prompt (repeatable)")
+    gen.add_argument("--input", help="JSONL file of {prompt | prompt_token_ids | messages, "
+                                     "sampling_params?} objects; '-' for stdin")
+    gen.add_argument("--output", help="JSONL output file (default: stdout)")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--sampling-seed", type=int, default=None)
+    gen.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_engine_args(gen)
+    gen.set_defaults(func=cmd_generate)
+
+    try:
+        from server.api_server import add_serve_parser
+    except ImportError:
+        add_serve_parser = None
+    if add_serve_parser is not None:
+        add_serve_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args) or 0
+    except (ValueError, FileNotFoundError) as e:
+        print(f"tpuserve: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
