@@ -162,7 +162,10 @@ class ModelRunner:
         return np.asarray(logits)[: batch.num_seqs]
 
     def warmup(self) -> int:
-        """Compile every (token bucket, page bucket) program with padding-only batches. Returns programs compiled."""
+        """Compile every (token bucket, page bucket) forward and the common sampler variants.
+
+        Returns the number of programs compiled.
+        """
         before = self.compile_count
         for t in self.token_buckets:
             for p in self.page_buckets:
@@ -172,6 +175,12 @@ class ModelRunner:
                 # Grow the token count to the bucket; as num_seqs=0 below, nothing is written or attended.
                 batch = self._pad_only(batch, t)
                 self.execute(batch)
+        # The sampler variants common requests hit: greedy, plain temperature, top-k/top-p.
+        vocab = self.arch.vocab_size
+        for s_slots in sorted({min(t, self.config.max_num_seqs) for t in self.token_buckets}):
+            logits = jnp.zeros((s_slots, vocab), jnp.float32)
+            for row in (SamplingRow(temperature=1.0), SamplingRow(temperature=1.0, top_p=0.9)):
+                sampler.sample(logits, pack_sampling_rows([row], s_slots, vocab))
         jax.block_until_ready(self.kv_cache)
         log.info("warm-up compiled %d programs", self.compile_count - before)
         return self.compile_count - before
