@@ -83,3 +83,58 @@ def test_greedy_64_tokens_match_with_chunking_and_preemption(random_checkpoints,
         assert out.prompt_token_ids == ids
         assert out.outputs[0].token_ids == hf_greedy(hf, ids, 64)
         assert out.outputs[0].finish_reason == "length"
+
+
+@pytest.fixture(scope="module")
+def smollm2_hf():
+    """transformers' own GGUF loader (its dequantization, not ours) as the oracle for SmolLM2."""
+    import os
+
+    from tpu_platform.loader.gguf_loader import default_model_path
+    path = default_model_path()
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32).eval()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_smollm2_logits_and_greedy_match_transformers(smollm2_hf):
+    from server.llm import LLM
+    from server.sampling_params import SamplingParams
+
+    llm = LLM(None, max_model_len=256, max_num_batched_tokens=16, max_num_seqs=4, num_gpu_blocks=20)
+    tok = llm.get_tokenizer()
+    prompts = [tok.encode(p) for p in PROMPTS]
+    runner = llm.engine.runner
+    seqs, next_page = [], 1
+    for p in prompts:
+        n = -(-len(p) // runner.page_size)
+        seqs.append(ScheduledSeq(p, 0, list(range(next_page, next_page + n)), SamplingRow()))
+        next_page += n
+    # One ragged prefill of all prompts (more tokens than the engine's budget: use a wide batch here).
+    runner.token_buckets = (64, 128)
+    runner.config.max_num_seqs = 8
+    ours = runner.compute_logits(runner.build_batch(seqs))
+    for i, p in enumerate(prompts):
+        with torch.no_grad():
+            ref = smollm2_hf(torch.tensor([p])).logits[0, -1].numpy()
+        np.testing.assert_allclose(ours[i], ref, rtol=1e-4, atol=1e-4)
+    runner.token_buckets = llm.config.token_buckets
+    runner.config.max_num_seqs = 4
+
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True),
+                        use_tqdm=False)
+    assert llm.engine.scheduler.num_preemptions > 0
+    for p, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == hf_greedy(smollm2_hf, p, 64)
+
+
+@pytest.mark.timeout(600)
+def test_smollm2_knows_the_capital_of_france():
+    from server.llm import LLM
+    from server.sampling_params import SamplingParams
+
+    llm = LLM(max_model_len=128, max_num_batched_tokens=32)
+    out = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=4),
+                       use_tqdm=False)[0]
+    assert out.outputs[0].text.startswith(" Paris")
