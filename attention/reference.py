@@ -42,16 +42,19 @@ def token_sequence_info(kv_lens, cu_q_lens, num_seqs, num_tokens: int):
     return seq, jnp.where(valid, pos, 0), valid
 
 
-def write_kv_ref(kv_pages, new_kv, kv_lens, page_indices, cu_q_lens, num_seqs):
+def write_kv_ref(kv_pages, new_kv, kv_lens, page_indices, cu_q_lens, num_seqs, *, layer=None):
     """Scatter this step's K/V into the cache.
 
     new_kv: [T, 2*Hkv, D] (interleaved). Padding tokens are dropped. Returns the updated kv_pages.
+    With ``layer`` (a scalar), kv_pages is the stacked [L, P, page_size, 2*Hkv, D] cache and only that
+    layer is written, in place: no per-layer slice is copied out and back.
     """
-    num_pages, page_size = kv_pages.shape[:2]
+    num_pages, page_size = kv_pages.shape[-4:-2]
     seq, pos, valid = token_sequence_info(kv_lens, cu_q_lens, num_seqs, new_kv.shape[0])
     page = page_indices[seq, pos // page_size]
     page = jnp.where(valid, page, num_pages)  # out of range -> dropped by the scatter
-    return kv_pages.at[page, pos % page_size].set(new_kv.astype(kv_pages.dtype), mode="drop")
+    index = (page, pos % page_size) if layer is None else (layer, page, pos % page_size)
+    return kv_pages.at[index].set(new_kv.astype(kv_pages.dtype), mode="drop")
 
 
 def ragged_paged_attention_ref(
@@ -68,12 +71,16 @@ def ragged_paged_attention_ref(
     mask_value: float | None = DEFAULT_MASK_VALUE,
     k_scale: float | None = None,
     v_scale: float | None = None,
+    layer=None,
 ):
-    """Causal attention of ragged queries over paged KV. Returns [T, Hq, D] in queries.dtype."""
+    """Causal attention of ragged queries over paged KV. Returns [T, Hq, D] in queries.dtype.
+
+    With ``layer`` (a scalar), kv_pages is the stacked [L, P, page_size, 2*Hkv, D] cache.
+    """
     if mask_value is None:
         mask_value = DEFAULT_MASK_VALUE
     num_tokens, num_q_heads, head_dim = queries.shape
-    _, page_size, num_combined, _ = kv_pages.shape
+    page_size, num_combined = kv_pages.shape[-3:-1]
     num_kv_heads = num_combined // 2
     if num_q_heads % num_kv_heads:
         raise ValueError(f"num_q_heads={num_q_heads} is not a multiple of num_kv_heads={num_kv_heads}")
@@ -87,7 +94,9 @@ def ragged_paged_attention_ref(
     def attend(q, seq, q_pos):
         """q [t, Hq, D], seq / q_pos [t] -> [t, Hq, D] f32 for a tile of t tokens."""
         t = q.shape[0]
-        kv = kv_pages[page_indices[seq]].reshape(t, ctx, num_combined, head_dim)
+        pages = page_indices[seq]
+        kv = kv_pages[pages] if layer is None else kv_pages[layer, pages]
+        kv = kv.reshape(t, ctx, num_combined, head_dim)
         k = kv[:, :, 0::2, :].astype(jnp.float32)
         v = kv[:, :, 1::2, :].astype(jnp.float32)
         if k_scale is not None:
