@@ -5,12 +5,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import jax
+from jax.experimental.pallas import tpu as pltpu
 
 from attention.metadata import AttentionMetadata
+from attention.pallas_gpu import ragged_paged_attention_gpu_stacked
+from attention.pallas_tpu import ragged_paged_attention_tpu_stacked
 from attention.reference import ragged_paged_attention_ref, write_kv_ref
 from kv_cache.layout import interleave_kv
 
 ATTENTION_IMPLS = ("auto", "reference", "pallas_tpu", "pallas_tpu_interpret", "pallas_gpu")
+
+# "pallas_tpu_interpret" runs the real TPU kernel on CPU in TPU interpret mode (simulated HBM/VMEM/
+# SMEM, DMAs executed on wait, semaphores, uninitialised VMEM reading as NaN). Race detection is
+# off here: it costs ~35% more interpret time per call, and the kernel's own tests
+# (tests/attention/test_pallas_tpu.py) already run every case with detect_races=True.
+TPU_INTERPRET_PARAMS = pltpu.InterpretParams(detect_races=False)
 
 
 @dataclass(frozen=True)
@@ -48,14 +57,27 @@ def ragged_paged_attention(
     queries [T, Hq, D]; new_k, new_v [T, Hkv, D]; kv_cache [L, P, page_size, 2*Hkv, D];
     layer: scalar int32. Returns (out [T, Hq, D], updated kv_cache).
     """
+    if impl == "auto":
+        impl = resolve_impl(impl, jax.default_backend())
     if impl == "reference":
-        new_kv = interleave_kv(new_k, new_v)
-        layer_pages = write_kv_ref(kv_cache[layer], new_kv, md.kv_lens, md.page_indices,
-                                   md.cu_q_lens, md.num_seqs)
-        kv_cache = jax.lax.dynamic_update_index_in_dim(kv_cache, layer_pages, layer, 0)
+        # In place on the stacked cache: slicing a layer out and back would copy it twice a step.
+        kv_cache = write_kv_ref(kv_cache, interleave_kv(new_k, new_v), md.kv_lens, md.page_indices,
+                                md.cu_q_lens, md.num_seqs, layer=layer)
         out = ragged_paged_attention_ref(
-            queries, layer_pages, md.kv_lens, md.page_indices, md.cu_q_lens, md.num_seqs,
+            queries, kv_cache, md.kv_lens, md.page_indices, md.cu_q_lens, md.num_seqs,
             sm_scale=params.sm_scale, sliding_window=params.sliding_window,
-            soft_cap=params.soft_cap, k_scale=params.k_scale, v_scale=params.v_scale)
+            soft_cap=params.soft_cap, k_scale=params.k_scale, v_scale=params.v_scale, layer=layer)
         return out, kv_cache
-    raise NotImplementedError(f"attention_impl={impl!r} is not available yet")
+    # The kernels write the layer in place: the layer index travels as a scalar, no slicing.
+    new_kv = interleave_kv(new_k, new_v)
+    args = (queries, new_kv, kv_cache, layer, md.kv_lens, md.page_indices, md.cu_q_lens,
+            md.num_seqs)
+    kwargs = dict(sm_scale=params.sm_scale, sliding_window=params.sliding_window,
+                  soft_cap=params.soft_cap, k_scale=params.k_scale, v_scale=params.v_scale)
+    if impl == "pallas_tpu":
+        return ragged_paged_attention_tpu_stacked(*args, **kwargs)
+    if impl == "pallas_tpu_interpret":
+        return ragged_paged_attention_tpu_stacked(*args, interpret=TPU_INTERPRET_PARAMS, **kwargs)
+    if impl == "pallas_gpu":
+        return ragged_paged_attention_gpu_stacked(*args, **kwargs)
+    raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {impl!r}")

@@ -1,0 +1,526 @@
+"""Pallas TPU ragged paged attention: one kernel for decode, prefill and mixed batches.
+
+Semantics are those of ``attention/reference.py`` (``write_kv_ref`` followed by
+``ragged_paged_attention_ref``): this step's K/V are written into the paged cache, then every query
+token attends causally to its sequence's cache (optionally within a sliding window, with a logit
+soft cap and FP8 K/V scales). Padding tokens (past ``cu_q_lens[num_seqs]``) produce zeros.
+
+KV layout (kv_cache/layout.py)
+------------------------------
+The kernel works on the model's stacked cache ``[L, P, page_size, 2*Hkv, D]``; the layer is a
+scalar-prefetch operand, so one layer is updated in place without slicing it out. K and V are
+interleaved on the combined-head axis (``2*h`` = K of KV head h, ``2*h+1`` = V), so one DMA of a
+page brings K and V of every head. The kernel sees the cache as ``[L, P, page_size*2*Hkv, D]``
+(row ``r*2*Hkv + c`` = token row r, combined head c): a reshape that is free (a bitcast) when
+``2*Hkv`` is a multiple of the sublane tile (8 rows f32, 16 bf16, 32 fp8) - true for >= 8 KV
+heads in bf16; smaller head counts make XLA relayout the cache around the call (correct, slow on
+TPU; pad KV heads for such models). In that 2-D view K of head h for a KV block is one
+sublane-strided load (``pl.ds(2*h, kv_block, stride=2*Hkv)``), the pattern jax's own TPU kernel
+uses; no ``ref.reshape``/``bitcast`` is needed, so TPU interpret mode runs the same code.
+
+Queries are re-laid out outside the kernel (cheap next to the KV traffic) from ``[T, Hq, D]`` to
+``[NB, Hkv, bq*G, D]`` (NB query blocks of ``bq`` tokens, G = Hq/Hkv): row ``t*G + g`` of KV head
+h is query head ``h*G + g`` of token ``blk*bq + t``. One matmul per KV head then serves the whole
+GQA group (M = bq*G rows), and the block's last two dims are full array dims, so any bq is legal.
+
+Algorithm
+---------
+grid = (NB,) over query blocks, "arbitrary" (sequential) because DMAs cross grid steps.
+
+* Scalar prefetch (SMEM): layer, kv_lens[S], page_indices flattened to [S*pages_per_seq] (a 2-D
+  SMEM array would be padded), cu_q_lens[S+1], num_seqs[1], and first_seq[NB] (the sequence that
+  owns each block's first token, found with ``searchsorted`` outside the kernel).
+* Step 0 prologue - KV write: every real token's ``new_kv[t]`` row (``[2*Hkv, D]``) is DMA'd
+  HBM -> HBM into ``cache[layer, page, row]`` (at most ``_MAX_WRITES_IN_FLIGHT`` outstanding on one
+  DMA semaphore), and all writes complete before the first KV read is issued, so every query sees
+  its own chunk's K/V and no read races a write. Writes are not overlapped with compute (the cost
+  is one ``[2*Hkv, D]`` row per token, small next to the reads).
+* A block's work is a list of (sequence, KV block) items: each sequence owning rows of the block,
+  and for it the KV blocks of ``pages_per_block`` pages that its rows can see - blocks entirely
+  after the last row (causal) or entirely before the sliding window of the first row are skipped.
+* Double buffering: ``kv_buf[2, pages_per_block*page_size*2*Hkv, D]`` in VMEM, one DMA semaphore
+  per slot, one DMA per page. Each item waits for its slot, starts the next item's pages into the
+  other slot - across sequences and across grid steps (the last item of step i prefetches step
+  i+1's first block; the slot it used is kept in SMEM) - and then computes. Only pages below
+  ``kv_len`` are fetched; the rest of the slot is stale (or NaN in interpret mode), so V rows past
+  ``kv_len`` are zeroed and scores are masked with ``where`` (never multiplied) before use.
+* Online softmax per KV head in f32 VMEM scratch (m, l: [Hkv, bq*G, 1]; acc: [Hkv, bq*G, D]).
+  Rows of other sequences in the block are masked out of an item, which leaves their running
+  state untouched (their max stays, their p is 0). ``m`` starts at ``mask_value`` (finite), so
+  ``exp(m_prev - m_new)`` never sees inf - inf. Masks are built from integer products only
+  (row >= (kv_pos - base) * G) - no vector integer division, which Mosaic handles poorly.
+* Scales: ``sm_scale * k_scale`` multiplies the scores, ``v_scale`` the final output (both are
+  linear), so FP8 pages are only cast, never rescaled element-wise.
+
+Block sizes
+-----------
+``num_queries_per_block`` (bq) trades MXU rows (bq*G) against wasted rows when a block holds
+several short sequences; ``num_kv_pages_per_block`` sets the DMA/compute granularity and VMEM use
+(2 * kv_tokens * 2*Hkv * D * itemsize). Defaults (``default_block_sizes``) aim at ~256-1024 KV
+tokens per block and 32-64 queries per block per generation - v5e: 16 MiB scoped VMEM, 128x128
+MXU -> (32 queries, 256 KV tokens); v4 / v5p: (32, 512); v6e: 256x256 MXU, 32 MiB -> (64, 512);
+v7x: (64, 1024). They are reasoned from VMEM and MXU sizes, not tuned on hardware (no TPU has
+been available to this project yet).
+
+Decode path: when the step has no more tokens than sequence slots (a decode or near-decode batch)
+the default is bq = 1, so each grid step is one sequence with exactly G MXU rows instead of bq*G
+mostly-masked ones, and the cross-step prefetch keeps the KV stream continuous - the classic
+paged-decode schedule. It is the same kernel (correct for any batch), chosen statically by shape.
+
+Status: verified on CPU in TPU interpret mode (DMAs, semaphores, race detection) against the jnp
+reference and jax's ``ref_ragged_paged_attention``, and lowered to Mosaic (jaxpr -> Mosaic MLIR,
+``.lower(lowering_platforms=("tpu",))``) without a TPU. Not yet compiled by Mosaic's layout passes
+or run on a real TPU. Likeliest snags there: sublane-strided loads of packed dtypes (bf16/fp8 -
+jax's kernel once worked around a Mosaic limitation with u32 bitcasts) and fp8 -> bf16 casts on
+chips without fp8 (v5e).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+DEFAULT_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+# Outstanding KV-write DMAs on one semaphore; bounded so a long prefill never floods the DMA queue.
+_MAX_WRITES_IN_FLIGHT = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """Per-generation defaults: queries per block and KV *tokens* per block (-> pages)."""
+
+    num_queries_per_block: int
+    kv_tokens_per_block: int
+
+
+# Keys are matched as substrings of ``jax.devices()[0].device_kind`` (lower-cased).
+_BLOCK_SIZES_BY_GENERATION = {
+    "v5 lite": BlockSizes(32, 256),  # v5e: 16 MiB scoped VMEM, 4x 128x128 MXU
+    "v5e": BlockSizes(32, 256),
+    "v5p": BlockSizes(32, 512),
+    "v5": BlockSizes(32, 512),
+    "v4": BlockSizes(32, 512),
+    "v6": BlockSizes(64, 512),  # v6e (Trillium): 256x256 MXU, 32 MiB scoped VMEM
+    "7": BlockSizes(64, 1024),  # v7x: 64 MiB VMEM per TensorCore
+}
+_FALLBACK_BLOCK_SIZES = BlockSizes(32, 512)
+
+
+def _device_kind() -> str:
+    try:
+        return jax.devices()[0].device_kind.lower()
+    except RuntimeError:
+        return ""
+
+
+def default_block_sizes(page_size: int, num_tokens: int, num_seq_slots: int,
+                        device_kind: str | None = None) -> tuple[int, int]:
+    """(num_queries_per_block, num_kv_pages_per_block) for a step's static shapes."""
+    kind = _device_kind() if device_kind is None else device_kind.lower()
+    sizes = _FALLBACK_BLOCK_SIZES
+    if "tpu" in kind:
+        for key, value in _BLOCK_SIZES_BY_GENERATION.items():
+            if key in kind:
+                sizes = value
+                break
+    bq = 1 if num_tokens <= num_seq_slots else min(sizes.num_queries_per_block, num_tokens)
+    pages = max(1, sizes.kv_tokens_per_block // page_size)
+    return bq, pages
+
+
+def _kernel(
+    # scalar prefetch (SMEM)
+    layer_ref,  # i32[1]
+    kv_lens_ref,  # i32[S]
+    page_indices_ref,  # i32[S * pages_per_seq]
+    cu_q_lens_ref,  # i32[S + 1]
+    num_seqs_ref,  # i32[1]
+    first_seq_ref,  # i32[NB]
+    # inputs
+    q_ref,  # VMEM [1, Hkv, bq*G, D]
+    new_kv_hbm,  # ANY [T, 2*Hkv, D] (cache dtype), or None
+    kv_in_hbm,  # ANY [L, P, page_size*2*Hkv, D], aliased to kv_hbm
+    # outputs
+    o_ref,  # VMEM [1, Hkv, bq*G, D]
+    kv_hbm,  # ANY [L, P, page_size*2*Hkv, D]: row r*2*Hkv + c is token row r, combined head c
+    # scratch
+    kv_buf,  # VMEM [2, kv_block*2*Hkv, D], same row order
+    kv_sems,  # DMA semaphores [2]
+    write_sem,  # DMA semaphore [1]
+    next_slot_ref,  # SMEM i32[1]: slot holding the current step's first KV block
+    m_ref,  # VMEM f32 [Hkv, bq*G, 1]
+    l_ref,  # VMEM f32 [Hkv, bq*G, 1]
+    acc_ref,  # VMEM f32 [Hkv, bq*G, D]
+    *,
+    bq: int,
+    group: int,
+    page_size: int,
+    num_combined: int,
+    pages_per_seq: int,
+    pages_per_block: int,
+    sm_scale: float,
+    sliding_window: int | None,
+    soft_cap: float | None,
+    mask_value: float,
+    k_scale: float | None,
+    v_scale: float | None,
+):
+    del kv_in_hbm  # same buffer as kv_hbm; every read and write goes through the output ref
+    blk = pl.program_id(0)
+    num_blocks = pl.num_programs(0)
+    num_slots = kv_lens_ref.shape[0]
+    num_kv_heads = num_combined // 2
+    page_rows = page_size * num_combined  # rows of one page in the 2-D views
+    kv_block = pages_per_block * page_size
+    rows = bq * group
+    layer = layer_ref[0]
+    total = cu_q_lens_ref[num_seqs_ref[0]]  # real tokens in the step
+
+    # ---- per (block, sequence) bookkeeping; token t of sequence s sits at kv_len - q_end + t ----
+    def token_range(b, s):
+        """First and last token of sequence s inside query block b (empty if lo > hi)."""
+        lo = jnp.maximum(cu_q_lens_ref[s], b * bq)
+        hi = jnp.minimum(cu_q_lens_ref[s + 1], b * bq + bq) - 1
+        return lo, hi
+
+    def kv_block_range(b, s):
+        """KV blocks that rows of sequence s in query block b can see (causal + window)."""
+        lo, hi = token_range(b, s)
+        shift = kv_lens_ref[s] - cu_q_lens_ref[s + 1]
+        last = lax.div(shift + hi, kv_block)  # operands are >= 0: truncation is floor
+        if sliding_window is None:
+            first = jnp.int32(0)
+        else:
+            first = lax.div(jnp.maximum(shift + lo - sliding_window + 1, 0), kv_block)
+        return first, last
+
+    def seq_owning(token, start):
+        """The sequence (>= start) whose query range holds ``token``; skips empty sequences."""
+        def cond(x):
+            return jnp.logical_and(x < num_slots - 1,
+                                   cu_q_lens_ref[jnp.minimum(x + 1, num_slots)] <= token)
+        return lax.while_loop(cond, lambda x: x + 1, start)
+
+    def first_item(b):
+        s = first_seq_ref[b]
+        return s, kv_block_range(b, s)[0]
+
+    def next_item(b, s, kvb):
+        """The work item after (s, kvb) in query block b, and whether there is one."""
+        _, last = kv_block_range(b, s)
+        _, hi = token_range(b, s)
+        more_seqs = hi + 1 < jnp.minimum(b * bq + bq, total)
+        s_next = seq_owning(hi + 1, jnp.minimum(s + 1, num_slots - 1))
+        first_next, _ = kv_block_range(b, s_next)
+        same_seq = kvb < last
+        ns = jnp.where(same_seq, s, s_next)
+        nkvb = jnp.where(same_seq, kvb + 1, first_next)
+        return ns, nkvb, jnp.logical_or(same_seq, more_seqs)
+
+    # ---- KV block DMAs: one per page below kv_len; start and wait loop over the same count ----
+    def page_copy(s, kvb, j, slot):
+        page = page_indices_ref[s * pages_per_seq + kvb * pages_per_block + j]
+        return pltpu.make_async_copy(kv_hbm.at[layer, page],
+                                     kv_buf.at[slot, pl.ds(j * page_rows, page_rows)],
+                                     kv_sems.at[slot])
+
+    def pages_in_block(s, kvb):
+        pages_of_seq = lax.div(kv_lens_ref[s] + page_size - 1, page_size)
+        return jnp.clip(pages_of_seq - kvb * pages_per_block, 0, pages_per_block)
+
+    def start_fetch(s, kvb, slot):
+        def body(j, carry):
+            page_copy(s, kvb, j, slot).start()
+            return carry
+        lax.fori_loop(0, pages_in_block(s, kvb), body, 0)
+
+    def wait_fetch(s, kvb, slot):
+        def body(j, carry):
+            page_copy(s, kvb, j, slot).wait()
+            return carry
+        lax.fori_loop(0, pages_in_block(s, kvb), body, 0)
+
+    # ---- KV write prologue ----
+    def write_new_kv():
+        def row_copy(t, page, row):
+            dst = kv_hbm.at[layer, page, pl.ds(row * num_combined, num_combined)]
+            return pltpu.make_async_copy(new_kv_hbm.at[t], dst, write_sem)
+
+        any_row = row_copy(0, 0, 0)  # a wait only needs the semaphore and the byte count
+
+        def body(t, s):
+            s = seq_owning(t, s)
+            pos = kv_lens_ref[s] - cu_q_lens_ref[s + 1] + t
+            page = page_indices_ref[s * pages_per_seq + lax.div(pos, page_size)]
+
+            @pl.when(t >= _MAX_WRITES_IN_FLIGHT)
+            def _():
+                any_row.wait()
+
+            row_copy(t, page, lax.rem(pos, page_size)).start()
+            return s
+
+        lax.fori_loop(0, total, body, jnp.int32(0))
+
+        def drain(_, carry):
+            any_row.wait()
+            return carry
+
+        lax.fori_loop(0, jnp.minimum(total, _MAX_WRITES_IN_FLIGHT), drain, 0)
+
+    # ---- attention of this block's rows of sequence s over one KV block ----
+    def attend(s, kvb, slot):
+        q_start = cu_q_lens_ref[s] - blk * bq  # sequence's token range, relative to the block
+        q_end = cu_q_lens_ref[s + 1] - blk * bq
+        kv_len = kv_lens_ref[s]
+        # Block-relative token t_local has position base + t_local; row = t_local * G + g.
+        base = kv_len - cu_q_lens_ref[s + 1] + blk * bq
+        row = lax.broadcasted_iota(jnp.int32, (rows, 1), 0)
+        kv_pos = kvb * kv_block + lax.broadcasted_iota(jnp.int32, (1, kv_block), 1)
+        dist = kv_pos - base  # kv position relative to the block's first token position
+        # t_local >= x  <=>  row >= x * G: masks from integer products only.
+        mask = (row >= q_start * group) & (row < q_end * group) & (row >= dist * group)
+        if sliding_window is not None:
+            mask &= row < (dist + sliding_window) * group
+        v_ok = (kvb * kv_block + lax.broadcasted_iota(jnp.int32, (kv_block, 1), 0)) < kv_len
+
+        score_scale = sm_scale * (1.0 if k_scale is None else k_scale)
+        for h in range(num_kv_heads):
+            q = q_ref[0, h]  # [rows, D]
+            # Sublane-strided loads pick one combined head out of every token's 2*Hkv rows.
+            k = kv_buf[slot, pl.ds(2 * h, kv_block, stride=num_combined), :].astype(q.dtype)
+            v = kv_buf[slot, pl.ds(2 * h + 1, kv_block, stride=num_combined), :].astype(q.dtype)
+            v = jnp.where(v_ok, v, jnp.zeros_like(v))  # stale / NaN rows past kv_len
+            precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+            scores = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
+                                     preferred_element_type=jnp.float32) * score_scale
+            if soft_cap is not None:
+                scores = soft_cap * jnp.tanh(scores / soft_cap)
+            scores = jnp.where(mask, scores, mask_value)
+            m_prev = m_ref[h]
+            m_new = jnp.maximum(m_prev, jnp.max(scores, axis=1, keepdims=True))
+            p = jnp.where(mask, jnp.exp(scores - m_new), 0.0)
+            alpha = jnp.exp(m_prev - m_new)
+            l_ref[h] = alpha * l_ref[h] + jnp.sum(p, axis=1, keepdims=True)
+            acc_ref[h] = alpha * acc_ref[h] + lax.dot_general(
+                p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=precision,
+                preferred_element_type=jnp.float32)
+            m_ref[h] = m_new
+
+    # ---- the step ----
+    @pl.when(blk == 0)
+    def _prologue():
+        if new_kv_hbm is not None:
+            write_new_kv()
+
+        @pl.when(total > 0)
+        def _():
+            s, kvb = first_item(0)
+            start_fetch(s, kvb, 0)
+            next_slot_ref[0] = 0
+
+    m_ref[...] = jnp.full(m_ref.shape, mask_value, jnp.float32)
+    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+    @pl.when(blk * bq < total)
+    def _work():
+        s0, kvb0 = first_item(blk)
+
+        def body(carry):
+            s, kvb, slot, _ = carry
+            ns, nkvb, has_next = next_item(blk, s, kvb)
+            wait_fetch(s, kvb, slot)
+
+            @pl.when(has_next)
+            def _():
+                start_fetch(ns, nkvb, 1 - slot)
+
+            # Last item of the step: prefetch the next step's first block (if it has tokens).
+            @pl.when(jnp.logical_and(jnp.logical_not(has_next),
+                                     jnp.logical_and(blk + 1 < num_blocks, (blk + 1) * bq < total)))
+            def _():
+                fs, fkvb = first_item(blk + 1)
+                start_fetch(fs, fkvb, 1 - slot)
+                next_slot_ref[0] = 1 - slot
+
+            attend(s, kvb, slot)
+            return ns, nkvb, 1 - slot, has_next
+
+        lax.while_loop(lambda c: c[3], body, (s0, kvb0, next_slot_ref[0], jnp.bool_(True)))
+
+    for h in range(num_kv_heads):
+        l = l_ref[h]
+        out = acc_ref[h] / jnp.where(l > 0.0, l, 1.0)  # l == 0 only for padding rows (acc == 0)
+        if v_scale is not None:
+            out = out * v_scale
+        o_ref[0, h] = out.astype(o_ref.dtype)
+
+
+def _first_seq_per_block(cu_q_lens, num_blocks: int, bq: int):
+    """i32[NB]: the sequence owning each query block's first token (0 for padding blocks)."""
+    starts = jnp.arange(num_blocks, dtype=jnp.int32) * bq
+    seq = jnp.searchsorted(cu_q_lens[1:], starts, side="right").astype(jnp.int32)
+    return jnp.minimum(seq, cu_q_lens.shape[0] - 2)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("sm_scale", "sliding_window", "soft_cap", "mask_value", "k_scale", "v_scale",
+                     "num_queries_per_block", "num_kv_pages_per_block", "vmem_limit_bytes",
+                     "interpret"),
+)
+def ragged_paged_attention_tpu_stacked(
+    queries,
+    new_kv,
+    kv_cache,
+    layer,
+    kv_lens,
+    page_indices,
+    cu_q_lens,
+    num_seqs,
+    *,
+    sm_scale: float = 1.0,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    mask_value: float | None = None,
+    k_scale: float | None = None,
+    v_scale: float | None = None,
+    num_queries_per_block: int | None = None,
+    num_kv_pages_per_block: int | None = None,
+    vmem_limit_bytes: int | None = None,
+    interpret=None,
+):
+    """Ragged paged attention on layer ``layer`` of a stacked cache, updated in place.
+
+    queries [T, Hq, D]; new_kv [T, 2*Hkv, D] interleaved (or None: attend without writing);
+    kv_cache [L, P, page_size, 2*Hkv, D]; layer: int32 scalar (traced is fine); kv_lens [S],
+    page_indices [S, pages_per_seq], cu_q_lens [S+1], num_seqs [1] (all int32).
+    Returns (out [T, Hq, D] in queries.dtype, kv_cache). ``interpret``: None to compile for TPU,
+    or a ``pltpu.InterpretParams`` to run in TPU interpret mode.
+    """
+    if mask_value is None:
+        mask_value = DEFAULT_MASK_VALUE
+    num_tokens, num_q_heads, head_dim = queries.shape
+    _, _, page_size, num_combined, head_dim_kv = kv_cache.shape
+    num_kv_heads = num_combined // 2
+    num_slots, pages_per_seq = page_indices.shape
+    if head_dim_kv != head_dim or num_combined % 2 or num_q_heads % num_kv_heads:
+        raise ValueError(f"incompatible shapes: queries {queries.shape}, kv_cache {kv_cache.shape}")
+    if new_kv is not None and new_kv.shape != (num_tokens, num_combined, head_dim):
+        raise ValueError(f"new_kv must be {(num_tokens, num_combined, head_dim)}, "
+                         f"got {new_kv.shape}")
+    group = num_q_heads // num_kv_heads
+    bq, ppb = default_block_sizes(page_size, num_tokens, num_slots)
+    bq = num_queries_per_block or bq
+    ppb = min(num_kv_pages_per_block or ppb, pages_per_seq)
+    num_blocks = pl.cdiv(num_tokens, bq)
+    padded = num_blocks * bq
+
+    # [T, Hq, D] -> [NB, Hkv, bq*G, D]: row t*G + g of KV head h is query head h*G + g.
+    q = jnp.pad(queries, ((0, padded - num_tokens), (0, 0), (0, 0)))
+    q = q.reshape(num_blocks, bq, num_kv_heads, group, head_dim).transpose(0, 2, 1, 3, 4)
+    q = q.reshape(num_blocks, num_kv_heads, bq * group, head_dim)
+    if new_kv is not None:
+        new_kv = new_kv.astype(kv_cache.dtype)
+
+    scalars = (
+        jnp.asarray(layer, jnp.int32).reshape(1),
+        kv_lens.astype(jnp.int32),
+        page_indices.astype(jnp.int32).reshape(-1),
+        cu_q_lens.astype(jnp.int32),
+        num_seqs.astype(jnp.int32).reshape(1),
+        _first_seq_per_block(cu_q_lens.astype(jnp.int32), num_blocks, bq),
+    )
+    q_spec = pl.BlockSpec((1, num_kv_heads, bq * group, head_dim), lambda i, *_: (i, 0, 0, 0))
+    any_spec = pl.BlockSpec(memory_space=pl.ANY)
+    kernel = functools.partial(
+        _kernel, bq=bq, group=group, page_size=page_size, num_combined=num_combined,
+        pages_per_seq=pages_per_seq,
+        pages_per_block=ppb, sm_scale=sm_scale, sliding_window=sliding_window,
+        soft_cap=soft_cap, mask_value=mask_value, k_scale=k_scale, v_scale=v_scale)
+    if new_kv is None:
+        kernel = functools.partial(_drop_new_kv, kernel)
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=len(scalars),
+        grid=(num_blocks,),
+        in_specs=[q_spec] + ([any_spec] if new_kv is not None else []) + [any_spec],
+        out_specs=[q_spec, any_spec],
+        scratch_shapes=[
+            pltpu.VMEM((2, ppb * page_size * num_combined, head_dim), kv_cache.dtype),
+            pltpu.SemaphoreType.DMA((2,)),
+            pltpu.SemaphoreType.DMA(()),
+            pltpu.SMEM((1,), jnp.int32),
+            pltpu.VMEM((num_kv_heads, bq * group, 1), jnp.float32),
+            pltpu.VMEM((num_kv_heads, bq * group, 1), jnp.float32),
+            pltpu.VMEM((num_kv_heads, bq * group, head_dim), jnp.float32),
+        ],
+    )
+    operands = (q,) + ((new_kv,) if new_kv is not None else ()) + (kv_cache,)
+    num_layers, num_pages = kv_cache.shape[:2]
+    cache_2d = kv_cache.reshape(num_layers, num_pages, page_size * num_combined, head_dim)
+    operands = operands[:-1] + (cache_2d,)
+    out, cache_2d = pl.pallas_call(
+        kernel,
+        grid_spec=grid_spec,
+        out_shape=[jax.ShapeDtypeStruct(q.shape, queries.dtype),
+                   jax.ShapeDtypeStruct(cache_2d.shape, kv_cache.dtype)],
+        input_output_aliases={len(scalars) + len(operands) - 1: 1},
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",),
+                                             vmem_limit_bytes=vmem_limit_bytes),
+        interpret=interpret if interpret is not None else False,
+        name=f"ragged_paged_attention_bq{bq}_p{ppb}",
+    )(*scalars, *operands)
+
+    out = out.reshape(num_blocks, num_kv_heads, bq, group, head_dim).transpose(0, 2, 1, 3, 4)
+    out = out.reshape(padded, num_q_heads, head_dim)[:num_tokens]
+    return out, cache_2d.reshape(kv_cache.shape)
+
+
+def _drop_new_kv(kernel, *refs):
+    """Adapter when there is no new_kv operand: insert None where the kernel expects it."""
+    num_scalars = 6
+    refs = list(refs)
+    refs.insert(num_scalars + 1, None)
+    return kernel(*refs)
+
+
+def ragged_paged_attention_tpu(
+    queries,
+    new_kv,
+    kv_pages,
+    kv_lens,
+    page_indices,
+    cu_q_lens,
+    num_seqs,
+    *,
+    sm_scale: float = 1.0,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    mask_value: float | None = None,
+    k_scale: float | None = None,
+    v_scale: float | None = None,
+    num_queries_per_block: int | None = None,
+    num_kv_pages_per_block: int | None = None,
+    vmem_limit_bytes: int | None = None,
+    interpret=None,
+):
+    """Single-layer form: kv_pages [P, page_size, 2*Hkv, D]. Returns (out [T, Hq, D], kv_pages).
+
+    Same semantics as ``write_kv_ref`` + ``ragged_paged_attention_ref``; see the module docstring.
+    """
+    out, kv_cache = ragged_paged_attention_tpu_stacked(
+        queries, new_kv, kv_pages[None], jnp.int32(0), kv_lens, page_indices, cu_q_lens,
+        num_seqs, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+        mask_value=mask_value, k_scale=k_scale, v_scale=v_scale,
+        num_queries_per_block=num_queries_per_block,
+        num_kv_pages_per_block=num_kv_pages_per_block, vmem_limit_bytes=vmem_limit_bytes,
+        interpret=interpret)
+    return out, kv_cache[0]
