@@ -1,0 +1,102 @@
+"""Activation, entry points and SGLang's argument resolution with the tpuserve platform.
+
+SGLang resolves its platform once per process, on ``import sglang``; each SGLang-side check runs in
+a fresh subprocess with the environment under test (the ``run_py`` fixture).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import textwrap
+
+import pytest
+
+from tpu_platform.sglang_plugin import activation, register_platform
+
+needs_sglang = pytest.mark.skipif(
+    importlib.util.find_spec("sglang") is None,
+    reason="sglang is not installed here; run with \"$(bash scripts/sglang_env.sh)\"")
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def test_import_has_no_side_effects(run_py):
+    """Importing the plugin (as SGLang's entry-point loader does) pulls in neither SGLang, JAX nor torch."""
+    out = run_py("import sys, tpu_platform.sglang_plugin\n"
+                 "print(sorted({m.split('.')[0] for m in sys.modules} & {'sglang', 'jax', 'torch'}))")
+    assert out.strip() == "[]"
+
+
+def test_activation_needs_tpu_or_opt_in(monkeypatch):
+    monkeypatch.delenv("SGLANG_PLATFORM", raising=False)
+    monkeypatch.setattr(activation, "tpu_visible", lambda: False)
+    assert register_platform() is None  # never silently
+    monkeypatch.setenv("SGLANG_PLATFORM", "tpuserve")
+    assert register_platform() == activation.PLATFORM_QUALNAME
+    monkeypatch.setenv("SGLANG_PLATFORM", "someone-else")
+    assert register_platform() is None
+    monkeypatch.delenv("SGLANG_PLATFORM")
+    monkeypatch.setattr(activation, "tpu_visible", lambda: True)
+    assert register_platform() == activation.PLATFORM_QUALNAME  # a TPU host activates it
+
+
+def test_no_tpu_on_this_machine():
+    """The probe does not start JAX; on a CPU-only machine it must say no."""
+    assert not activation.tpu_visible()
+
+
+# Resolve SGLang's server arguments the way its launcher does (plugins first, then parse, resolve).
+_RESOLVE = textwrap.dedent("""
+    import json, sys
+    from sglang.srt.plugins import load_plugins
+    load_plugins()
+    from sglang.srt.arg_groups.overrides import resolving_view
+    from sglang.srt.server_args import prepare_server_args
+    import sglang.srt.platforms as platforms
+    from tpu_platform.sglang_plugin import activation
+
+    def resolve(*extra):
+        sa = prepare_server_args(["--model-path", sys.argv[1], *extra])
+        try:
+            sa.resolve_once()
+        except Exception as e:
+            return {"error": f"{type(e).__name__}: {e}"}
+        v = resolving_view(sa)
+        return {k: getattr(v, k) for k in ("device", "page_size", "chunked_prefill_size",
+                "max_running_requests", "disable_overlap_schedule", "attention_backend")}
+
+    out = {"platform": type(platforms.current_platform).__name__,
+           "oot": platforms.current_platform.is_out_of_tree(),
+           "default": resolve(), "device_tpu": resolve("--device", "tpu")}
+    activation.tpu_visible = lambda: True  # as on a TPU host (no torch device is involved)
+    out["device_tpu_on_tpu_host"] = resolve("--device", "tpu")
+    print("RESULT" + json.dumps(out))
+""")
+
+
+def _resolve_in_subprocess(run_py, hf_dir, env):
+    out = run_py(_RESOLVE.replace("sys.argv[1]", repr(hf_dir)), env=env)
+    line = [ln for ln in out.splitlines() if ln.startswith("RESULT")][-1]
+    return json.loads(line[len("RESULT"):])
+
+
+@needs_sglang
+def test_sglang_without_opt_in_keeps_its_platform(run_py, hf_dir):
+    res = _resolve_in_subprocess(run_py, hf_dir, env={})
+    assert res["platform"] != "TpuServeSRTPlatform" and not res["oot"]
+    # --device tpu without our platform: a clear message instead of a torch crash.
+    assert "served by the 'tpuserve' SGLang platform" in res["device_tpu"]["error"]
+
+
+@needs_sglang
+def test_sglang_resolves_our_defaults(run_py, hf_dir):
+    res = _resolve_in_subprocess(run_py, hf_dir, env={"SGLANG_PLATFORM": "tpuserve"})
+    assert res["platform"] == "TpuServeSRTPlatform" and res["oot"]
+    assert res["default"] == {"device": "cpu", "page_size": 16, "chunked_prefill_size": 256,
+                              "max_running_requests": 32, "disable_overlap_schedule": True,
+                              "attention_backend": "tpuserve"}
+    # No TPU here: --device tpu is refused rather than quietly run on the CPU.
+    assert "no TPU is visible" in res["device_tpu"]["error"]
+    # Where a TPU is visible, --device tpu is served; SGLang's own tensors stay on torch's cpu.
+    assert res["device_tpu_on_tpu_host"]["device"] == "cpu"

@@ -1,0 +1,110 @@
+"""The hooks our general plugin puts into SGLang (``HookRegistry``), inert unless our platform is active.
+
+SGLang runs general plugins in every one of its processes, whether or not our platform won, so each
+hook body first asks which platform SGLang resolved.
+
+  * ``Scheduler.init_tp_model_worker`` (AROUND): build our TP worker instead of SGLang's. This is the
+    only way to put an executor under SGLang's scheduler in 0.5.23 (its MLX backend is wired the
+    same way, by a branch in that very method).
+  * ``TokenizerManager._validate_one_request`` (BEFORE): refuse, with a 400, request features our
+    worker does not serve yet (logprobs, structured output, logit bias, custom logit processors)
+    instead of failing inside the scheduler, which would take the server down.
+  * ``arg_groups.pipeline.run_resolution_pipeline`` (BEFORE): ``--device tpu`` while our platform is
+    not active gets a clear error instead of SGLang's crash on a torch device named "tpu". (When
+    it is active, platform.py serves the flag.)
+"""
+
+from __future__ import annotations
+
+import logging
+
+from tpu_platform.sglang_plugin.activation import PLUGIN_NAME
+
+log = logging.getLogger(__name__)
+
+SCHEDULER_INIT_WORKER = "sglang.srt.managers.scheduler.Scheduler.init_tp_model_worker"
+RESOLUTION_PIPELINE = "sglang.srt.arg_groups.pipeline.run_resolution_pipeline"
+VALIDATE_REQUEST = "sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request"
+
+# Request features our worker does not serve yet; refused at admission (HTTP 400), not mid-batch.
+_UNSUPPORTED_SAMPLING_KEYS = ("json_schema", "regex", "ebnf", "structural_tag", "logit_bias")
+
+
+def our_platform_active() -> bool:
+    from sglang.srt.platforms import current_platform
+
+    from tpu_platform.sglang_plugin.platform import TpuServeSRTPlatform
+    return isinstance(current_platform, TpuServeSRTPlatform)
+
+
+def init_tp_model_worker(original, scheduler, *args, **kwargs):
+    """AROUND hook: our worker when our platform is active, SGLang's otherwise."""
+    if not our_platform_active():
+        return original(scheduler, *args, **kwargs)
+    from sglang.srt.runtime_context import get_device
+
+    from tpu_platform.sglang_plugin.worker import TpuServeTpModelWorker
+    _register_attention_backend_name()
+    log.info("tpuserve platform active: building TpuServeTpModelWorker (JAX executor) in place of "
+             "SGLang's TpModelWorker")
+    scheduler.tp_worker = TpuServeTpModelWorker(server_args=scheduler.server_args,
+                                                gpu_id=get_device().gpu_id,
+                                                nccl_port=scheduler.nccl_port)
+
+
+def _register_attention_backend_name() -> None:
+    """Make the attention backend name our platform reports a known one; building it is an error."""
+    from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
+
+    from tpu_platform.sglang_plugin.platform import ATTENTION_BACKEND_NAME
+
+    def _never_built(runner):
+        raise RuntimeError("tpuserve: attention runs inside the JAX model; there is no torch "
+                           "attention backend to build")
+    ATTENTION_BACKENDS.setdefault(ATTENTION_BACKEND_NAME, _never_built)
+
+
+def explain_device_tpu(server_args, *args, **kwargs):
+    """BEFORE hook on argument resolution: ``--device tpu`` without our platform fails clearly.
+
+    SGLang resolves its platform once per process, on ``import sglang`` - before any plugin hook
+    runs or any flag is parsed - so a flag cannot select a platform. Our platform is active when a
+    TPU is visible or ``SGLANG_PLATFORM=tpuserve`` is set; then it serves ``--device tpu``
+    (platform.py). Otherwise SGLang would crash deep in torch with "tpu" as a torch device; say why.
+    """
+    from sglang.srt.arg_groups.overrides import resolving_view
+
+    device = resolving_view(server_args).device
+    if device is None or str(device).split(":")[0] != "tpu" or our_platform_active():
+        return None
+    raise ValueError(
+        f"--device tpu is served by the '{PLUGIN_NAME}' SGLang platform, which is not active in "
+        f"this process: no TPU is visible (libtpu + /dev/accel* or /dev/vfio) and "
+        f"SGLANG_PLATFORM is not '{PLUGIN_NAME}'. On a TPU host this flag works as is; to run "
+        f"tpuserve on JAX's CPU or GPU backend set SGLANG_PLATFORM={PLUGIN_NAME} and drop --device")
+
+
+def refuse_unsupported_request(tokenizer_manager, obj, *args, **kwargs):
+    """BEFORE hook on SGLang's per-request validation (launcher process)."""
+    from sglang.srt.managers.io_struct import GenerateReqInput
+
+    if not isinstance(obj, GenerateReqInput) or not our_platform_active():
+        return None
+    wanted = []
+    if obj.return_logprob:
+        wanted.append("logprobs")
+    if obj.custom_logit_processor:
+        wanted.append("custom_logit_processor")
+    params = obj.sampling_params if isinstance(obj.sampling_params, dict) else {}
+    wanted += [k for k in _UNSUPPORTED_SAMPLING_KEYS if params.get(k) is not None]
+    if wanted:
+        raise ValueError(f"not supported by the tpuserve SGLang platform yet: {', '.join(wanted)}")
+    return None
+
+
+def register_all() -> None:
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register(SCHEDULER_INIT_WORKER, init_tp_model_worker, HookType.AROUND)
+    HookRegistry.register(RESOLUTION_PIPELINE, explain_device_tpu, HookType.BEFORE)
+    HookRegistry.register(VALIDATE_REQUEST, refuse_unsupported_request, HookType.BEFORE)

@@ -1,0 +1,117 @@
+"""The SGLang platform object for tpuserve: SGLang keeps its scheduler, our JAX runtime runs the model.
+
+What the platform declares, and why:
+  * torch's side is the host. SGLang's scheduler keeps int metadata in torch tensors (``req_to_token``,
+    ``out_cache_loc``, sampled ids); they live on ``cpu``. The accelerator belongs to JAX. No torch
+    device named "tpu" is invented: ``--device tpu`` means "the model runs on a TPU"; it is
+    accepted when JAX could open one (else a clear error) and SGLang's torch-side device resolves
+    to ``cpu``, where its tensors really are. SGLang picks its platform on ``import sglang``, before
+    flags are parsed, so the flag cannot *select* this platform: a visible TPU or
+    ``SGLANG_PLATFORM=tpuserve`` does (activation.py).
+  * ``page_size`` defaults to our KV block size so SGLang's page ids are our page ids (slots.py).
+  * the overlap scheduler is off: it relays sampled ids through device streams and a future map
+    built for CUDA; our worker answers each batch synchronously (the forward itself is async in
+    JAX until the sampled ids are read back).
+  * no graph capture, no Triton, no HiCache device kernels: all capabilities stay False.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from sglang.srt.platforms.device_mixin import PlatformEnum
+from sglang.srt.platforms.interface import PlatformCapabilities, SRTPlatform
+
+log = logging.getLogger(__name__)
+
+ATTENTION_BACKEND_NAME = "tpuserve"  # a registered name that is never built: attention runs in JAX
+DEFAULT_PAGE_SIZE = 16  # our EngineConfig.block_size default
+DEFAULT_CHUNKED_PREFILL = 256  # our EngineConfig.max_num_batched_tokens default: one runner step
+DEFAULT_MAX_RUNNING = 32  # our EngineConfig.max_num_seqs default
+
+
+class TpuServeSRTPlatform(SRTPlatform):
+    _enum = PlatformEnum.OOT
+    device_name = "tpuserve"
+    device_type = "cpu"  # where SGLang's own torch tensors live; the model runs in JAX
+    capabilities = PlatformCapabilities()
+
+    # ---- configuration ----
+
+    def apply_server_args_defaults(self, server_args) -> None:
+        device = (server_args.device or "cpu").split(":")[0]
+        if device not in ("cpu", "tpu"):
+            raise ValueError(
+                f"the tpuserve SGLang platform runs the model in JAX and keeps SGLang's tensors on "
+                f"the host; --device {server_args.device} is not supported (use --device tpu or "
+                f"leave --device unset)")
+        if device == "tpu":
+            from tpu_platform.sglang_plugin.activation import tpu_visible
+            if not tpu_visible():
+                raise ValueError(
+                    "--device tpu: no TPU is visible here (libtpu + /dev/accel* or /dev/vfio); "
+                    "the tpuserve platform runs on JAX's default backend when --device is left "
+                    "unset")
+            log.info("tpuserve: --device tpu -> the model runs on JAX's TPU; SGLang's scheduler "
+                     "tensors (int metadata) stay on torch device 'cpu'")
+        server_args.device = "cpu"
+        # One SGLang rank drives one JAX executor; sharding belongs inside JAX (a mesh), not to
+        # SGLang's torch process groups, which would each load their own full copy.
+        for name in ("tp_size", "pp_size"):
+            if (getattr(server_args, name, 1) or 1) > 1:
+                raise ValueError(f"--{name.replace('_', '-')} > 1 is not supported by the tpuserve "
+                                 f"SGLang platform (one SGLang rank drives one JAX executor)")
+        if server_args.page_size is None:
+            server_args.page_size = DEFAULT_PAGE_SIZE
+        if server_args.chunked_prefill_size is None:
+            server_args.chunked_prefill_size = DEFAULT_CHUNKED_PREFILL
+        if server_args.max_running_requests is None:
+            server_args.max_running_requests = DEFAULT_MAX_RUNNING
+        server_args.disable_overlap_schedule = True
+        # Attention runs inside our JAX model whatever is named here; name it truthfully (SGLang's
+        # CPU defaults, applied earlier because the torch device is "cpu", would say torch_native).
+        server_args.attention_backend = ATTENTION_BACKEND_NAME
+        if server_args.sampling_backend is None:
+            server_args.sampling_backend = "pytorch"  # never called: our runner samples in JAX
+        log.info("tpuserve SGLang platform active: the model runs in JAX (tpuserve executor); "
+                 "page_size=%s, chunked_prefill_size=%s, max_running_requests=%s, overlap "
+                 "schedule off", server_args.page_size, server_args.chunked_prefill_size,
+                 server_args.max_running_requests)
+
+    def get_default_attention_backend(self) -> str:
+        return ATTENTION_BACKEND_NAME
+
+    # ---- device identity: the torch side is the host ----
+
+    def get_device(self, device_id: int | None = None) -> str:
+        return "cpu"
+
+    def set_device(self, device) -> None:
+        pass
+
+    def get_device_name(self, device_id: int = 0) -> str:
+        return "tpuserve (JAX)"
+
+    def get_device_total_memory(self, device_id: int = 0) -> int:
+        # SGLang asks about the memory its torch tensors use: host RAM. The KV cache is sized by
+        # our executor from the JAX device's memory (or --max-total-tokens), not from this.
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+    def get_current_memory_usage(self, device=None) -> float:
+        return 0.0
+
+    def get_available_memory(self, device_id: int = 0) -> tuple[int, int]:
+        total = self.get_device_total_memory(device_id)
+        free = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+        return free, total
+
+    def get_torch_distributed_backend_str(self) -> str:
+        return "gloo"  # SGLang's process groups carry host objects only
+
+    # ---- lifecycle ----
+
+    def init_backend(self) -> None:
+        # SGLang calls this when it imports its model runner, in processes that must not open the
+        # TPU (JAX allows one owner). Our worker initialises JAX itself, in the scheduler process.
+        pass

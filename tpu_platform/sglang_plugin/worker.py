@@ -1,0 +1,177 @@
+"""The TP worker SGLang's scheduler drives when the tpuserve platform is active.
+
+SGLang 0.5.23 has no platform hook for the model executor, so hooks.py builds this worker in place of
+``TpModelWorker`` (the in-tree MLX backend does the same with its own worker). Per scheduled batch:
+
+  SGLang (torch, host)                          ->  our runtime (JAX)
+  input_ids, seq_lens, extend lens, req_to_token     ScheduledSeq list: tokens, computed length,
+  rows, out_cache_loc (int metadata)                 page table = SGLang's own page ids
+  sampling params of each Req                        SamplingRow
+  next_token_ids (int64 tensor)                 <-   sampled ids (int32 numpy)
+
+Nothing else crosses: no logits, no hidden states, no KV. SGLang's scheduler, radix cache and
+allocator keep deciding what runs and where each token's K/V goes; ``slots.check_new_slots``
+proves each step that our writes land in exactly the slots SGLang chose.
+
+Not supported on this path yet: logprobs, structured output (grammars), logit bias, custom logit
+processors, speculative decoding. Requests asking for them are refused at admission with a 400
+(hooks.refuse_unsupported_request); ``_refuse_unsupported`` here is the backstop.
+"""
+
+from __future__ import annotations
+
+import logging
+import zlib
+
+import numpy as np
+import torch
+
+from sglang.srt.managers.tp_worker import TpModelWorker
+from sglang.srt.managers.utils import GenerationBatchResult
+from sglang.srt.runtime_context import get_model, get_schedule
+
+from tpu_platform.sglang_plugin.executor import ExecutorConfig, JaxExecutor
+from tpu_platform.sglang_plugin.slots import check_new_slots, page_table
+from tpu_platform.step_batch import SamplingRow, ScheduledSeq
+
+log = logging.getLogger(__name__)
+
+# SGLang's dtype names -> ours ("auto" lets our device discovery pick: bf16 on TPU/GPU, f32 on CPU).
+_DTYPES = {"auto": "auto", "float32": "float32", "float": "float32", "bfloat16": "bfloat16",
+           "float16": "float16", "half": "float16"}
+
+
+class UnsupportedOnTpuServe(NotImplementedError):
+    pass
+
+
+def executor_config(model_path: str, context_len: int) -> ExecutorConfig:
+    """Our executor's settings from SGLang's resolved configuration.
+
+    The KV cache is sized by ``--max-total-tokens`` when given, else by our own rule (half the JAX
+    device's memory minus the weights on an accelerator, 1 GiB on a CPU host). SGLang's
+    ``--mem-fraction-static`` is not used: SGLang resolves it for its torch device (the host here),
+    so its default says nothing about the accelerator JAX owns.
+    """
+    sched = get_schedule()
+    dtype = str(get_model().dtype)
+    if dtype not in _DTYPES:
+        raise UnsupportedOnTpuServe(f"--dtype {dtype} is not supported by tpuserve; use one of "
+                                    f"{sorted(_DTYPES)}")
+    chunk = sched.chunked_prefill_size
+    return ExecutorConfig(
+        model_path=model_path, page_size=sched.page_size, max_model_len=context_len,
+        dtype=_DTYPES[dtype], max_total_tokens=sched.max_total_tokens,
+        max_num_seqs=sched.max_running_requests or 32,
+        # One runner step per SGLang prefill chunk when chunking is on; bigger batches are split.
+        max_num_batched_tokens=chunk if chunk and chunk > 0 else 256)
+
+
+def sampling_row(req, vocab_size: int) -> SamplingRow:
+    """One SGLang request's sampling parameters in our terms."""
+    sp = req.sampling_params
+    # SGLang normalises temperature 0 to (temperature 1, top_k 1): that is greedy.
+    greedy = sp.top_k == 1
+    top_k = 0 if sp.top_k is None or sp.top_k < 0 or sp.top_k >= vocab_size else int(sp.top_k)
+    seed = sp.sampling_seed
+    if seed is None:
+        # A per-request seed that does not depend on batch composition: (seed, step) keys the PRNG.
+        seed = zlib.crc32(str(req.rid).encode())
+    row = SamplingRow(
+        temperature=0.0 if greedy else float(sp.temperature), top_k=0 if greedy else top_k,
+        top_p=float(sp.top_p), min_p=float(sp.min_p), seed=int(seed) & 0xFFFFFFFF,
+        step=len(req.output_ids), repetition_penalty=float(sp.repetition_penalty),
+        presence_penalty=float(sp.presence_penalty),
+        frequency_penalty=float(sp.frequency_penalty))
+    if row.has_penalties:
+        row.output_token_ids = list(req.output_ids)
+        row.prompt_token_ids = list(req.origin_input_ids)
+    return row
+
+
+def _refuse_unsupported(batch) -> None:
+    if batch.return_logprob:
+        raise UnsupportedOnTpuServe("logprobs are not supported by the tpuserve SGLang worker yet")
+    if batch.has_grammar:
+        raise UnsupportedOnTpuServe("structured output (grammars) is not supported by the "
+                                    "tpuserve SGLang worker yet")
+    info = batch.sampling_info
+    if info is not None and (info.logit_bias is not None or info.has_custom_logit_processor):
+        raise UnsupportedOnTpuServe("logit_bias / custom logit processors are not supported by "
+                                    "the tpuserve SGLang worker yet")
+
+
+def scheduled_seqs(batch, req_to_token: torch.Tensor, page_size: int,
+                   vocab_size: int) -> list[ScheduledSeq]:
+    """SGLang's batch -> our per-sequence work items (int metadata only)."""
+    reqs = batch.reqs
+    input_ids = batch.input_ids.numpy().astype(np.int32)
+    seq_lens = batch.seq_lens_cpu.numpy()
+    pool_idx = batch.req_pool_indices.numpy()
+    out_loc = batch.out_cache_loc.numpy()
+    if batch.forward_mode.is_decode():
+        new_lens = [1] * len(reqs)
+    else:
+        new_lens = list(batch.extend_lens)
+    table = req_to_token.numpy()  # a view of SGLang's host tensor, no copy
+    seqs: list[ScheduledSeq] = []
+    off = 0
+    for i, req in enumerate(reqs):
+        n = int(new_lens[i])
+        total = int(seq_lens[i])
+        slots = table[int(pool_idx[i]), :total]
+        start = total - n
+        check_new_slots(slots, start, out_loc[off: off + n], page_size, where=f"request {req.rid}: ")
+        seqs.append(ScheduledSeq(token_ids=input_ids[off: off + n].tolist(), num_computed=start,
+                                 page_ids=page_table(slots, page_size).tolist(),
+                                 sampling=sampling_row(req, vocab_size)))
+        off += n
+    if off != len(input_ids):
+        raise RuntimeError(f"batch has {len(input_ids)} input ids but its requests account for {off}")
+    return seqs
+
+
+class TpuServeTpModelWorker(TpModelWorker):
+    """SGLang's TP worker with our JAX executor in place of its torch model runner."""
+
+    def _init_model_runner(self):
+        from tpu_platform.sglang_plugin.stub_runner import TpuServeModelRunnerStub
+
+        # Executor first: it sizes the KV cache, and SGLang's pools are sized from it.
+        cfg = executor_config(get_model().model_path, self.model_config.context_len)
+        self._executor = JaxExecutor(cfg)
+        self._model_runner = TpuServeModelRunnerStub(
+            model_config=self.model_config, mem_fraction_static=get_schedule().mem_fraction_static,
+            gpu_id=self.gpu_id, nccl_port=self.nccl_port, server_args=self.server_args,
+            is_draft_worker=self.is_draft_worker, req_to_token_pool=self.req_to_token_pool,
+            token_to_kv_pool_allocator=self.token_to_kv_pool_allocator,
+            memory_pool_config=self.memory_pool_config, executor=self._executor)
+        self._vocab_size = self._executor.arch.vocab_size
+        log.info("tpuserve executor active: SGLang scheduler -> %s (JAX %s backend)",
+                 type(self).__name__, self._executor.device.backend)
+
+    @property
+    def executor(self) -> JaxExecutor:
+        return self._executor
+
+    def get_pad_input_ids_func(self):
+        return None  # no multimodal padding: there is no torch model to ask
+
+    def forward_batch_generation(self, batch, forward_batch=None, pp_proxy_tensors=None,
+                                 is_verify=False, skip_attn_backend_init=None, *,
+                                 capture_hidden_mode=None, return_kv_loc_plan=False):
+        from sglang.srt.layers.logits_processor import LogitsProcessorOutput
+
+        if batch is None or is_verify:
+            raise UnsupportedOnTpuServe("only scheduled batches run on tpuserve (no speculative "
+                                        "verify, no prebuilt ForwardBatch)")
+        empty = LogitsProcessorOutput(next_token_logits=None)
+        if batch.forward_mode.is_idle() or not batch.reqs:
+            return GenerationBatchResult(logits_output=empty, can_run_cuda_graph=False,
+                                         next_token_ids=torch.zeros(0, dtype=torch.int64))
+        _refuse_unsupported(batch)
+        seqs = scheduled_seqs(batch, self.model_runner.req_to_token_pool.req_to_token,
+                              self.model_runner.page_size, self._vocab_size)
+        sampled = self._executor.run(seqs)
+        return GenerationBatchResult(logits_output=empty, can_run_cuda_graph=False,
+                                     next_token_ids=torch.from_numpy(sampled.astype(np.int64)))
