@@ -1,0 +1,67 @@
+"""Helpers for the vLLM plugin tests (a uniquely named module: "conftest" is ambiguous here).
+
+Nothing here imports vLLM: vLLM work happens in child processes (vllm_driver.py, ``vllm serve``),
+each with the environment that picks its platform.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TESTS = os.path.dirname(HERE)
+DRIVER = os.path.join(HERE, "vllm_driver.py")
+
+# The prompts of tests/tpu_platform/test_model_parity.py: mixed lengths, digits, non-ASCII.
+PROMPTS = ["The quick brown fox jumps over the lazy dog.",
+           "Hello",
+           "In 2024, 17 researchers published 3 papers on paged attention for TPUs and GPUs alike, "
+           "with code, benchmarks and a long discussion of memory bandwidth.",
+           "日本語のテキストと emoji 🎉 mixed."]
+
+
+def child_env(plugin: bool, **extra: str) -> dict[str, str]:
+    """Environment for a vLLM child process, with our platform on (opt-in) or off (fallback)."""
+    env = dict(os.environ)
+    env.pop("TPUSERVE_VLLM_PLATFORM", None)
+    if plugin:
+        env["TPUSERVE_VLLM_PLATFORM"] = "1"
+    env.setdefault("JAX_PLATFORMS", "cpu")
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM's CPU backend would take far more
+    env.update(extra)
+    return env
+
+
+def run_driver(spec: dict, workdir: str, plugin: bool = True, timeout: float = 900) -> dict:
+    """Run vllm_driver.py on ``spec`` in a child process; return its JSON result."""
+    spec_path = os.path.join(workdir, "spec.json")
+    out_path = os.path.join(workdir, "out.json")
+    with open(spec_path, "w") as f:
+        json.dump(spec, f)
+    proc = subprocess.run([sys.executable, DRIVER, spec_path, out_path], env=child_env(plugin),
+                          capture_output=True, text=True, timeout=timeout, cwd=workdir)
+    log = proc.stdout + proc.stderr
+    with open(os.path.join(workdir, "driver.log"), "w") as f:
+        f.write(log)
+    if proc.returncode != 0 or not os.path.exists(out_path):
+        raise AssertionError(f"vllm driver failed (rc={proc.returncode}):\n{log[-6000:]}")
+    with open(out_path) as f:
+        result = json.load(f)
+    result["log"] = log
+    return result
+
+
+def root_conftest():
+    """tests/conftest.py as a module (the name "conftest" is ambiguous with this file beside it)."""
+    import importlib.util
+
+    name = "tpuserve_tests_root_conftest"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, os.path.join(TESTS, "conftest.py"))
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        sys.modules[name] = module
+    return sys.modules[name]

