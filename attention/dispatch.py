@@ -7,13 +7,14 @@ from dataclasses import dataclass
 import jax
 from jax.experimental.pallas import tpu as pltpu
 
+from attention.blocked import ragged_paged_attention_blocked
 from attention.metadata import AttentionMetadata
 from attention.pallas_gpu import ragged_paged_attention_gpu_stacked
 from attention.pallas_tpu import ragged_paged_attention_tpu_stacked
 from attention.reference import ragged_paged_attention_ref, write_kv_ref
 from kv_cache.layout import interleave_kv
 
-ATTENTION_IMPLS = ("auto", "reference", "pallas_tpu", "pallas_tpu_interpret", "pallas_gpu")
+ATTENTION_IMPLS = ("auto", "reference", "blocked", "pallas_tpu", "pallas_tpu_interpret", "pallas_gpu")
 
 # "pallas_tpu_interpret" runs the real TPU kernel on CPU in TPU interpret mode (simulated HBM/VMEM/
 # SMEM, DMAs executed on wait, semaphores, uninitialised VMEM reading as NaN). Race detection is
@@ -39,7 +40,9 @@ def resolve_impl(impl: str, backend: str) -> str:
         raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {impl!r}")
     if impl != "auto":
         return impl
-    return {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}.get(backend, "reference")
+    # CPU (and anything else) runs the blocked jnp path: the reference's whole-row gather costs
+    # 2-7x more there (attention/blocked.py says why).
+    return {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}.get(backend, "blocked")
 
 
 def ragged_paged_attention(
@@ -59,11 +62,12 @@ def ragged_paged_attention(
     """
     if impl == "auto":
         impl = resolve_impl(impl, jax.default_backend())
-    if impl == "reference":
+    if impl in ("reference", "blocked"):
         # In place on the stacked cache: slicing a layer out and back would copy it twice a step.
         kv_cache = write_kv_ref(kv_cache, interleave_kv(new_k, new_v), md.kv_lens, md.page_indices,
                                 md.cu_q_lens, md.num_seqs, layer=layer)
-        out = ragged_paged_attention_ref(
+        attend = ragged_paged_attention_ref if impl == "reference" else ragged_paged_attention_blocked
+        out = attend(
             queries, kv_cache, md.kv_lens, md.page_indices, md.cu_q_lens, md.num_seqs,
             sm_scale=params.sm_scale, sliding_window=params.sliding_window,
             soft_cap=params.soft_cap, k_scale=params.k_scale, v_scale=params.v_scale, layer=layer)

@@ -4,7 +4,7 @@ vLLM passes ``--additional-config '{"...": ...}'`` (``LLM(additional_config={...
 platform untouched; unknown keys are rejected here so a typo does not pass silently.
 
     attention_impl          one of attention.dispatch.ATTENTION_IMPLS ("auto": Pallas on TPU/GPU,
-                            the jnp reference on CPU)
+                            the blocked jnp path on CPU)
     warmup                  compile every shape bucket before serving. Default: yes on TPU/GPU;
                             no on JAX's CPU backend (there the whole bucket grid takes minutes, so
                             each program compiles on first use and persists in the XLA cache) and

@@ -1,0 +1,110 @@
+"""The blocked jnp path (attention/blocked.py), the CPU default, against the reference and jax's oracle.
+
+Same shared cases as the kernels, at several block sizes (one page per block exercises the online
+softmax across many blocks; a block wider than the table exercises the padded columns), plus a
+long-context case where most page-table columns are padding and a stacked-cache dispatch check.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from attention.blocked import default_pages_per_block, ragged_paged_attention_blocked
+from attention.dispatch import AttentionParams, ragged_paged_attention, resolve_impl
+from attention.metadata import AttentionMetadata
+from kv_cache.layout import split_kv
+
+
+def _load_cases():
+    """tests/attention/test_reference.py (shared cases), loaded by path under a private name."""
+    name = "_tpuserve_attention_cases"
+    if name not in sys.modules:
+        path = pathlib.Path(__file__).with_name("test_reference.py")
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+cases = _load_cases()
+
+
+def check(case, kwargs, dtype, pages_per_block):
+    want, kv = cases.expected(case, **kwargs)
+    run = jax.jit(lambda q, kv: ragged_paged_attention_blocked(
+        q, kv, *case.metadata, pages_per_block=pages_per_block, **kwargs))
+    out = run(case.queries, kv)
+    n = case.num_real_tokens
+    np.testing.assert_allclose(cases.f32(out), cases.f32(want), **cases.tolerance(dtype))
+    np.testing.assert_allclose(cases.f32(out[:n]), cases.f32(cases.oracle(case, kv, **kwargs)),
+                               **cases.tolerance(dtype))
+    assert not np.any(cases.f32(out[n:]))  # padding tokens are zeros
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("pages_per_block", [1, 2, 8])
+@pytest.mark.parametrize("name", list(cases.CASES))
+def test_blocked_matches_reference_and_oracle(name, pages_per_block):
+    case, kwargs, dtype = cases.build(name)
+    check(case, kwargs, dtype, pages_per_block)
+
+
+@pytest.mark.timeout(180)
+def test_blocked_window_and_cap_together():
+    case, _, dtype = cases.build("window_g8", seed=1)
+    check(case, dict(sm_scale=0.3, sliding_window=3, soft_cap=4.0), dtype, pages_per_block=1)
+
+
+@pytest.mark.timeout(180)
+def test_blocked_long_table_short_contexts():
+    """64-page table, contexts of 1..70 tokens: the loop stops at the longest live context."""
+    seqs = [(1, 70), (3, 3), (1, 1), (9, 40)]
+    case = cases.make_case(5, seqs, num_slots=6, page_size=4, pages_per_seq=64, num_q_heads=4,
+                           num_kv_heads=2, head_dim=64, num_tokens=16)
+    check(case, dict(sm_scale=0.125), jnp.float32, pages_per_block=3)
+    check(case, dict(sm_scale=0.125, sliding_window=7), jnp.float32, pages_per_block=2)
+
+
+def test_default_pages_per_block():
+    # One decode token, 16-token pages, 3 KV heads of 64: a 512K-element budget -> 85 pages,
+    # capped at the table width.
+    assert default_pages_per_block(1, 16, 6, 64, 32) == 32
+    assert default_pages_per_block(32, 16, 6, 64, 32) == 2  # 196,608 elements a page
+    assert default_pages_per_block(256, 16, 6, 64, 32) == 1  # never below one page
+
+
+def test_auto_is_blocked_on_cpu():
+    assert resolve_impl("auto", "cpu") == "blocked"
+    assert resolve_impl("auto", "tpu") == "pallas_tpu"
+    assert resolve_impl("auto", "gpu") == "pallas_gpu"
+
+
+@pytest.mark.timeout(180)
+def test_dispatch_blocked_stacked_cache():
+    """dispatch 'blocked' on a 2-layer cache under jit == 'reference'; the other layer untouched."""
+    case, kwargs, _ = cases.build("mixed_g3_d128", seed=8)
+    other = jnp.asarray(np.random.default_rng(9).standard_normal(case.kv_pages.shape),
+                        case.kv_pages.dtype)
+    cache = jnp.stack([other, case.kv_pages])
+    new_k, new_v = split_kv(case.new_kv)
+    md = AttentionMetadata(*case.metadata)
+    params = AttentionParams(**kwargs)
+
+    def step(impl):
+        fn = jax.jit(lambda q, k, v, c, layer, md: ragged_paged_attention(
+            q, k, v, c, layer, md, params, impl))
+        return fn(case.queries, new_k, new_v, cache, jnp.int32(1), md)
+
+    out, got = step("blocked")
+    want_out, want = step("reference")
+    np.testing.assert_array_equal(cases.f32(got), cases.f32(want))
+    np.testing.assert_array_equal(cases.f32(got[0]), cases.f32(other))
+    np.testing.assert_allclose(cases.f32(out), cases.f32(want_out), atol=1e-5, rtol=1e-5)
