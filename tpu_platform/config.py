@@ -46,7 +46,7 @@ class EngineConfig:
     # Small first buckets matter on CPU: a decode of one sequence padded to 16 rows runs the weight
     # matmuls as GEMMs at ~2.5x the cost of the GEMV it needs.
     min_token_bucket: int = 1
-    token_bucket_factor: int = 4
+    token_bucket_factor: int = 2
     max_logprobs: int = 20
     served_model_name: str | None = None
     disable_log_stats: bool = True
