@@ -42,7 +42,7 @@ class _Variant:
     """Static flags selecting which stages a compiled sampler contains."""
 
     any_random: bool  # some row samples (temperature >= GREEDY_EPS)
-    top_k_top_p: bool  # some random row has an active top-k or top-p (needs a sort over V)
+    top_k_top_p: bool  # some random row has an active top-k or top-p (bisection passes over V)
     counts: bool  # output_counts used (repetition/frequency/presence penalties)
     prompt_mask: bool  # prompt_mask used (repetition penalty)
     banned: bool  # banned_ids has at least one real id
@@ -118,27 +118,59 @@ def _apply_penalties(
     return x
 
 
+def _sortable_key(x: jax.Array) -> jax.Array:
+    """float32 -> uint32 with the same order (for non-NaN values): flip negatives, set the sign of positives."""
+    u = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    return jnp.where((u >> 31) == 1, ~u, u | jnp.uint32(0x80000000))
+
+
+def _largest_key_where(holds: Callable[[jax.Array], jax.Array], num_rows: int) -> jax.Array:
+    """Per row, the largest uint32 t with holds(t) true; holds(t [S]) -> [S] bool must be true at 0
+    and stay false once false as t grows. 32 bisection steps over the whole uint32 range."""
+
+    def step(_, bounds):
+        lo, hi = bounds
+        span = hi - lo
+        mid = lo + (span >> 1) + (span & 1)  # upper midpoint, without overflowing uint32
+        ok = holds(mid)
+        return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid - 1)
+
+    lo = jnp.zeros((num_rows,), jnp.uint32)
+    hi = jnp.full((num_rows,), 0xFFFFFFFF, jnp.uint32)
+    return jax.lax.fori_loop(0, 32, step, (lo, hi))[0]
+
+
 def _apply_top_k_top_p(x: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
     """x [S, V] (already divided by temperature); top_k [S] i32 (<=0 or >=V: off); top_p [S] f32 (>=1: off).
 
-    Keeps the k largest logits, then the smallest prefix of those (by probability, renormalised over the
-    top-k set) whose cumulative probability reaches top_p; the top token is always kept. Tokens tied
-    with the cutoff value are kept too.
+    Keeps the k largest logits, then the smallest set of those (by probability, renormalised over the
+    top-k set) whose mass reaches top_p; the top token is always kept. Tokens tied with either cutoff
+    are kept too.
+
+    No sort: XLA:CPU sorts a [32, 49152] row block in ~0.5 s. Both cutoffs are found by bisection
+    on the order-preserving integer keys of the logits instead (32 counting passes each):
+      * the top-k cutoff is the k-th largest key: the largest t with #{key >= t} >= k;
+      * the nucleus keeps value v exactly when the mass strictly above v is below top_p (what the
+        sorted cumulative sum decides), so its cutoff is one past the largest t whose mass above t
+        still reaches top_p.
     """
-    vocab = x.shape[1]
-    sorted_desc = -jnp.sort(-x, axis=-1)  # [S, V], largest first
-    pos = jnp.arange(vocab)[None, :]
-    k = jnp.where((top_k <= 0) | (top_k > vocab), vocab, top_k)[:, None]
-    in_top_k = pos < k
-    probs = jax.nn.softmax(jnp.where(in_top_k, sorted_desc, -jnp.inf), axis=-1)
-    # Mass strictly before each position: a token is needed while the tokens above it fall short of p.
-    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    num_rows, vocab = x.shape
+    keys = _sortable_key(x)
+    k = jnp.where((top_k <= 0) | (top_k > vocab), vocab, top_k)
+    k_cut = _largest_key_where(lambda t: jnp.sum(keys >= t[:, None], axis=-1) >= k, num_rows)
+    in_top_k = keys >= k_cut[:, None]
+    probs = jax.nn.softmax(jnp.where(in_top_k, x, -jnp.inf), axis=-1)
     p = top_p[:, None]
-    # p >= 1 keeps everything explicitly, since rounding can push the running sum to 1 early.
-    in_nucleus = (mass_before < p) | (p >= 1.0) | (pos == 0)
-    num_kept = jnp.sum(in_top_k & in_nucleus, axis=-1)  # a prefix, since mass_before never decreases
-    cutoff = jnp.take_along_axis(sorted_desc, (num_kept - 1)[:, None], axis=-1)  # [S, 1]
-    return jnp.where(x >= cutoff, x, -jnp.inf)
+
+    def mass_above_reaches_p(t):
+        return jnp.sum(jnp.where(keys > t[:, None], probs, 0.0), axis=-1) >= top_p
+
+    # Capped at the top key: the top token stays even for top_p = 0, where every t "reaches" it.
+    top_key = jnp.max(keys, axis=-1)
+    p_cut = jnp.minimum(_largest_key_where(mass_above_reaches_p, num_rows), top_key - 1) + 1
+    # p >= 1 keeps everything explicitly, since rounding can make the mass above a token reach 1.
+    in_nucleus = (keys >= p_cut[:, None]) | (p >= 1.0)
+    return jnp.where(in_top_k & in_nucleus, x, -jnp.inf)
 
 
 def _apply_min_p(x: jax.Array, min_p: jax.Array) -> jax.Array:

@@ -460,6 +460,7 @@ def test_all_greedy_program_is_argmax_only():
     greedy_text = sampler._lower(logits, SamplingBatch.greedy(4)).as_text()
     filtered = make_batch(4, temperature=1.0, top_k=3)
     filtered_text = sampler._lower(logits, filtered).as_text()
-    # Positive control: the inspection does see the sort and the PRNG when they are there.
-    assert "sort" in filtered_text and "threefry" in filtered_text
-    assert "sort" not in greedy_text and "threefry" not in greedy_text
+    # Positive control: the inspection does see the filters' bisection loops and the PRNG when
+    # they are there.
+    assert "while" in filtered_text and "threefry" in filtered_text
+    assert "while" not in greedy_text and "threefry" not in greedy_text
