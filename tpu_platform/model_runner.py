@@ -3,7 +3,8 @@
 Shapes are padded to buckets so XLA compiles a bounded set of programs:
     T (token slots)       one of config.token_buckets (powers of two up to max_num_batched_tokens)
     S (sequence slots)    min(T, max_num_seqs)
-    pages_per_seq         powers of four up to the pages of max_model_len
+    pages_per_seq         powers of four up to the pages of max_model_len (just the maximum for the
+                          blocked CPU attention, whose cost does not depend on it)
 ``warmup()`` compiles every (T, pages_per_seq) pair; ``compile_count`` counts every trace, so a
 compile while serving shows up as a rise after warm-up.
 """
@@ -26,6 +27,7 @@ from tpu_platform.config import EngineConfig
 from tpu_platform.device import DeviceInfo
 from tpu_platform.models.arch import ModelArch
 from tpu_platform.models.decoder import forward
+from tpu_platform.models.weights import unstack_layers
 from tpu_platform.step_batch import (Logprobs, SamplingRow, ScheduledSeq, StepBatch, StepOutput,
                                      pack_sampling_rows)
 
@@ -44,7 +46,10 @@ class ModelRunner:
                  dtype, num_pages: int, max_model_len: int):
         self.config = config
         self.arch = arch
-        self.params = params
+        self.layer_loop = config.layer_loop
+        if self.layer_loop == "auto":
+            self.layer_loop = "unroll" if device.backend == "cpu" else "scan"
+        self.params = unstack_layers(params) if self.layer_loop == "unroll" else params
         self.dtype = dtype
         self.page_size = config.block_size
         self.max_model_len = max_model_len
@@ -53,7 +58,9 @@ class ModelRunner:
                                    arch.head_dim, dtype)
         self.kv_cache = self.kv_spec.allocate()
         self.max_pages_per_seq = math.ceil(max_model_len / self.page_size)
-        self.page_buckets = self._page_buckets(self.max_pages_per_seq)
+        # The blocked path's work follows the live context, not the table width: one page bucket.
+        self.page_buckets = ((self.max_pages_per_seq,) if self.attn_impl == "blocked"
+                             else self._page_buckets(self.max_pages_per_seq))
         self.token_buckets = config.token_buckets
         self._traces = 0
         self._forward = jax.jit(

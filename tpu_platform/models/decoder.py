@@ -2,7 +2,10 @@
 
 One function, ``forward``, serves all four: the differences are flags on ``ModelArch`` (QKV bias,
 Q/K RMSNorm, rope scaling, tied embeddings). Layers are stacked along a leading axis and run with
-``lax.scan``: one compiled layer body instead of L copies keeps compile time flat in depth.
+``lax.scan``: one compiled layer body instead of L copies keeps compile time flat in depth. When
+``layers`` is instead a list of per-layer dicts (``weights.unstack_layers``), the layers are
+unrolled: XLA:CPU copies a scanned layer's weights out of the stack each step, which costs more than
+the compile time saved (EngineConfig.layer_loop).
 
 Parameter tree (L layers, H hidden, F ffn, Hq/Hkv heads of D, V vocab); matrices are [in, out]:
     embed [V, H]; final_norm [H]; lm_head [H, V] (absent when tied)
@@ -87,7 +90,13 @@ def forward(params, kv_cache, token_ids, positions, md: AttentionMetadata, logit
     def body(carry, layer_in):
         return _layer(arch, attn_params, attn_impl, md, cos, sin, carry, layer_in)
 
-    (h, kv_cache), _ = jax.lax.scan(body, (h, kv_cache), (params["layers"], layer_ids))
+    if isinstance(params["layers"], (list, tuple)):  # unrolled: layer i is a constant
+        carry = (h, kv_cache)
+        for i, w in enumerate(params["layers"]):
+            carry, _ = body(carry, (w, jnp.int32(i)))
+        h, kv_cache = carry
+    else:
+        (h, kv_cache), _ = jax.lax.scan(body, (h, kv_cache), (params["layers"], layer_ids))
     h = rms_norm(h[logits_indices], params["final_norm"], arch.rms_norm_eps)
     head = params["lm_head"] if "lm_head" in params else params["embed"].T
     logits = jnp.dot(h, head, preferred_element_type=jnp.float32)

@@ -71,3 +71,20 @@ def build_params(arch: ModelArch, get: Callable[[str], np.ndarray | None], dtype
         params["lm_head"] = jnp.asarray(check("lm_head.weight", np.asarray(head, np.float32),
                                               (arch.vocab_size, hid)).T, dtype)
     return params
+
+
+def unstack_layers(params: dict) -> dict:
+    """The same tree with ``layers`` as a list of per-layer dicts (each array its own buffer).
+
+    For ``layer_loop="unroll"``: a dot can then read its weight in place, where a slice of the
+    stacked array would be copied first. The stacked arrays are released as each key is split.
+    """
+    stacked = dict(params["layers"])
+    num_layers = len(next(iter(stacked.values())))
+    layers: list[dict] = [{} for _ in range(num_layers)]
+    for key in list(stacked):
+        arr = stacked.pop(key)
+        for i in range(num_layers):
+            layers[i][key] = jnp.array(arr[i], copy=True)
+        del arr
+    return {**params, "layers": layers}
