@@ -108,3 +108,36 @@ def test_dispatch_blocked_stacked_cache():
     np.testing.assert_array_equal(cases.f32(got), cases.f32(want))
     np.testing.assert_array_equal(cases.f32(got[0]), cases.f32(other))
     np.testing.assert_allclose(cases.f32(out), cases.f32(want_out), atol=1e-5, rtol=1e-5)
+
+
+# Long steps go through the tiled path (QUERY_TILE tokens or more): tiles inside one prefill
+# chunk, tiles spanning two chunks, tiles of decodes (per-row fallback) and padding tiles.
+LONG_STEPS = {
+    "one_long_prefill": [(70, 70)],
+    "chunk_after_context": [(45, 61), (1, 9)],
+    "decodes_then_prefills": [(1, 5)] * 12 + [(20, 30), (17, 17), (6, 40)],
+    "prefills_then_decodes": [(33, 33), (1, 12), (1, 1), (1, 7), (1, 26), (2, 50)],
+}
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("name", list(LONG_STEPS))
+def test_blocked_long_steps_tiled(name):
+    from attention.blocked import QUERY_TILE
+
+    seqs = LONG_STEPS[name]
+    total = sum(q for q, _ in seqs)
+    num_tokens = 96
+    assert total <= num_tokens and QUERY_TILE <= num_tokens < 2 * QUERY_TILE
+    case = cases.make_case(11, seqs, num_slots=20, page_size=4, pages_per_seq=24, num_q_heads=6,
+                           num_kv_heads=2, head_dim=64, num_tokens=num_tokens)
+    check(case, dict(sm_scale=0.125), jnp.float32, pages_per_block=2)
+    check(case, dict(sm_scale=0.2, sliding_window=9, soft_cap=5.0), jnp.float32, pages_per_block=1)
+
+
+@pytest.mark.timeout(240)
+def test_blocked_long_step_fp8_scales():
+    seqs = LONG_STEPS["decodes_then_prefills"]
+    case = cases.make_case(12, seqs, num_slots=20, page_size=4, pages_per_seq=24, num_q_heads=6,
+                           num_kv_heads=2, head_dim=64, num_tokens=64, kv_dtype=jnp.float8_e4m3fn)
+    check(case, dict(sm_scale=0.125, k_scale=0.5, v_scale=1.5), jnp.float32, pages_per_block=None)
