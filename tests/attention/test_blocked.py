@@ -7,10 +7,6 @@ long-context case where most page-table columns are padding and a stacked-cache 
 
 from __future__ import annotations
 
-import importlib.util
-import pathlib
-import sys
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,20 +17,7 @@ from attention.dispatch import AttentionParams, ragged_paged_attention, resolve_
 from attention.metadata import AttentionMetadata
 from kv_cache.layout import split_kv
 
-
-def _load_cases():
-    """tests/attention/test_reference.py (shared cases), loaded by path under a private name."""
-    name = "_tpuserve_attention_cases"
-    if name not in sys.modules:
-        path = pathlib.Path(__file__).with_name("test_reference.py")
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-cases = _load_cases()
+import attention_cases as cases  # tests/attention/attention_cases.py
 
 
 def check(case, kwargs, dtype, pages_per_block):

@@ -8,10 +8,6 @@ kernel on a GPU.
 
 from __future__ import annotations
 
-import importlib.util
-import pathlib
-import sys
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -23,20 +19,8 @@ from attention.pallas_gpu import (default_config, ragged_paged_attention_gpu,
                                   ragged_paged_attention_gpu_stacked)
 from kv_cache.layout import split_kv
 
+import attention_cases as cases  # tests/attention/attention_cases.py
 
-def _load_cases():
-    """tests/attention/test_reference.py (shared cases), loaded by path under a private name."""
-    name = "_tpuserve_attention_cases"
-    if name not in sys.modules:
-        path = pathlib.Path(__file__).with_name("test_reference.py")
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-cases = _load_cases()
 
 # (rows_per_tile, pages_per_block, kv_splits) per case. page_size is 4, so 4 pages = 16 tokens,
 # Triton's smallest dot; splits > 1 exercise the flash-decoding merge.

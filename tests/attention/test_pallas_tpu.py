@@ -8,10 +8,6 @@ per DMA, so the grids are tiny; a semaphore bug hangs, hence the timeouts.
 
 from __future__ import annotations
 
-import importlib.util
-import pathlib
-import sys
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -25,20 +21,8 @@ from attention.pallas_tpu import (default_block_sizes, ragged_paged_attention_tp
                                   ragged_paged_attention_tpu_stacked)
 from kv_cache.layout import split_kv
 
+import attention_cases as cases  # tests/attention/attention_cases.py
 
-def _load_cases():
-    """tests/attention/test_reference.py (shared cases), loaded by path under a private name."""
-    name = "_tpuserve_attention_cases"
-    if name not in sys.modules:
-        path = pathlib.Path(__file__).with_name("test_reference.py")
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-cases = _load_cases()
 RACES = pltpu.InterpretParams(detect_races=True)
 
 
