@@ -91,8 +91,9 @@ class _Ctx:
 def _online_softmax_loop(ctx: _Ctx, q, start, stop, block_scores):
     """Run the flash-attention recurrence over KV blocks start..stop-1.
 
-    q [R, Hkv, G, D]; block_scores(j) -> (scores [R, Hkv, G, C] with -inf where hidden, v [R or 1,
-    C, Hkv, D] as einsum operand spec). Returns out [R, Hkv, G, D] (0 for rows that saw nothing).
+    q [R, Hkv, G, D]; block_scores(j) -> (scores [R, Hkv, G, C] with -inf where hidden, pv) where
+    pv(probs [R, Hkv, G, C]) -> [R, Hkv, G, D] is that block's probs @ V. Returns out [R, Hkv, G, D]
+    (0 for rows that saw nothing).
     """
     rows, hkv, group, d = q.shape
 

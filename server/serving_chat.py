@@ -7,7 +7,7 @@ import time
 import uuid
 from typing import AsyncIterator
 
-from server.api_errors import APIError, bad_request, error_body
+from server.api_errors import APIError, bad_request
 from server.outputs import RequestOutput
 from server.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
                              ChatCompletionResponse, ChatLogprobs, ChatMessage, ChatResponseMessage,
@@ -244,11 +244,8 @@ class ChatHandler:
         for i in range(n):
             yield chunk(ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content="")))
         async for _, out in outputs_or_error(merge_streams(streams)):
-            if isinstance(out, str):  # the engine stopped: an SSE error event
+            if isinstance(out, str):  # a request failed or the engine stopped: an SSE error event
                 yield out
-                break
-            if out.error:
-                yield sse({"error": error_body(500, f"request failed: {out.error}")["error"]})
                 break
             if out.finished:
                 final = out

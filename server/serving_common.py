@@ -230,11 +230,14 @@ async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int
 
 async def outputs_or_error(merged: AsyncIterator[tuple[int, RequestOutput]]
                             ) -> AsyncIterator[tuple[int, RequestOutput | str]]:
-    """Pass outputs through; if the engine becomes unavailable mid-stream, end with one SSE error
-    event (an HTTP status can no longer be sent once streaming began)."""
+    """Pass outputs through; if a request fails or the engine becomes unavailable mid-stream, end
+    with one SSE error event (an HTTP status can no longer be sent once streaming began)."""
     try:
-        async for item in merged:
-            yield item
+        async for i, out in merged:
+            if out.error:
+                yield i, sse({"error": error_body(500, f"request failed: {out.error}")["error"]})
+                return
+            yield i, out
     except (EngineUnavailableError, QueueFullError) as e:
         yield -1, sse({"error": error_body(503, str(e))["error"]})
 

@@ -6,7 +6,7 @@ import time
 import uuid
 from typing import AsyncIterator
 
-from server.api_errors import APIError, bad_request, error_body
+from server.api_errors import APIError, bad_request
 from server.outputs import RequestOutput
 from server.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest,
                              CompletionResponse, UsageInfo)
@@ -165,11 +165,8 @@ class CompletionHandler:
                                           stop_reason=stop_reason)]).model_dump_json(exclude={"usage"}))
 
         async for i, out in outputs_or_error(merge_streams(streams)):
-            if isinstance(out, str):  # the engine stopped: an SSE error event
+            if isinstance(out, str):  # a request failed or the engine stopped: an SSE error event
                 yield out
-                break
-            if out.error:
-                yield sse({"error": error_body(500, f"request failed: {out.error}")["error"]})
                 break
             if out.finished:
                 finals[i] = out
