@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from attention.reference import token_sequence_info
+from tpuserve.attention.reference import token_sequence_info
 
 # Elements of gathered KV one loop iteration may hold: ~2 MiB of f32, inside a core's L2/L3 share.
 _BLOCK_BUDGET = 512 * 1024

@@ -7,12 +7,12 @@ from dataclasses import dataclass
 import jax
 from jax.experimental.pallas import tpu as pltpu
 
-from attention.blocked import ragged_paged_attention_blocked
-from attention.metadata import AttentionMetadata
-from attention.pallas_gpu import ragged_paged_attention_gpu_stacked
-from attention.pallas_tpu import ragged_paged_attention_tpu_stacked
-from attention.reference import ragged_paged_attention_ref, write_kv_ref
-from kv_cache.layout import interleave_kv
+from tpuserve.attention.blocked import ragged_paged_attention_blocked
+from tpuserve.attention.metadata import AttentionMetadata
+from tpuserve.attention.pallas_gpu import ragged_paged_attention_gpu_stacked
+from tpuserve.attention.pallas_tpu import ragged_paged_attention_tpu_stacked
+from tpuserve.attention.reference import ragged_paged_attention_ref, write_kv_ref
+from tpuserve.kv_cache.layout import interleave_kv
 
 ATTENTION_IMPLS = ("auto", "reference", "blocked", "pallas_tpu", "pallas_tpu_interpret", "pallas_gpu")
 

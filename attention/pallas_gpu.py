@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from attention.reference import token_sequence_info
+from tpuserve.attention.reference import token_sequence_info
 
 DEFAULT_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 _NUM_SMS_TARGET = 132  # H100/H200 SM count: split KV until ~2 programs per SM

@@ -38,8 +38,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.experimental.pallas.ops.gpu import paged_attention as jax_paged  # noqa: E402
 
-from attention.pallas_gpu import ragged_paged_attention_gpu_stacked  # noqa: E402
-from attention.reference import ragged_paged_attention_ref, write_kv_ref  # noqa: E402
+from tpuserve.attention.pallas_gpu import ragged_paged_attention_gpu_stacked  # noqa: E402
+from tpuserve.attention.reference import ragged_paged_attention_ref, write_kv_ref  # noqa: E402
 
 
 def parse_args(argv=None):

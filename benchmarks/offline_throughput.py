@@ -153,7 +153,7 @@ def main() -> None:
         vllm_child(args.hf_dir, ids, args.max_tokens, args)
         return
 
-    from tpu_platform.loader.export import default_model_hf_dir, export_hf_dir
+    from tpuserve.tpu_platform.loader.export import default_model_hf_dir, export_hf_dir
 
     if args.model is None:
         hf_dir = default_model_hf_dir()

@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import httpx  # noqa: E402
 
-from server.launcher import ServerProcess, free_port, tpuserve_argv  # noqa: E402
+from tpuserve.server.launcher import ServerProcess, free_port, tpuserve_argv  # noqa: E402
 
 TOPICS = ["the ocean", "a mountain village", "machine learning", "the history of tea", "jazz music",
           "a lighthouse keeper", "the moon landing", "bread baking", "a chess tournament",
@@ -207,7 +207,7 @@ def bench_servers(servers: dict[str, ServerProcess], model: str, args) -> dict[s
 def model_dir(args) -> str:
     if args.model:
         return args.model
-    from tpu_platform.loader.export import default_model_hf_dir
+    from tpuserve.tpu_platform.loader.export import default_model_hf_dir
     return default_model_hf_dir()
 
 

@@ -58,8 +58,8 @@ def run_sglang(job: dict) -> list[dict]:
 
 
 def run_ours(job: dict) -> list[dict]:
-    from server.llm import LLM
-    from server.sampling_params import SamplingParams
+    from tpuserve.server.llm import LLM
+    from tpuserve.server.sampling_params import SamplingParams
 
     # The settings the plugin gives SGLang: 16-token pages, 256-token steps, 32 sequences.
     llm = LLM(job["hf_dir"], max_num_seqs=32, max_num_batched_tokens=256, block_size=16)
@@ -95,7 +95,7 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
-    from tpu_platform.loader.export import default_model_hf_dir
+    from tpuserve.tpu_platform.loader.export import default_model_hf_dir
 
     hf_dir = default_model_hf_dir()
     tok = AutoTokenizer.from_pretrained(hf_dir)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from kv_cache.layout import RESERVED_PAGE
+from tpuserve.kv_cache.layout import RESERVED_PAGE
 
 
 class BlockPool:

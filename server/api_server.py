@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP server (FastAPI + uvicorn).
 
 ``build_app(async_engine, served_model_name, api_key=None, ...)`` makes the app around an
-:class:`~server.async_engine.AsyncEngine`; ``run_server(args)`` builds the engine from CLI flags,
+:class:`~tpuserve.server.async_engine.AsyncEngine`; ``run_server(args)`` builds the engine from CLI flags,
 warms it up and serves until SIGTERM / SIGINT (then: stop accepting, let in-flight requests finish
 for up to ``--shutdown-timeout`` seconds, abort the rest, exit 0).
 
@@ -25,15 +25,15 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from server.api_errors import APIError, bad_request, error_body, error_response
-from server.async_engine import AsyncEngine, EngineUnavailableError, QueueFullError
-from server.metrics import CONTENT_TYPE, ServerMetrics
-from server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+from tpuserve.server.api_errors import APIError, bad_request, error_body, error_response
+from tpuserve.server.async_engine import AsyncEngine, EngineUnavailableError, QueueFullError
+from tpuserve.server.metrics import CONTENT_TYPE, ServerMetrics
+from tpuserve.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                              DetokenizeResponse, ModelCard, ModelList, TokenizeRequest,
                              TokenizeResponse, VersionResponse)
-from server.serving_chat import ChatHandler, _message_dict
-from server.serving_common import ServingContext, StreamingResult
-from server.serving_completions import CompletionHandler
+from tpuserve.server.serving_chat import ChatHandler, _message_dict
+from tpuserve.server.serving_common import ServingContext, StreamingResult
+from tpuserve.server.serving_completions import CompletionHandler
 
 log = logging.getLogger("tpuserve.api")
 
@@ -318,7 +318,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def engine_config_from_args(args: argparse.Namespace):
-    from tpu_platform.config import EngineConfig
+    from tpuserve.tpu_platform.config import EngineConfig
     from tpuserve.cli import engine_kwargs
 
     return EngineConfig.from_kwargs(model=args.model, **engine_kwargs(args))
@@ -346,8 +346,8 @@ def model_names(model: str | None, served: str | None) -> tuple[str, tuple[str, 
 def run_server(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from server.engine import LLMEngine
-    from server.structured_output import make_grammar_matcher
+    from tpuserve.server.engine import LLMEngine
+    from tpuserve.server.structured_output import make_grammar_matcher
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -22,8 +22,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
-from server.outputs import RequestOutput
-from server.sampling_params import SamplingParams
+from tpuserve.server.outputs import RequestOutput
+from tpuserve.server.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 

@@ -15,17 +15,17 @@ from typing import Any, Callable
 
 import numpy as np
 
-from kv_cache.block_pool import BlockPool
-from server.detokenizer import IncrementalDetokenizer, StopStringMatcher, decode_token
-from server.outputs import CompletionOutput, Logprob, RequestOutput
-from server.sampling_params import SamplingParams
-from server.scheduler import ScheduledWork, Scheduler
-from server.sequence import Sequence, SeqStatus
-from tpu_platform.config import ConfigError, EngineConfig
-from tpu_platform.device import discover, enable_compilation_cache, resolve_dtype
-from tpu_platform.loader import load_model
-from tpu_platform.model_runner import ModelRunner
-from tpu_platform.step_batch import Logprobs, SamplingRow, ScheduledSeq
+from tpuserve.kv_cache.block_pool import BlockPool
+from tpuserve.server.detokenizer import IncrementalDetokenizer, StopStringMatcher, decode_token
+from tpuserve.server.outputs import CompletionOutput, Logprob, RequestOutput
+from tpuserve.server.sampling_params import SamplingParams
+from tpuserve.server.scheduler import ScheduledWork, Scheduler
+from tpuserve.server.sequence import Sequence, SeqStatus
+from tpuserve.tpu_platform.config import ConfigError, EngineConfig
+from tpuserve.tpu_platform.device import discover, enable_compilation_cache, resolve_dtype
+from tpuserve.tpu_platform.loader import load_model
+from tpuserve.tpu_platform.model_runner import ModelRunner
+from tpuserve.tpu_platform.step_batch import Logprobs, SamplingRow, ScheduledSeq
 
 log = logging.getLogger(__name__)
 

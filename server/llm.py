@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections.abc import Sequence as SequenceABC
 from typing import Any
 
-from server.engine import LLMEngine
-from server.outputs import CompletionOutput, RequestOutput
-from server.sampling_params import SamplingParams
-from tpu_platform.config import EngineConfig
+from tpuserve.server.engine import LLMEngine
+from tpuserve.server.outputs import CompletionOutput, RequestOutput
+from tpuserve.server.sampling_params import SamplingParams
+from tpuserve.tpu_platform.config import EngineConfig
 
 PromptType = str | list[int] | dict
 
@@ -91,7 +91,7 @@ class LLM:
 
 def _default_grammar_factory():
     try:
-        from server.structured_output import make_grammar_matcher
+        from tpuserve.server.structured_output import make_grammar_matcher
     except ImportError:  # structured output is optional for offline use
         return None
     return make_grammar_matcher

@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from kv_cache.block_pool import BlockPool
-from server.sequence import Sequence, SeqStatus
+from tpuserve.kv_cache.block_pool import BlockPool
+from tpuserve.server.sequence import Sequence, SeqStatus
 
 
 @dataclass

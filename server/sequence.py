@@ -6,7 +6,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-from server.sampling_params import SamplingParams
+from tpuserve.server.sampling_params import SamplingParams
 
 
 class SeqStatus(enum.Enum):

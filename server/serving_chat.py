@@ -7,20 +7,20 @@ import time
 import uuid
 from typing import AsyncIterator
 
-from server.api_errors import APIError, bad_request
-from server.outputs import RequestOutput
-from server.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
+from tpuserve.server.api_errors import APIError, bad_request
+from tpuserve.server.outputs import RequestOutput
+from tpuserve.server.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
                              ChatCompletionResponse, ChatLogprobs, ChatMessage, ChatResponseMessage,
                              ChatStreamChoice, DeltaFunctionCall, DeltaMessage, DeltaToolCall,
                              NamedToolChoice, TokenLogprob, ToolCallFunction, ToolCallOut,
                              TopLogprob, UsageInfo)
-from server.sampling_params import StructuredOutputParams
-from server.serving_common import (SSE_DONE, ServingContext, StreamingResult, collect_final,
+from tpuserve.server.sampling_params import StructuredOutputParams
+from tpuserve.server.serving_common import (SSE_DONE, ServingContext, StreamingResult, collect_final,
                                    finite, make_sampling_params, merge_streams, outputs_or_error,
                                    ranked_top, resolve_max_tokens, sse, structured_from_request,
                                    token_text)
-from server.structured_output import tool_call_grammar
-from server.tool_parser import StreamingToolParser, ToolCall, parse_tool_calls, tools_system_prompt
+from tpuserve.server.structured_output import tool_call_grammar
+from tpuserve.server.tool_parser import StreamingToolParser, ToolCall, parse_tool_calls, tools_system_prompt
 
 # Arguments of apply_chat_template that chat_template_kwargs may not override.
 _RESERVED_TEMPLATE_KWARGS = {"conversation", "tools", "documents", "chat_template", "tokenize",

@@ -11,12 +11,12 @@ from typing import Any, AsyncIterator, Callable
 
 from pydantic import BaseModel
 
-from server.api_errors import APIError, bad_request, error_body, param_of
-from server.async_engine import AsyncEngine, EngineUnavailableError, QueueFullError, RequestStream
-from server.outputs import Logprob, RequestOutput
-from server.protocol import MAX_STOP, SamplingFields
-from server.sampling_params import SamplingParams, StructuredOutputParams
-from server.structured_output import choice_regex, compile_structured_output
+from tpuserve.server.api_errors import APIError, bad_request, error_body, param_of
+from tpuserve.server.async_engine import AsyncEngine, EngineUnavailableError, QueueFullError, RequestStream
+from tpuserve.server.outputs import Logprob, RequestOutput
+from tpuserve.server.protocol import MAX_STOP, SamplingFields
+from tpuserve.server.sampling_params import SamplingParams, StructuredOutputParams
+from tpuserve.server.structured_output import choice_regex, compile_structured_output
 
 MAX_PROMPTS = 256  # prompts in one /v1/completions request
 
@@ -270,7 +270,7 @@ def ranked_top(entry: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
 def token_text(lp: Logprob | None, tokenizer, token_id: int) -> str:
     if lp is not None and lp.decoded_token is not None:
         return lp.decoded_token
-    from server.detokenizer import decode_token
+    from tpuserve.server.detokenizer import decode_token
     return decode_token(tokenizer, token_id)
 
 

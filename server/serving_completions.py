@@ -6,11 +6,11 @@ import time
 import uuid
 from typing import AsyncIterator
 
-from server.api_errors import APIError, bad_request
-from server.outputs import RequestOutput
-from server.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest,
+from tpuserve.server.api_errors import APIError, bad_request
+from tpuserve.server.outputs import RequestOutput
+from tpuserve.server.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest,
                              CompletionResponse, UsageInfo)
-from server.serving_common import (MAX_PROMPTS, SSE_DONE, ServingContext, StreamingResult,
+from tpuserve.server.serving_common import (MAX_PROMPTS, SSE_DONE, ServingContext, StreamingResult,
                                    collect_final, finite, make_sampling_params, merge_streams,
                                    outputs_or_error, ranked_top, resolve_max_tokens, sse,
                                    structured_from_request, token_text)

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from server.sampling_params import StructuredOutputParams
+from tpuserve.server.sampling_params import StructuredOutputParams
 
 _compilers: dict[tuple[int, int], Any] = {}
 _compilers_lock = threading.Lock()

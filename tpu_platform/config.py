@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
-from attention.dispatch import ATTENTION_IMPLS
+from tpuserve.attention.dispatch import ATTENTION_IMPLS
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LAYER_LOOPS = ("auto", "scan", "unroll")

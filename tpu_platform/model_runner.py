@@ -19,16 +19,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from attention.dispatch import resolve_impl
-from attention.metadata import AttentionMetadata
-from kv_cache.layout import RESERVED_PAGE, KVCacheSpec
-from tpu_platform import sampler
-from tpu_platform.config import EngineConfig
-from tpu_platform.device import DeviceInfo
-from tpu_platform.models.arch import ModelArch
-from tpu_platform.models.decoder import forward
-from tpu_platform.models.weights import unstack_layers
-from tpu_platform.step_batch import (Logprobs, SamplingRow, ScheduledSeq, StepBatch, StepOutput,
+from tpuserve.attention.dispatch import resolve_impl
+from tpuserve.attention.metadata import AttentionMetadata
+from tpuserve.kv_cache.layout import RESERVED_PAGE, KVCacheSpec
+from tpuserve.tpu_platform import sampler
+from tpuserve.tpu_platform.config import EngineConfig
+from tpuserve.tpu_platform.device import DeviceInfo
+from tpuserve.tpu_platform.models.arch import ModelArch
+from tpuserve.tpu_platform.models.decoder import forward
+from tpuserve.tpu_platform.models.weights import unstack_layers
+from tpuserve.tpu_platform.step_batch import (Logprobs, SamplingRow, ScheduledSeq, StepBatch, StepOutput,
                                      pack_sampling_rows)
 
 log = logging.getLogger(__name__)

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tpu_platform.step_batch import Logprobs, SamplerOutput, SamplingBatch
+from tpuserve.tpu_platform.step_batch import Logprobs, SamplerOutput, SamplingBatch
 
 # Rows whose temperature is below this are greedy (float32 so host and device agree on the boundary).
 GREEDY_EPS = np.float32(1e-5)

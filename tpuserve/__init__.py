@@ -8,11 +8,11 @@ __version__ = "0.1.0"
 __all__ = ["LLM", "SamplingParams", "EngineConfig", "RequestOutput", "CompletionOutput"]
 
 _EXPORTS = {
-    "LLM": ("server.llm", "LLM"),
-    "SamplingParams": ("server.sampling_params", "SamplingParams"),
-    "EngineConfig": ("tpu_platform.config", "EngineConfig"),
-    "RequestOutput": ("server.outputs", "RequestOutput"),
-    "CompletionOutput": ("server.outputs", "CompletionOutput"),
+    "LLM": ("tpuserve.server.llm", "LLM"),
+    "SamplingParams": ("tpuserve.server.sampling_params", "SamplingParams"),
+    "EngineConfig": ("tpuserve.tpu_platform.config", "EngineConfig"),
+    "RequestOutput": ("tpuserve.server.outputs", "RequestOutput"),
+    "CompletionOutput": ("tpuserve.server.outputs", "CompletionOutput"),
 }
 
 

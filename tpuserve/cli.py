@@ -14,7 +14,7 @@ _NOT_FLAGS = {"model", "token_buckets"}
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """One --flag per EngineConfig field, spelled as vLLM spells it (--max-model-len, ...)."""
-    from tpu_platform.config import EngineConfig
+    from tpuserve.tpu_platform.config import EngineConfig
 
     group = parser.add_argument_group("engine")
     for f in dataclasses.fields(EngineConfig):
@@ -30,7 +30,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    from tpu_platform.config import EngineConfig
+    from tpuserve.tpu_platform.config import EngineConfig
 
     names = {f.name for f in dataclasses.fields(EngineConfig)} - _NOT_FLAGS
     return {k: v for k, v in vars(args).items() if k in names and v is not None}
@@ -63,8 +63,8 @@ def _read_prompts(args) -> list[dict]:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from server.llm import LLM
-    from server.sampling_params import SamplingParams
+    from tpuserve.server.llm import LLM
+    from tpuserve.server.sampling_params import SamplingParams
 
     items = _read_prompts(args)
     llm = LLM(args.model, **engine_kwargs(args))
@@ -128,7 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=cmd_generate)
 
     try:
-        from server.api_server import add_serve_parser
+        from tpuserve.server.api_server import add_serve_parser
     except ImportError:
         add_serve_parser = None
     if add_serve_parser is not None:

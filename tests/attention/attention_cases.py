@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ref_ragged_paged_attention
 
-from attention.reference import ragged_paged_attention_ref, write_kv_ref
+from tpuserve.attention.reference import ragged_paged_attention_ref, write_kv_ref
 
 
 @dataclasses.dataclass

@@ -12,10 +12,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from attention.blocked import default_pages_per_block, ragged_paged_attention_blocked
-from attention.dispatch import AttentionParams, ragged_paged_attention, resolve_impl
-from attention.metadata import AttentionMetadata
-from kv_cache.layout import split_kv
+from tpuserve.attention.blocked import default_pages_per_block, ragged_paged_attention_blocked
+from tpuserve.attention.dispatch import AttentionParams, ragged_paged_attention, resolve_impl
+from tpuserve.attention.metadata import AttentionMetadata
+from tpuserve.kv_cache.layout import split_kv
 
 import attention_cases as cases  # tests/attention/attention_cases.py
 
@@ -106,7 +106,7 @@ LONG_STEPS = {
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("name", list(LONG_STEPS))
 def test_blocked_long_steps_tiled(name):
-    from attention.blocked import QUERY_TILE
+    from tpuserve.attention.blocked import QUERY_TILE
 
     seqs = LONG_STEPS[name]
     total = sum(q for q, _ in seqs)

@@ -2,8 +2,8 @@
 
 import pytest
 
-from server.llm import LLM
-from server.sampling_params import SamplingParams
+from tpuserve.server.llm import LLM
+from tpuserve.server.sampling_params import SamplingParams
 
 
 @pytest.mark.slow

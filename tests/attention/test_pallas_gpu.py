@@ -13,11 +13,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from attention.dispatch import AttentionParams, ragged_paged_attention
-from attention.metadata import AttentionMetadata
-from attention.pallas_gpu import (default_config, ragged_paged_attention_gpu,
+from tpuserve.attention.dispatch import AttentionParams, ragged_paged_attention
+from tpuserve.attention.metadata import AttentionMetadata
+from tpuserve.attention.pallas_gpu import (default_config, ragged_paged_attention_gpu,
                                   ragged_paged_attention_gpu_stacked)
-from kv_cache.layout import split_kv
+from tpuserve.kv_cache.layout import split_kv
 
 import attention_cases as cases  # tests/attention/attention_cases.py
 
@@ -69,7 +69,7 @@ def test_dispatch_pallas_gpu_stacked_cache():
     On a CPU-only machine the GPU branch needs interpret mode, so the dispatch function is
     called with the kernel swapped for its interpret form.
     """
-    import attention.dispatch as dispatch
+    import tpuserve.attention.dispatch as dispatch
 
     case, kwargs, _ = cases.build("decode_g8", seed=8)
     other = jnp.asarray(np.random.default_rng(9).standard_normal(case.kv_pages.shape),

@@ -15,11 +15,11 @@ import pytest
 from jax._src.pallas.mosaic.interpret import interpret_pallas_call as tpu_interpret
 from jax.experimental.pallas import tpu as pltpu
 
-from attention.dispatch import AttentionParams, ragged_paged_attention
-from attention.metadata import AttentionMetadata
-from attention.pallas_tpu import (default_block_sizes, ragged_paged_attention_tpu,
+from tpuserve.attention.dispatch import AttentionParams, ragged_paged_attention
+from tpuserve.attention.metadata import AttentionMetadata
+from tpuserve.attention.pallas_tpu import (default_block_sizes, ragged_paged_attention_tpu,
                                   ragged_paged_attention_tpu_stacked)
-from kv_cache.layout import split_kv
+from tpuserve.kv_cache.layout import split_kv
 
 import attention_cases as cases  # tests/attention/attention_cases.py
 

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from attention.reference import ragged_paged_attention_ref, write_kv_ref
+from tpuserve.attention.reference import ragged_paged_attention_ref, write_kv_ref
 
 from attention_cases import CASES, MIXED, build, expected, f32, oracle, tolerance
 

@@ -1,7 +1,7 @@
 import pytest
 
-from kv_cache.block_pool import BlockPool
-from kv_cache.layout import RESERVED_PAGE
+from tpuserve.kv_cache.block_pool import BlockPool
+from tpuserve.kv_cache.layout import RESERVED_PAGE
 
 
 def test_allocate_free_accounting_and_reserved_page():

@@ -8,7 +8,7 @@ import json
 import openai
 import pytest
 
-from server.launcher import ServerProcess, free_port, tpuserve_argv
+from tpuserve.server.launcher import ServerProcess, free_port, tpuserve_argv
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -7,7 +7,7 @@ import httpx
 import openai
 import pytest
 
-from server.launcher import ServerProcess, free_port, tpuserve_argv
+from tpuserve.server.launcher import ServerProcess, free_port, tpuserve_argv
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -67,8 +67,8 @@ def test_streamed_text_equals_non_streamed(client):
 
 
 def test_server_greedy_matches_offline_llm(random_checkpoints, client):
-    from server.llm import LLM
-    from server.sampling_params import SamplingParams
+    from tpuserve.server.llm import LLM
+    from tpuserve.server.sampling_params import SamplingParams
 
     prompts = ["Once upon a time", "def fibonacci(n):"]
     llm = LLM(random_checkpoints["qwen3"], max_model_len=512, max_num_batched_tokens=64,

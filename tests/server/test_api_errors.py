@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from server.launcher import ServerProcess, free_port, tpuserve_argv
+from tpuserve.server.launcher import ServerProcess, free_port, tpuserve_argv
 
 pytestmark = pytest.mark.timeout(300)
 

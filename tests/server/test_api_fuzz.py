@@ -10,7 +10,7 @@ import pytest
 schemathesis = pytest.importorskip("schemathesis")
 from hypothesis import HealthCheck, settings  # noqa: E402  (schemathesis brings hypothesis)
 
-from server.launcher import ServerProcess, free_port, tpuserve_argv  # noqa: E402
+from tpuserve.server.launcher import ServerProcess, free_port, tpuserve_argv  # noqa: E402
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]
 

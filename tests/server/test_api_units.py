@@ -10,7 +10,7 @@ import random
 import numpy as np
 import pytest
 
-from server.tool_parser import StreamingToolParser, parse_tool_calls
+from tpuserve.server.tool_parser import StreamingToolParser, parse_tool_calls
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -96,8 +96,8 @@ def _greedy_walk(matcher, tokenizer, vocab, limit=200) -> str:
 
 
 def test_regex_and_choice_matchers(tokenizer):
-    from server.sampling_params import StructuredOutputParams
-    from server.structured_output import bitmask_words, choice_regex, make_grammar_matcher
+    from tpuserve.server.sampling_params import StructuredOutputParams
+    from tpuserve.server.structured_output import bitmask_words, choice_regex, make_grammar_matcher
 
     vocab = len(tokenizer) + 7  # a padded model vocabulary: ids past the tokenizer stay masked
     m = make_grammar_matcher(StructuredOutputParams(regex=choice_regex(["yes", "no"])), tokenizer, vocab)
@@ -111,8 +111,8 @@ def test_regex_and_choice_matchers(tokenizer):
 
 
 def test_json_schema_matcher_produces_valid_json(tokenizer):
-    from server.sampling_params import StructuredOutputParams
-    from server.structured_output import make_grammar_matcher
+    from tpuserve.server.sampling_params import StructuredOutputParams
+    from tpuserve.server.structured_output import make_grammar_matcher
 
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"},
                                                "tag": {"type": "string", "enum": ["a", "b"]}},
@@ -126,16 +126,16 @@ def test_json_schema_matcher_produces_valid_json(tokenizer):
     ({"regex": "("}, "regex"), ({"grammar": "root ::= ("}, "grammar"), ({"json": {"type": 5}}, "json"),
 ])
 def test_bad_grammars_raise_value_error_naming_the_field(tokenizer, so, field):
-    from server.sampling_params import StructuredOutputParams
-    from server.structured_output import make_grammar_matcher
+    from tpuserve.server.sampling_params import StructuredOutputParams
+    from tpuserve.server.structured_output import make_grammar_matcher
 
     with pytest.raises(ValueError, match=f"structured_outputs.{field}"):
         make_grammar_matcher(StructuredOutputParams(**so), tokenizer, len(tokenizer))
 
 
 def test_tool_call_grammar_forces_a_parseable_call(tokenizer):
-    from server.sampling_params import StructuredOutputParams
-    from server.structured_output import make_grammar_matcher, tool_call_grammar
+    from tpuserve.server.sampling_params import StructuredOutputParams
+    from tpuserve.server.structured_output import make_grammar_matcher, tool_call_grammar
 
     grammar = tool_call_grammar([{"name": "lookup", "parameters": {
         "type": "object", "properties": {"q": {"type": "string", "enum": ["x", "y"]}},
@@ -152,7 +152,7 @@ def test_tool_call_grammar_forces_a_parseable_call(tokenizer):
 def test_request_models_ignore_unknown_fields_and_bound_numbers():
     from pydantic import ValidationError
 
-    from server.protocol import ChatCompletionRequest, CompletionRequest
+    from tpuserve.server.protocol import ChatCompletionRequest, CompletionRequest
 
     r = CompletionRequest(prompt="hi", some_future_field=1, top_k=5)
     assert r.max_tokens == 16 and r.n == 1 and r.top_k == 5
@@ -165,9 +165,9 @@ def test_request_models_ignore_unknown_fields_and_bound_numbers():
 
 
 def test_sampling_params_mapping_and_errors():
-    from server.api_errors import APIError
-    from server.protocol import CompletionRequest
-    from server.serving_common import (make_sampling_params, resolve_max_tokens,
+    from tpuserve.server.api_errors import APIError
+    from tpuserve.server.protocol import CompletionRequest
+    from tpuserve.server.serving_common import (make_sampling_params, resolve_max_tokens,
                                        structured_from_request)
 
     req = CompletionRequest(prompt="hi", temperature=0, stop="END", top_k=-1, seed=3,
@@ -191,7 +191,7 @@ def test_sampling_params_mapping_and_errors():
 
 
 def test_error_body_shape():
-    from server.api_errors import error_body, param_of
+    from tpuserve.server.api_errors import error_body, param_of
 
     assert error_body(404, "nope", "model") == {"error": {"message": "nope", "type": "NotFoundError",
                                                           "param": "model", "code": 404}}
@@ -250,7 +250,7 @@ class _FakeEngine:
         return bool(self.requests)
 
     def _out(self, rid, toks, reason):
-        from server.outputs import CompletionOutput, RequestOutput
+        from tpuserve.server.outputs import CompletionOutput, RequestOutput
         return RequestOutput(rid, None, [1], [CompletionOutput(0, "x" * len(toks), list(toks),
                                                                finish_reason=reason)],
                              finished=reason is not None)
@@ -272,8 +272,8 @@ class _FakeEngine:
 
 
 def test_async_engine_streams_bounds_queue_and_aborts():
-    from server.async_engine import AsyncEngine, QueueFullError
-    from server.sampling_params import SamplingParams
+    from tpuserve.server.async_engine import AsyncEngine, QueueFullError
+    from tpuserve.server.sampling_params import SamplingParams
 
     async def main():
         ae = AsyncEngine(_FakeEngine(max_running=1), max_waiting_requests=2)

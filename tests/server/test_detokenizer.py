@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from transformers import PreTrainedTokenizerFast
 
-from server.detokenizer import (
+from tpuserve.server.detokenizer import (
     PROMPT_CONTEXT_TOKENS,
     IncrementalDetokenizer,
     StopStringMatcher,

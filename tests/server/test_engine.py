@@ -7,9 +7,9 @@ import math
 import numpy as np
 import pytest
 
-from server.llm import LLM
-from server.sampling_params import SamplingParams
-from tpu_platform.config import ConfigError, EngineConfig
+from tpuserve.server.llm import LLM
+from tpuserve.server.sampling_params import SamplingParams
+from tpuserve.tpu_platform.config import ConfigError, EngineConfig
 
 pytestmark = pytest.mark.timeout(300)
 

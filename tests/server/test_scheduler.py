@@ -1,9 +1,9 @@
 """Scheduler policy on synthetic sequences (no model)."""
 
-from kv_cache.block_pool import BlockPool
-from server.sampling_params import SamplingParams
-from server.scheduler import Scheduler
-from server.sequence import Sequence, SeqStatus
+from tpuserve.kv_cache.block_pool import BlockPool
+from tpuserve.server.sampling_params import SamplingParams
+from tpuserve.server.scheduler import Scheduler
+from tpuserve.server.sequence import Sequence, SeqStatus
 
 
 def _seq(i, prompt_len):

@@ -52,7 +52,7 @@ def run_py():
 @pytest.fixture(scope="session")
 def hf_dir() -> str:
     """The default model (SmolLM2-135M-Instruct) as a Hugging Face directory, as SGLang reads it."""
-    from tpu_platform.loader.export import default_model_hf_dir
+    from tpuserve.tpu_platform.loader.export import default_model_hf_dir
     return default_model_hf_dir()
 
 
@@ -115,5 +115,5 @@ def sglang_server(hf_dir, tmp_path_factory):
 @pytest.fixture(scope="session")
 def reference_llm(hf_dir):
     """Our standalone engine on the same weights (f32, as the server runs on CPU)."""
-    from server.llm import LLM
+    from tpuserve.server.llm import LLM
     return LLM(hf_dir, dtype="float32")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from tpu_platform.step_batch import SamplingRow, ScheduledSeq
+from tpuserve.tpu_platform.step_batch import SamplingRow, ScheduledSeq
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -18,7 +18,7 @@ PAGE = 16
 
 @pytest.fixture(scope="module")
 def executor(hf_dir):
-    from tpu_platform.sglang_plugin.executor import ExecutorConfig, JaxExecutor
+    from tpuserve.tpu_platform.sglang_plugin.executor import ExecutorConfig, JaxExecutor
 
     # 16-token steps: every prompt below spans several steps, as a long SGLang chunk would.
     return JaxExecutor(ExecutorConfig(model_path=hf_dir, page_size=PAGE, max_model_len=8192,
@@ -44,7 +44,7 @@ def _greedy(executor, prompts: list[list[int]], pages: list[list[int]], steps: i
 
 
 def test_scattered_pages_and_split_steps_match_standalone(executor, reference_llm):
-    from server.sampling_params import SamplingParams
+    from tpuserve.server.sampling_params import SamplingParams
 
     tok = reference_llm.get_tokenizer()
     texts = ["The capital of France is", "Here is a list of fruits: apples, pears, plums, " * 3]

@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 
-from tpu_platform.sglang_plugin import activation, register_platform
+from tpuserve.tpu_platform.sglang_plugin import activation, register_platform
 
 needs_sglang = pytest.mark.skipif(
     importlib.util.find_spec("sglang") is None,
@@ -54,7 +54,7 @@ _RESOLVE = textwrap.dedent("""
     from sglang.srt.arg_groups.overrides import resolving_view
     from sglang.srt.server_args import prepare_server_args
     import sglang.srt.platforms as platforms
-    from tpu_platform.sglang_plugin import activation
+    from tpuserve.tpu_platform.sglang_plugin import activation
 
     def resolve(*extra):
         sa = prepare_server_args(["--model-path", sys.argv[1], *extra])

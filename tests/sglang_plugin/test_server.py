@@ -32,7 +32,7 @@ def _generate(server, text: str, max_new: int = MAX_NEW, **extra) -> dict:
 
 
 def _reference(llm, texts: list[str], max_new: int = MAX_NEW):
-    from server.sampling_params import SamplingParams
+    from tpuserve.server.sampling_params import SamplingParams
 
     outs = llm.generate(texts, SamplingParams(temperature=0.0, max_tokens=max_new), use_tqdm=False)
     return [(list(o.prompt_token_ids), list(o.outputs[0].token_ids), o.outputs[0].text) for o in outs]
@@ -107,7 +107,7 @@ def _chat_messages():
 def test_openai_chat_matches_standalone(sglang_server, reference_llm):
     import openai
 
-    from server.sampling_params import SamplingParams
+    from tpuserve.server.sampling_params import SamplingParams
 
     client = openai.OpenAI(base_url=sglang_server.url + "/v1", api_key="none")
     resp = client.chat.completions.create(model="default", messages=_chat_messages(),

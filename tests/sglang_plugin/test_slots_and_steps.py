@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tpu_platform.sglang_plugin.executor import plan_steps
-from tpu_platform.sglang_plugin.slots import SlotLayoutError, check_new_slots, page_table
-from tpu_platform.step_batch import SamplingRow, ScheduledSeq
+from tpuserve.tpu_platform.sglang_plugin.executor import plan_steps
+from tpuserve.tpu_platform.sglang_plugin.slots import SlotLayoutError, check_new_slots, page_table
+from tpuserve.tpu_platform.step_batch import SamplingRow, ScheduledSeq
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -1,4 +1,4 @@
-"""tpu_platform.loader.gguf_loader against oracles we did not write.
+"""tpuserve.tpu_platform.loader.gguf_loader against oracles we did not write.
 
 The oracle is transformers: it reads the same SmolLM2 GGUF with its own header reader and its own
 (torch) dequantization, un-permutes Q/K itself, and converts the tokenizer itself. The header parser
@@ -14,8 +14,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tpu_platform.loader import gguf_loader
-from tpu_platform.loader.gguf_loader import Checkpoint, default_model_path, load_gguf
+from tpuserve.tpu_platform.loader import gguf_loader
+from tpuserve.tpu_platform.loader.gguf_loader import Checkpoint, default_model_path, load_gguf
 
 SYSTEM_PROMPT = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 

@@ -8,11 +8,11 @@ import pytest
 import torch
 import transformers
 
-from tpu_platform.config import EngineConfig
-from tpu_platform.device import discover
-from tpu_platform.loader import load_model
-from tpu_platform.model_runner import ModelRunner
-from tpu_platform.step_batch import SamplingRow, ScheduledSeq
+from tpuserve.tpu_platform.config import EngineConfig
+from tpuserve.tpu_platform.device import discover
+from tpuserve.tpu_platform.loader import load_model
+from tpuserve.tpu_platform.model_runner import ModelRunner
+from tpuserve.tpu_platform.step_batch import SamplingRow, ScheduledSeq
 
 ARCHS = ["llama", "qwen2", "qwen3"]
 PROMPTS = ["The quick brown fox jumps over the lazy dog.",
@@ -67,8 +67,8 @@ def test_last_position_logits_match_transformers(random_checkpoints, arch):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_greedy_64_tokens_match_with_chunking_and_preemption(random_checkpoints, arch):
     """Tiny token budget forces chunked prefill; a tiny page pool forces preemption."""
-    from server.llm import LLM
-    from server.sampling_params import SamplingParams
+    from tpuserve.server.llm import LLM
+    from tpuserve.server.sampling_params import SamplingParams
 
     path = random_checkpoints[arch]
     llm = LLM(path, max_model_len=128, max_num_batched_tokens=16, max_num_seqs=4,
@@ -90,7 +90,7 @@ def smollm2_hf():
     """transformers' own GGUF loader (its dequantization, not ours) as the oracle for SmolLM2."""
     import os
 
-    from tpu_platform.loader.gguf_loader import default_model_path
+    from tpuserve.tpu_platform.loader.gguf_loader import default_model_path
     path = default_model_path()
     return transformers.AutoModelForCausalLM.from_pretrained(
         os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32).eval()
@@ -99,8 +99,8 @@ def smollm2_hf():
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_smollm2_logits_and_greedy_match_transformers(smollm2_hf):
-    from server.llm import LLM
-    from server.sampling_params import SamplingParams
+    from tpuserve.server.llm import LLM
+    from tpuserve.server.sampling_params import SamplingParams
 
     llm = LLM(None, max_model_len=256, max_num_batched_tokens=16, max_num_seqs=4, num_gpu_blocks=20)
     tok = llm.get_tokenizer()
@@ -131,8 +131,8 @@ def test_smollm2_logits_and_greedy_match_transformers(smollm2_hf):
 
 @pytest.mark.timeout(600)
 def test_smollm2_knows_the_capital_of_france():
-    from server.llm import LLM
-    from server.sampling_params import SamplingParams
+    from tpuserve.server.llm import LLM
+    from tpuserve.server.sampling_params import SamplingParams
 
     llm = LLM(max_model_len=128, max_num_batched_tokens=32)
     out = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=4),

@@ -12,8 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tpu_platform import sampler
-from tpu_platform.step_batch import SamplingBatch
+from tpuserve.tpu_platform import sampler
+from tpuserve.tpu_platform.step_batch import SamplingBatch
 
 NUM_DRAWS = 20000
 # A correct sampler fails a check with probability 1e-3 per seed set; draws are seeded, so a pass

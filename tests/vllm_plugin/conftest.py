@@ -14,7 +14,7 @@ from vllm_helpers import root_conftest
 @pytest.fixture(scope="session")
 def default_hf_dir() -> str:
     """The default model (SmolLM2-135M-Instruct) exported as a Hugging Face directory."""
-    from tpu_platform.loader.export import default_model_hf_dir
+    from tpuserve.tpu_platform.loader.export import default_model_hf_dir
     return default_model_hf_dir()
 
 

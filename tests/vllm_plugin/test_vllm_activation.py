@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from tpu_platform.vllm_plugin import PLATFORM_QUALNAME, register
-from tpu_platform.vllm_plugin.activation import ENV_VAR, decide, device_flag_value
+from tpuserve.tpu_platform.vllm_plugin import PLATFORM_QUALNAME, register
+from tpuserve.tpu_platform.vllm_plugin.activation import ENV_VAR, decide, device_flag_value
 
 pytestmark = pytest.mark.timeout(60)
 

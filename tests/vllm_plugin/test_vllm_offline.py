@@ -54,8 +54,8 @@ def hf_logprobs(model, ids: list[int]) -> np.ndarray:
 
 def ours(path, prompts, max_tokens, chat=None, **engine):
     """Our standalone engine (server.llm.LLM) on the same weights: token ids per prompt."""
-    from server.llm import LLM
-    from server.sampling_params import SamplingParams
+    from tpuserve.server.llm import LLM
+    from tpuserve.server.sampling_params import SamplingParams
 
     llm = LLM(path, **engine)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)

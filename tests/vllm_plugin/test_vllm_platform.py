@@ -60,7 +60,7 @@ def test_device_flag_value_is_validated():
 def test_parser_hook_in_process():
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    from tpu_platform.vllm_plugin.platform import TpuservePlatform
+    from tpuserve.tpu_platform.vllm_plugin.platform import TpuservePlatform
 
     parser = FlexibleArgumentParser()
     TpuservePlatform.pre_register_and_update(parser)
@@ -73,7 +73,7 @@ def test_parser_hook_in_process():
 def test_unsupported_requests_are_refused_in_the_front_end():
     from vllm import SamplingParams
 
-    from tpu_platform.vllm_plugin.platform import TpuservePlatform
+    from tpuserve.tpu_platform.vllm_plugin.platform import TpuservePlatform
 
     TpuservePlatform.validate_request({"type": "token"}, SamplingParams(max_tokens=4))
     with pytest.raises(ValueError, match="logit_bias"):

@@ -12,9 +12,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from tpu_platform.step_batch import Logprobs, SamplerOutput, StepOutput
-from tpu_platform.vllm_plugin.request_state import RequestTable
-from tpu_platform.vllm_plugin.sampling import SamplingSpec, UnsupportedRequest, allowed_ids_bitmask
+from tpuserve.tpu_platform.step_batch import Logprobs, SamplerOutput, StepOutput
+from tpuserve.tpu_platform.vllm_plugin.request_state import RequestTable
+from tpuserve.tpu_platform.vllm_plugin.sampling import SamplingSpec, UnsupportedRequest, allowed_ids_bitmask
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -86,8 +86,8 @@ class SimpleServer:
 @pytest.fixture(scope="module")
 def ours():
     """Our standalone engine on the same default model: the expected greedy texts."""
-    from server.llm import LLM
-    from server.sampling_params import SamplingParams
+    from tpuserve.server.llm import LLM
+    from tpuserve.server.sampling_params import SamplingParams
 
     llm = LLM(None, max_model_len=512)
     greedy = SamplingParams(temperature=0.0, max_tokens=16)

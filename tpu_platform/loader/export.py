@@ -16,7 +16,7 @@ def export_hf_dir(gguf_path: str, out_dir: str, dtype: str = "float32") -> str:
     """Dequantize ``gguf_path`` into ``out_dir`` (created); returns out_dir. Skips work if present."""
     from safetensors.numpy import save_file
 
-    from tpu_platform.loader.gguf_loader import load_gguf
+    from tpuserve.tpu_platform.loader.gguf_loader import load_gguf
 
     marker = os.path.join(out_dir, ".exported-from")
     if os.path.exists(marker):
@@ -41,7 +41,7 @@ def export_hf_dir(gguf_path: str, out_dir: str, dtype: str = "float32") -> str:
 
 def default_model_hf_dir() -> str:
     """The default model exported once under ~/.cache/tpuserve/models/."""
-    from tpu_platform.loader.gguf_loader import default_model_path
+    from tpuserve.tpu_platform.loader.gguf_loader import default_model_path
 
     out = os.path.join(os.path.expanduser("~"), ".cache", "tpuserve", "models", "SmolLM2-135M-Instruct")
     return export_hf_dir(default_model_path(), out)

@@ -19,9 +19,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from attention.dispatch import AttentionParams, ragged_paged_attention
-from attention.metadata import AttentionMetadata
-from tpu_platform.models.arch import ModelArch
+from tpuserve.attention.dispatch import AttentionParams, ragged_paged_attention
+from tpuserve.attention.metadata import AttentionMetadata
+from tpuserve.tpu_platform.models.arch import ModelArch
 
 
 def rms_norm(x, weight, eps: float):

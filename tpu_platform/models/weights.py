@@ -7,7 +7,7 @@ from collections.abc import Callable
 import jax.numpy as jnp
 import numpy as np
 
-from tpu_platform.models.arch import ModelArch, ModelConfigError
+from tpuserve.tpu_platform.models.arch import ModelArch, ModelConfigError
 
 
 def build_params(arch: ModelArch, get: Callable[[str], np.ndarray | None], dtype) -> dict:

@@ -22,12 +22,12 @@ from __future__ import annotations
 
 
 def register_platform() -> str | None:
-    from tpu_platform.sglang_plugin.activation import PLATFORM_QUALNAME, platform_active
+    from tpuserve.tpu_platform.sglang_plugin.activation import PLATFORM_QUALNAME, platform_active
 
     return PLATFORM_QUALNAME if platform_active() else None
 
 
 def register_hooks() -> None:
-    from tpu_platform.sglang_plugin.hooks import register_all
+    from tpuserve.tpu_platform.sglang_plugin.hooks import register_all
 
     register_all()

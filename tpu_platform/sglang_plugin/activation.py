@@ -13,7 +13,7 @@ import importlib.util
 import os
 
 PLUGIN_NAME = "tpuserve"  # the entry-point name in both SGLang groups; SGLANG_PLATFORM=tpuserve
-PLATFORM_QUALNAME = "tpu_platform.sglang_plugin.platform:TpuServeSRTPlatform"
+PLATFORM_QUALNAME = "tpuserve.tpu_platform.sglang_plugin.platform:TpuServeSRTPlatform"
 
 # TPU VMs expose chips as /dev/accel* (v2-v5e) or VFIO groups (v5p, v6e and later).
 _TPU_DEVICE_GLOBS = ("/dev/accel[0-9]*", "/dev/vfio/[0-9]*")

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from tpu_platform.step_batch import ScheduledSeq
+from tpuserve.tpu_platform.step_batch import ScheduledSeq
 
 log = logging.getLogger(__name__)
 
@@ -83,10 +83,10 @@ class JaxExecutor:
     """Owns the model (weights + KV cache in JAX arrays) and runs steps indexed by SGLang's pages."""
 
     def __init__(self, cfg: ExecutorConfig):
-        from tpu_platform.config import EngineConfig
-        from tpu_platform.device import discover, enable_compilation_cache, resolve_dtype
-        from tpu_platform.loader import load_model
-        from tpu_platform.model_runner import ModelRunner
+        from tpuserve.tpu_platform.config import EngineConfig
+        from tpuserve.tpu_platform.device import discover, enable_compilation_cache, resolve_dtype
+        from tpuserve.tpu_platform.loader import load_model
+        from tpuserve.tpu_platform.model_runner import ModelRunner
 
         t0 = time.perf_counter()
         self.cfg = cfg
@@ -131,7 +131,7 @@ class JaxExecutor:
         return max(1, int(budget // spec_bytes))
 
     def _page_bytes(self) -> int:
-        from kv_cache.layout import KVCacheSpec
+        from tpuserve.kv_cache.layout import KVCacheSpec
         return KVCacheSpec(self.arch.num_layers, 1, self.cfg.page_size, self.arch.num_kv_heads,
                            self.arch.head_dim, self.dtype).bytes_per_page
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 
-from tpu_platform.sglang_plugin.activation import PLUGIN_NAME
+from tpuserve.tpu_platform.sglang_plugin.activation import PLUGIN_NAME
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +33,7 @@ _UNSUPPORTED_SAMPLING_KEYS = ("json_schema", "regex", "ebnf", "structural_tag", 
 def our_platform_active() -> bool:
     from sglang.srt.platforms import current_platform
 
-    from tpu_platform.sglang_plugin.platform import TpuServeSRTPlatform
+    from tpuserve.tpu_platform.sglang_plugin.platform import TpuServeSRTPlatform
     return isinstance(current_platform, TpuServeSRTPlatform)
 
 
@@ -43,7 +43,7 @@ def init_tp_model_worker(original, scheduler, *args, **kwargs):
         return original(scheduler, *args, **kwargs)
     from sglang.srt.runtime_context import get_device
 
-    from tpu_platform.sglang_plugin.worker import TpuServeTpModelWorker
+    from tpuserve.tpu_platform.sglang_plugin.worker import TpuServeTpModelWorker
     _register_attention_backend_name()
     log.info("tpuserve platform active: building TpuServeTpModelWorker (JAX executor) in place of "
              "SGLang's TpModelWorker")
@@ -56,7 +56,7 @@ def _register_attention_backend_name() -> None:
     """Make the attention backend name our platform reports a known one; building it is an error."""
     from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
 
-    from tpu_platform.sglang_plugin.platform import ATTENTION_BACKEND_NAME
+    from tpuserve.tpu_platform.sglang_plugin.platform import ATTENTION_BACKEND_NAME
 
     def _never_built(runner):
         raise RuntimeError("tpuserve: attention runs inside the JAX model; there is no torch "

@@ -47,7 +47,7 @@ class TpuServeSRTPlatform(SRTPlatform):
                 f"the host; --device {server_args.device} is not supported (use --device tpu or "
                 f"leave --device unset)")
         if device == "tpu":
-            from tpu_platform.sglang_plugin.activation import tpu_visible
+            from tpuserve.tpu_platform.sglang_plugin.activation import tpu_visible
             if not tpu_visible():
                 raise ValueError(
                     "--device tpu: no TPU is visible here (libtpu + /dev/accel* or /dev/vfio); "

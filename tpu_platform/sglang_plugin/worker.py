@@ -30,9 +30,9 @@ from sglang.srt.managers.tp_worker import TpModelWorker
 from sglang.srt.managers.utils import GenerationBatchResult
 from sglang.srt.runtime_context import get_model, get_schedule
 
-from tpu_platform.sglang_plugin.executor import ExecutorConfig, JaxExecutor
-from tpu_platform.sglang_plugin.slots import check_new_slots, page_table
-from tpu_platform.step_batch import SamplingRow, ScheduledSeq
+from tpuserve.tpu_platform.sglang_plugin.executor import ExecutorConfig, JaxExecutor
+from tpuserve.tpu_platform.sglang_plugin.slots import check_new_slots, page_table
+from tpuserve.tpu_platform.step_batch import SamplingRow, ScheduledSeq
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +135,7 @@ class TpuServeTpModelWorker(TpModelWorker):
     """SGLang's TP worker with our JAX executor in place of its torch model runner."""
 
     def _init_model_runner(self):
-        from tpu_platform.sglang_plugin.stub_runner import TpuServeModelRunnerStub
+        from tpuserve.tpu_platform.sglang_plugin.stub_runner import TpuServeModelRunnerStub
 
         # Executor first: it sizes the KV cache, and SGLang's pools are sized from it.
         cfg = executor_config(get_model().model_path, self.model_config.context_len)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-PLATFORM_QUALNAME = "tpu_platform.vllm_plugin.platform.TpuservePlatform"
+PLATFORM_QUALNAME = "tpuserve.tpu_platform.vllm_plugin.platform.TpuservePlatform"
 
 # Why this process activated the platform (set by register, logged once logging is configured).
 activation_reason: str | None = None
@@ -17,7 +17,7 @@ activation_reason: str | None = None
 
 def register() -> str | None:
     """Called by vLLM in every process: our Platform's qualified name when active, else None."""
-    from tpu_platform.vllm_plugin.activation import ENV_VAR, decide
+    from tpuserve.tpu_platform.vllm_plugin.activation import ENV_VAR, decide
 
     global activation_reason
     decision = decide()

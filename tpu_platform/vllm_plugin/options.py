@@ -26,7 +26,7 @@ class PluginOptions:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any] | None, enforce_eager: bool = False) -> "PluginOptions":
-        from attention.dispatch import ATTENTION_IMPLS
+        from tpuserve.attention.dispatch import ATTENTION_IMPLS
 
         raw = dict(raw or {})
         known = {f.name for f in fields(cls)}

@@ -26,9 +26,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from vllm.platforms.interface import Platform, PlatformEnum
 
-from tpu_platform.vllm_plugin.activation import DEVICE_CHOICES, DEVICE_FLAG, ENV_VAR, decide, tpu_attached
-from tpu_platform.vllm_plugin.options import PluginOptions
-from tpu_platform.vllm_plugin.sampling import unsupported_features
+from tpuserve.tpu_platform.vllm_plugin.activation import DEVICE_CHOICES, DEVICE_FLAG, ENV_VAR, decide, tpu_attached
+from tpuserve.tpu_platform.vllm_plugin.options import PluginOptions
+from tpuserve.tpu_platform.vllm_plugin.sampling import unsupported_features
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 # A child of vLLM's "vllm" logger, so our lines go through the handler and format vLLM configures.
 log = logging.getLogger("vllm.tpuserve")
 
-WORKER_QUALNAME = "tpu_platform.vllm_plugin.worker.TpuserveWorker"
+WORKER_QUALNAME = "tpuserve.tpu_platform.vllm_plugin.worker.TpuserveWorker"
 DEFAULT_BLOCK_SIZE = 16  # tokens per KV page: EngineConfig's default, which our kernels are tuned for
 
 
@@ -187,7 +187,7 @@ class TpuservePlatform(Platform):
     @classmethod
     def log_warnings(cls) -> None:
         # The acceptance criterion "its log says so": one line naming the platform and why.
-        import tpu_platform.vllm_plugin as plugin
+        import tpuserve.tpu_platform.vllm_plugin as plugin
 
         reason = plugin.activation_reason or decide().reason
         log.info("tpuserve vLLM platform active (%s); model runs on JAX (%s)",
@@ -239,7 +239,7 @@ def _unsupported_config(cfg: "VllmConfig") -> list[str]:
 
 def _unsupported_architecture(m: Any) -> list[str]:
     """Ask our own model table whether it implements this checkpoint (no weights, no JAX)."""
-    from tpu_platform.models.arch import ModelArch, ModelConfigError
+    from tpuserve.tpu_platform.models.arch import ModelArch, ModelConfigError
 
     hf = m.hf_config.to_dict() if hasattr(m.hf_config, "to_dict") else dict(m.hf_config)
     try:

@@ -26,8 +26,8 @@ from typing import Any
 
 import numpy as np
 
-from tpu_platform.step_batch import Logprobs, ScheduledSeq, StepOutput
-from tpu_platform.vllm_plugin.sampling import SamplingSpec
+from tpuserve.tpu_platform.step_batch import Logprobs, ScheduledSeq, StepOutput
+from tpuserve.tpu_platform.vllm_plugin.sampling import SamplingSpec
 
 
 @dataclass

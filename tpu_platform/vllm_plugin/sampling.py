@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from tpu_platform.step_batch import SamplingRow
+from tpuserve.tpu_platform.step_batch import SamplingRow
 
 
 class UnsupportedRequest(ValueError):

@@ -24,8 +24,8 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCache
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, LogprobsLists, LogprobsTensors, ModelRunnerOutput
 from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
-from tpu_platform.vllm_plugin.options import PluginOptions
-from tpu_platform.vllm_plugin.request_state import RequestTable, StepPlan, StepResult
+from tpuserve.tpu_platform.vllm_plugin.options import PluginOptions
+from tpuserve.tpu_platform.vllm_plugin.request_state import RequestTable, StepPlan, StepResult
 
 log = logging.getLogger("vllm.tpuserve.worker")
 
@@ -53,7 +53,7 @@ class TpuserveWorker(WorkerBase):
     # ---- start-up ----
 
     def init_device(self) -> None:
-        from tpu_platform.device import discover, enable_compilation_cache, resolve_dtype
+        from tpuserve.tpu_platform.device import discover, enable_compilation_cache, resolve_dtype
 
         self.device_info = discover()
         cache_dir = enable_compilation_cache(self.options.compilation_cache_dir)
@@ -69,7 +69,7 @@ class TpuserveWorker(WorkerBase):
                  self.device_info.device_kind, name, cache_dir)
 
     def load_model(self, *, load_dummy_weights: bool = False) -> None:
-        from tpu_platform.loader import load_model
+        from tpuserve.tpu_platform.loader import load_model
 
         if load_dummy_weights:
             raise NotImplementedError("dummy weights are not supported on the tpuserve platform")
@@ -129,8 +129,8 @@ class TpuserveWorker(WorkerBase):
 
     def initialize_from_config(self, kv_cache_config: KVCacheConfig) -> None:
         """Allocate our KV pages: vLLM's block ids index them directly."""
-        from tpu_platform.config import EngineConfig
-        from tpu_platform.model_runner import ModelRunner
+        from tpuserve.tpu_platform.config import EngineConfig
+        from tpuserve.tpu_platform.model_runner import ModelRunner
 
         groups = kv_cache_config.kv_cache_groups
         if len(groups) != 1:
