@@ -8,13 +8,16 @@ import jax
 from jax.experimental.pallas import tpu as pltpu
 
 from tpuserve.attention.blocked import ragged_paged_attention_blocked
+# resolve_impl and kv_cache_shape live in a jax-free module (KV sizing needs them before jax);
+# re-exported here, next to the entry point that uses the shapes.
+from tpuserve.attention.kv_cache_shape import (PADDED_HEAD_IMPLS,  # noqa: F401
+                                               combined_heads, kv_cache_shape, resolve_impl)
 from tpuserve.attention.metadata import AttentionMetadata
+from tpuserve.attention.names import ATTENTION_IMPLS
 from tpuserve.attention.pallas_gpu import ragged_paged_attention_gpu_stacked
 from tpuserve.attention.pallas_tpu import ragged_paged_attention_tpu_stacked
 from tpuserve.attention.reference import ragged_paged_attention_ref, write_kv_ref
 from tpuserve.kv_cache.layout import interleave_kv
-
-ATTENTION_IMPLS = ("auto", "reference", "blocked", "pallas_tpu", "pallas_tpu_interpret", "pallas_gpu")
 
 # "pallas_tpu_interpret" runs the real TPU kernel on CPU in TPU interpret mode (simulated HBM/VMEM/
 # SMEM, DMAs executed on wait, semaphores, uninitialised VMEM reading as NaN). Race detection is
@@ -34,17 +37,6 @@ class AttentionParams:
     v_scale: float | None = None
 
 
-def resolve_impl(impl: str, backend: str) -> str:
-    """Turn ``auto`` into a concrete implementation for a JAX backend ('tpu', 'gpu', 'cpu')."""
-    if impl not in ATTENTION_IMPLS:
-        raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {impl!r}")
-    if impl != "auto":
-        return impl
-    # CPU (and anything else) runs the blocked jnp path: the reference's whole-row gather costs
-    # 2-7x more there (attention/blocked.py says why).
-    return {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}.get(backend, "blocked")
-
-
 def ragged_paged_attention(
     queries: jax.Array,
     new_k: jax.Array,
@@ -57,11 +49,21 @@ def ragged_paged_attention(
 ) -> tuple[jax.Array, jax.Array]:
     """Write this step's K/V into layer ``layer`` of the stacked cache, then attend.
 
-    queries [T, Hq, D]; new_k, new_v [T, Hkv, D]; kv_cache [L, P, page_size, 2*Hkv, D];
-    layer: scalar int32. Returns (out [T, Hq, D], updated kv_cache).
+    queries [T, Hq, D]; new_k, new_v [T, Hkv, D]; kv_cache [L, P, page_size, C, D] in the
+    shape ``kv_cache_shape(impl, spec)`` gives (C = 2*Hkv, or padded to the sublane tile for the
+    Pallas TPU kernel, which also takes an unpadded cache); layer: scalar int32.
+    Returns (out [T, Hq, D], updated kv_cache).
     """
     if impl == "auto":
         impl = resolve_impl(impl, jax.default_backend())
+    num_combined = 2 * new_k.shape[1]
+    cache_heads = kv_cache.shape[-2]
+    # Only the TPU kernel knows padding heads; the others read C as 2*Hkv and would misplace heads.
+    allowed = (num_combined, combined_heads(impl, new_k.shape[1], kv_cache.dtype))
+    if cache_heads not in allowed:
+        raise ValueError(f"attention impl {impl!r} needs the KV cache's combined-head axis to be "
+                         f"one of {sorted(set(allowed))} (see kv_cache_shape), got "
+                         f"{kv_cache.shape}")
     if impl in ("reference", "blocked"):
         # In place on the stacked cache: slicing a layer out and back would copy it twice a step.
         kv_cache = write_kv_ref(kv_cache, interleave_kv(new_k, new_v), md.kv_lens, md.page_indices,
@@ -79,9 +81,10 @@ def ragged_paged_attention(
     kwargs = dict(sm_scale=params.sm_scale, sliding_window=params.sliding_window,
                   soft_cap=params.soft_cap, k_scale=params.k_scale, v_scale=params.v_scale)
     if impl == "pallas_tpu":
-        return ragged_paged_attention_tpu_stacked(*args, **kwargs)
+        return ragged_paged_attention_tpu_stacked(*args, num_kv_heads=new_k.shape[1], **kwargs)
     if impl == "pallas_tpu_interpret":
-        return ragged_paged_attention_tpu_stacked(*args, interpret=TPU_INTERPRET_PARAMS, **kwargs)
+        return ragged_paged_attention_tpu_stacked(*args, num_kv_heads=new_k.shape[1],
+                                                  interpret=TPU_INTERPRET_PARAMS, **kwargs)
     if impl == "pallas_gpu":
         return ragged_paged_attention_gpu_stacked(*args, **kwargs)
     raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {impl!r}")

@@ -5,17 +5,23 @@ Semantics are those of ``attention/reference.py`` (``write_kv_ref`` followed by
 token attends causally to its sequence's cache (optionally within a sliding window, with a logit
 soft cap and FP8 K/V scales). Padding tokens (past ``cu_q_lens[num_seqs]``) produce zeros.
 
-KV layout (kv_cache/layout.py)
-------------------------------
-The kernel works on the model's stacked cache ``[L, P, page_size, 2*Hkv, D]``; the layer is a
+KV layout (kv_cache/layout.py, attention/kv_cache_shape.py)
+-----------------------------------------------------------
+The kernel works on the model's stacked cache ``[L, P, page_size, C, D]``; the layer is a
 scalar-prefetch operand, so one layer is updated in place without slicing it out. K and V are
 interleaved on the combined-head axis (``2*h`` = K of KV head h, ``2*h+1`` = V), so one DMA of a
-page brings K and V of every head. The kernel sees the cache as ``[L, P, page_size*2*Hkv, D]``
-(row ``r*2*Hkv + c`` = token row r, combined head c): a reshape that is free (a bitcast) when
-``2*Hkv`` is a multiple of the sublane tile (8 rows f32, 16 bf16, 32 fp8) - true for >= 8 KV
-heads in bf16; smaller head counts make XLA relayout the cache around the call (correct, slow on
-TPU; pad KV heads for such models). In that 2-D view K of head h for a KV block is one
-sublane-strided load (``pl.ds(2*h, kv_block, stride=2*Hkv)``), the pattern jax's own TPU kernel
+page brings K and V of every head. The kernel sees the cache as ``[L, P, page_size*C, D]``
+(row ``r*C + c`` = token row r, combined head c): a reshape that is free (a bitcast) only when C
+is a multiple of the sublane tile (8 rows for 32-bit, 16 for bf16/f16, 32 for fp8). So the cache
+this kernel is given (``kv_cache_shape("pallas_tpu", spec)``) pads C from 2*Hkv up to that
+multiple: heads ``2*Hkv .. C-1`` are padding, zero from allocation. The padded ``[page_size, C, D]``
+page takes the same HBM tiles the unpadded one would, since a TPU tiles the last two dims anyway.
+An unpadded cache (C = 2*Hkv) still works: correct, but below the tile XLA relayouts the cache
+around every call. The real head count comes from ``new_kv`` (or ``num_kv_heads``), never from C.
+Padding heads are never written (each token's write covers rows ``r*C .. r*C + 2*Hkv - 1``) and
+never enter the math: they ride along in the page DMA (one contiguous copy per page) but the
+strided loads below only touch real heads. In the 2-D view K of head h for a KV block is one
+sublane-strided load (``pl.ds(2*h, kv_block, stride=C)``), the pattern jax's own TPU kernel
 uses; no ``ref.reshape``/``bitcast`` is needed, so TPU interpret mode runs the same code.
 
 Queries are re-laid out outside the kernel (cheap next to the KV traffic) from ``[T, Hq, D]`` to
@@ -31,14 +37,15 @@ grid = (NB,) over query blocks, "arbitrary" (sequential) because DMAs cross grid
   SMEM array would be padded), cu_q_lens[S+1], num_seqs[1], and first_seq[NB] (the sequence that
   owns each block's first token, found with ``searchsorted`` outside the kernel).
 * Step 0 prologue - KV write: every real token's ``new_kv[t]`` row (``[2*Hkv, D]``) is DMA'd
-  HBM -> HBM into ``cache[layer, page, row]`` (at most ``_MAX_WRITES_IN_FLIGHT`` outstanding on one
-  DMA semaphore), and all writes complete before the first KV read is issued, so every query sees
-  its own chunk's K/V and no read races a write. Writes are not overlapped with compute (the cost
-  is one ``[2*Hkv, D]`` row per token, small next to the reads).
+  HBM -> HBM into the real heads of ``cache[layer, page, row]`` (at most
+  ``_MAX_WRITES_IN_FLIGHT`` outstanding on one DMA semaphore), and all writes complete before the
+  first KV read is issued, so every query sees its own chunk's K/V and no read races a write.
+  Writes are not overlapped with compute (the cost is one ``[2*Hkv, D]`` row per token, small next
+  to the reads).
 * A block's work is a list of (sequence, KV block) items: each sequence owning rows of the block,
   and for it the KV blocks of ``pages_per_block`` pages that its rows can see - blocks entirely
   after the last row (causal) or entirely before the sliding window of the first row are skipped.
-* Double buffering: ``kv_buf[2, pages_per_block*page_size*2*Hkv, D]`` in VMEM, one DMA semaphore
+* Double buffering: ``kv_buf[2, pages_per_block*page_size*C, D]`` in VMEM, one DMA semaphore
   per slot, one DMA per page. Each item waits for its slot, starts the next item's pages into the
   other slot - across sequences and across grid steps (the last item of step i prefetches step
   i+1's first block; the slot it used is kept in SMEM) - and then computes. Only pages below
@@ -56,7 +63,7 @@ Block sizes
 -----------
 ``num_queries_per_block`` (bq) trades MXU rows (bq*G) against wasted rows when a block holds
 several short sequences; ``num_kv_pages_per_block`` sets the DMA/compute granularity and VMEM use
-(2 * kv_tokens * 2*Hkv * D * itemsize). Defaults (``default_block_sizes``) aim at ~256-1024 KV
+(2 * kv_tokens * C * D * itemsize). Defaults (``default_block_sizes``) aim at ~256-1024 KV
 tokens per block and 32-64 queries per block per generation - v5e: 16 MiB scoped VMEM, 128x128
 MXU -> (32 queries, 256 KV tokens); v4 / v5p: (32, 512); v6e: 256x256 MXU, 32 MiB -> (64, 512);
 v7x: (64, 1024). They are reasoned from VMEM and MXU sizes, not tuned on hardware (no TPU has
@@ -146,12 +153,12 @@ def _kernel(
     # inputs
     q_ref,  # VMEM [1, Hkv, bq*G, D]
     new_kv_hbm,  # ANY [T, 2*Hkv, D] (cache dtype), or None
-    kv_in_hbm,  # ANY [L, P, page_size*2*Hkv, D], aliased to kv_hbm
+    kv_in_hbm,  # ANY [L, P, page_size*C, D], aliased to kv_hbm
     # outputs
     o_ref,  # VMEM [1, Hkv, bq*G, D]
-    kv_hbm,  # ANY [L, P, page_size*2*Hkv, D]: row r*2*Hkv + c is token row r, combined head c
+    kv_hbm,  # ANY [L, P, page_size*C, D]: row r*C + c is token row r, combined head c
     # scratch
-    kv_buf,  # VMEM [2, kv_block*2*Hkv, D], same row order
+    kv_buf,  # VMEM [2, kv_block*C, D], same row order
     kv_sems,  # DMA semaphores [2]
     write_sem,  # DMA semaphore [1]
     next_slot_ref,  # SMEM i32[1]: slot holding the current step's first KV block
@@ -163,6 +170,7 @@ def _kernel(
     group: int,
     page_size: int,
     num_combined: int,
+    cache_heads: int,
     pages_per_seq: int,
     pages_per_block: int,
     sm_scale: float,
@@ -176,8 +184,8 @@ def _kernel(
     blk = pl.program_id(0)
     num_blocks = pl.num_programs(0)
     num_slots = kv_lens_ref.shape[0]
-    num_kv_heads = num_combined // 2
-    page_rows = page_size * num_combined  # rows of one page in the 2-D views
+    num_kv_heads = num_combined // 2  # real heads; combined heads >= num_combined are padding
+    page_rows = page_size * cache_heads  # rows of one page in the 2-D views
     kv_block = pages_per_block * page_size
     rows = bq * group
     layer = layer_ref[0]
@@ -250,7 +258,8 @@ def _kernel(
     # ---- KV write prologue ----
     def write_new_kv():
         def row_copy(t, page, row):
-            dst = kv_hbm.at[layer, page, pl.ds(row * num_combined, num_combined)]
+            # Only the real combined heads: the padding heads of the row stay as allocated (zero).
+            dst = kv_hbm.at[layer, page, pl.ds(row * cache_heads, num_combined)]
             return pltpu.make_async_copy(new_kv_hbm.at[t], dst, write_sem)
 
         any_row = row_copy(0, 0, 0)  # a wait only needs the semaphore and the byte count
@@ -294,9 +303,10 @@ def _kernel(
         score_scale = sm_scale * (1.0 if k_scale is None else k_scale)
         for h in range(num_kv_heads):
             q = q_ref[0, h]  # [rows, D]
-            # Sublane-strided loads pick one combined head out of every token's 2*Hkv rows.
-            k = kv_buf[slot, pl.ds(2 * h, kv_block, stride=num_combined), :].astype(q.dtype)
-            v = kv_buf[slot, pl.ds(2 * h + 1, kv_block, stride=num_combined), :].astype(q.dtype)
+            # Sublane-strided loads pick one combined head out of every token's C rows; padding
+            # heads (>= 2*Hkv) are fetched with their page but never loaded from the buffer.
+            k = kv_buf[slot, pl.ds(2 * h, kv_block, stride=cache_heads), :].astype(q.dtype)
+            v = kv_buf[slot, pl.ds(2 * h + 1, kv_block, stride=cache_heads), :].astype(q.dtype)
             v = jnp.where(v_ok, v, jnp.zeros_like(v))  # stale / NaN rows past kv_len
             precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
             scores = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
@@ -375,7 +385,7 @@ def _first_seq_per_block(cu_q_lens, num_blocks: int, bq: int):
     jax.jit,
     static_argnames=("sm_scale", "sliding_window", "soft_cap", "mask_value", "k_scale", "v_scale",
                      "num_queries_per_block", "num_kv_pages_per_block", "vmem_limit_bytes",
-                     "interpret"),
+                     "num_kv_heads", "interpret"),
 )
 def ragged_paged_attention_tpu_stacked(
     queries,
@@ -396,24 +406,36 @@ def ragged_paged_attention_tpu_stacked(
     num_queries_per_block: int | None = None,
     num_kv_pages_per_block: int | None = None,
     vmem_limit_bytes: int | None = None,
+    num_kv_heads: int | None = None,
     interpret=None,
 ):
     """Ragged paged attention on layer ``layer`` of a stacked cache, updated in place.
 
     queries [T, Hq, D]; new_kv [T, 2*Hkv, D] interleaved (or None: attend without writing);
-    kv_cache [L, P, page_size, 2*Hkv, D]; layer: int32 scalar (traced is fine); kv_lens [S],
-    page_indices [S, pages_per_seq], cu_q_lens [S+1], num_seqs [1] (all int32).
-    Returns (out [T, Hq, D] in queries.dtype, kv_cache). ``interpret``: None to compile for TPU,
-    or a ``pltpu.InterpretParams`` to run in TPU interpret mode.
+    kv_cache [L, P, page_size, C, D] with C >= 2*Hkv: combined heads past 2*Hkv are padding
+    (``kv_cache_shape``), never written or attended to; layer: int32 scalar (traced is fine);
+    kv_lens [S], page_indices [S, pages_per_seq], cu_q_lens [S+1], num_seqs [1] (all int32).
+    ``num_kv_heads``: Hkv; taken from new_kv when it is given, else C // 2 - so pass it when
+    attending to a padded cache without writing. Returns (out [T, Hq, D] in queries.dtype,
+    kv_cache). ``interpret``: None to compile for TPU, or a ``pltpu.InterpretParams`` to run in
+    TPU interpret mode.
     """
     if mask_value is None:
         mask_value = DEFAULT_MASK_VALUE
     num_tokens, num_q_heads, head_dim = queries.shape
-    _, _, page_size, num_combined, head_dim_kv = kv_cache.shape
-    num_kv_heads = num_combined // 2
+    _, _, page_size, cache_heads, head_dim_kv = kv_cache.shape
+    if new_kv is not None:
+        if num_kv_heads is not None and new_kv.shape[1] != 2 * num_kv_heads:
+            raise ValueError(f"new_kv {new_kv.shape} does not hold num_kv_heads={num_kv_heads}")
+        num_kv_heads = new_kv.shape[1] // 2
+    elif num_kv_heads is None:
+        num_kv_heads = cache_heads // 2
+    num_combined = 2 * num_kv_heads
     num_slots, pages_per_seq = page_indices.shape
-    if head_dim_kv != head_dim or num_combined % 2 or num_q_heads % num_kv_heads:
-        raise ValueError(f"incompatible shapes: queries {queries.shape}, kv_cache {kv_cache.shape}")
+    if (head_dim_kv != head_dim or num_kv_heads < 1 or num_combined > cache_heads
+            or num_q_heads % num_kv_heads):
+        raise ValueError(f"incompatible shapes: queries {queries.shape}, kv_cache {kv_cache.shape}, "
+                         f"num_kv_heads={num_kv_heads}")
     if new_kv is not None and new_kv.shape != (num_tokens, num_combined, head_dim):
         raise ValueError(f"new_kv must be {(num_tokens, num_combined, head_dim)}, "
                          f"got {new_kv.shape}")
@@ -443,7 +465,7 @@ def ragged_paged_attention_tpu_stacked(
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     kernel = functools.partial(
         _kernel, bq=bq, group=group, page_size=page_size, num_combined=num_combined,
-        pages_per_seq=pages_per_seq,
+        cache_heads=cache_heads, pages_per_seq=pages_per_seq,
         pages_per_block=ppb, sm_scale=sm_scale, sliding_window=sliding_window,
         soft_cap=soft_cap, mask_value=mask_value, k_scale=k_scale, v_scale=v_scale)
     if new_kv is None:
@@ -454,7 +476,7 @@ def ragged_paged_attention_tpu_stacked(
         in_specs=[q_spec] + ([any_spec] if new_kv is not None else []) + [any_spec],
         out_specs=[q_spec, any_spec],
         scratch_shapes=[
-            pltpu.VMEM((2, ppb * page_size * num_combined, head_dim), kv_cache.dtype),
+            pltpu.VMEM((2, ppb * page_size * cache_heads, head_dim), kv_cache.dtype),
             pltpu.SemaphoreType.DMA((2,)),
             pltpu.SemaphoreType.DMA(()),
             pltpu.SMEM((1,), jnp.int32),
@@ -465,7 +487,7 @@ def ragged_paged_attention_tpu_stacked(
     )
     operands = (q,) + ((new_kv,) if new_kv is not None else ()) + (kv_cache,)
     num_layers, num_pages = kv_cache.shape[:2]
-    cache_2d = kv_cache.reshape(num_layers, num_pages, page_size * num_combined, head_dim)
+    cache_2d = kv_cache.reshape(num_layers, num_pages, page_size * cache_heads, head_dim)
     operands = operands[:-1] + (cache_2d,)
     out, cache_2d = pl.pallas_call(
         kernel,
@@ -510,9 +532,10 @@ def ragged_paged_attention_tpu(
     num_queries_per_block: int | None = None,
     num_kv_pages_per_block: int | None = None,
     vmem_limit_bytes: int | None = None,
+    num_kv_heads: int | None = None,
     interpret=None,
 ):
-    """Single-layer form: kv_pages [P, page_size, 2*Hkv, D]. Returns (out [T, Hq, D], kv_pages).
+    """Single-layer form: kv_pages [P, page_size, C, D]. Returns (out [T, Hq, D], kv_pages).
 
     Same semantics as ``write_kv_ref`` + ``ragged_paged_attention_ref``; see the module docstring.
     """
@@ -522,5 +545,5 @@ def ragged_paged_attention_tpu(
         mask_value=mask_value, k_scale=k_scale, v_scale=v_scale,
         num_queries_per_block=num_queries_per_block,
         num_kv_pages_per_block=num_kv_pages_per_block, vmem_limit_bytes=vmem_limit_bytes,
-        interpret=interpret)
+        num_kv_heads=num_kv_heads, interpret=interpret)
     return out, kv_cache[0]

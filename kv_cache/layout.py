@@ -2,14 +2,23 @@
 
 Per layer, K and V of ``page_size`` consecutive tokens of one sequence live in one *page*:
 
-    kv_pages: [num_pages, page_size, 2 * num_kv_heads, head_dim]
+    kv_pages: [num_pages, page_size, C, head_dim]        C >= 2 * num_kv_heads
 
 with K and V *interleaved* along the combined-head axis: combined head ``2*h`` is K of KV head
 ``h`` and ``2*h + 1`` is V of KV head ``h``. One DMA of a page slice therefore fetches K and V
-together, which is what the Pallas kernel wants, and it is the layout of jax's own
+together, which is what the Pallas kernels want, and it is the layout of jax's own
 ``ref_ragged_paged_attention`` so that function can serve as an independent oracle.
 
-The model keeps all layers in one array, ``[num_layers, num_pages, page_size, 2*Hkv, D]``, so a
+The attention backend chooses C (``attention/kv_cache_shape.py``, ``kv_cache_shape(impl, spec)``):
+
+* ``reference``, ``blocked``, ``pallas_gpu``: C = 2*Hkv exactly.
+* ``pallas_tpu`` / ``pallas_tpu_interpret``: C = 2*Hkv rounded up to a multiple of the TPU
+  sublane tile of the cache dtype (8 for 32-bit, 16 for bf16/f16, 32 for fp8/int8). A TPU tiles the
+  last two dims, so a ``[C, D]`` slice below the tile costs a whole tile anyway; padding makes the
+  kernel's ``[page_size*C, D]`` page view a free bitcast. Combined heads ``2*Hkv .. C-1`` are
+  padding: zero at allocation, never written, never read into the attention math.
+
+The model keeps all layers in one array, ``[num_layers, num_pages, page_size, C, D]``, so a
 ``lax.scan`` over layers can carry it. Page 0 is never handed to a sequence: padded page-table
 entries point at it, so stray reads of padding are harmless.
 
@@ -22,6 +31,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import jax.numpy as jnp
+
+from tpuserve.attention.kv_cache_shape import kv_cache_shape
 
 RESERVED_PAGE = 0
 
@@ -37,16 +48,32 @@ class KVCacheSpec:
 
     @property
     def shape(self) -> tuple[int, int, int, int, int]:
+        """The unpadded ``[L, P, page_size, 2*Hkv, D]``; ``shape_for(impl)`` is what gets allocated."""
         return (self.num_layers, self.num_pages, self.page_size, 2 * self.num_kv_heads, self.head_dim)
 
     @property
     def bytes_per_page(self) -> int:
-        """Bytes one page takes across all layers (K and V)."""
+        """Bytes of K and V one page holds across all layers, *without* any head padding.
+
+        This is the payload (what vLLM's own page accounting computes); the memory one page
+        really takes depends on the attention impl: ``page_bytes(impl)``.
+        """
         return (self.num_layers * self.page_size * 2 * self.num_kv_heads * self.head_dim
                 * jnp.dtype(self.dtype).itemsize)
 
-    def allocate(self):
-        return jnp.zeros(self.shape, self.dtype)
+    def shape_for(self, impl: str) -> tuple[int, int, int, int, int]:
+        """The stacked cache shape attention impl ``impl`` (concrete, not 'auto') works on."""
+        return kv_cache_shape(impl, self)
+
+    def page_bytes(self, impl: str) -> int:
+        """Bytes one page really takes across all layers in ``impl``'s layout (padding included)."""
+        _, _, page_size, combined, head_dim = self.shape_for(impl)
+        return self.num_layers * page_size * combined * head_dim * jnp.dtype(self.dtype).itemsize
+
+    def allocate(self, impl: str | None = None):
+        """A zeroed cache in ``impl``'s layout; ``None`` keeps the unpadded ``shape``."""
+        shape = self.shape if impl is None else self.shape_for(impl)
+        return jnp.zeros(shape, self.dtype)
 
 
 def interleave_kv(k, v):
@@ -55,6 +82,8 @@ def interleave_kv(k, v):
     return jnp.stack([k, v], axis=2).reshape(t, 2 * h, d)
 
 
-def split_kv(kv):
-    """[..., 2*Hkv, D] -> (K, V), each [..., Hkv, D]."""
+def split_kv(kv, num_kv_heads: int | None = None):
+    """[..., C, D] -> (K, V), each [..., Hkv, D]; pass ``num_kv_heads`` when C carries padding."""
+    if num_kv_heads is not None:
+        kv = kv[..., :2 * num_kv_heads, :]
     return kv[..., 0::2, :], kv[..., 1::2, :]

@@ -15,11 +15,11 @@ import pytest
 from jax._src.pallas.mosaic.interpret import interpret_pallas_call as tpu_interpret
 from jax.experimental.pallas import tpu as pltpu
 
-from tpuserve.attention.dispatch import AttentionParams, ragged_paged_attention
+from tpuserve.attention.dispatch import AttentionParams, kv_cache_shape, ragged_paged_attention
 from tpuserve.attention.metadata import AttentionMetadata
 from tpuserve.attention.pallas_tpu import (default_block_sizes, ragged_paged_attention_tpu,
                                   ragged_paged_attention_tpu_stacked)
-from tpuserve.kv_cache.layout import split_kv
+from tpuserve.kv_cache.layout import KVCacheSpec, split_kv
 
 import attention_cases as cases  # tests/attention/attention_cases.py
 
@@ -158,5 +158,123 @@ def test_lowers_to_mosaic(num_tokens, kv_dtype, options):
             jax.ShapeDtypeStruct((slots, pps), jnp.int32),
             jax.ShapeDtypeStruct((slots + 1,), jnp.int32), jax.ShapeDtypeStruct((1,), jnp.int32))
     lowered = ragged_paged_attention_tpu_stacked.trace(*args, sm_scale=0.08, **options).lower(
+        lowering_platforms=("tpu",))
+    assert "tpu_custom_call" in lowered.as_text()
+
+
+# ---- the padded cache kv_cache_shape gives the TPU kernel: combined heads padded to the tile ----
+
+PADDED_CASES = {
+    "hkv1_g4": (dict(seqs=[(1, 9), (5, 11), (2, 2)], num_q_heads=4, num_kv_heads=1,
+                     head_dim=64, num_tokens=8), dict(sm_scale=0.125)),
+    "hkv3_g2": (dict(seqs=cases.MIXED, num_q_heads=6, num_kv_heads=3, head_dim=64,
+                     num_tokens=16), dict(sm_scale=0.125, soft_cap=5.0)),
+}
+
+
+def pad_heads(kv_pages, heads, fill=0.0):
+    """[..., 2*Hkv, D] -> [..., heads, D]: the real combined heads, then ``fill`` padding heads."""
+    pad = [(0, 0)] * (kv_pages.ndim - 2) + [(0, heads - kv_pages.shape[-2]), (0, 0)]
+    return jnp.pad(kv_pages, pad, constant_values=fill)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name,heads,fill", [
+    ("hkv1_g4", 16, 0.0),  # bf16's tile (16) with f32 data: CPU has no native bf16
+    ("hkv3_g2", None, 0.0),  # the f32 rule: 6 -> 8
+    ("hkv3_g2", 16, float("nan")),  # NaN padding: the output proves padding is never read
+])
+def test_kernel_on_padded_cache(name, heads, fill):
+    """Padded cache == reference and jax's oracle on the unpadded cache; the padding heads keep
+    their value (zero as allocated) through the write."""
+    case_args, kwargs = PADDED_CASES[name]
+    case = cases.make_case(0, **case_args, **cases.SHAPES)
+    hkv = case_args["num_kv_heads"]
+    if heads is None:
+        spec = KVCacheSpec(1, *case.kv_pages.shape[:2], hkv, case.kv_pages.shape[-1], jnp.float32)
+        heads = kv_cache_shape("pallas_tpu", spec)[3]
+        assert heads == 8
+    out, kv = ragged_paged_attention_tpu(
+        case.queries, case.new_kv, pad_heads(case.kv_pages, heads, fill), *case.metadata,
+        interpret=RACES, num_queries_per_block=4, num_kv_pages_per_block=2, **kwargs)
+    jax.block_until_ready((out, kv))
+    assert not races_found(), "the race detector reported a data race"
+    assert kv.shape[-2] == heads
+    want, want_kv = cases.expected(case, **kwargs)
+    np.testing.assert_array_equal(cases.f32(kv[..., :2 * hkv, :]), cases.f32(want_kv))
+    np.testing.assert_array_equal(cases.f32(kv[..., 2 * hkv:, :]),
+                                  np.full(kv[..., 2 * hkv:, :].shape, fill, np.float32))
+    np.testing.assert_allclose(cases.f32(out), cases.f32(want), **cases.tolerance(jnp.float32))
+    n = case.num_real_tokens
+    np.testing.assert_allclose(cases.f32(out[:n]), cases.f32(cases.oracle(case, want_kv, **kwargs)),
+                               **cases.tolerance(jnp.float32))
+
+
+@pytest.mark.timeout(300)
+def test_attend_without_writing_on_padded_cache():
+    """new_kv=None: num_kv_heads says where the real heads end (C alone cannot)."""
+    case_args, kwargs = PADDED_CASES["hkv1_g4"]
+    case = cases.make_case(1, **case_args, **cases.SHAPES)
+    out, kv = ragged_paged_attention_tpu(
+        case.queries, None, pad_heads(case.kv_pages, 16), *case.metadata, interpret=RACES,
+        num_queries_per_block=8, num_kv_pages_per_block=3, num_kv_heads=1, **kwargs)
+    jax.block_until_ready((out, kv))
+    assert not races_found()
+    np.testing.assert_array_equal(cases.f32(kv), cases.f32(pad_heads(case.kv_pages, 16)))
+    want = cases.ragged_paged_attention_ref(case.queries, case.kv_pages, *case.metadata, **kwargs)
+    np.testing.assert_allclose(cases.f32(out), cases.f32(want), **cases.tolerance(jnp.float32))
+
+
+@pytest.mark.timeout(300)
+def test_dispatch_on_allocated_padded_cache():
+    """The engine's path: KVCacheSpec.allocate('pallas_tpu_interpret') (f32: 2 -> 8 heads), two
+    jitted layers through dispatch == 'reference' on the unpadded allocation."""
+    case_args, kwargs = PADDED_CASES["hkv1_g4"]
+    case = cases.make_case(2, **case_args, **cases.SHAPES)
+    spec = KVCacheSpec(2, *case.kv_pages.shape[:2], 1, case.kv_pages.shape[-1], jnp.float32)
+    new_k, new_v = split_kv(case.new_kv)
+    md = AttentionMetadata(*case.metadata)
+    params = AttentionParams(**kwargs)
+
+    def step(impl):
+        def layer(c, i):
+            scale = (i + 1).astype(new_k.dtype)  # each layer its own K/V: a wrong layer shows
+            out, c = ragged_paged_attention(case.queries, new_k * scale, new_v * scale, c, i, md,
+                                            params, impl)
+            return c, out
+        run = jax.jit(lambda c: jax.lax.scan(layer, c, jnp.arange(2, dtype=jnp.int32)))
+        return run(spec.allocate(impl))
+
+    got, out = step("pallas_tpu_interpret")
+    want, want_out = step("reference")
+    assert got.shape == (2, *case.kv_pages.shape[:2], 8, case.kv_pages.shape[-1])
+    np.testing.assert_array_equal(cases.f32(got[..., :2, :]), cases.f32(want))
+    assert not cases.f32(got[..., 2:, :]).any()
+    np.testing.assert_allclose(cases.f32(out), cases.f32(want_out), atol=1e-4, rtol=1e-4)
+
+
+def test_dispatch_rejects_padded_cache_for_unpadded_impls():
+    """reference / blocked / pallas_gpu read C as 2*Hkv: a padded cache is an error, not garbage."""
+    case, kwargs, _ = cases.build("decode_g8")
+    new_k, new_v = split_kv(case.new_kv)
+    with pytest.raises(ValueError, match="combined-head axis"):
+        ragged_paged_attention(case.queries, new_k, new_v, pad_heads(case.kv_pages, 8)[None],
+                               jnp.int32(0), AttentionMetadata(*case.metadata),
+                               AttentionParams(**kwargs), "reference")
+
+
+@pytest.mark.timeout(240)
+def test_lowers_to_mosaic_padded_cache():
+    """Two KV heads in bf16 on the padded cache (4 -> 16 combined heads) lower to Mosaic."""
+    slots, hq, hkv, d, layers, pages, ps, pps, tokens = 8, 8, 2, 128, 2, 65, 16, 8, 32
+    spec = KVCacheSpec(layers, pages, ps, hkv, d, jnp.bfloat16)
+    args = (jax.ShapeDtypeStruct((tokens, hq, d), jnp.bfloat16),
+            jax.ShapeDtypeStruct((tokens, 2 * hkv, d), jnp.bfloat16),
+            jax.ShapeDtypeStruct(kv_cache_shape("pallas_tpu", spec), jnp.bfloat16),
+            jax.ShapeDtypeStruct((), jnp.int32), jax.ShapeDtypeStruct((slots,), jnp.int32),
+            jax.ShapeDtypeStruct((slots, pps), jnp.int32),
+            jax.ShapeDtypeStruct((slots + 1,), jnp.int32), jax.ShapeDtypeStruct((1,), jnp.int32))
+    assert args[2].shape[3] == 16
+    lowered = ragged_paged_attention_tpu_stacked.trace(*args, sm_scale=0.08).lower(
         lowering_platforms=("tpu",))
     assert "tpu_custom_call" in lowered.as_text()

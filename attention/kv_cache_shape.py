@@ -1,0 +1,66 @@
+"""Which KV cache shape each attention implementation wants (no jax import: sizing code uses it).
+
+``resolve_impl`` (``auto`` -> a concrete impl per backend) lives here for the same reason;
+``attention/dispatch.py`` re-exports both.
+
+Every implementation stores a layer's page as ``[page_size, C, D]`` with K and V interleaved on the
+combined-head axis C (kv_cache/layout.py). C is ``2*Hkv`` for all implementations except the
+Pallas TPU kernel's, which pads C up to a multiple of the TPU sublane tile of the cache dtype:
+
+    32-bit -> 8,  16-bit (bf16, f16) -> 16,  8-bit (fp8, int8) -> 32
+
+Why: on a TPU the last two dims of an array are tiled (sublanes x 128 lanes), and a ``[C, D]``
+slice with C below the tile occupies a whole tile anyway. Padding C makes that waste explicit (and
+counted in the KV sizing), and it lets the kernel view a page as ``[page_size*C, D]`` for free - a
+bitcast, where an unpadded small C makes XLA relayout the whole cache around every call. Combined
+heads ``>= 2*Hkv`` are padding: never written, never read into the attention math, zero forever.
+"""
+
+from __future__ import annotations
+
+import ml_dtypes  # noqa: F401  (registers bfloat16 / float8 names with numpy)
+import numpy as np
+
+from tpuserve.attention.names import ATTENTION_IMPLS
+
+# Implementations whose cache pads the combined-head axis to the sublane tile.
+PADDED_HEAD_IMPLS = ("pallas_tpu", "pallas_tpu_interpret")
+
+
+def resolve_impl(impl: str, backend: str) -> str:
+    """Turn ``auto`` into a concrete implementation for a JAX backend ('tpu', 'gpu', 'cpu')."""
+    if impl not in ATTENTION_IMPLS:
+        raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {impl!r}")
+    if impl != "auto":
+        return impl
+    # CPU (and anything else) runs the blocked jnp path: the reference's whole-row gather costs
+    # 2-7x more there (attention/blocked.py says why).
+    return {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}.get(backend, "blocked")
+
+
+def sublane_tile(dtype) -> int:
+    """Rows of one TPU (sublane x lane) tile of ``dtype``: 8 of 32 bits, more when packed."""
+    itemsize = np.dtype(dtype).itemsize
+    return 8 * max(1, 4 // itemsize)
+
+
+def padded_combined_heads(num_kv_heads: int, dtype) -> int:
+    """``2*num_kv_heads`` rounded up to a multiple of the sublane tile of ``dtype``."""
+    tile = sublane_tile(dtype)
+    return -(-2 * num_kv_heads // tile) * tile
+
+
+def combined_heads(impl: str, num_kv_heads: int, dtype) -> int:
+    """Size of the combined-head axis of ``impl``'s cache (a concrete impl, not ``auto``)."""
+    if impl == "auto" or impl not in ATTENTION_IMPLS:
+        raise ValueError(f"need a concrete attention impl (turn 'auto' into one with "
+                         f"resolve_impl first), one of {ATTENTION_IMPLS[1:]}, got {impl!r}")
+    if impl in PADDED_HEAD_IMPLS:
+        return padded_combined_heads(num_kv_heads, dtype)
+    return 2 * num_kv_heads
+
+
+def kv_cache_shape(impl: str, spec) -> tuple[int, int, int, int, int]:
+    """``[L, P, page_size, C, D]`` of the stacked cache ``impl`` works on, for a ``KVCacheSpec``."""
+    return (spec.num_layers, spec.num_pages, spec.page_size,
+            combined_heads(impl, spec.num_kv_heads, spec.dtype), spec.head_dim)
