@@ -3,29 +3,43 @@
 The logits never leave the device: only the sampled ids (and the requested logprobs) come back to the
 host. Shapes: S = sequence rows, V = vocabulary size.
 
-Processing order (vLLM v1's, with top-k -> top-p -> min-p for the random filters):
-  1. banned ids and the structured-output bitmask set disallowed tokens to -inf;
+Processing order (vLLM v1's):
+  1. banned ids and the structured-output bitmask set disallowed tokens to -inf (the host folds the
+     banned ids into the bitmask, so both are one mask on device);
   2. penalties: repetition (on tokens seen in the prompt or the output: positive logits are divided
      by the penalty, the others multiplied), then frequency (``-= freq * count``) and presence
      (``-= pres * (count > 0)``);
   3. greedy rows (temperature < 1e-5) take the argmax of the processed logits;
-  4. random rows: divide by the temperature, keep the top-k, then the top-p nucleus, then drop tokens
-     whose probability is below ``min_p * max_prob``, and draw from the softmax of what is left.
+  4. random rows: divide by the temperature, drop tokens whose probability is below
+     ``min_p * max_prob`` (min-p runs first, as vLLM v1 applies it before its top-k/top-p sampler),
+     keep the top-k, then the top-p nucleus of what is left, and draw from the softmax of the rest.
 
 Randomness contract: the PRNG key of row i is ``fold_in(key(seeds[i]), steps[i])`` and the draw is
 vmapped over rows, so a row's token depends only on its (seed, step) and its own logits: never on the
 other rows, its position in the batch, the batch size, or which compiled variant ran.
 
-Compilation: host-side flags derived from the batch (any random row? any top-k/top-p? penalties in use?
-banned ids? bitmask? how many logprobs?) pick a static variant, each jitted once and cached in
-``_VARIANTS``; ``jax.jit`` keys its own cache on the shapes. An all-greedy batch without penalties or
-masks compiles to an argmax only. ``compile_count()`` counts actual traces.
+Compilation: a batch is one of 8 kinds, {greedy, random} x {plain, extras} x {no logprobs, logprobs},
+run as a chain of at most three small jitted stages, each compiled once per row count (5 programs per
+row count in all, the last shared with compute_logprobs); every per-request choice is a runtime value,
+so nothing compiles after ``warmup``:
+  * argmax: a plain all-greedy batch compiles to an argmax only;
+  * extras: the allowed-token bitmask (banned ids are folded into it on the host, so the ban list's
+    width shapes nothing) and the penalties (dense output_counts and prompt_mask [S, V]); a batch
+    needing only some of them gets neutral arrays for the rest, kept on device and not re-sent. It
+    ends in the argmax (greedy batches) or hands the processed logits on (random ones);
+  * random: temperature sampling and min-p (one cheap fused pass); top-k/top-p sit behind a
+    ``lax.cond`` on a flag the host computes, so plain temperature sampling skips their bisection;
+  * logprobs: always the top ``max_logprobs`` (the engine's limit, clamped to V); the host slices the
+    columns down to what was asked for.
+Stages rather than one fused program per kind: the PRNG (threefry) dominates compile time on CPU,
+and this way one program per row count holds it instead of four. Prompt logprobs
+(``compute_logprobs``) pad their rows to power-of-two buckets. ``compile_count()`` counts traces.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import jax
 import jax.numpy as jnp
@@ -35,29 +49,29 @@ from tpuserve.tpu_platform.step_batch import Logprobs, SamplerOutput, SamplingBa
 
 # Rows whose temperature is below this are greedy (float32 so host and device agree on the boundary).
 GREEDY_EPS = np.float32(1e-5)
+# vLLM's --max-logprobs default: how many top entries the logprobs variants compute.
+DEFAULT_MAX_LOGPROBS = 20
+# Smallest row bucket of compute_logprobs: below it, padding costs less than one more program.
+MIN_LOGPROB_ROWS = 8
 
 
 @dataclass(frozen=True)
 class _Variant:
-    """Static flags selecting which stages a compiled sampler contains."""
+    """Which stages a batch runs (8 kinds)."""
 
-    any_random: bool  # some row samples (temperature >= GREEDY_EPS)
-    top_k_top_p: bool  # some random row has an active top-k or top-p (bisection passes over V)
-    counts: bool  # output_counts used (repetition/frequency/presence penalties)
-    prompt_mask: bool  # prompt_mask used (repetition penalty)
-    banned: bool  # banned_ids has at least one real id
-    bitmask: bool  # token_bitmask forbids at least one token
-    num_logprobs: int | None  # None = no logprobs, else top-k size (already clamped to V)
+    random: bool  # some row samples (temperature >= GREEDY_EPS)
+    extras: bool  # penalties and/or an allowed-token mask (banned ids, structured output)
+    num_top: int | None  # None = no logprobs, else the top-k size (max_logprobs clamped to V)
 
 
-# Jitted sampler per variant; jax.jit caches the compiled executable per input shape.
-_VARIANTS: dict[_Variant, Callable[..., Any]] = {}
 _trace_count = 0
+# Neutral extras inputs per (name, S, V), kept on device so batches that lack them send nothing.
+_NEUTRAL: dict[tuple[str, int, int], jax.Array] = {}
 
 
 def compile_count() -> int:
-    """How many times a jitted function of this module was traced (sample variants and
-    compute_logprobs, one per distinct static variant and input shapes)."""
+    """How many times a jitted function of this module was traced: each stage program once per
+    static flag and input shapes (sample's stages and the logprobs program compute_logprobs shares)."""
     return _trace_count
 
 
@@ -67,27 +81,23 @@ def _note_trace() -> None:
     _trace_count += 1
 
 
+def logprob_rows_bucket(num_rows: int) -> int:
+    """Row count compute_logprobs pads ``num_rows`` to: the next power of two, at least MIN_LOGPROB_ROWS."""
+    return max(MIN_LOGPROB_ROWS, 1 << max(0, int(num_rows) - 1).bit_length())
+
+
 # ---------------------------------------------------------------------------------------------
 # Device-side stages. All take and return [S, V] float32 logits unless stated otherwise.
 # ---------------------------------------------------------------------------------------------
 
 
-def _apply_banned(x: jax.Array, banned_ids: jax.Array) -> jax.Array:
-    """x [S, V], banned_ids [S, K] i32 with -1 padding -> x with banned tokens at -inf."""
-    num_rows, vocab = x.shape
-    # -1 would wrap to V-1 under numpy-style indexing; map it out of range and drop it instead.
-    ids = jnp.where(banned_ids < 0, vocab, banned_ids)
-    rows = jnp.broadcast_to(jnp.arange(num_rows)[:, None], ids.shape)
-    return x.at[rows, ids].set(-jnp.inf, mode="drop")
-
-
 def _apply_bitmask(x: jax.Array, bitmask: jax.Array) -> jax.Array:
     """x [S, V], bitmask [S, ceil(V/32)] i32 (bit j of word w allows token 32w+j) -> masked x."""
-    vocab = x.shape[1]
-    token = jnp.arange(vocab)
-    words = bitmask[:, token // 32]  # [S, V]
+    num_rows, vocab = x.shape
+    # Expand every word to its 32 bits in place (no gather): [S, W, 32] -> [S, 32W] -> first V.
     # An arithmetic shift smears the sign bit of word bit 31, but `& 1` keeps only the wanted bit.
-    allowed = ((words >> (token % 32)) & 1) == 1
+    bits = (bitmask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1
+    allowed = bits.reshape(num_rows, -1)[:, :vocab] == 1
     return jnp.where(allowed, x, -jnp.inf)
 
 
@@ -140,8 +150,9 @@ def _largest_key_where(holds: Callable[[jax.Array], jax.Array], num_rows: int) -
     return jax.lax.fori_loop(0, 32, step, (lo, hi))[0]
 
 
-def _apply_top_k_top_p(x: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
-    """x [S, V] (already divided by temperature); top_k [S] i32 (<=0 or >=V: off); top_p [S] f32 (>=1: off).
+def _top_k_top_p_keep(x: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """x [S, V] (already divided by temperature); top_k [S] i32 (<=0 or >=V: off); top_p [S] f32 (>=1: off)
+    -> keep [S, V] bool, the tokens the filters let through.
 
     Keeps the k largest logits, then the smallest set of those (by probability, renormalised over the
     top-k set) whose mass reaches top_p; the top token is always kept. Tokens tied with either cutoff
@@ -170,7 +181,12 @@ def _apply_top_k_top_p(x: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.
     p_cut = jnp.minimum(_largest_key_where(mass_above_reaches_p, num_rows), top_key - 1) + 1
     # p >= 1 keeps everything explicitly, since rounding can make the mass above a token reach 1.
     in_nucleus = (keys >= p_cut[:, None]) | (p >= 1.0)
-    return jnp.where(in_top_k & in_nucleus, x, -jnp.inf)
+    return in_top_k & in_nucleus
+
+
+def _apply_top_k_top_p(x: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """x with the tokens outside the top-k / top-p sets at -inf (see _top_k_top_p_keep)."""
+    return jnp.where(_top_k_top_p_keep(x, top_k, top_p), x, -jnp.inf)
 
 
 def _apply_min_p(x: jax.Array, min_p: jax.Array) -> jax.Array:
@@ -189,16 +205,24 @@ def _row_key(seed: jax.Array, step: jax.Array) -> jax.Array:
     return jax.random.fold_in(jax.random.key(seed), step)
 
 
-def _draw_random(x: jax.Array, greedy_ids: jax.Array, a: dict[str, jax.Array], top_k_top_p: bool) -> jax.Array:
+def _draw_random(x: jax.Array, greedy_ids: jax.Array, a: dict[str, jax.Array]) -> jax.Array:
     """x [S, V] processed logits, greedy_ids [S] -> [S] i32: greedy rows keep greedy_ids, others sample."""
     temperature = a["temperature"]
     is_greedy = temperature < GREEDY_EPS
     # Greedy rows divide by 1 only to keep their (discarded) draw finite.
     y = x / jnp.where(is_greedy, 1.0, temperature)[:, None]
-    # min-p before top-k/top-p, as vLLM v1 orders them (it only matters when top-p is also set).
-    y = _apply_min_p(y, a["min_p"])
-    if top_k_top_p:
-        y = _apply_top_k_top_p(y, a["top_k"], a["top_p"])
+    y = _apply_min_p(y, a["min_p"])  # one fused max + compare: cheap enough to always run
+    # The bisection passes run only when some random row has top-k/top-p on (a host-computed flag),
+    # so one program serves every mix while plain temperature sampling skips them. The cond yields a
+    # mask, not the logits: its skip branch is then a constant the select fuses away, where passing
+    # [S, V] logits through the cond costs a copy. Inactive rows' masks keep everything either way.
+    keep = jax.lax.cond(
+        a["use_top_k_top_p"],
+        lambda z: _top_k_top_p_keep(z, a["top_k"], a["top_p"]),
+        lambda z: jnp.ones(z.shape, bool),
+        y,
+    )
+    y = jnp.where(keep, y, -jnp.inf)
     keys = jax.vmap(_row_key)(a["seeds"], a["steps"])
     drawn = jax.vmap(jax.random.categorical)(keys, y).astype(jnp.int32)
     return jnp.where(is_greedy, greedy_ids, drawn)
@@ -218,30 +242,45 @@ def _logprobs(raw: jax.Array, targets: jax.Array, num_top: int) -> tuple[jax.Arr
     return target_lp, ranks, top_ids.astype(jnp.int32), top_lp
 
 
-def _sample_impl(v: _Variant, logits: jax.Array, a: dict[str, jax.Array]) -> tuple[Any, ...]:
-    """Traced body of one variant: logits [S, V], a = the batch arrays this variant needs."""
+# Stage programs. Each notes its trace; jax.jit caches one executable per static flag and shapes.
+
+
+def _argmax_impl(logits: jax.Array) -> jax.Array:
     _note_trace()
-    raw = logits.astype(jnp.float32)
-    x = raw
-    if v.banned:
-        x = _apply_banned(x, a["banned_ids"])
-    if v.bitmask:
-        x = _apply_bitmask(x, a["token_bitmask"])
-    if v.counts or v.prompt_mask:
-        x = _apply_penalties(
-            x,
-            a["repetition_penalty"],
-            output_counts=a.get("output_counts"),
-            prompt_mask=a.get("prompt_mask"),
-            presence=a.get("presence_penalty"),
-            frequency=a.get("frequency_penalty"),
-        )
-    token_ids = jnp.argmax(x, axis=-1).astype(jnp.int32)
-    if v.any_random:
-        token_ids = _draw_random(x, token_ids, a, v.top_k_top_p)
-    if v.num_logprobs is None:
-        return (token_ids,)
-    return (token_ids, *_logprobs(raw, token_ids, v.num_logprobs))
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+
+def _extras_impl(logits: jax.Array, a: dict[str, jax.Array], keep_logits: bool) -> jax.Array:
+    """Mask, then penalties; returns the processed f32 logits (keep_logits) or their argmax."""
+    _note_trace()
+    x = _apply_bitmask(logits.astype(jnp.float32), a["token_bitmask"])
+    x = _apply_penalties(
+        x,
+        a["repetition_penalty"],
+        output_counts=a["output_counts"],
+        prompt_mask=a["prompt_mask"],
+        presence=a["presence_penalty"],
+        frequency=a["frequency_penalty"],
+    )
+    return x if keep_logits else jnp.argmax(x, axis=-1).astype(jnp.int32)
+
+
+def _random_impl(logits: jax.Array, a: dict[str, jax.Array]) -> jax.Array:
+    _note_trace()
+    x = logits.astype(jnp.float32)
+    return _draw_random(x, jnp.argmax(x, axis=-1).astype(jnp.int32), a)
+
+
+def _logprobs_impl(logits: jax.Array, targets: jax.Array, num_top: int) -> tuple[jax.Array, ...]:
+    _note_trace()
+    return _logprobs(logits.astype(jnp.float32), targets, num_top)
+
+
+_argmax_jit = jax.jit(_argmax_impl)
+_extras_jit = jax.jit(_extras_impl, static_argnames=("keep_logits",))
+_random_jit = jax.jit(_random_impl)
+# Sampled-token logprobs and prompt logprobs share it, so a row count both use compiles once.
+_logprobs_jit = jax.jit(_logprobs_impl, static_argnames=("num_top",))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -272,28 +311,83 @@ def _check_rows(batch: SamplingBatch, num_rows: int, vocab: int) -> None:
         raise ValueError(f"num_logprobs must be None or >= 0, got {batch.num_logprobs}")
 
 
-def _prepare(batch: SamplingBatch, num_rows: int, vocab: int) -> tuple[_Variant, dict[str, np.ndarray]]:
-    """Static flags of the batch and the (typed numpy) arrays the chosen variant reads."""
+def _neutral(name: str, num_rows: int, vocab: int) -> jax.Array:
+    """A device-resident extras input that changes nothing, made once per shape.
+
+    device_put of a host array compiles nothing, unlike jnp.zeros, so a first use after warm-up is free.
+    """
+    key = (name, num_rows, vocab)
+    arr = _NEUTRAL.get(key)
+    if arr is None:
+        if name == "output_counts":
+            host = np.zeros((num_rows, vocab), np.int32)
+        elif name == "prompt_mask":
+            host = np.zeros((num_rows, vocab), bool)
+        elif name == "token_bitmask":
+            host = np.full((num_rows, (vocab + 31) // 32), -1, np.int32)
+        else:
+            raise KeyError(name)
+        arr = _NEUTRAL[key] = jax.device_put(host)
+    return arr
+
+
+def _allowed_words(batch: SamplingBatch, num_rows: int, vocab: int) -> np.ndarray | None:
+    """The batch's bitmask with its banned ids cleared, [S, ceil(V/32)] i32; None when it allows everything.
+
+    Folding the ban list in here keeps its width (how many ids a row bans) out of the program shapes.
+    """
+    words = None
+    if batch.token_bitmask is not None:
+        given = np.asarray(batch.token_bitmask, np.int32)
+        # All-ones (-1) words allow everything; any other word may forbid something.
+        if not bool((given == -1).all()):
+            words = given.view(np.uint32).copy()  # a copy: the caller's array is not ours to edit
+    if batch.banned_ids is not None:
+        ids = np.asarray(batch.banned_ids, np.int64)
+        # -1 pads; ids outside the vocabulary ban nothing.
+        rows, cols = np.nonzero((ids >= 0) & (ids < vocab))
+        if rows.size:
+            if words is None:
+                words = np.full((num_rows, (vocab + 31) // 32), 0xFFFFFFFF, np.uint32)
+            tokens = ids[rows, cols]
+            clear = ~(np.uint32(1) << (tokens % 32).astype(np.uint32))
+            np.bitwise_and.at(words, (rows, tokens // 32), clear)
+    return None if words is None else words.view(np.int32)
+
+
+def _num_top(max_logprobs: int, vocab: int) -> int:
+    if max_logprobs < 0:
+        raise ValueError(f"max_logprobs must be >= 0, got {max_logprobs}")
+    return min(int(max_logprobs), vocab)
+
+
+def _prepare(
+    batch: SamplingBatch, num_rows: int, vocab: int, max_logprobs: int = DEFAULT_MAX_LOGPROBS
+) -> tuple[_Variant, dict[str, Any], dict[str, Any], int]:
+    """The batch's variant, the arguments of its random and extras stages (numpy, or cached neutral
+    device arrays; empty when the stage does not run), and how many top-logprob columns the caller
+    gets back."""
     _check_rows(batch, num_rows, vocab)
-    a: dict[str, np.ndarray] = {}
+    random_args: dict[str, Any] = {}
+    extras_args: dict[str, Any] = {}
 
     temperature = np.asarray(batch.temperature, np.float32)
     random_rows = temperature >= GREEDY_EPS
     any_random = bool(random_rows.any())
-    top_k_top_p = False
     if any_random:
         top_k = np.asarray(batch.top_k, np.int32)
         top_p = np.asarray(batch.top_p, np.float32)
-        active = ((top_k > 0) & (top_k < vocab)) | (top_p < 1.0)
-        top_k_top_p = bool((active & random_rows).any())
-        a.update(
+        min_p = np.asarray(batch.min_p, np.float32)
+        top_k_top_p = ((top_k > 0) & (top_k < vocab)) | (top_p < 1.0)
+        random_args.update(
             temperature=temperature,
-            min_p=np.asarray(batch.min_p, np.float32),
+            top_k=top_k,
+            top_p=top_p,
+            min_p=min_p,
             seeds=np.asarray(batch.seeds, np.uint32),
             steps=np.asarray(batch.steps, np.int32),
+            use_top_k_top_p=np.asarray(bool((top_k_top_p & random_rows).any())),
         )
-        if top_k_top_p:
-            a.update(top_k=top_k, top_p=top_p)
 
     # Penalty arrays are [S, V]: skip shipping them when every row's penalties are neutral.
     rep = np.asarray(batch.repetition_penalty, np.float32)
@@ -302,92 +396,202 @@ def _prepare(batch: SamplingBatch, num_rows: int, vocab: int) -> tuple[_Variant,
     any_rep = bool((rep != 1.0).any())
     use_counts = batch.output_counts is not None and (any_rep or bool((pres != 0).any() or (freq != 0).any()))
     use_prompt = batch.prompt_mask is not None and any_rep
-    if use_counts or use_prompt:
-        a["repetition_penalty"] = rep
-    if use_counts:
-        a.update(
-            output_counts=np.asarray(batch.output_counts, np.int32),
+    words = _allowed_words(batch, num_rows, vocab)
+    extras = use_counts or use_prompt or words is not None
+    if extras:
+        extras_args.update(
+            repetition_penalty=rep,
             presence_penalty=pres,
             frequency_penalty=freq,
+            output_counts=(np.asarray(batch.output_counts, np.int32) if use_counts
+                           else _neutral("output_counts", num_rows, vocab)),
+            prompt_mask=(np.asarray(batch.prompt_mask, bool) if use_prompt
+                         else _neutral("prompt_mask", num_rows, vocab)),
+            token_bitmask=words if words is not None else _neutral("token_bitmask", num_rows, vocab),
         )
-    if use_prompt:
-        a["prompt_mask"] = np.asarray(batch.prompt_mask, bool)
 
-    banned = batch.banned_ids is not None and bool((np.asarray(batch.banned_ids) >= 0).any())
-    if banned:
-        a["banned_ids"] = np.asarray(batch.banned_ids, np.int32)
-    # All-ones (-1) words allow everything; any other word may forbid something.
-    bitmask = batch.token_bitmask is not None and not bool((np.asarray(batch.token_bitmask) == -1).all())
-    if bitmask:
-        a["token_bitmask"] = np.asarray(batch.token_bitmask, np.int32)
-
-    num_logprobs = None if batch.num_logprobs is None else min(int(batch.num_logprobs), vocab)
-    variant = _Variant(any_random, top_k_top_p, use_counts, use_prompt, banned, bitmask, num_logprobs)
-    return variant, a
+    num_top = None
+    columns = 0
+    if batch.num_logprobs is not None:
+        num_top = _num_top(max_logprobs, vocab)
+        columns = min(int(batch.num_logprobs), vocab)
+        if columns > num_top:
+            raise ValueError(f"num_logprobs {batch.num_logprobs} exceeds max_logprobs {max_logprobs}")
+    return _Variant(any_random, extras, num_top), random_args, extras_args, columns
 
 
-def _jitted(variant: _Variant) -> Callable[..., Any]:
-    fn = _VARIANTS.get(variant)
-    if fn is None:
-
-        def sample_variant(logits: jax.Array, arrays: dict[str, jax.Array]) -> tuple[Any, ...]:
-            return _sample_impl(variant, logits, arrays)
-
-        fn = jax.jit(sample_variant)
-        _VARIANTS[variant] = fn
-    return fn
-
-
-def _to_logprobs(parts: tuple[Any, ...]) -> Logprobs:
+def _to_logprobs(parts: tuple[Any, ...], num_rows: int, columns: int) -> Logprobs:
+    """Device results -> numpy, cut to the real rows and to the top columns the caller asked for."""
     lp, ranks, top_ids, top_lp = (np.asarray(p) for p in parts)
-    return Logprobs(token_logprobs=lp, token_ranks=ranks, top_ids=top_ids, top_logprobs=top_lp)
+    return Logprobs(
+        token_logprobs=lp[:num_rows],
+        token_ranks=ranks[:num_rows],
+        top_ids=top_ids[:num_rows, :columns],
+        top_logprobs=top_lp[:num_rows, :columns],
+    )
 
 
-def sample(logits: jax.Array, batch: SamplingBatch) -> SamplerOutput:
-    """Sample one token per row.
+def sample_async(
+    logits: jax.Array, batch: SamplingBatch, max_logprobs: int = DEFAULT_MAX_LOGPROBS
+) -> tuple[jax.Array, tuple[jax.Array, ...] | None]:
+    """Dispatch sampling without waiting for the device (for a runner that overlaps steps).
 
-    logits [S, V] float (raw model output, ideally already on device); batch has S rows.
-    Returns numpy token_ids [S] i32, plus logprobs of the raw distribution when batch.num_logprobs
-    is set (top entries: k = min(num_logprobs, V) columns).
+    Returns token_ids [S] i32 on device, and when batch.num_logprobs is set the device logprob parts
+    (token_logprobs [S], token_ranks [S] i32, top_ids [S, K] i32, top_logprobs [S, K]) with
+    K = min(max_logprobs, V) whatever was asked: consumers slice the columns they want on the host
+    (``sample`` does). Raises ValueError when num_logprobs > max_logprobs.
     """
     logits = jnp.asarray(logits)
     if logits.ndim != 2:
         raise ValueError(f"logits must be [S, V], got shape {logits.shape}")
-    num_rows, vocab = logits.shape
-    variant, arrays = _prepare(batch, num_rows, vocab)
-    out = _jitted(variant)(logits, arrays)
-    token_ids = np.asarray(out[0])
-    logprobs = _to_logprobs(out[1:]) if variant.num_logprobs is not None else None
-    return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
+    variant, random_args, extras_args, _ = _prepare(batch, *logits.shape, max_logprobs)
+    token_ids = _run_stages(variant, logits, random_args, extras_args)
+    parts = None
+    if variant.num_top is not None:
+        parts = tuple(_logprobs_jit(logits, token_ids, num_top=variant.num_top))
+    return token_ids, parts
 
 
-def _lower(logits: jax.Array, batch: SamplingBatch) -> Any:
-    """The jax ``Lowered`` of the variant ``sample`` would run (for tests inspecting the program)."""
-    logits = jnp.asarray(logits)
-    variant, arrays = _prepare(batch, *logits.shape)
-    return _jitted(variant).lower(logits, arrays)
+def sample(logits: jax.Array, batch: SamplingBatch, max_logprobs: int = DEFAULT_MAX_LOGPROBS) -> SamplerOutput:
+    """Sample one token per row.
 
-
-def _compute_logprobs_impl(logits: jax.Array, targets: jax.Array, num_top: int) -> tuple[jax.Array, ...]:
-    _note_trace()
-    return _logprobs(logits.astype(jnp.float32), targets, num_top)
-
-
-_compute_logprobs_jit = jax.jit(_compute_logprobs_impl, static_argnames=("num_top",))
-
-
-def compute_logprobs(logits: jax.Array, target_ids: Any, num_top: int) -> Logprobs:
-    """Logprobs of given targets under log_softmax(logits) (prompt logprobs).
-
-    logits [R, V] float, target_ids [R] int, num_top >= 0 -> Logprobs with numpy token_logprobs [R],
-    token_ranks [R] i32, top_ids / top_logprobs [R, min(num_top, V)].
+    logits [S, V] float (raw model output, ideally already on device); batch has S rows.
+    max_logprobs: the engine's limit on num_logprobs (vLLM's --max-logprobs); the device always
+    computes that many top entries, so the requested count never changes the program. Keep it fixed
+    for a server's life and pass the same value to ``warmup``.
+    Returns numpy token_ids [S] i32, plus logprobs of the raw distribution when batch.num_logprobs
+    is set: token_logprobs / token_ranks [S], top_ids / top_logprobs [S, k] with
+    k = min(batch.num_logprobs, V), the batch's largest request; a row that asked for fewer takes the
+    first columns of its row (sorted best first). Raises ValueError when num_logprobs > max_logprobs.
     """
+    token_ids, parts = sample_async(logits, batch, max_logprobs)
+    logprobs = None
+    if parts is not None:
+        logprobs = _to_logprobs(parts, len(batch.temperature), min(int(batch.num_logprobs), parts[2].shape[1]))
+    return SamplerOutput(token_ids=np.asarray(token_ids), logprobs=logprobs)
+
+
+def _run_stages(variant: _Variant, logits: jax.Array, random_args: dict, extras_args: dict) -> jax.Array:
+    """Token ids [S] (on device) through the stages the variant needs."""
+    if variant.extras:
+        x = _extras_jit(logits, extras_args, keep_logits=variant.random)
+        return _random_jit(x, random_args) if variant.random else x
+    if variant.random:
+        return _random_jit(logits, random_args)
+    return _argmax_jit(logits)
+
+
+def _lowered_text(logits: jax.Array, batch: SamplingBatch, max_logprobs: int = DEFAULT_MAX_LOGPROBS) -> str:
+    """The StableHLO text of every stage ``sample`` would run for this batch (tests inspect it)."""
     logits = jnp.asarray(logits)
+    variant, random_args, extras_args, _ = _prepare(batch, *logits.shape, max_logprobs)
+    num_rows = logits.shape[0]
+    texts = []
+    x = logits
+    if variant.extras:
+        texts.append(_extras_jit.lower(logits, extras_args, keep_logits=variant.random).as_text())
+        x = jax.ShapeDtypeStruct(logits.shape, jnp.float32)
+    if variant.random:
+        texts.append(_random_jit.lower(x, random_args).as_text())
+    elif not variant.extras:
+        texts.append(_argmax_jit.lower(logits).as_text())
+    if variant.num_top is not None:
+        ids = jax.ShapeDtypeStruct((num_rows,), jnp.int32)
+        texts.append(_logprobs_jit.lower(logits, ids, num_top=variant.num_top).as_text())
+    return "\n".join(texts)
+
+
+def _check_logprob_inputs(logits: Any, target_ids: Any) -> tuple[Any, np.ndarray]:
+    if not isinstance(logits, jax.Array):
+        logits = np.asarray(logits)
     if logits.ndim != 2:
         raise ValueError(f"logits must be [R, V], got shape {logits.shape}")
+    targets = np.asarray(target_ids, np.int32)
+    if targets.ndim != 1 or targets.shape[0] > logits.shape[0]:
+        raise ValueError(f"target_ids has shape {targets.shape}, expected (R,) with R <= {logits.shape[0]}")
+    return logits, targets
+
+
+def compute_logprobs_async(
+    logits: Any, target_ids: Any, max_logprobs: int = DEFAULT_MAX_LOGPROBS
+) -> tuple[jax.Array, ...]:
+    """Dispatch prompt logprobs without waiting: the device parts of ``compute_logprobs``, padded.
+
+    logits [N, V], target_ids [R] with R <= N (see compute_logprobs). Returns (token_logprobs [B],
+    token_ranks [B] i32, top_ids [B, K] i32, top_logprobs [B, K]) with B = logprob_rows_bucket(N) and
+    K = min(max_logprobs, V): the host keeps the first R rows and the columns it wants.
+    """
+    logits, targets = _check_logprob_inputs(logits, target_ids)
+    num_logits_rows, vocab = logits.shape
+    bucket = logprob_rows_bucket(num_logits_rows)
+    if bucket > num_logits_rows:
+        pad = ((0, bucket - num_logits_rows), (0, 0))
+        logits = jnp.pad(logits, pad) if isinstance(logits, jax.Array) else np.pad(logits, pad)
+    padded_targets = np.zeros(bucket, np.int32)
+    padded_targets[: targets.shape[0]] = targets
+    return tuple(_logprobs_jit(logits, padded_targets, num_top=_num_top(max_logprobs, vocab)))
+
+
+def compute_logprobs(
+    logits: Any, target_ids: Any, num_top: int, max_logprobs: int = DEFAULT_MAX_LOGPROBS
+) -> Logprobs:
+    """Logprobs of given targets under log_softmax(logits) (prompt logprobs).
+
+    logits [N, V] float, target_ids [R] int with R <= N: row i of the result scores target_ids[i]
+    under logits row i; logits rows past R are padding and ignored. The rows are padded to
+    ``logprob_rows_bucket(N)`` (power-of-two buckets, all compiled by ``warmup``), so the number of
+    prompt positions never compiles a new program. Padding a host (numpy) array is free; padding a
+    device array of a non-bucket N runs a small pad op compiled per N, which callers avoid by
+    gathering their logits rows with indices already padded to ``logprob_rows_bucket(R)``.
+    The device computes the top min(max_logprobs, V) entries; 0 <= num_top <= max_logprobs.
+    Returns numpy token_logprobs [R], token_ranks [R] i32, top_ids / top_logprobs [R, min(num_top, V)].
+    """
     if num_top < 0:
         raise ValueError(f"num_top must be >= 0, got {num_top}")
-    targets = np.asarray(target_ids, np.int32)
-    if targets.shape != (logits.shape[0],):
-        raise ValueError(f"target_ids has shape {targets.shape}, expected ({logits.shape[0]},)")
-    return _to_logprobs(_compute_logprobs_jit(logits, targets, num_top=min(int(num_top), logits.shape[1])))
+    logits, targets = _check_logprob_inputs(logits, target_ids)
+    columns = min(int(num_top), logits.shape[1])
+    if columns > _num_top(max_logprobs, logits.shape[1]):
+        raise ValueError(f"num_top {num_top} exceeds max_logprobs {max_logprobs}")
+    parts = compute_logprobs_async(logits, targets, max_logprobs)
+    return _to_logprobs(parts, targets.shape[0], columns)
+
+
+def warmup(
+    row_counts: Iterable[int],
+    vocab_size: int,
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS,
+    prompt_logprob_rows: int = 0,
+    dtype: Any = jnp.float32,
+) -> int:
+    """Compile every sampler variant for every row count in ``row_counts`` (logits [S, vocab_size] of
+    ``dtype``), and compute_logprobs for every row bucket up to ``prompt_logprob_rows`` (0: none).
+
+    Afterwards no batch of those row counts compiles anything, whatever its sampling parameters,
+    as long as ``max_logprobs`` matches what ``sample`` / ``compute_logprobs`` are called with.
+    Costs 5 programs per row count (argmax, extras x 2, random, logprobs) plus one per prompt
+    bucket not among them. Returns the number of programs compiled (0 when everything was warm).
+    """
+    before = compile_count()
+    for num_rows in sorted(set(int(n) for n in row_counts)):
+        logits = jax.device_put(np.zeros((num_rows, vocab_size), dtype))
+        for name in ("output_counts", "prompt_mask", "token_bitmask"):
+            _neutral(name, num_rows, vocab_size)
+        for random in (False, True):
+            for extras in (False, True):
+                for logprobs in (False, True):
+                    batch = SamplingBatch.greedy(num_rows)
+                    if random:
+                        batch.temperature[0] = 1.0
+                    if extras:
+                        batch.repetition_penalty[0] = 1.1
+                        batch.output_counts = np.zeros((num_rows, vocab_size), np.int32)
+                    if logprobs:
+                        batch.num_logprobs = 0
+                    sample(logits, batch, max_logprobs)
+    if prompt_logprob_rows > 0:
+        rows = MIN_LOGPROB_ROWS
+        while rows <= logprob_rows_bucket(prompt_logprob_rows):
+            logits = jax.device_put(np.zeros((rows, vocab_size), dtype))
+            compute_logprobs(logits, np.zeros(rows, np.int32), 0, max_logprobs)
+            rows *= 2
+    return compile_count() - before

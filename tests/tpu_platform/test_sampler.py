@@ -457,9 +457,9 @@ def test_compile_count_one_trace_per_variant_and_shape():
 
 def test_all_greedy_program_is_argmax_only():
     logits = jnp.zeros((4, 64), jnp.float32)
-    greedy_text = sampler._lower(logits, SamplingBatch.greedy(4)).as_text()
+    greedy_text = sampler._lowered_text(logits, SamplingBatch.greedy(4))
     filtered = make_batch(4, temperature=1.0, top_k=3)
-    filtered_text = sampler._lower(logits, filtered).as_text()
+    filtered_text = sampler._lowered_text(logits, filtered)
     # Positive control: the inspection does see the filters' bisection loops and the PRNG when
     # they are there.
     assert "while" in filtered_text and "threefry" in filtered_text
