@@ -45,7 +45,7 @@ def hf_greedy(model, ids: list[int], n: int) -> list[int]:
 def test_last_position_logits_match_transformers(random_checkpoints, arch):
     path = random_checkpoints[arch]
     loaded = load_model(path, jnp.float32)
-    runner = ModelRunner(EngineConfig(model=path, max_num_batched_tokens=128), loaded.arch,
+    runner = ModelRunner(EngineConfig.from_kwargs(model=path, max_num_batched_tokens=128), loaded.arch,
                          loaded.params, discover(), jnp.float32, num_pages=64, max_model_len=512)
     tok = loaded.tokenizer
     prompts = [tok.encode(p) for p in PROMPTS]
@@ -113,14 +113,14 @@ def test_smollm2_logits_and_greedy_match_transformers(smollm2_hf):
         next_page += n
     # One ragged prefill of all prompts (more tokens than the engine's budget: use a wide batch here).
     runner.token_buckets = (64, 128)
-    runner.config.max_num_seqs = 8
+    runner.max_num_seqs = 8
     ours = runner.compute_logits(runner.build_batch(seqs))
     for i, p in enumerate(prompts):
         with torch.no_grad():
             ref = smollm2_hf(torch.tensor([p])).logits[0, -1].numpy()
         np.testing.assert_allclose(ours[i], ref, rtol=1e-4, atol=1e-4)
     runner.token_buckets = llm.config.token_buckets
-    runner.config.max_num_seqs = 4
+    runner.max_num_seqs = 4
 
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True),
                         use_tqdm=False)

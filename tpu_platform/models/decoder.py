@@ -1,27 +1,38 @@
 """Decoder-only transformer (Llama / Mistral / Qwen2 / Qwen3) in JAX over a ragged batch and paged KV.
 
-One function, ``forward``, serves all four: the differences are flags on ``ModelArch`` (QKV bias,
-Q/K RMSNorm, rope scaling, tied embeddings). Layers are stacked along a leading axis and run with
+``forward`` runs the layers and returns hidden states (``DecoderOutput``); ``compute_logits`` is the
+LM head, applied by the caller to just the rows it samples from. One ``forward`` serves all four
+architectures: the differences are flags on ``ModelArch`` (QKV bias, Q/K RMSNorm, rope scaling,
+tied embeddings). Layers are stacked along a leading axis and run with
 ``lax.scan``: one compiled layer body instead of L copies keeps compile time flat in depth. When
 ``layers`` is instead a list of per-layer dicts (``weights.unstack_layers``), the layers are
 unrolled: XLA:CPU copies a scanned layer's weights out of the stack each step, which costs more than
 the compile time saved (EngineConfig.layer_loop).
 
-Parameter tree (L layers, H hidden, F ffn, Hq/Hkv heads of D, V vocab); matrices are [in, out]:
+Parameter tree (L layers, H hidden, F ffn, Hq/Hkv heads of D, G = Hq/Hkv, V vocab); weights are
+[in, *out] and every matmul goes through ``linear.linear``:
     embed [V, H]; final_norm [H]; lm_head [H, V] (absent when tied)
-    layers: input_norm [L, H], qkv [L, H, (Hq + 2*Hkv) * D], qkv_bias [L, (Hq+2Hkv)*D]?,
+    layers: input_norm [L, H], qkv [L, H, Hkv, G+2, D], qkv_bias [L, Hkv, G+2, D]?,
             q_norm / k_norm [L, D]?, o [L, Hq*D, H], o_bias [L, H]?, post_norm [L, H],
-            gate_up [L, H, 2F], gate_up_bias [L, 2F]?, down [L, F, H], down_bias [L, H]?
+            gate_up [L, H, 2, F], gate_up_bias [L, 2, F]?, down [L, F, H], down_bias [L, H]?
+qkv groups by KV head: [.., kv, g] for g < G is query head kv*G + g, [.., kv, G] is K, [.., kv, G+1] V
+(weights.build_params). Tensor parallelism is then one PartitionSpec per array (sharding.py): qkv
+splits on Hkv, gate_up on F, o and down on their input rows. With ``unstack_layers`` the leading [L]
+axis becomes a list of per-layer dicts.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from tpuserve.attention.dispatch import AttentionParams, ragged_paged_attention
 from tpuserve.attention.metadata import AttentionMetadata
 from tpuserve.tpu_platform.models.arch import ModelArch
+from tpuserve.tpu_platform.models.linear import linear
 
 
 def rms_norm(x, weight, eps: float):
@@ -39,65 +50,110 @@ def apply_rope(x, cos, sin):
     return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
 
 
+@jax.tree_util.register_dataclass
+@dataclass
+class DecoderOutput:
+    """What ``forward`` returns (a pytree, so it crosses ``jax.jit`` boundaries).
+
+    hidden      [T, H] activation dtype: the last layer's output after the final RMSNorm.
+    aux_hidden  tuple of [T, H], one per requested ``aux_layer_ids`` entry, in that order: the
+                residual stream entering that layer (embeddings plus all earlier layers' outputs,
+                before the layer's input norm). Empty when none were asked for.
+    kv_cache    [L, P, page_size, 2*Hkv, D], this step's K/V written.
+    """
+
+    hidden: jax.Array
+    aux_hidden: tuple[jax.Array, ...]
+    kv_cache: jax.Array
+
+
 def _layer(arch: ModelArch, attn_params: AttentionParams, attn_impl: str, md: AttentionMetadata,
-           cos, sin, carry, layer_in):
-    h, kv_cache = carry
-    w, layer_idx = layer_in
+           cos, sin, h, kv_cache, w, layer_idx):
+    """One transformer block. h [T, H] residual stream in; returns (h [T, H] out, kv_cache)."""
     t = h.shape[0]
     hq, hkv, d = arch.num_heads, arch.num_kv_heads, arch.head_dim
+    g = hq // hkv
 
     x = rms_norm(h, w["input_norm"], arch.rms_norm_eps)
-    qkv = x @ w["qkv"]
-    if "qkv_bias" in w:
-        qkv = qkv + w["qkv_bias"]
-    q = qkv[:, : hq * d].reshape(t, hq, d)
-    k = qkv[:, hq * d: (hq + hkv) * d].reshape(t, hkv, d)
-    v = qkv[:, (hq + hkv) * d:].reshape(t, hkv, d)
+    qkv = linear(x, w["qkv"], w.get("qkv_bias"))  # [T, Hkv, G+2, D]
+    q = qkv[:, :, :g].reshape(t, hq, d)  # query head kv*G + g: the GQA order attention expects
+    k, v = qkv[:, :, g], qkv[:, :, g + 1]  # [T, Hkv, D] each
     if arch.qk_norm:
         q = rms_norm(q, w["q_norm"], arch.rms_norm_eps)
         k = rms_norm(k, w["k_norm"], arch.rms_norm_eps)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     attn, kv_cache = ragged_paged_attention(q, k, v, kv_cache, layer_idx, md, attn_params, attn_impl)
-    out = attn.reshape(t, hq * d) @ w["o"]
-    if "o_bias" in w:
-        out = out + w["o_bias"]
-    h = h + out
+    h = h + linear(attn.reshape(t, hq * d), w["o"], w.get("o_bias"))
 
     x = rms_norm(h, w["post_norm"], arch.rms_norm_eps)
-    gu = x @ w["gate_up"]
-    if "gate_up_bias" in w:
-        gu = gu + w["gate_up_bias"]
-    f = arch.intermediate_size
-    y = (jax.nn.silu(gu[:, :f]) * gu[:, f:]) @ w["down"]
-    if "down_bias" in w:
-        y = y + w["down_bias"]
-    return (h + y, kv_cache), None
+    gu = linear(x, w["gate_up"], w.get("gate_up_bias"))  # [T, 2, F]
+    y = linear(jax.nn.silu(gu[:, 0]) * gu[:, 1], w["down"], w.get("down_bias"))
+    return h + y, kv_cache
 
 
-def forward(params, kv_cache, token_ids, positions, md: AttentionMetadata, logits_indices, *,
-            arch: ModelArch, attn_impl: str, inv_freq):
-    """One ragged step.
+def forward(params, kv_cache, token_ids, positions, md: AttentionMetadata, *, arch: ModelArch,
+            attn_impl: str, inv_freq, aux_layer_ids: tuple[int, ...] = ()) -> DecoderOutput:
+    """One ragged step over all T token slots; returns hidden states, not logits.
 
-    token_ids, positions [T] i32; kv_cache [L, P, page_size, 2*Hkv, D]; logits_indices [R] i32.
-    Returns (logits [R, V] f32, updated kv_cache).
+    params: the tree in this module's docstring, layers stacked ([L, ...] arrays, run with
+        ``lax.scan``) or a list of per-layer dicts (unrolled).
+    kv_cache [L, P, page_size, 2*Hkv, D]; token_ids, positions [T] i32; inv_freq [D/2] f32.
+    aux_layer_ids: static layer indices in [0, L] whose incoming residual stream to return (L: the
+        last layer's output before the final norm). Empty: no extra work is traced.
+    Returns DecoderOutput(hidden [T, H], aux_hidden (len(aux_layer_ids) x [T, H]), kv_cache).
     """
+    num_layers = arch.num_layers
+    aux_layer_ids = tuple(int(i) for i in aux_layer_ids)
+    bad = [i for i in aux_layer_ids if not 0 <= i <= num_layers]
+    if bad:
+        raise ValueError(f"aux_layer_ids {bad} out of range for {num_layers} layers (0..{num_layers})")
     h = params["embed"][token_ids]
     freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
     cos, sin = jnp.cos(freqs), jnp.sin(freqs)
     attn_params = AttentionParams(sm_scale=arch.head_dim ** -0.5, sliding_window=arch.sliding_window)
-    layer_ids = jnp.arange(arch.num_layers, dtype=jnp.int32)
 
-    def body(carry, layer_in):
-        return _layer(arch, attn_params, attn_impl, md, cos, sin, carry, layer_in)
+    def block(h, kv_cache, w, layer_idx):
+        return _layer(arch, attn_params, attn_impl, md, cos, sin, h, kv_cache, w, layer_idx)
 
+    captured: dict[int, jax.Array] = {}
     if isinstance(params["layers"], (list, tuple)):  # unrolled: layer i is a constant
-        carry = (h, kv_cache)
         for i, w in enumerate(params["layers"]):
-            carry, _ = body(carry, (w, jnp.int32(i)))
-        h, kv_cache = carry
+            if i in aux_layer_ids:
+                captured[i] = h
+            h, kv_cache = block(h, kv_cache, w, jnp.int32(i))
+    elif not aux_layer_ids:
+        def body(carry, xs):
+            return block(*carry, *xs), None
+        (h, kv_cache), _ = jax.lax.scan(
+            body, (h, kv_cache), (params["layers"], jnp.arange(num_layers, dtype=jnp.int32)))
     else:
-        (h, kv_cache), _ = jax.lax.scan(body, (h, kv_cache), (params["layers"], layer_ids))
-    h = rms_norm(h[logits_indices], params["final_norm"], arch.rms_norm_eps)
+        # Each wanted layer gets a slot of a [S+1, T, H] buffer carried through the scan; every layer
+        # writes its input h to its slot, the unwanted ones to the spare last slot (one T x H write a
+        # layer, in place, instead of stacking all L inputs as scan outputs).
+        wanted = sorted({i for i in aux_layer_ids if i < num_layers})
+        slot_of = np.full(num_layers, len(wanted), np.int32)
+        slot_of[wanted] = np.arange(len(wanted), dtype=np.int32)
+        buf = jnp.zeros((len(wanted) + 1, *h.shape), h.dtype)
+
+        def body(carry, xs):
+            h, kv_cache, buf = carry
+            w, layer_idx, slot = xs
+            buf = jax.lax.dynamic_update_index_in_dim(buf, h, slot, axis=0)
+            return (*block(h, kv_cache, w, layer_idx), buf), None
+        (h, kv_cache, buf), _ = jax.lax.scan(
+            body, (h, kv_cache, buf),
+            (params["layers"], jnp.arange(num_layers, dtype=jnp.int32), jnp.asarray(slot_of)))
+        captured = {i: buf[s] for s, i in enumerate(wanted)}
+    if num_layers in aux_layer_ids:
+        captured[num_layers] = h
+    hidden = rms_norm(h, params["final_norm"], arch.rms_norm_eps)
+    return DecoderOutput(hidden=hidden, aux_hidden=tuple(captured[i] for i in aux_layer_ids),
+                         kv_cache=kv_cache)
+
+
+def compute_logits(params, hidden_rows, *, arch: ModelArch):
+    """LM head: hidden_rows [R, H] (already final-normed, e.g. ``DecoderOutput.hidden[rows]``) ->
+    logits [R, V] f32. Uses ``lm_head`` [H, V], or the embedding [V, H] transposed when tied."""
+    del arch  # the tree says whether the head is tied; kept for a uniform model interface
     head = params["lm_head"] if "lm_head" in params else params["embed"].T
-    logits = jnp.dot(h, head, preferred_element_type=jnp.float32)
-    return logits.astype(jnp.float32), kv_cache
+    return linear(hidden_rows, head, out_dtype=jnp.float32).astype(jnp.float32)

@@ -10,10 +10,23 @@ import numpy as np
 from tpuserve.tpu_platform.models.arch import ModelArch, ModelConfigError
 
 
+def _group_qkv(q: np.ndarray, k: np.ndarray, v: np.ndarray, hkv: int, d: int) -> np.ndarray:
+    """Regroup Q, K, V projections (or biases) by KV head: [..., Hq*D], [..., Hkv*D] x2 -> [..., Hkv, G+2, D].
+
+    Slot [kv, g] (g < G) is query head kv*G + g (HF's GQA order: query head h reads KV head h // G),
+    slot G is that KV head's K and slot G+1 its V. One KV head's whole attention input is then one
+    contiguous slice, so tensor parallelism splits the Hkv axis and nothing else.
+    """
+    lead = q.shape[:-1]
+    return np.concatenate([q.reshape(*lead, hkv, -1, d), k.reshape(*lead, hkv, 1, d),
+                           v.reshape(*lead, hkv, 1, d)], axis=-2)
+
+
 def build_params(arch: ModelArch, get: Callable[[str], np.ndarray | None], dtype) -> dict:
     """``get(name)`` returns the HF tensor (any float dtype, HF [out, in] layout) or None if absent.
 
-    Returns the tree documented in ``tpu_platform/models/decoder.py``, arrays in ``dtype``.
+    Returns the tree documented in ``tpu_platform/models/decoder.py`` (layers stacked on a leading
+    [L] axis), arrays in ``dtype``. ``tpu_platform/models/sharding.py`` gives its PartitionSpecs.
     """
     def need(name: str) -> np.ndarray:
         t = get(name)
@@ -38,9 +51,11 @@ def build_params(arch: ModelArch, get: Callable[[str], np.ndarray | None], dtype
         q = check(p + "self_attn.q_proj.weight", need(p + "self_attn.q_proj.weight"), (hq * d, hid))
         k = check(p + "self_attn.k_proj.weight", need(p + "self_attn.k_proj.weight"), (hkv * d, hid))
         v = check(p + "self_attn.v_proj.weight", need(p + "self_attn.v_proj.weight"), (hkv * d, hid))
-        add("qkv", np.concatenate([q, k, v], axis=0).T)
+        add("qkv", _group_qkv(q.T, k.T, v.T, hkv, d))
         if arch.qkv_bias:
-            add("qkv_bias", np.concatenate([need(p + f"self_attn.{n}_proj.bias") for n in "qkv"]))
+            qb, kb, vb = (check(p + f"self_attn.{n}_proj.bias", need(p + f"self_attn.{n}_proj.bias"),
+                                (rows,)) for n, rows in (("q", hq * d), ("k", hkv * d), ("v", hkv * d)))
+            add("qkv_bias", _group_qkv(qb, kb, vb, hkv, d))
         if arch.qk_norm:
             add("q_norm", check(p + "self_attn.q_norm.weight", need(p + "self_attn.q_norm.weight"), (d,)))
             add("k_norm", check(p + "self_attn.k_norm.weight", need(p + "self_attn.k_norm.weight"), (d,)))
@@ -49,10 +64,10 @@ def build_params(arch: ModelArch, get: Callable[[str], np.ndarray | None], dtype
             add("o_bias", need(p + "self_attn.o_proj.bias"))
         gate = check(p + "mlp.gate_proj.weight", need(p + "mlp.gate_proj.weight"), (f, hid))
         up = check(p + "mlp.up_proj.weight", need(p + "mlp.up_proj.weight"), (f, hid))
-        add("gate_up", np.concatenate([gate, up], axis=0).T)
+        add("gate_up", np.stack([gate.T, up.T], axis=1))  # [H, 2, F]
         add("down", check(p + "mlp.down_proj.weight", need(p + "mlp.down_proj.weight"), (hid, f)).T)
         if arch.mlp_bias:
-            add("gate_up_bias", np.concatenate([need(p + "mlp.gate_proj.bias"), need(p + "mlp.up_proj.bias")]))
+            add("gate_up_bias", np.stack([need(p + "mlp.gate_proj.bias"), need(p + "mlp.up_proj.bias")]))
             add("down_bias", need(p + "mlp.down_proj.bias"))
         add("input_norm", check(p + "input_layernorm.weight", need(p + "input_layernorm.weight"), (hid,)))
         add("post_norm", check(p + "post_attention_layernorm.weight",

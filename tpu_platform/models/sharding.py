@@ -1,0 +1,66 @@
+"""Tensor-parallel PartitionSpecs for the decoder's parameter tree (layout in ``decoder.py``).
+
+The weight layout is chosen so that each array needs exactly one PartitionSpec over one mesh axis:
+attention splits by KV head (qkv's Hkv axis carries each KV head's G query heads, its K and its V;
+o's rows are the query heads in the same kv-major order), the MLP splits by F (gate_up's last axis,
+down's rows), the embedding by vocabulary (an LM head [H, V] by its columns). Everything else (norms,
+output biases) is replicated. XLA's partitioner inserts the all-reduces after o and down.
+The split is even when the axis size divides Hkv, F and V.
+"""
+
+from __future__ import annotations
+
+from jax.sharding import PartitionSpec as P
+
+# Per-layer weight -> (rank without the [L] axis, spec factory of the mesh axis name).
+_LAYER_SPECS = {
+    "qkv": (4, lambda a: P(None, a, None, None)),  # [H, Hkv, G+2, D]
+    "qkv_bias": (3, lambda a: P(a, None, None)),  # [Hkv, G+2, D]
+    "o": (2, lambda a: P(a, None)),  # [Hq*D, H]: rows are heads
+    "gate_up": (3, lambda a: P(None, None, a)),  # [H, 2, F]
+    "gate_up_bias": (2, lambda a: P(None, a)),  # [2, F]
+    "down": (2, lambda a: P(a, None)),  # [F, H]
+}
+_TOP_SPECS = {
+    "embed": (2, lambda a: P(a, None)),  # [V, H]: vocab-parallel
+    "lm_head": (2, lambda a: P(None, a)),  # [H, V]
+}
+
+
+def _spec(name: str, arr, table: dict, axis: str, stacked: bool) -> P:
+    if name not in table:  # norms, o_bias, down_bias, q_norm, k_norm: small, replicated
+        return P()
+    rank, make = table[name]
+    ndim = getattr(arr, "ndim", None)
+    if ndim != rank + stacked:
+        raise ValueError(f"parameter {name!r} has rank {ndim}, expected {rank + stacked} "
+                         f"({'stacked [L, ...]' if stacked else 'per-layer'} layout of decoder.py)")
+    spec = make(axis)
+    return P(None, *spec) if stacked else spec
+
+
+def param_partition_specs(params: dict, axis: str = "model") -> dict:
+    """The params tree with each array replaced by its ``PartitionSpec`` over mesh axis ``axis``.
+
+    Works for stacked layers (``layers`` a dict of [L, ...] arrays: the L axis is never split) and
+    for ``weights.unstack_layers`` trees (a list of per-layer dicts). Use as
+    ``jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), params, specs)``.
+    """
+    out = {k: _spec(k, v, _TOP_SPECS, axis, False) for k, v in params.items() if k != "layers"}
+    layers = params["layers"]
+    if isinstance(layers, (list, tuple)):
+        out["layers"] = type(layers)({k: _spec(k, v, _LAYER_SPECS, axis, False) for k, v in w.items()}
+                                     for w in layers)
+    else:
+        out["layers"] = {k: _spec(k, v, _LAYER_SPECS, axis, True) for k, v in layers.items()}
+    return out
+
+
+def kv_cache_partition_spec(axis: str = "model") -> P:
+    """The paged KV cache [L, P, page_size, C, D] split by KV head, like qkv.
+
+    K and V of a head are adjacent (``kv_cache.layout.interleave_kv``), so with C = 2*Hkv an even
+    split of the C axis gives each device both halves of its own KV heads. Layouts that pad C (the
+    TPU kernel's) need the padding per device instead; that is not handled here yet.
+    """
+    return P(None, None, None, axis, None)
