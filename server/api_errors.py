@@ -22,6 +22,10 @@ ERROR_TYPES = {
 }
 
 
+# Seconds a client should wait before retrying a 503 (overload, engine starting or stopping).
+RETRY_AFTER_S = 1
+
+
 class APIError(Exception):
     """Raise from a handler to answer ``status`` with an OpenAI-shaped error."""
 
@@ -42,6 +46,14 @@ def param_of(message: str) -> str | None:
     return head if head.replace("_", "").replace(".", "").isalnum() else None
 
 
+def _printable(text: str | None) -> str | None:
+    """Messages may quote client input; a lone surrogate there would make the UTF-8 encoder of the
+    response fail (a 500 in place of the intended error), so escape it."""
+    if text is None or text.isascii():
+        return text
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def error_body(status: int, message: str, param: str | None = None) -> dict:
     err_type = ERROR_TYPES.get(status)
     if err_type is None:
@@ -50,9 +62,18 @@ def error_body(status: int, message: str, param: str | None = None) -> dict:
             err_type = "".join(w[:1].upper() + w[1:] for w in words) + "Error"
         except ValueError:
             err_type = "Error"
-    return {"error": {"message": message, "type": err_type, "param": param, "code": status}}
+    return {"error": {"message": _printable(message), "type": err_type, "param": _printable(param),
+                      "code": status}}
+
+
+def error_headers(status: int, headers: dict | None = None) -> dict | None:
+    """``headers`` plus, on a 503, the ``Retry-After`` every 503 must carry."""
+    if status != 503 or any(k.lower() == "retry-after" for k in headers or {}):
+        return headers
+    return {**(headers or {}), "Retry-After": str(RETRY_AFTER_S)}
 
 
 def error_response(status: int, message: str, param: str | None = None,
                    headers: dict | None = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
+    return JSONResponse(error_body(status, message, param), status_code=status,
+                        headers=error_headers(status, headers))

@@ -6,7 +6,9 @@ warms it up and serves until SIGTERM / SIGINT (then: stop accepting, let in-flig
 for up to ``--shutdown-timeout`` seconds, abort the rest, exit 0).
 
 Routes: GET /health, /version, /metrics, /v1/models; POST /v1/completions, /v1/chat/completions,
-/tokenize, /detokenize. Errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``.
+/tokenize, /detokenize. Errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``;
+every 503 carries ``Retry-After``. With an API key, every route but /health, /version and the API
+docs needs it.
 """
 
 from __future__ import annotations
@@ -25,14 +27,16 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tpuserve.server.api_errors import APIError, bad_request, error_body, error_response
+from tpuserve.server.api_errors import (APIError, bad_request, error_body, error_headers,
+                                        error_response)
 from tpuserve.server.async_engine import AsyncEngine, EngineUnavailableError, QueueFullError
 from tpuserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from tpuserve.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                              DetokenizeResponse, ModelCard, ModelList, TokenizeRequest,
                              TokenizeResponse, VersionResponse)
 from tpuserve.server.serving_chat import ChatHandler, _message_dict
-from tpuserve.server.serving_common import ServingContext, StreamingResult
+from tpuserve.server.serving_common import (DEFAULT_MAX_PROMPT_CHARS_PER_TOKEN, ServingContext,
+                                            StreamingResult)
 from tpuserve.server.serving_completions import CompletionHandler
 
 log = logging.getLogger("tpuserve.api")
@@ -46,20 +50,26 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 async def _send_error(send, status: int, message: str, headers: dict | None = None) -> None:
     body = json.dumps(error_body(status, message)).encode()
     raw = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    raw += [(k.encode(), v.encode()) for k, v in (headers or {}).items()]
+    raw += [(k.encode(), v.encode()) for k, v in (error_headers(status, headers) or {}).items()]
     await send({"type": "http.response.start", "status": status, "headers": raw})
     await send({"type": "http.response.body", "body": body})
 
 
+# Routes that answer without the API key: liveness probes and the API description.
+OPEN_PATHS = frozenset({"/health", "/version", "/openapi.json", "/docs", "/docs/oauth2-redirect",
+                        "/redoc"})
+
+
 class APIKeyMiddleware:
-    """Every /v1/* route needs ``Authorization: Bearer <key>``."""
+    """Every route but ``OPEN_PATHS`` needs ``Authorization: Bearer <key>``: /v1/*, and also
+    /tokenize, /detokenize (they run the tokenizer for anyone) and /metrics (it tells traffic)."""
 
     def __init__(self, app, api_key: str):
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and (scope["path"] == "/v1" or scope["path"].startswith("/v1/")):
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
             got = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(got, self.expected):
                 await _send_error(send, 401, "Invalid or missing API key: send 'Authorization: "
@@ -156,7 +166,9 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     errors = exc.errors()
     if not errors:
         return "invalid request", None
-    e = errors[0]
+    # A lone surrogate inside a union (content: str | parts) also fails the other branches; name
+    # the surrogate, the actual problem.
+    e = next((x for x in errors if x.get("type") == "lone_surrogate"), errors[0])
     loc = [str(p) for p in e.get("loc", ()) if p != "body"]
     param = ".".join(loc) or None
     msg = e.get("msg", "invalid value")
@@ -169,23 +181,26 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | None = None, *,
               model_root: str | None = None, extra_model_names: tuple[str, ...] = (),
               chat_template: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-              shutdown_grace_s: float = 5.0) -> FastAPI:
+              shutdown_grace_s: float = 5.0,
+              max_prompt_chars_per_token: float = DEFAULT_MAX_PROMPT_CHARS_PER_TOKEN) -> FastAPI:
     metrics = ServerMetrics(served_model_name, lambda: async_engine.snapshot)
     async_engine.metrics = metrics
     ctx = ServingContext(engine=async_engine, model_name=served_model_name,
                          model_root=model_root or served_model_name,
-                         extra_model_names=tuple(extra_model_names), chat_template=chat_template)
+                         extra_model_names=tuple(extra_model_names), chat_template=chat_template,
+                         max_prompt_chars_per_token=max_prompt_chars_per_token)
     completions = CompletionHandler(ctx)
     chat = ChatHandler(ctx)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         async_engine.start(asyncio.get_running_loop())
+        ctx.start()
         try:
             yield
         finally:
             await async_engine.shutdown(grace_s=shutdown_grace_s)
-            ctx.executor.shutdown(wait=False, cancel_futures=True)
+            ctx.shutdown()
 
     from tpuserve import __version__
     app = FastAPI(title="tpuserve", version=__version__, lifespan=lifespan,
@@ -266,17 +281,15 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | 
             conv = [_message_dict(i, m) for i, m in enumerate(req.messages)]
             shim = ChatCompletionRequest.model_construct(
                 messages=req.messages, add_generation_prompt=req.add_generation_prompt)
-            try:
-                ids = await ctx.blocking(chat._render, conv, None, shim)
-            except ValueError as e:
-                raise bad_request(str(e), "messages") from e
+            ids = await chat.prompt_ids(conv, None, shim)
         return TokenizeResponse(count=len(ids), max_model_len=async_engine.max_model_len, tokens=ids)
 
     @app.post("/detokenize", response_model=DetokenizeResponse)
     async def detokenize(req: DetokenizeRequest):
         ctx.check_model(req.model)
         ctx.check_token_ids(req.tokens, "tokens")
-        text = await ctx.blocking(ctx.tokenizer.decode, req.tokens)
+        # ~4 characters a token: a long id list goes to the bulk lane like a long text.
+        text = await ctx.with_tokenizer(4 * len(req.tokens), _decode, req.tokens)
         return DetokenizeResponse(prompt=text)
 
     # Outermost first on the way in: the API key is checked before the body is read.
@@ -284,6 +297,10 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | 
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
     return app
+
+
+def _decode(tokenizer, ids: list[int]) -> str:
+    return tokenizer.decode(ids)
 
 
 # ---- CLI (``tpuserve serve``; tpuserve/cli.py calls add_serve_parser) ----
@@ -299,13 +316,19 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--api-key", default=os.environ.get("TPUSERVE_API_KEY"),
-                        help="require 'Authorization: Bearer KEY' on /v1/* (env TPUSERVE_API_KEY)")
+                        help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize "
+                             "and /metrics (env TPUSERVE_API_KEY)")
     parser.add_argument("--chat-template", default=None,
                         help="a Jinja chat template, or a file holding one, replacing the model's")
     parser.add_argument("--max-waiting-requests", type=int, default=1024,
                         help="waiting requests beyond this are refused with 503 (default 1024)")
     parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                         help="larger request bodies are refused with 413 (default 16 MiB)")
+    parser.add_argument("--max-prompt-chars-per-token", type=_positive_float,
+                        default=DEFAULT_MAX_PROMPT_CHARS_PER_TOKEN,
+                        help="a prompt (or rendered chat) longer than max_model_len times this many "
+                             "characters is refused with 400 before tokenizing (default "
+                             f"{DEFAULT_MAX_PROMPT_CHARS_PER_TOKEN:g})")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="seconds in-flight requests may run on after SIGTERM (default 30)")
     parser.add_argument("--no-warmup", action="store_true",
@@ -315,6 +338,13 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     add_engine_args(parser)
     parser.set_defaults(func=run_server)
     return parser
+
+
+def _positive_float(value: str) -> float:
+    x = float(value)
+    if not x > 0 or x == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive finite number, got {value}")
+    return x
 
 
 def engine_config_from_args(args: argparse.Namespace):
@@ -357,10 +387,11 @@ def run_server(args: argparse.Namespace) -> int:
         log.info("warming up (compiling every shape bucket)")
         engine.warmup()
     async_engine = AsyncEngine(engine, max_waiting_requests=args.max_waiting_requests)
-    name, others = model_names(args.model, config.served_model_name)
+    name, others = model_names(args.model, config.model.served_model_name)
     app = build_app(async_engine, name, api_key=args.api_key, model_root=engine.model_source,
                     extra_model_names=others, chat_template=_read_chat_template(args.chat_template),
-                    max_body_bytes=args.max_body_bytes, shutdown_grace_s=min(5.0, args.shutdown_timeout))
+                    max_body_bytes=args.max_body_bytes, shutdown_grace_s=min(5.0, args.shutdown_timeout),
+                    max_prompt_chars_per_token=args.max_prompt_chars_per_token)
     uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                access_log=args.log_level == "debug",
                                timeout_graceful_shutdown=int(max(1, args.shutdown_timeout)))

@@ -10,7 +10,8 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic_core import PydanticCustomError
 
 # Floats in requests must be finite: Python's JSON parser accepts NaN and Infinity.
 Float = Annotated[float, Field(allow_inf_nan=False)]
@@ -19,8 +20,51 @@ MAX_STOP = 64
 MAX_TOKENS_LIMIT = 1 << 31
 
 
+def _first_lone_surrogate(value: Any, path: str = "") -> tuple[str, int, str] | None:
+    """(where, index, char) of the first lone UTF-16 surrogate in any string of ``value`` (strings,
+    dict keys and values, list items; nested request models check themselves), else None."""
+    if isinstance(value, str):
+        if value.isascii():
+            return None
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:  # the only thing UTF-8 cannot encode is a surrogate
+            return path, e.start, value[e.start]
+        return None
+    if isinstance(value, dict):
+        for k, v in value.items():
+            found = (_first_lone_surrogate(k, f"{path}[key]")
+                     or _first_lone_surrogate(v, f"{path}.{k}" if isinstance(k, str) else path))
+            if found:
+                return found
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            if not isinstance(v, (int, float, bool)):  # token-id lists stay cheap to scan
+                found = _first_lone_surrogate(v, f"{path}[{i}]")
+                if found:
+                    return found
+    return None
+
+
 class Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _no_lone_surrogates(cls, value: Any) -> Any:
+        # JSON may spell a lone surrogate ("\ud800"); Python keeps it in the str, and then the
+        # tokenizer, the chat template or the UTF-8 response encoder fail with a 500. Refuse it here,
+        # where the error names the field.
+        found = _first_lone_surrogate(value)
+        if found is not None:
+            where, index, char = found
+            raise PydanticCustomError(
+                "lone_surrogate",
+                "text{where} holds a lone UTF-16 surrogate (U+{code}) at character {index}; "
+                "strings must be valid Unicode",
+                {"where": f" at {where.lstrip('.')}" if where else "", "code": f"{ord(char):04X}",
+                 "index": index})
+        return value
 
 
 class Response(BaseModel):

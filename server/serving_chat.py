@@ -76,6 +76,17 @@ def _inline_tool_calls(message: dict) -> dict:
     return {k: v for k, v in message.items() if k != "tool_calls"} | {"content": text}
 
 
+def _conversation_chars(conversation: list[dict]) -> int:
+    """The characters the messages bring to the rendered chat (a lower bound of its length)."""
+    n = 0
+    for m in conversation:
+        n += len(m.get("content") or "")
+        for c in m.get("tool_calls") or ():
+            args = c["function"]["arguments"]
+            n += len(args) if isinstance(args, str) else len(json.dumps(args))
+    return n
+
+
 def _maybe_json(text: str):
     try:
         return json.loads(text)
@@ -87,10 +98,20 @@ class ChatHandler:
     def __init__(self, ctx: ServingContext):
         self.ctx = ctx
 
-    def _render(self, conversation: list[dict], tools: list[dict] | None,
+    async def prompt_ids(self, conversation: list[dict], tools: list[dict] | None,
+                         req: ChatCompletionRequest) -> list[int]:
+        """Render and tokenize on a tokenizer lane; 400 for text over the prompt limit (checked on
+        the messages before rendering, then on the rendered text before tokenizing)."""
+        n_chars = _conversation_chars(conversation)
+        self.ctx.check_prompt_chars(n_chars, "messages", "chat")
+        try:
+            return await self.ctx.with_tokenizer(n_chars, self._render, conversation, tools, req)
+        except ValueError as e:
+            raise bad_request(str(e), "messages") from e
+
+    def _render(self, tok, conversation: list[dict], tools: list[dict] | None,
                 req: ChatCompletionRequest) -> list[int]:
-        """Chat template -> prompt token ids (runs on the tokenizer worker)."""
-        tok = self.ctx.tokenizer
+        """Chat template -> prompt token ids (runs on a tokenizer lane, with that lane's tokenizer)."""
         template = self.ctx.chat_template or getattr(tok, "chat_template", None)
         if not template:
             raise ValueError("messages: this model has no chat template; start the server with "
@@ -118,6 +139,7 @@ class ChatHandler:
                              f"{type(e).__name__}: {e}") from e
         if not isinstance(text, str):
             raise ValueError("messages: the chat template did not produce text")
+        self.ctx.check_prompt_chars(len(text), "messages", "rendered chat")
         return list(tok.encode(text, add_special_tokens=False))
 
     def _tools(self, req: ChatCompletionRequest):
@@ -160,10 +182,7 @@ class ChatHandler:
                                   "tool_choice")
             structured = forced
         conversation = [_message_dict(i, m) for i, m in enumerate(req.messages)]
-        try:
-            prompt_ids = await ctx.blocking(self._render, conversation, tools, req)
-        except ValueError as e:
-            raise bad_request(str(e), "messages") from e
+        prompt_ids = await self.prompt_ids(conversation, tools, req)
         if not prompt_ids:
             raise bad_request("messages: the rendered prompt is empty", "messages")
         requested = req.max_completion_tokens or req.max_tokens
@@ -214,7 +233,9 @@ class ChatHandler:
             finish = "tool_calls" if calls else c.finish_reason
             lps = None
             if req.logprobs:
-                lps = ChatLogprobs(content=self._logprobs(c.token_ids, c.logprobs or [],
+                # One entry per token of the content: not the end token the text leaves out.
+                n = self.ctx.visible_token_count(c, req.ignore_eos)
+                lps = ChatLogprobs(content=self._logprobs(c.token_ids[:n], (c.logprobs or [])[:n],
                                                           req.top_logprobs or 0))
             choices.append(ChatChoice(index=c.index, message=ChatResponseMessage(
                 content=content, tool_calls=self._tool_calls_out(calls)), logprobs=lps,
@@ -254,8 +275,11 @@ class ChatHandler:
                 if done[idx]:
                     continue
                 delta_text = c.text[sent_chars[idx]:]
-                new_ids = c.token_ids[sent_tokens[idx]:]
-                positions = (c.logprobs or [])[sent_tokens[idx]:]
+                # Logprobs cover the content's tokens only: not a final end token.
+                visible = (self.ctx.visible_token_count(c, req.ignore_eos) if c.finish_reason
+                           else len(c.token_ids))
+                new_ids = c.token_ids[sent_tokens[idx]:visible]
+                positions = (c.logprobs or [])[sent_tokens[idx]:visible]
                 sent_chars[idx], sent_tokens[idx] = len(c.text), len(c.token_ids)
                 content, calls = delta_text, []
                 parser = parsers[idx]

@@ -4,7 +4,9 @@ submitting to the engine, merging several request streams, SSE framing, logprob 
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
+import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
@@ -19,6 +21,15 @@ from tpuserve.server.sampling_params import SamplingParams, StructuredOutputPara
 from tpuserve.server.structured_output import choice_regex, compile_structured_output
 
 MAX_PROMPTS = 256  # prompts in one /v1/completions request
+# Prompt characters allowed per token of max_model_len (``--max-prompt-chars-per-token``): text this
+# long cannot fit the context whatever the tokenizer does (~4 characters per token in English, a few
+# dozen at most for runs of spaces or symbols), so it is refused before any time is spent on it.
+DEFAULT_MAX_PROMPT_CHARS_PER_TOKEN = 32.0
+# Texts longer than this are tokenized on their own worker ("bulk" lane): a long tokenization must
+# not hold up the short ones queued behind it.
+BULK_CHARS = 32 * 1024
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -28,10 +39,71 @@ class ServingContext:
     model_root: str
     extra_model_names: tuple[str, ...] = ()
     chat_template: str | None = None
-    # One worker: tokenization and grammar compilation stay off the event loop, and the tokenizer
-    # is never used by two server threads at once.
+    max_prompt_chars_per_token: float = DEFAULT_MAX_PROMPT_CHARS_PER_TOKEN
+    # One worker: short tokenizations and grammar compilation stay off the event loop (and off the
+    # engine thread), and this lane never uses the tokenizer from two threads at once.
     executor: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="tpuserve-tok"))
+    # The bulk lane: long texts, one at a time, with a tokenizer copy of its own (a Rust tokenizer
+    # object must not be borrowed by two threads while one of them may reconfigure it).
+    bulk_executor: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="tpuserve-tok-bulk"))
+    _bulk_tokenizer: Any = field(default=None, init=False, repr=False)
+
+    def start(self) -> None:
+        """Make the bulk lane's tokenizer copy now, on that lane (it takes seconds), so that the
+        first long prompt does not wait for it."""
+        self.bulk_executor.submit(self._bulk_tok)
+
+    def shutdown(self) -> None:
+        self.executor.shutdown(wait=False, cancel_futures=True)
+        self.bulk_executor.shutdown(wait=False, cancel_futures=True)
+
+    def _bulk_tok(self):
+        # Only ever called on the bulk lane's single thread: no lock needed.
+        if self._bulk_tokenizer is None:
+            try:
+                self._bulk_tokenizer = copy.deepcopy(self.tokenizer)
+            except Exception as e:  # an uncopyable tokenizer: share it rather than fail
+                log.warning("could not copy the tokenizer for the bulk lane (%s); sharing it", e)
+                self._bulk_tokenizer = self.tokenizer
+        return self._bulk_tokenizer
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return frozenset(getattr(self.engine.engine, "eos_token_ids", ()) or ())
+
+    def visible_token_count(self, c, ignore_eos: bool) -> int:
+        """How many of ``c.token_ids`` make up ``c.text``: all but a final end token (EOS, or a
+        ``stop_token_ids`` hit) that finished the sequence, which the engine keeps out of the text."""
+        n = len(c.token_ids)
+        if c.finish_reason != "stop" or not n:
+            return n
+        last = c.token_ids[-1]
+        stop_token = type(c.stop_reason) is int and c.stop_reason == last
+        eos = c.stop_reason is None and not ignore_eos and last in self.eos_token_ids
+        return n - 1 if stop_token or eos else n
+
+    @property
+    def max_prompt_chars(self) -> int:
+        return int(self.max_model_len * self.max_prompt_chars_per_token)
+
+    def check_prompt_chars(self, n_chars: int, param: str, what: str = "prompt") -> None:
+        """400 for text too long to fit the context, before it is tokenized."""
+        limit = self.max_prompt_chars
+        if n_chars > limit:
+            raise bad_request(
+                f"{param}: the {what} is {n_chars} characters long, over this server's limit of "
+                f"{limit} characters (max_model_len={self.max_model_len} tokens x "
+                f"{self.max_prompt_chars_per_token:g} characters per token, "
+                f"--max-prompt-chars-per-token); shorten it", param)
+
+    async def with_tokenizer(self, n_chars: int, fn: Callable, *args) -> Any:
+        """Run ``fn(tokenizer, *args)`` on the tokenizer lane that fits an input of ``n_chars``."""
+        if n_chars > BULK_CHARS:
+            return await asyncio.get_running_loop().run_in_executor(
+                self.bulk_executor, lambda: fn(self._bulk_tok(), *args))
+        return await self.blocking(fn, self.tokenizer, *args)
 
     @property
     def tokenizer(self):
@@ -49,11 +121,15 @@ class ServingContext:
     async def blocking(self, fn: Callable, *args) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
-    async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return await self.blocking(_encode, self.tokenizer, text, add_special_tokens)
+    async def tokenize(self, text: str, add_special_tokens: bool = True,
+                       param: str = "prompt") -> list[int]:
+        self.check_prompt_chars(len(text), param)
+        return await self.with_tokenizer(len(text), _encode, text, add_special_tokens)
 
     def check_token_ids(self, ids: list[int], param: str) -> None:
         v = self.engine.vocab_size
+        if ids and 0 <= min(ids) and max(ids) < v:  # the common case, without a Python loop
+            return
         for t in ids:
             if not 0 <= t < v:
                 raise bad_request(f"{param}: token id {t} is outside the vocabulary [0, {v})", param)

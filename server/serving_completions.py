@@ -12,8 +12,8 @@ from tpuserve.server.protocol import (CompletionChoice, CompletionLogprobs, Comp
                              CompletionResponse, UsageInfo)
 from tpuserve.server.serving_common import (MAX_PROMPTS, SSE_DONE, ServingContext, StreamingResult,
                                    collect_final, finite, make_sampling_params, merge_streams,
-                                   outputs_or_error, ranked_top, resolve_max_tokens, sse,
-                                   structured_from_request, token_text)
+                                   outputs_or_error, ranked_top, resolve_max_tokens,
+                                   sse, structured_from_request, token_text)
 
 
 class CompletionHandler:
@@ -33,6 +33,9 @@ class CompletionHandler:
         if len(raw) > MAX_PROMPTS:
             raise bad_request(f"prompt: at most {MAX_PROMPTS} prompts per request, got {len(raw)}",
                               "prompt")
+        for item in raw:  # every length limit before any tokenizer time is spent
+            if isinstance(item, str):
+                self.ctx.check_prompt_chars(len(item), "prompt")
         out = []
         for item in raw:
             if isinstance(item, str):
@@ -57,9 +60,10 @@ class CompletionHandler:
         if req.stream_options is not None and not req.stream:
             raise bad_request("stream_options: only allowed when stream is true", "stream_options")
         logprobs = req.logprobs
-        if logprobs is not None and logprobs > ctx.engine.engine.config.max_logprobs:
-            raise bad_request(f"logprobs: must be <= {ctx.engine.engine.config.max_logprobs}",
-                              "logprobs")
+        if logprobs is not None:
+            max_logprobs = ctx.engine.engine.config.model.max_logprobs
+            if logprobs > max_logprobs:
+                raise bad_request(f"logprobs: must be <= {max_logprobs}", "logprobs")
         prompts = await self._prompts(req)
         structured = structured_from_request(req)
         await ctx.compile_grammar(structured)

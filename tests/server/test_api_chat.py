@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import openai
 import pytest
 
@@ -67,6 +68,65 @@ def test_chat_n_and_logprobs(client):
             assert entry.logprob <= 0 and len(entry.top_logprobs) == 2
             assert entry.bytes == list(entry.token.encode("utf-8"))
     assert r.usage.completion_tokens == 10
+
+
+def _content_ids(server, text: str) -> list[int]:
+    r = httpx.post(server.base_url + "/tokenize", json={"prompt": text, "add_special_tokens": False},
+                   timeout=60)
+    return r.json()["tokens"]
+
+
+def test_chat_logprobs_cover_the_content_not_the_end_token(server, client):
+    kwargs = dict(model=MODEL, messages=MESSAGES, max_tokens=100, temperature=0, logprobs=True,
+                  top_logprobs=1)
+    r = client.chat.completions.create(**kwargs)
+    choice = r.choices[0]
+    assert choice.finish_reason == "stop" and choice.stop_reason is None  # the model's EOS
+    content = choice.message.content
+    entries = choice.logprobs.content
+    # One entry per content token: the EOS that ended the answer is not in the content, so it is
+    # not listed (usage still counts it as generated, as vLLM does).
+    assert "".join(e.token for e in entries) == content
+    assert len(entries) == len(_content_ids(server, content)) == r.usage.completion_tokens - 1
+    assert "<|im_end|>" not in [e.token for e in entries]
+
+    chunks = list(client.chat.completions.create(stream=True, **kwargs))
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs
+                for e in c.choices[0].logprobs.content]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in entries]
+
+    # A stop token id ends the answer the same way: it is neither in the content nor listed.
+    ids = _content_ids(server, content)
+    k = ids.index(ids[2])
+    for stream in (False, True):
+        res = client.chat.completions.create(stream=stream, extra_body={"stop_token_ids": [ids[2]]},
+                                             **kwargs)
+        if stream:
+            res = list(res)
+            got = [e for c in res if c.choices and c.choices[0].logprobs
+                   for e in c.choices[0].logprobs.content]
+            text = "".join(c.choices[0].delta.content or "" for c in res if c.choices)
+            last = [c.choices[0] for c in res if c.choices][-1]
+            assert last.finish_reason == "stop" and last.stop_reason == ids[2]
+        else:
+            got, text = res.choices[0].logprobs.content, res.choices[0].message.content
+            assert res.choices[0].stop_reason == ids[2]
+        assert len(got) == k and "".join(e.token for e in got) == text
+
+
+def test_completion_logprobs_keep_the_end_token_as_vllm_does(server, client):
+    # /v1/completions follows vLLM: the EOS is not in the text, but its logprob entry is listed
+    # (and counted in usage), at the text offset where the text ends.
+    prompt = httpx.post(server.base_url + "/tokenize", json={"messages": MESSAGES},
+                        timeout=60).json()["tokens"]
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=100, temperature=0,
+                                  logprobs=0)
+    choice = r.choices[0]
+    assert choice.finish_reason == "stop" and choice.stop_reason is None
+    lp = choice.logprobs
+    assert lp.tokens[-1] == "<|im_end|>" and "".join(lp.tokens[:-1]) == choice.text
+    assert len(lp.tokens) == r.usage.completion_tokens
+    assert lp.text_offset[-1] == len(choice.text)
 
 
 def test_chat_json_schema_output_parses_and_validates(client):

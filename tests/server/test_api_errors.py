@@ -64,13 +64,32 @@ def test_api_key_required_on_every_v1_route(server):
             r = httpx.request(method, base + path, headers=headers, json={})
             err = _assert_error(r, 401)
             assert err["type"] == "AuthenticationError"
-    # Outside /v1 no key is needed; with the key the API works through the openai client.
+    # Liveness and the version stay open; with the key the API works through the openai client.
     assert httpx.get(base + "/health").status_code == 200
-    assert httpx.get(base + "/metrics").status_code == 200
+    assert httpx.get(base + "/version").status_code == 200
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=base + "/v1", api_key="wrong", max_retries=0).models.list()
     client = openai.OpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0)
     assert client.models.list().data[0].id == "tiny"
+
+
+KEYED_ROUTES = [("POST", "/tokenize", {"prompt": "hi"}), ("POST", "/detokenize", {"tokens": [1, 2]}),
+                ("GET", "/metrics", None)]
+
+
+@pytest.mark.parametrize("method, path, body", KEYED_ROUTES)
+def test_api_key_required_on_tokenizer_and_metrics_routes(server, method, path, body):
+    url = server.base_url + path
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+        r = httpx.request(method, url, headers=headers, json=body)
+        assert _assert_error(r, 401)["type"] == "AuthenticationError"
+        assert r.headers["www-authenticate"] == "Bearer"
+    r = httpx.request(method, url, headers=AUTH, json=body)
+    assert r.status_code == 200, r.text
+    if path == "/metrics":
+        assert "vllm:num_requests_running" in r.text
+    else:
+        assert r.json()
 
 
 LONG = "word " * 300  # over max_model_len=128 tokens
@@ -98,6 +117,25 @@ BAD_COMPLETIONS = [
     ({"prompt": "hi", "max_tokens": "many"}, "max_tokens", ""),
     ({"max_tokens": 3}, "prompt", ""),
 ]
+
+
+def test_prompt_over_the_character_limit_is_400_before_tokenizing(server):
+    # max_model_len=128 x 32 characters per token (the default) = 4096 characters.
+    text = "x" * 5000
+    base = server.base_url
+    r = httpx.post(base + "/v1/completions", json={"prompt": text}, headers=AUTH)
+    _assert_error(r, 400, "prompt", "limit of 4096 characters")
+    r = httpx.post(base + "/v1/completions", json={"prompt": ["ok", text]}, headers=AUTH)
+    _assert_error(r, 400, "prompt", "--max-prompt-chars-per-token")
+    r = httpx.post(base + "/v1/chat/completions", headers=AUTH,
+                   json={"messages": [{"role": "user", "content": text}]})
+    _assert_error(r, 400, "messages", "limit of 4096 characters")
+    r = httpx.post(base + "/tokenize", json={"prompt": text}, headers=AUTH)
+    _assert_error(r, 400, "prompt", "limit of 4096 characters")
+    # The rendered chat counts too: messages just under the limit, plus the template's own text.
+    near = [{"role": "user", "content": "y" * 2040}, {"role": "user", "content": "y" * 2040}]
+    r = httpx.post(base + "/tokenize", json={"messages": near}, headers=AUTH)
+    _assert_error(r, 400, "messages", "rendered chat")
 
 
 @pytest.mark.parametrize("body, param, contains", BAD_COMPLETIONS)
@@ -148,7 +186,8 @@ def test_unknown_model_and_route_are_404(server):
     r = httpx.post(base + "/v1/chat/completions", json={"model": "gpt-9", "messages": MSG}, headers=AUTH)
     _assert_error(r, 404, "model")
     _assert_error(httpx.get(base + "/v1/no-such-route", headers=AUTH), 404)
-    _assert_error(httpx.post(base + "/nope", json={}), 404)
+    _assert_error(httpx.post(base + "/nope", json={}, headers=AUTH), 404)
+    _assert_error(httpx.post(base + "/nope", json={}), 401)  # with a key, closed unless listed open
     client = openai.OpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0)
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="gpt-9", prompt="hi")
@@ -185,6 +224,7 @@ def test_full_waiting_queue_is_503(server):
     for r in results:
         if r.status_code == 503:
             assert _assert_error(r, 503)["type"] == "ServiceUnavailableError"
+            assert int(r.headers["retry-after"]) >= 1  # every 503 says when to come back
         else:
             assert r.json()["usage"]["completion_tokens"] == 40
     # The queue drains: a new request is served.

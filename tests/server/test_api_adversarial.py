@@ -1,0 +1,238 @@
+"""Adversarial clients against a real ``tpuserve serve`` process (tiny random Qwen3, real tokenizer):
+lone surrogates, prompts of megabytes, and a 503 from an engine that died (which must say when to
+retry)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
+
+import httpx
+import openai
+import pytest
+
+from tpuserve.server.launcher import ServerProcess, free_port, tpuserve_argv
+
+pytestmark = pytest.mark.timeout(600)
+
+MODEL = "tiny"
+MAX_MODEL_LEN = 512
+CHARS_PER_TOKEN = 8000  # -> a limit of 4,096,000 characters: big prompts get to the tokenizer
+LIMIT = MAX_MODEL_LEN * CHARS_PER_TOKEN
+
+
+@pytest.fixture(scope="module")
+def server(random_checkpoints, tmp_path_factory):
+    port = free_port()
+    log = str(tmp_path_factory.mktemp("adversarial-server") / "server.log")
+    srv = ServerProcess(tpuserve_argv("serve", random_checkpoints["qwen3"], "--port", str(port),
+                                      "--served-model-name", MODEL, "--no-warmup",
+                                      "--max-model-len", str(MAX_MODEL_LEN),
+                                      "--max-num-batched-tokens", "64", "--max-num-seqs", "4",
+                                      "--max-prompt-chars-per-token", str(CHARS_PER_TOKEN)),
+                        port, env={"JAX_PLATFORMS": "cpu"}, log_path=log)
+    srv.start()
+    yield srv
+    assert srv.stop() == 0, srv.log_tail()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0,
+                         timeout=300)
+
+
+def _raw_post(base: str, path: str, body: str) -> httpx.Response:
+    """POST JSON text as written: ``json.dumps`` escapes a lone surrogate as ``\\ud800``, which is
+    how a client (or an attacker) sends one."""
+    return httpx.post(base + path, content=body.encode("ascii"),
+                      headers={"content-type": "application/json"}, timeout=120)
+
+
+def _error(r: httpx.Response, status: int) -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["code"] == status
+    return err
+
+
+LONE = "bad \ud800 text"
+
+SURROGATE_CASES = [
+    ("/v1/completions", {"model": MODEL, "prompt": LONE, "max_tokens": 2}, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": ["fine", LONE], "max_tokens": 2}, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "stop": [LONE], "max_tokens": 2}, "stop"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": LONE}]},
+     "messages.0.content"),
+    ("/v1/chat/completions",
+     {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text", "text": LONE}]}]},
+     "messages.0.content.list[ContentPart].0.text"),
+    ("/v1/chat/completions", {"model": LONE, "messages": [{"role": "user", "content": "hi"}]},
+     "model"),
+    ("/tokenize", {"prompt": "\udfff"}, "prompt"),
+    ("/tokenize", {"messages": [{"role": "user", "content": LONE}]}, "messages.0.content"),
+]
+
+
+@pytest.mark.parametrize("path, body, param", SURROGATE_CASES)
+def test_lone_surrogate_is_400_naming_the_field(server, path, body, param):
+    r = _raw_post(server.base_url, path, json.dumps(body))
+    err = _error(r, 400)
+    assert err["type"] == "BadRequestError"
+    assert err["param"] == param, err
+    assert "surrogate" in err["message"] and err["message"].startswith(param), err
+    # The server goes on serving.
+    ok = httpx.post(server.base_url + "/tokenize", json={"prompt": "still fine"}, timeout=60)
+    assert ok.status_code == 200 and ok.json()["count"] > 0
+
+
+def test_surrogate_as_raw_utf8_bytes_and_valid_astral_text(server, client):
+    # The bytes ED A0 80 (U+D800 encoded as if it were a character): Python's JSON parser lets them
+    # through as a lone surrogate too.
+    body = b'{"model": "tiny", "prompt": "x \xed\xa0\x80 y", "max_tokens": 2}'
+    r = httpx.post(server.base_url + "/v1/completions", content=body,
+                   headers={"content-type": "application/json"}, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "prompt"
+    # The openai client refuses to encode a lone surrogate itself; a valid astral character (a
+    # surrogate *pair* in JSON) goes through it and is served.
+    r = client.completions.create(model=MODEL, prompt="smile \U0001F600", max_tokens=2,
+                                  temperature=0)
+    assert r.choices[0].finish_reason in ("length", "stop")
+    assert _raw_post(server.base_url, "/tokenize",
+                     json.dumps({"prompt": "smile \U0001F600"})).status_code == 200
+
+
+def test_huge_prompt_does_not_stall_small_requests(server, client):
+    def small():
+        t0 = time.monotonic()
+        r = client.completions.create(model=MODEL, prompt="hello", max_tokens=2, temperature=0,
+                                      extra_body={"ignore_eos": True})
+        assert r.usage.completion_tokens == 2
+        return time.monotonic()
+
+    small()  # compiles the small shapes: later timings see a warm server
+    # Within the character limit, so the server tokenizes all of it (seconds on a CPU) and then
+    # finds it longer than max_model_len.
+    huge = {"model": MODEL, "prompt": "hello world " * (4_000_000 // 12), "max_tokens": 2}
+    assert len(huge["prompt"]) <= LIMIT
+    done: dict = {}
+
+    def send_huge():
+        t0 = time.monotonic()
+        done["response"] = httpx.post(server.base_url + "/v1/completions", json=huge, timeout=300)
+        done["elapsed"] = time.monotonic() - t0
+        done["at"] = time.monotonic()
+
+    t = threading.Thread(target=send_huge)
+    t.start()
+    time.sleep(0.5)  # the huge prompt is being tokenized now
+    small_done_at = [small() for _ in range(3)][-1]
+    t.join(300)
+    assert not t.is_alive()
+    err = _error(done["response"], 400)
+    assert "maximum context length" in err["message"], err
+    # Three small requests, sent while the huge one was in flight, all finished before it.
+    assert small_done_at < done["at"], (small_done_at, done["at"])
+
+    # Over the character limit: refused before tokenizing, so much sooner than the in-limit
+    # prompt above (which had 2.5x fewer characters to tokenize).
+    over = "hello world " * (10_000_000 // 12)
+    for path, body, param in (
+            ("/v1/completions", {"model": MODEL, "prompt": over}, "prompt"),
+            ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user",
+                                                                    "content": over}]}, "messages"),
+            ("/tokenize", {"prompt": over}, "prompt")):
+        t0 = time.monotonic()
+        r = httpx.post(server.base_url + path, json=body, timeout=300)
+        elapsed = time.monotonic() - t0
+        err = _error(r, 400)
+        assert err["param"] == param and str(LIMIT) in err["message"], err
+        assert "--max-prompt-chars-per-token" in err["message"]
+        assert elapsed < done["elapsed"] / 2, (path, elapsed, done["elapsed"])
+
+
+def test_concurrent_huge_prompts_leave_small_ones_alone(server, client):
+    """Two huge prompts queue on the bulk lane behind each other; small ones still pass them."""
+    body = {"model": MODEL, "prompt": "spam " * 600_000, "max_tokens": 2}
+
+    def post(path, payload):
+        r = httpx.post(server.base_url + path, json=payload, timeout=300)
+        return r, time.monotonic()
+
+    with ThreadPoolExecutor(2) as pool:
+        futs = [pool.submit(post, "/v1/completions", body) for _ in range(2)]
+        time.sleep(0.5)
+        r, small_at = post("/tokenize", {"prompt": "tiny"})
+        assert r.status_code == 200
+        for f in futs:
+            big, big_at = f.result()
+            _error(big, 400)
+            assert small_at < big_at  # the small request waited for neither
+
+
+# ---- a 503 from an engine whose loop died: in-process server, fake engine ----
+
+class _DyingEngine:
+    """Just enough of LLMEngine for AsyncEngine; its step fails, which stops the engine loop."""
+
+    def __init__(self):
+        self.tokenizer = None
+        self.max_model_len = 64
+        self.arch = SimpleNamespace(vocab_size=100)
+        self.requests: dict = {}
+        self.pool = SimpleNamespace(num_free=10, num_usable=10, usage=lambda: 0.0)
+        self.stats = SimpleNamespace(prompt_tokens=0, generation_tokens=0, prefix_cache_queries=0,
+                                     prefix_cache_hits=0, steps=0)
+        self.scheduler = SimpleNamespace(waiting=[])
+        self.num_running = self.num_waiting = 0
+
+    def add_request(self, rid, prompt, params, prompt_token_ids=None):
+        self.requests[rid] = params
+
+    def abort_request(self, rid):
+        self.requests.pop(rid, None)
+
+    def has_unfinished_requests(self):
+        return bool(self.requests)
+
+    def step(self):
+        raise RuntimeError("device lost")
+
+
+def test_every_503_has_retry_after():
+    import uvicorn
+
+    from tpuserve.server.api_server import build_app
+    from tpuserve.server.async_engine import AsyncEngine
+
+    app = build_app(AsyncEngine(_DyingEngine()), MODEL)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="critical"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while not server.started and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert httpx.get(base + "/health").status_code == 200
+        # The first request kills the engine loop: it fails, mid-request (a 500 or an error answer).
+        httpx.post(base + "/v1/completions", json={"prompt": [1, 2], "max_tokens": 2}, timeout=60)
+        for _ in range(200):
+            if httpx.get(base + "/health").status_code == 503:
+                break
+            time.sleep(0.05)
+        for method, path, body in (("GET", "/health", None),
+                                   ("POST", "/v1/completions", {"prompt": [1, 2], "max_tokens": 2})):
+            r = httpx.request(method, base + path, json=body, timeout=60)
+            err = _error(r, 503)
+            assert err["type"] == "ServiceUnavailableError"
+            assert int(r.headers["retry-after"]) >= 1, (path, r.headers)
+    finally:
+        server.should_exit = True
+        thread.join(30)
