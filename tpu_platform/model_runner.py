@@ -3,10 +3,17 @@
 Shapes are padded to buckets so XLA compiles a bounded set of programs:
     T (token slots)       one of config.token_buckets (powers of two up to max_num_batched_tokens)
     S (sequence slots)    min(T, max_num_seqs)
+    R (logits rows)       S when nothing is speculated, else a token bucket >= sum of (1 + drafts)
     pages_per_seq         powers of four up to the pages of max_model_len (just the maximum for the
                           blocked CPU attention, whose cost does not depend on it)
-``warmup()`` compiles every (T, pages_per_seq) pair; ``compile_count`` counts every trace, so a
-compile while serving shows up as a rise after warm-up.
+``warmup()`` compiles every (T, pages_per_seq) pair and every sampler variant; ``compile_count``
+counts every trace, so a compile while serving shows up as a rise after warm-up.
+
+A step runs in two dispatches that return at once (JAX dispatches asynchronously): ``forward``
+(feeds, model, logits) and ``sample`` (sampler, draft acceptance). ``fetch`` waits for the host
+copy. Front ends overlap host work with the device between them: the vLLM worker builds its
+grammar bitmask while ``forward`` runs; the engine schedules step i+1 while step i runs, feeding
+step i's tokens to step i+1 on the device (``StepBatch.feed_rows``).
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -26,10 +34,10 @@ from tpuserve.tpu_platform import sampler
 from tpuserve.tpu_platform.config import EngineConfig
 from tpuserve.tpu_platform.device import DeviceInfo
 from tpuserve.tpu_platform.models.arch import ModelArch
-from tpuserve.tpu_platform.models.decoder import forward
+from tpuserve.tpu_platform.models.decoder import compute_logits, forward
 from tpuserve.tpu_platform.models.weights import unstack_layers
-from tpuserve.tpu_platform.step_batch import (Logprobs, SamplingRow, ScheduledSeq, StepBatch, StepOutput,
-                                     pack_sampling_rows)
+from tpuserve.tpu_platform.step_batch import (Logprobs, SamplingBatch, SamplingRow, ScheduledSeq,
+                                              StepBatch, StepOutput, pack_sampling_rows)
 
 log = logging.getLogger(__name__)
 
@@ -41,31 +49,65 @@ def _bucket(n: int, buckets: tuple[int, ...]) -> int:
     raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
 
 
+@dataclass
+class ForwardState:
+    """A dispatched forward pass: device logits [R, V] of the sampled rows and the final hidden
+    states [T, H] of every row (prompt logprobs score them)."""
+
+    batch: StepBatch
+    logits: jax.Array
+    hidden: jax.Array
+
+
+@dataclass
+class PendingStep:
+    """A dispatched step whose results are still on the device.
+
+    token_ids [S, K+1] and num_accepted [S] (device); last_tokens [S_max]: each slot's last new
+    token, the feed source of the next step; logprobs / prompt_logprobs as device parts.
+    """
+
+    num_seqs: int
+    token_ids: jax.Array
+    num_accepted: jax.Array
+    last_tokens: jax.Array
+    logprobs: tuple | None = None
+    prompt_logprobs: tuple | None = None
+    prompt_logprob_rows: np.ndarray | None = None  # which rows of prompt_logprobs the host keeps
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, arch: ModelArch, params: dict, device: DeviceInfo,
                  dtype, num_pages: int, max_model_len: int):
         self.config = config
         self.arch = arch
-        self.layer_loop = config.layer_loop
+        self.layer_loop = config.compilation.layer_loop
         if self.layer_loop == "auto":
             self.layer_loop = "unroll" if device.backend == "cpu" else "scan"
         self.params = unstack_layers(params) if self.layer_loop == "unroll" else params
         self.dtype = dtype
-        self.page_size = config.block_size
+        self.page_size = config.cache.block_size
         self.max_model_len = max_model_len
-        self.attn_impl = resolve_impl(config.attention_impl, device.backend)
+        self.max_num_seqs = config.scheduler.max_num_seqs
+        self.max_logprobs = config.model.max_logprobs
+        self.attn_impl = resolve_impl(config.compilation.attention_impl, device.backend)
         self.kv_spec = KVCacheSpec(arch.num_layers, num_pages, self.page_size, arch.num_kv_heads,
                                    arch.head_dim, dtype)
-        self.kv_cache = self.kv_spec.allocate()
+        # The attention backend picks the physical shape (TPU pads the combined-head axis).
+        self.kv_cache = self.kv_spec.allocate(self.attn_impl)
         self.max_pages_per_seq = math.ceil(max_model_len / self.page_size)
         # The blocked path's work follows the live context, not the table width: one page bucket.
         self.page_buckets = ((self.max_pages_per_seq,) if self.attn_impl == "blocked"
                              else self._page_buckets(self.max_pages_per_seq))
         self.token_buckets = config.token_buckets
+        self.seq_buckets = tuple(sorted({min(t, self.max_num_seqs) for t in self.token_buckets}))
+        self.max_seq_slots = self.seq_buckets[-1]
         self._traces = 0
-        self._forward = jax.jit(
-            functools.partial(self._traced_forward, inv_freq=jnp.asarray(arch.inv_freq())),
-            static_argnames=("all_logits",), donate_argnums=(1,))
+        self._step = jax.jit(
+            functools.partial(self._traced_step, inv_freq=jnp.asarray(arch.inv_freq())),
+            donate_argnums=(1,))
+        self._prompt_logits = jax.jit(self._traced_prompt_logits)
+        self._no_feed = jnp.zeros(self.max_seq_slots, jnp.int32)
 
     @staticmethod
     def _page_buckets(max_pages: int) -> tuple[int, ...]:
@@ -76,18 +118,33 @@ class ModelRunner:
         out.append(max_pages)
         return tuple(sorted(set(out)))
 
-    def _traced_forward(self, params, kv_cache, token_ids, positions, md, logits_indices, *,
-                        all_logits: bool, inv_freq):
+    def _traced_forward(self, params, kv_cache, token_ids, positions, md, logits_indices, *, inv_freq):
+        """Model + LM head on the sampled rows. Returns (logits [R, V] f32, hidden [T, H] after the
+        final norm (prompt logprobs score its rows later), kv_cache)."""
         self._traces += 1  # runs only while tracing, i.e. once per compiled program
-        if all_logits:
-            logits_indices = jnp.arange(token_ids.shape[0], dtype=jnp.int32)
-        return forward(params, kv_cache, token_ids, positions, md, logits_indices,
-                       arch=self.arch, attn_impl=self.attn_impl, inv_freq=inv_freq)
+        out = forward(params, kv_cache, token_ids, positions, md, arch=self.arch,
+                      attn_impl=self.attn_impl, inv_freq=inv_freq)
+        logits = compute_logits(params, out.hidden[logits_indices], arch=self.arch)
+        return logits, out.hidden, out.kv_cache
+
+    def _traced_step(self, params, kv_cache, token_ids, feed_rows, prev_tokens, positions, md,
+                     logits_indices, *, inv_freq):
+        # Async scheduling: rows the host could not fill yet take the previous step's token here.
+        token_ids = jnp.where(feed_rows >= 0, prev_tokens[jnp.maximum(feed_rows, 0)], token_ids)
+        return self._traced_forward(params, kv_cache, token_ids, positions, md, logits_indices,
+                                    inv_freq=inv_freq)
+
+    def _traced_prompt_logits(self, params, hidden):
+        """Logits of every row of a step, rows padded to the logprob bucket: [B, V] f32."""
+        self._traces += 1
+        rows = sampler.logprob_rows_bucket(hidden.shape[0])
+        hidden = jnp.pad(hidden, ((0, rows - hidden.shape[0]), (0, 0)))
+        return compute_logits(params, hidden, arch=self.arch)
 
     @property
     def compile_count(self) -> int:
-        """Programs traced so far: model forward variants plus sampler variants."""
-        return self._traces + sampler.compile_count()
+        """Programs traced so far: model forward variants plus sampler and step-glue variants."""
+        return self._traces + sampler.compile_count() + _glue_traces()
 
     # ---- building a padded batch ----
 
@@ -95,45 +152,64 @@ class ModelRunner:
         """Pad a list of per-sequence work items into a StepBatch of bucketed shapes."""
         if not seqs:
             raise ValueError("a step needs at least one sequence")
-        num_tokens = sum(len(s.token_ids) for s in seqs)
+        num_tokens = sum(len(s.token_ids) + len(s.draft_token_ids) for s in seqs)
         t_slots = _bucket(num_tokens, self.token_buckets)
-        s_slots = min(t_slots, self.config.max_num_seqs)
+        s_slots = min(t_slots, self.max_num_seqs)
         if len(seqs) > s_slots:
             raise ValueError(f"{len(seqs)} sequences exceed the {s_slots} slots of a {t_slots}-token step")
+        max_drafts = max(len(s.draft_token_ids) for s in seqs)
+        num_rows = sum(1 + len(s.draft_token_ids) for s in seqs)
+        # Without drafts every sequence has one logits row: R = S. With drafts R is a token bucket.
+        r_slots = s_slots if max_drafts == 0 else _bucket(num_rows, self.token_buckets)
+        k_slots = 0 if max_drafts == 0 else 1 << (max_drafts - 1).bit_length()
         kv_lens = np.zeros(s_slots, np.int32)
         pages_per_seq = _bucket(max(len(s.page_ids) for s in seqs), self.page_buckets)
         page_table = np.full((s_slots, pages_per_seq), RESERVED_PAGE, np.int32)
         token_ids = np.zeros(t_slots, np.int32)
         positions = np.zeros(t_slots, np.int32)
+        feed_rows = np.full(t_slots, -1, np.int32)
         cu = np.zeros(s_slots + 1, np.int32)
-        logits_indices = np.zeros(s_slots, np.int32)
+        cu_logits = np.zeros(s_slots + 1, np.int32)
+        logits_indices = np.zeros(r_slots, np.int32)
+        drafts = np.full((s_slots, k_slots), -1, np.int32)
         pl_rows, pl_targets, pl_k = [], [], 0
-        off = 0
+        off = row = 0
         for i, s in enumerate(seqs):
-            n = len(s.token_ids)
+            n, k = len(s.token_ids), len(s.draft_token_ids)
             if n == 0:
                 raise ValueError("a scheduled sequence must compute at least one token")
-            kv_len = s.num_computed + n
+            if k and (s.sampling.temperature > 0 or s.sampling.token_bitmask is not None):
+                raise ValueError("draft verification is greedy-only for now (random rows need the "
+                                 "rejection sampler; grammars need per-draft masks)")
+            kv_len = s.num_computed + n + k
             if len(s.page_ids) * self.page_size < kv_len:
                 raise ValueError(f"sequence {i}: {len(s.page_ids)} pages cannot hold {kv_len} tokens")
             token_ids[off: off + n] = s.token_ids
-            positions[off: off + n] = np.arange(s.num_computed, kv_len)
+            token_ids[off + n: off + n + k] = s.draft_token_ids
+            if s.feed_from >= 0:
+                feed_rows[off] = s.feed_from
+            positions[off: off + n + k] = np.arange(s.num_computed, kv_len)
             kv_lens[i] = kv_len
             page_table[i, : len(s.page_ids)] = s.page_ids
-            logits_indices[i] = off + n - 1
+            logits_indices[row: row + k + 1] = np.arange(off + n - 1, off + n + k)
+            drafts[i, :k] = s.draft_token_ids
             if s.prompt_logprob_targets:
-                k = len(s.prompt_logprob_targets)
-                pl_rows.extend(range(off, off + k))
+                m = len(s.prompt_logprob_targets)
+                pl_rows.extend(range(off, off + m))
                 pl_targets.extend(s.prompt_logprob_targets)
                 pl_k = max(pl_k, s.num_prompt_logprobs)
-            off += n
+            off += n + k
+            row += k + 1
             cu[i + 1] = off
+            cu_logits[i + 1] = row
         cu[len(seqs) + 1:] = off
+        cu_logits[len(seqs) + 1:] = row
         sampling = pack_sampling_rows([s.sampling for s in seqs], s_slots, self.arch.vocab_size)
         return StepBatch(
             token_ids=token_ids, positions=positions, cu_q_lens=cu, kv_lens=kv_lens,
             page_table=page_table, num_seqs=len(seqs), num_tokens=num_tokens,
-            logits_indices=logits_indices, sampling=sampling,
+            logits_indices=logits_indices, cu_logits=cu_logits, draft_token_ids=drafts,
+            sampling=sampling, feed_rows=feed_rows if (feed_rows >= 0).any() else None,
             prompt_logprob_rows=np.asarray(pl_rows, np.int32) if pl_rows else None,
             prompt_logprob_targets=np.asarray(pl_targets, np.int32) if pl_rows else None,
             num_prompt_logprobs=pl_k)
@@ -146,57 +222,160 @@ class ModelRunner:
             kv_lens=jnp.asarray(batch.kv_lens), page_indices=jnp.asarray(batch.page_table),
             cu_q_lens=jnp.asarray(batch.cu_q_lens), num_seqs=jnp.asarray([batch.num_seqs], jnp.int32))
 
+    def forward(self, batch: StepBatch, prev: PendingStep | None = None) -> ForwardState:
+        """Dispatch the model over ``batch`` (returns before the device finishes).
+
+        ``prev`` is the still-running step whose tokens ``batch.feed_rows`` refer to.
+        """
+        if batch.feed_rows is not None and prev is None:
+            raise ValueError("the batch feeds tokens from a previous step, but none was given")
+        feed = batch.feed_rows if batch.feed_rows is not None else np.full(len(batch.token_ids), -1, np.int32)
+        prev_tokens = prev.last_tokens if prev is not None else self._no_feed
+        logits, hidden, self.kv_cache = self._step(
+            self.params, self.kv_cache, jnp.asarray(batch.token_ids), jnp.asarray(feed), prev_tokens,
+            jnp.asarray(batch.positions), self._metadata(batch), jnp.asarray(batch.logits_indices))
+        return ForwardState(batch, logits, hidden)
+
+    def sample(self, fwd: ForwardState, sampling: SamplingBatch | None = None) -> PendingStep:
+        """Dispatch sampling (and draft acceptance) over a forward's logits.
+
+        ``sampling`` replaces the batch's own (the vLLM worker adds the grammar bitmask here).
+        """
+        batch = fwd.batch
+        sampling = sampling if sampling is not None else batch.sampling
+        rows = _expand_rows(sampling, batch.cu_logits, fwd.logits.shape[0])
+        tokens, lp_parts = sampler.sample_async(fwd.logits, rows, self.max_logprobs)
+        if batch.draft_token_ids.shape[1] == 0:
+            token_ids, accepted = tokens[:, None], jnp.zeros(tokens.shape[0], jnp.int32)
+        else:
+            token_ids, accepted = _accept_greedy(tokens, jnp.asarray(batch.draft_token_ids),
+                                                 jnp.asarray(batch.cu_logits))
+        prompt_parts = None
+        if batch.prompt_logprob_rows is not None:
+            # Every row of the step is scored (one program per token bucket); the host keeps the
+            # rows that have prompt targets.
+            targets = np.zeros(len(batch.token_ids), np.int32)
+            targets[batch.prompt_logprob_rows] = batch.prompt_logprob_targets
+            prompt_parts = sampler.compute_logprobs_async(
+                self._prompt_logits(self.params, fwd.hidden), targets, self.max_logprobs)
+        last = _last_tokens(token_ids, accepted, num_slots=self.max_seq_slots)
+        return PendingStep(batch.num_seqs, token_ids, accepted, last, lp_parts, prompt_parts,
+                           batch.prompt_logprob_rows)
+
+    @staticmethod
+    def fetch(step: PendingStep) -> StepOutput:
+        """Wait for a dispatched step and copy its results to the host."""
+        def lp(parts, rows=None):
+            if parts is None:
+                return None
+            a, b, c, d = (np.asarray(p) if rows is None else np.asarray(p)[rows] for p in parts)
+            return Logprobs(token_logprobs=a, token_ranks=b, top_ids=c, top_logprobs=d)
+
+        return StepOutput(token_ids=np.asarray(step.token_ids), num_accepted=np.asarray(step.num_accepted),
+                          logprobs=lp(step.logprobs),
+                          prompt_logprobs=lp(step.prompt_logprobs, step.prompt_logprob_rows))
+
     def execute(self, batch: StepBatch) -> StepOutput:
-        md = self._metadata(batch)
-        all_logits = batch.prompt_logprob_rows is not None
-        logits, self.kv_cache = self._forward(
-            self.params, self.kv_cache, jnp.asarray(batch.token_ids), jnp.asarray(batch.positions),
-            md, jnp.asarray(batch.logits_indices), all_logits=all_logits)
-        prompt_lp: Logprobs | None = None
-        if all_logits:
-            prompt_lp = sampler.compute_logprobs(logits[jnp.asarray(batch.prompt_logprob_rows)],
-                                                 batch.prompt_logprob_targets, batch.num_prompt_logprobs)
-            logits = logits[jnp.asarray(batch.logits_indices)]
-        sampled = sampler.sample(logits, batch.sampling)
-        return StepOutput(sampled=sampled, prompt_logprobs=prompt_lp)
+        """One step, synchronously."""
+        return self.fetch(self.sample(self.forward(batch)))
 
     def compute_logits(self, batch: StepBatch) -> np.ndarray:
         """Logits [num_seqs, V] of each sequence's last scheduled token (tests, debugging); updates the cache."""
-        md = self._metadata(batch)
-        logits, self.kv_cache = self._forward(
-            self.params, self.kv_cache, jnp.asarray(batch.token_ids), jnp.asarray(batch.positions),
-            md, jnp.asarray(batch.logits_indices), all_logits=False)
-        return np.asarray(logits)[: batch.num_seqs]
+        return np.asarray(self.forward(batch).logits)[: batch.num_seqs]
 
     def warmup(self) -> int:
-        """Compile every (token bucket, page bucket) forward and the common sampler variants.
-
-        Returns the number of programs compiled.
-        """
+        """Compile every (token bucket, page bucket) forward, every sampler variant at every sequence
+        bucket, and the step glue. Returns the number of programs compiled."""
         before = self.compile_count
         for t in self.token_buckets:
             for p in self.page_buckets:
-                seq = ScheduledSeq(token_ids=[0], num_computed=0, page_ids=[RESERVED_PAGE] * p,
-                                   sampling=SamplingRow())
-                batch = self.build_batch([seq])
-                # Grow the token count to the bucket; as num_seqs=0 below, nothing is written or attended.
-                batch = self._pad_only(batch, t)
-                self.execute(batch)
-        # The sampler variants common requests hit: greedy, plain temperature, top-k/top-p.
-        vocab = self.arch.vocab_size
-        for s_slots in sorted({min(t, self.config.max_num_seqs) for t in self.token_buckets}):
-            logits = jnp.zeros((s_slots, vocab), jnp.float32)
-            for row in (SamplingRow(temperature=1.0), SamplingRow(temperature=1.0, top_p=0.9)):
-                sampler.sample(logits, pack_sampling_rows([row], s_slots, vocab))
+                # Feeds travel as fixed-shape operands: the same program serves fed and plain steps.
+                self.sample(self.forward(self._empty_batch(t, p)))
+        sampler.warmup(self.seq_buckets, self.arch.vocab_size, self.max_logprobs,
+                       prompt_logprob_rows=self.token_buckets[-1])
+        # Prompt logprobs: the LM head over every row of each token bucket.
+        for t in self.token_buckets:
+            self._prompt_logits(self.params, jnp.zeros((t, self.arch.hidden_size), self.dtype))
         jax.block_until_ready(self.kv_cache)
         log.info("warm-up compiled %d programs", self.compile_count - before)
         return self.compile_count - before
 
-    def _pad_only(self, batch: StepBatch, t_slots: int) -> StepBatch:
-        s_slots = min(t_slots, self.config.max_num_seqs)
+    def _empty_batch(self, t_slots: int, pages_per_seq: int) -> StepBatch:
+        """A batch of bucket shape with no sequences: nothing is written or attended."""
+        s_slots = min(t_slots, self.max_num_seqs)
         return StepBatch(
             token_ids=np.zeros(t_slots, np.int32), positions=np.zeros(t_slots, np.int32),
             cu_q_lens=np.zeros(s_slots + 1, np.int32), kv_lens=np.zeros(s_slots, np.int32),
-            page_table=np.zeros((s_slots, batch.page_table.shape[1]), np.int32), num_seqs=0,
+            page_table=np.zeros((s_slots, pages_per_seq), np.int32), num_seqs=0,
             num_tokens=0, logits_indices=np.zeros(s_slots, np.int32),
+            cu_logits=np.zeros(s_slots + 1, np.int32), draft_token_ids=np.zeros((s_slots, 0), np.int32),
             sampling=pack_sampling_rows([], s_slots, self.arch.vocab_size))
+
+
+# ---- step glue: small jitted helpers between the model and the sampler ----
+
+_glue_count = 0
+
+
+def _glue_traces() -> int:
+    return _glue_count
+
+
+def _note_glue() -> None:
+    global _glue_count
+    _glue_count += 1  # runs only while tracing
+
+
+@functools.partial(jax.jit, static_argnames=("num_slots",))
+def _last_tokens(token_ids, num_accepted, *, num_slots: int):
+    """[S, K+1], [S] -> [num_slots]: each sequence's last new token, padded to a fixed width so the
+    next step's program does not depend on this step's shape."""
+    _note_glue()
+    last = jnp.take_along_axis(token_ids, num_accepted[:, None], axis=1)[:, 0]
+    return jnp.zeros(num_slots, jnp.int32).at[: last.shape[0]].set(last)
+
+
+@jax.jit
+def _accept_greedy(tokens, drafts, cu_logits):
+    """Greedy verification. tokens [R] (the target's token at each logits row), drafts [S, K] (-1
+    pads), cu_logits [S+1] -> (token_ids [S, K+1], num_accepted [S]).
+
+    Sequence i's row j holds the target's choice after its j-th draft; drafts are accepted while
+    they equal it, and the new tokens are the target's choices up to and including the first
+    mismatch (or the bonus row after the last draft).
+    """
+    _note_glue()
+    s, k = drafts.shape
+    j = jnp.arange(k + 1)
+    n_drafts = cu_logits[1:] - cu_logits[:-1] - 1
+    rows = jnp.clip(cu_logits[:-1, None] + j[None, :], 0, tokens.shape[0] - 1)
+    target = tokens[rows]  # [S, K+1]
+    match = (drafts == target[:, :k]) & (j[None, :k] < n_drafts[:, None])
+    accepted = jnp.sum(jnp.cumprod(match.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
+    token_ids = jnp.where(j[None, :] <= accepted[:, None], target, -1)
+    return token_ids, accepted
+
+
+def _expand_rows(sampling: SamplingBatch, cu_logits: np.ndarray, num_rows: int) -> SamplingBatch:
+    """Per-sequence sampling params -> one row per logits row (the identity without drafts).
+
+    A sequence's j-th row samples token index ``step + j``: each position keeps its own key.
+    """
+    counts = np.diff(cu_logits)
+    if len(counts) == num_rows and (counts <= 1).all():
+        return sampling
+    src = np.repeat(np.arange(len(counts)), counts)
+    offs = np.arange(len(src)) - np.repeat(cu_logits[:-1], counts)
+    pad = num_rows - len(src)
+    src = np.concatenate([src, np.full(pad, len(counts) - 1)]).astype(np.int64)
+
+    def take(a):
+        return None if a is None else a[src]
+
+    out = SamplingBatch(**{name: take(getattr(sampling, name)) for name in (
+        "temperature", "top_k", "top_p", "min_p", "seeds", "steps", "repetition_penalty",
+        "presence_penalty", "frequency_penalty", "output_counts", "prompt_mask", "banned_ids",
+        "token_bitmask")}, num_logprobs=sampling.num_logprobs)
+    out.steps = out.steps + np.concatenate([offs, np.zeros(pad, np.int64)]).astype(np.int32)
+    return out
+

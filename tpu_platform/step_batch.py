@@ -7,7 +7,7 @@ buckets (T token slots, S sequence slots, ``pages_per_seq`` page-table columns).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -75,17 +75,27 @@ class Logprobs:
 
 @dataclass
 class SamplerOutput:
-    token_ids: np.ndarray  # [S] i32
+    """What the sampler returns for R logits rows: token_ids [R] i32 (+ logprobs of those tokens)."""
+
+    token_ids: np.ndarray
     logprobs: Logprobs | None = None
 
 
 @dataclass
 class StepBatch:
-    """One ragged step. T = len(token_ids), S = len(kv_lens).
+    """One ragged step. T = len(token_ids), S = len(kv_lens), R = len(logits_indices).
 
     token_ids [T] i32, positions [T] i32: scheduled tokens of all sequences concatenated, then padding.
+      A sequence's span is its known tokens, then its draft tokens (speculative decoding).
     cu_q_lens [S+1] i32, kv_lens [S] i32 (cache length after this step), page_table [S, pages_per_seq].
-    logits_indices [S] i32: row of each sequence's last scheduled token (its logits are sampled).
+    logits_indices [R] i32: the token rows whose logits are computed; sequence i owns logits rows
+      cu_logits[i]:cu_logits[i+1] (cu_logits [S+1] i32): one row per draft token it verifies plus
+      one, the rows of its last known token and of each draft (none for a mid-prefill chunk's
+      padding-free sampling: it still gets its one row, whose sample the front end drops).
+    draft_token_ids [S, K] i32 (-1 pads; K = 0 when nothing is speculated): the drafts being verified.
+    feed_rows [T] i32 or None (async scheduling): row r >= 0 takes its token id from the previous
+      step's output of sequence slot feed_rows[r] (its last accepted token), on the device, because
+      the host has not seen it yet; -1 keeps token_ids[r].
     prompt_logprob_rows: rows whose logprobs of ``prompt_logprob_targets`` (the next prompt token)
     are wanted, with ``num_prompt_logprobs`` top entries; None when no sequence asks for them.
     """
@@ -98,18 +108,45 @@ class StepBatch:
     num_seqs: int
     num_tokens: int
     logits_indices: np.ndarray
+    cu_logits: np.ndarray
+    draft_token_ids: np.ndarray
     sampling: SamplingBatch
+    feed_rows: np.ndarray | None = None
     prompt_logprob_rows: np.ndarray | None = None
     prompt_logprob_targets: np.ndarray | None = None
     num_prompt_logprobs: int = 0
 
+    @property
+    def num_drafts(self) -> np.ndarray:
+        """[S] i32: draft tokens each sequence verifies this step."""
+        return (np.diff(self.cu_logits) - 1).clip(min=0).astype(np.int32)
+
 
 @dataclass
 class StepOutput:
-    """What a step returns to its front end: rows 0..num_seqs-1 are real."""
+    """What a step returns to its front end: rows 0..num_seqs-1 are real.
 
-    sampled: SamplerOutput
+    token_ids [S, K+1] i32: sequence i's new tokens are token_ids[i, :num_accepted[i] + 1] (the
+      accepted drafts, then the token sampled after them); -1 pads.
+    num_accepted [S] i32: drafts accepted (0 when nothing was speculated).
+    logprobs: per logits row (row cu_logits[i] + j holds the logprob of token_ids[i, j]);
+      ``top_ids`` / ``top_logprobs`` carry max_logprobs columns: consumers slice each request's k.
+
+    KV rollback: verifying k drafts writes K/V for all k of them. When only a < k are accepted the
+    front end advances the sequence to ``num_computed + len(known tokens) + a``; the cache rows past
+    that hold rejected drafts, lie beyond the sequence's kv_len from then on (so no attention reads
+    them) and are overwritten by the next step's tokens. Nothing is copied or cleared on the device;
+    a front end may free pages that now hold only rejected rows.
+    """
+
+    token_ids: np.ndarray
+    num_accepted: np.ndarray
+    logprobs: Logprobs | None = None
     prompt_logprobs: Logprobs | None = None
+
+    def new_tokens(self, i: int) -> list[int]:
+        """Sequence i's tokens from this step, in order."""
+        return [int(t) for t in self.token_ids[i, : int(self.num_accepted[i]) + 1]]
 
 
 @dataclass
@@ -135,6 +172,34 @@ class SamplingRow:
     def has_penalties(self) -> bool:
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
                 or self.frequency_penalty != 0.0)
+
+
+def sampling_row(*, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
+                 seed: int = 0, prompt_ids: list[int], output_ids: list[int], num_pending: int = 0,
+                 repetition_penalty: float = 1.0, presence_penalty: float = 0.0,
+                 frequency_penalty: float = 0.0, min_tokens: int = 0, min_tokens_stop_ids=(),
+                 token_bitmask: np.ndarray | None = None, num_logprobs: int | None = None) -> SamplingRow:
+    """The one place a front end's request becomes a sampler row (engine, vLLM and SGLang alike).
+
+    The row samples output token index ``len(output_ids) + num_pending`` (num_pending: tokens
+    already sampled on the device that the caller has not seen). While fewer than ``min_tokens``
+    are out, ``min_tokens_stop_ids`` (EOS and stop token ids) are banned. Penalties get the token
+    history they need; rows without penalties carry none.
+    """
+    n_out = len(output_ids) + num_pending
+    row = SamplingRow(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p),
+                      min_p=float(min_p), seed=int(seed) & 0xFFFFFFFF, step=n_out,
+                      repetition_penalty=float(repetition_penalty),
+                      presence_penalty=float(presence_penalty),
+                      frequency_penalty=float(frequency_penalty), token_bitmask=token_bitmask,
+                      num_logprobs=num_logprobs)
+    if row.has_penalties:
+        if num_pending:
+            raise ValueError("penalties need every output token on the host")
+        row.output_token_ids, row.prompt_token_ids = list(output_ids), list(prompt_ids)
+    if n_out < min_tokens and min_tokens_stop_ids:
+        row.banned_ids = sorted(set(int(t) for t in min_tokens_stop_ids))
+    return row
 
 
 def pack_sampling_rows(rows: list[SamplingRow], num_slots: int, vocab_size: int) -> SamplingBatch:
@@ -178,8 +243,11 @@ class ScheduledSeq:
 
     token_ids: the tokens computed this step (a prefill chunk, or the one token of a decode);
     num_computed: tokens of this sequence already in the KV cache; page_ids: its page table,
-    covering num_computed + len(token_ids) tokens; prompt_logprob_targets: for the first
-    len(targets) tokens of this chunk, the next prompt token whose logprob is wanted.
+    covering num_computed + len(token_ids) + len(draft_token_ids) tokens; prompt_logprob_targets:
+    for the first len(targets) tokens of this chunk, the next prompt token whose logprob is wanted.
+    draft_token_ids: proposed continuations to verify after token_ids (speculative decoding).
+    feed_from: >= 0 when token_ids[0] is a placeholder for the token the previous (still running)
+    step samples for its sequence slot ``feed_from``; the runner substitutes it on the device.
     """
 
     token_ids: list[int]
@@ -188,3 +256,5 @@ class ScheduledSeq:
     sampling: SamplingRow
     prompt_logprob_targets: list[int] | None = None
     num_prompt_logprobs: int = 0
+    draft_token_ids: list[int] = field(default_factory=list)
+    feed_from: int = -1  # async scheduling: token_ids[0] is the previous step's output of this slot

@@ -3,36 +3,36 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 from typing import Any
 
-# EngineConfig fields that are not command-line flags (set from positional args or derived).
-_NOT_FLAGS = {"model", "token_buckets"}
+# Engine flags that are not command-line flags (the model is a positional argument).
+_NOT_FLAGS = {"model"}
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """One --flag per EngineConfig field, spelled as vLLM spells it (--max-model-len, ...)."""
+    """One --flag per engine config field, spelled as vLLM spells it (--max-model-len, ...)."""
     from tpuserve.tpu_platform.config import EngineConfig
 
     group = parser.add_argument_group("engine")
-    for f in dataclasses.fields(EngineConfig):
-        if f.name in _NOT_FLAGS:
+    for name, (kind, _default) in EngineConfig.flag_fields().items():
+        if name in _NOT_FLAGS:
             continue
-        flag = "--" + f.name.replace("_", "-")
-        kind = str(f.type).split("|")[0].strip()  # annotations are strings: "int | None", "bool", ...
+        flag = "--" + name.replace("_", "-")
+        kind = kind.split("|")[0].strip()  # annotations are strings: "int | None", "bool", ...
         if kind == "bool":
-            group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None)
+            group.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None)
         else:
-            group.add_argument(flag, dest=f.name, default=None,
-                               type={"int": int, "float": float}.get(kind, str))
+            group.add_argument(flag, dest=name, default=None,
+                               type={"int": int, "float": float}.get(kind, str),
+                               metavar="JSON" if kind == "json" else None)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     from tpuserve.tpu_platform.config import EngineConfig
 
-    names = {f.name for f in dataclasses.fields(EngineConfig)} - _NOT_FLAGS
+    names = set(EngineConfig.flag_fields()) - _NOT_FLAGS
     return {k: v for k, v in vars(args).items() if k in names and v is not None}
 
 

@@ -42,7 +42,7 @@ def test_invalid_sampling_params_name_the_parameter(kwargs, name):
 
 def test_config_errors_are_clear(random_checkpoints, tmp_path):
     with pytest.raises(ConfigError, match="block_size"):
-        EngineConfig(block_size=12)
+        EngineConfig.from_kwargs(block_size=12)
     with pytest.raises(ConfigError, match="unknown engine argument"):
         EngineConfig.from_kwargs(max_num_seq=3)
     with pytest.raises(FileNotFoundError, match="does not exist"):
@@ -154,17 +154,94 @@ def test_chat_applies_template(llm):
 
 
 def test_steady_state_compiles_nothing_new(random_checkpoints):
+    """After warm-up no request mix compiles a program: random prompt lengths and batch sizes with
+    greedy / temperature / top-p / top-k / min-p rows, logprobs of several k, prompt logprobs of
+    several lengths, penalties, min_tokens (EOS held back) and a grammar."""
+    from tpuserve.server.sampling_params import StructuredOutputParams
+
     llm = LLM(random_checkpoints["llama"], max_model_len=128, max_num_batched_tokens=32,
               max_num_seqs=4, num_gpu_blocks=40)
+    from jax import monitoring
+
     compiled = llm.engine.warmup()
     assert compiled >= len(llm.engine.runner.token_buckets) * len(llm.engine.runner.page_buckets)
     before = llm.engine.runner.compile_count
+    # JAX's own count of XLA compilations: also catches eager ops our trace counters cannot see.
+    backend_compiles = []
+
+    def on_event(name, secs, **kw):
+        if name == "/jax/core/compile/backend_compile_duration":
+            backend_compiles.append(secs)
+
+    monitoring.register_event_duration_secs_listener(on_event)
     rng = np.random.default_rng(0)
-    for round_ in range(4):
+    extras = [dict(), dict(logprobs=1), dict(logprobs=2), dict(logprobs=3), dict(logprobs=5),
+              dict(logprobs=20), dict(prompt_logprobs=0), dict(prompt_logprobs=2),
+              dict(repetition_penalty=1.3), dict(presence_penalty=0.5, frequency_penalty=0.2),
+              dict(min_tokens=3, ignore_eos=False), dict(top_k=5), dict(min_p=0.1),
+              dict(structured_outputs=StructuredOutputParams(regex="(yes|no)[a-z ]{0,20}"))]
+    for round_ in range(6):
         n = int(rng.integers(1, 7))
         prompts = [{"prompt_token_ids": rng.integers(0, 1000, int(rng.integers(2, 60))).tolist()}
                    for _ in range(n)]
-        params = [SamplingParams(temperature=float(rng.choice([0.0, 0.8])), top_p=float(rng.choice([1.0, 0.9])),
-                                 max_tokens=int(rng.integers(1, 40)), ignore_eos=True) for _ in prompts]
-        llm.generate(prompts, params, use_tqdm=False)
+        params = []
+        for _ in prompts:
+            kw = dict(temperature=float(rng.choice([0.0, 0.8])), top_p=float(rng.choice([1.0, 0.9])),
+                      max_tokens=int(rng.integers(1, 40)), ignore_eos=True)
+            kw.update(extras[int(rng.integers(0, len(extras)))])
+            params.append(SamplingParams(**kw))
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert all(o.error is None for o in outs), [o.error for o in outs]
+    for kw in extras:  # every extra at least once, alone and in a full batch
+        llm.generate(["Hello there"] * 4, SamplingParams(max_tokens=4, **kw), use_tqdm=False)
+    monitoring.unregister_event_duration_listener(on_event)
     assert llm.engine.runner.compile_count == before
+    assert backend_compiles == []
+
+
+def test_async_scheduling_gives_the_same_outputs(random_checkpoints):
+    """Overlapping step i+1's scheduling with step i's device work changes no token: greedy and
+    seeded sampling, stops, min_tokens, n > 1, logprobs and penalties (held back to sync steps)."""
+    kw = dict(max_model_len=256, max_num_batched_tokens=32, max_num_seqs=4, num_gpu_blocks=40)
+    sync = LLM(random_checkpoints["qwen3"], async_scheduling=False, **kw)
+    overlapped = LLM(random_checkpoints["qwen3"], async_scheduling=True, **kw)
+    prompts = ["Hello there", "The capital of France is", "1 2 3 4 5", "A B C D E F G H I J K L M"]
+    params = [
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+        SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_tokens=10, n=2, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=9, min_tokens=4, logprobs=3),
+        SamplingParams(temperature=0.8, seed=3, max_tokens=8, repetition_penalty=1.3, ignore_eos=True),
+    ]
+    a = sync.generate(prompts, params, use_tqdm=False)
+    b = overlapped.generate(prompts, params, use_tqdm=False)
+    for x, y in zip(a, b):
+        assert [o.token_ids for o in x.outputs] == [o.token_ids for o in y.outputs]
+        assert [o.finish_reason for o in x.outputs] == [o.finish_reason for o in y.outputs]
+    assert [len(e) for e in a[2].outputs[0].logprobs] == [len(e) for e in b[2].outputs[0].logprobs]
+    assert all(len(e) in (3, 4) for e in b[2].outputs[0].logprobs)  # top 3 (+ the chosen token)
+    # A stop string found on the host ends the request even though the next step was already sent.
+    text = a[0].outputs[0].text
+    stop = text[len(text) // 2: len(text) // 2 + 3]
+    if stop.strip():
+        x = sync.generate(["Hello there"], SamplingParams(temperature=0, max_tokens=12, stop=[stop]),
+                          use_tqdm=False)[0].outputs[0]
+        y = overlapped.generate(["Hello there"], SamplingParams(temperature=0, max_tokens=12, stop=[stop]),
+                                use_tqdm=False)[0].outputs[0]
+        assert (x.text, x.token_ids, x.finish_reason) == (y.text, y.token_ids, y.finish_reason)
+    assert overlapped.engine.pool.num_free == sync.engine.pool.num_free  # nothing leaked
+
+
+def test_async_scheduling_survives_preemption(random_checkpoints):
+    """A pool too small for the batch forces preemption while tokens are still on the device."""
+    kw = dict(max_model_len=128, max_num_batched_tokens=32, max_num_seqs=4, num_gpu_blocks=13,
+              block_size=16)
+    prompts = [{"prompt_token_ids": list(range(10 + 7 * i, 40 + 7 * i))} for i in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    outs = {}
+    for mode in (False, True):
+        llm = LLM(random_checkpoints["llama"], async_scheduling=mode, **kw)
+        outs[mode] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert llm.engine.scheduler.num_preemptions > 0
+        assert llm.engine.pool.num_free == 12
+    assert outs[True] == outs[False]
+    assert all(len(t) == 40 for t in outs[True])

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from tpuserve.tpu_platform.step_batch import Logprobs, SamplerOutput, StepOutput
+from tpuserve.tpu_platform.step_batch import Logprobs, StepOutput
 from tpuserve.tpu_platform.vllm_plugin.request_state import RequestTable
 from tpuserve.tpu_platform.vllm_plugin.sampling import SamplingSpec, UnsupportedRequest, allowed_ids_bitmask
 
@@ -53,7 +53,8 @@ def sched(new=(), cached_reqs=None, num=None, finished=(), preempted=None):
 
 
 def step_out(tokens, logprobs=None, prompt_logprobs=None):
-    return StepOutput(sampled=SamplerOutput(token_ids=np.asarray(tokens, np.int32), logprobs=logprobs),
+    ids = np.asarray(tokens, np.int32)[:, None]
+    return StepOutput(token_ids=ids, num_accepted=np.zeros(len(ids), np.int32), logprobs=logprobs,
                       prompt_logprobs=prompt_logprobs)
 
 

@@ -20,8 +20,6 @@ from tpuserve.tpu_platform.step_batch import ScheduledSeq
 
 log = logging.getLogger(__name__)
 
-_CPU_KV_BYTES = 1 << 30  # default KV budget on CPU hosts (shared host RAM), as our own engine
-
 
 @dataclass(frozen=True)
 class ExecutorConfig:
@@ -32,7 +30,7 @@ class ExecutorConfig:
     max_total_tokens: int | None = None  # SGLang's --max-total-tokens; None: sized from memory
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 256
-    kv_cache_memory_fraction: float = 0.5
+    gpu_memory_utilization: float = 0.5
     attention_impl: str = "auto"
     warmup: bool | None = None  # None: compile every bucket up front on accelerators only
 
@@ -84,56 +82,38 @@ class JaxExecutor:
 
     def __init__(self, cfg: ExecutorConfig):
         from tpuserve.tpu_platform.config import EngineConfig
-        from tpuserve.tpu_platform.device import discover, enable_compilation_cache, resolve_dtype
-        from tpuserve.tpu_platform.loader import load_model
-        from tpuserve.tpu_platform.model_runner import ModelRunner
+        from tpuserve.tpu_platform.worker import Worker
 
         t0 = time.perf_counter()
         self.cfg = cfg
-        self.device = discover()
-        enable_compilation_cache()
-        self.dtype = resolve_dtype(cfg.dtype, self.device)
-        loaded = load_model(cfg.model_path, self.dtype)
-        self.arch = loaded.arch
-        self.max_model_len = min(cfg.max_model_len, self.arch.max_position_embeddings)
-        self.usable_pages = self._usable_pages(loaded.params)
-        # +1: page 0 is reserved by both SGLang (padding) and us; SGLang's pages are 1..usable.
-        self.num_pages = self.usable_pages + 1
-        self.config = EngineConfig(
-            model=cfg.model_path, dtype=cfg.dtype, max_model_len=self.max_model_len,
+        self.config = EngineConfig.from_kwargs(
+            model=cfg.model_path, dtype=cfg.dtype, max_model_len=cfg.max_model_len,
             max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
             block_size=cfg.page_size, attention_impl=cfg.attention_impl,
-            kv_cache_memory_fraction=cfg.kv_cache_memory_fraction, num_gpu_blocks=self.num_pages)
-        self.runner = ModelRunner(self.config, self.arch, loaded.params, self.device, self.dtype,
-                                  self.num_pages, self.max_model_len)
+            gpu_memory_utilization=cfg.gpu_memory_utilization,
+            # +1: page 0 is reserved by both SGLang (padding) and us; SGLang's pages are 1..usable.
+            num_gpu_blocks=(max(1, cfg.max_total_tokens // cfg.page_size) + 1
+                            if cfg.max_total_tokens is not None else None),
+            # SGLang's scheduler waits for each batch's ids before building the next.
+            async_scheduling=False)
+        self.worker = Worker(self.config)
+        self.worker.load(clamp_max_model_len=True)
+        self.device, self.dtype, self.arch = self.worker.device, self.worker.dtype, self.worker.arch
+        self.max_model_len = self.worker.max_model_len
+        self.num_pages = self.worker.num_pages(need_full_sequence=False)
+        self.usable_pages = self.num_pages - 1
+        self.runner = self.worker.init_kv_cache(self.num_pages)
         self.steps = 0
         self.model_calls = 0
         warm = cfg.warmup if cfg.warmup is not None else self.device.is_accelerator
         if warm:
-            self.runner.warmup()
+            self.worker.warmup()
         self.compiles_after_init = self.runner.compile_count
         log.info("tpuserve JAX executor ready in %.1fs: backend=%s dtype=%s, KV cache %s in JAX "
                  "(%d pages x %d tokens, %.1f MiB), %d programs compiled",
                  time.perf_counter() - t0, self.device.backend, np.dtype(self.dtype).name,
                  tuple(self.runner.kv_cache.shape), self.usable_pages, cfg.page_size,
                  self.kv_cache_bytes / 2**20, self.compiles_after_init)
-
-    def _usable_pages(self, params) -> int:
-        spec_bytes = self._page_bytes()
-        if self.cfg.max_total_tokens is not None:
-            return max(1, self.cfg.max_total_tokens // self.cfg.page_size)
-        if self.device.is_accelerator and self.device.memory_bytes:
-            import jax
-            weights = sum(x.nbytes for x in jax.tree_util.tree_leaves(params))
-            budget = self.cfg.kv_cache_memory_fraction * self.device.memory_bytes - weights
-        else:
-            budget = _CPU_KV_BYTES
-        return max(1, int(budget // spec_bytes))
-
-    def _page_bytes(self) -> int:
-        from tpuserve.kv_cache.layout import KVCacheSpec
-        return KVCacheSpec(self.arch.num_layers, 1, self.cfg.page_size, self.arch.num_kv_heads,
-                           self.arch.head_dim, self.dtype).bytes_per_page
 
     @property
     def capacity_tokens(self) -> int:
@@ -154,11 +134,10 @@ class JaxExecutor:
         out = np.zeros(len(seqs), np.int32)
         if not seqs:
             return out
-        for step in plan_steps(seqs, self.cfg.page_size, self.config.max_num_batched_tokens,
-                               self.config.max_num_seqs):
+        sched = self.config.scheduler
+        for step in plan_steps(seqs, self.cfg.page_size, sched.max_num_batched_tokens, sched.max_num_seqs):
             batch = self.runner.build_batch([p.seq for p in step])
-            sampled = self.runner.execute(batch).sampled.token_ids
-            sampled = np.asarray(sampled)[: len(step)]
+            sampled = self.runner.execute(batch).token_ids[: len(step), 0]
             self.model_calls += 1
             for p, tok in zip(step, sampled):
                 if p.last:

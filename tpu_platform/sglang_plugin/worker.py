@@ -32,7 +32,7 @@ from sglang.srt.runtime_context import get_model, get_schedule
 
 from tpuserve.tpu_platform.sglang_plugin.executor import ExecutorConfig, JaxExecutor
 from tpuserve.tpu_platform.sglang_plugin.slots import check_new_slots, page_table
-from tpuserve.tpu_platform.step_batch import SamplingRow, ScheduledSeq
+from tpuserve.tpu_platform.step_batch import SamplingRow, ScheduledSeq, sampling_row
 
 log = logging.getLogger(__name__)
 
@@ -67,8 +67,8 @@ def executor_config(model_path: str, context_len: int) -> ExecutorConfig:
         max_num_batched_tokens=chunk if chunk and chunk > 0 else 256)
 
 
-def sampling_row(req, vocab_size: int) -> SamplingRow:
-    """One SGLang request's sampling parameters in our terms."""
+def request_sampling_row(req, vocab_size: int, eos_token_ids=()) -> SamplingRow:
+    """One SGLang request's sampling parameters in our terms (built by the shared ``sampling_row``)."""
     sp = req.sampling_params
     # SGLang normalises temperature 0 to (temperature 1, top_k 1): that is greedy.
     greedy = sp.top_k == 1
@@ -77,16 +77,17 @@ def sampling_row(req, vocab_size: int) -> SamplingRow:
     if seed is None:
         # A per-request seed that does not depend on batch composition: (seed, step) keys the PRNG.
         seed = zlib.crc32(str(req.rid).encode())
-    row = SamplingRow(
+    # min_new_tokens holds back the stop token ids and, unless ignore_eos, the end tokens.
+    stop_ids = set(getattr(sp, "stop_token_ids", None) or ())
+    if not getattr(sp, "ignore_eos", False):
+        stop_ids |= set(getattr(req, "eos_token_ids", None) or ()) | set(eos_token_ids)
+    return sampling_row(
         temperature=0.0 if greedy else float(sp.temperature), top_k=0 if greedy else top_k,
-        top_p=float(sp.top_p), min_p=float(sp.min_p), seed=int(seed) & 0xFFFFFFFF,
-        step=len(req.output_ids), repetition_penalty=float(sp.repetition_penalty),
-        presence_penalty=float(sp.presence_penalty),
-        frequency_penalty=float(sp.frequency_penalty))
-    if row.has_penalties:
-        row.output_token_ids = list(req.output_ids)
-        row.prompt_token_ids = list(req.origin_input_ids)
-    return row
+        top_p=float(sp.top_p), min_p=float(sp.min_p), seed=int(seed),
+        prompt_ids=list(req.origin_input_ids), output_ids=list(req.output_ids),
+        repetition_penalty=float(sp.repetition_penalty), presence_penalty=float(sp.presence_penalty),
+        frequency_penalty=float(sp.frequency_penalty),
+        min_tokens=int(getattr(sp, "min_new_tokens", 0) or 0), min_tokens_stop_ids=stop_ids)
 
 
 def _refuse_unsupported(batch) -> None:
@@ -102,7 +103,7 @@ def _refuse_unsupported(batch) -> None:
 
 
 def scheduled_seqs(batch, req_to_token: torch.Tensor, page_size: int,
-                   vocab_size: int) -> list[ScheduledSeq]:
+                   vocab_size: int, eos_token_ids=()) -> list[ScheduledSeq]:
     """SGLang's batch -> our per-sequence work items (int metadata only)."""
     reqs = batch.reqs
     input_ids = batch.input_ids.numpy().astype(np.int32)
@@ -124,7 +125,7 @@ def scheduled_seqs(batch, req_to_token: torch.Tensor, page_size: int,
         check_new_slots(slots, start, out_loc[off: off + n], page_size, where=f"request {req.rid}: ")
         seqs.append(ScheduledSeq(token_ids=input_ids[off: off + n].tolist(), num_computed=start,
                                  page_ids=page_table(slots, page_size).tolist(),
-                                 sampling=sampling_row(req, vocab_size)))
+                                 sampling=request_sampling_row(req, vocab_size, eos_token_ids)))
         off += n
     if off != len(input_ids):
         raise RuntimeError(f"batch has {len(input_ids)} input ids but its requests account for {off}")
@@ -171,7 +172,8 @@ class TpuServeTpModelWorker(TpModelWorker):
                                          next_token_ids=torch.zeros(0, dtype=torch.int64))
         _refuse_unsupported(batch)
         seqs = scheduled_seqs(batch, self.model_runner.req_to_token_pool.req_to_token,
-                              self.model_runner.page_size, self._vocab_size)
+                              self.model_runner.page_size, self._vocab_size,
+                              self._executor.arch.eos_token_ids)
         sampled = self._executor.run(seqs)
         return GenerationBatchResult(logits_output=empty, can_run_cuda_graph=False,
                                      next_token_ids=torch.from_numpy(sampled.astype(np.int64)))

@@ -114,7 +114,7 @@ class StepPlan:
 
     def finish(self, table: "RequestTable", output: StepOutput) -> StepResult:
         """Fold the step's sampled tokens into the table; build the output vLLM expects."""
-        sampled = np.asarray(output.sampled.token_ids)
+        sampled = np.asarray(output.token_ids)[:, 0]
         result = StepResult(req_ids=[p.req_id for p in self.seqs], sampled_token_ids=[])
         pl_offset = 0
         for i, p in enumerate(self.seqs):
@@ -134,13 +134,16 @@ class StepPlan:
                 if st.num_computed_tokens >= st.num_prompt_tokens and st.prompt_logprobs is not None:
                     result.prompt_logprobs[p.req_id] = st.prompt_logprobs
                     st.prompt_logprobs = None  # delivered once; a recompute after preemption skips them
-        lp = output.sampled.logprobs
+        lp = output.logprobs
         if lp is not None:
             rows = len(self.seqs)
+            # The step computed max_logprobs columns; vLLM gets the most any request here asked for.
+            wanted = [table.requests[p.req_id].spec.num_logprobs for p in self.seqs]
+            k = max((w for w in wanted if w is not None), default=0)
             result.logprob_token_ids = np.concatenate(
-                [sampled[:rows, None].astype(np.int32), np.asarray(lp.top_ids)[:rows]], axis=1)
+                [sampled[:rows, None].astype(np.int32), np.asarray(lp.top_ids)[:rows, :k]], axis=1)
             result.logprobs = np.concatenate(
-                [np.asarray(lp.token_logprobs)[:rows, None], np.asarray(lp.top_logprobs)[:rows]],
+                [np.asarray(lp.token_logprobs)[:rows, None], np.asarray(lp.top_logprobs)[:rows, :k]],
                 axis=1).astype(np.float32)
             result.sampled_ranks = np.asarray(lp.token_ranks)[:rows].astype(np.int32)
         return result

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from tpuserve.tpu_platform.step_batch import SamplingRow
+from tpuserve.tpu_platform.step_batch import SamplingRow, sampling_row
 
 
 class UnsupportedRequest(ValueError):
@@ -110,15 +110,9 @@ class SamplingSpec:
         mask = self.allowed_mask
         if grammar_mask is not None:
             mask = grammar_mask if mask is None else (mask & grammar_mask)
-        banned = None
-        if len(output_ids) < self.min_tokens and self.stop_token_ids:
-            banned = list(self.stop_token_ids)
-        penalties = self.has_penalties
-        return SamplingRow(
+        return sampling_row(
             temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
-            seed=self.seed, step=len(output_ids),
+            seed=self.seed, prompt_ids=prompt_ids, output_ids=output_ids,
             repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty,
-            output_token_ids=list(output_ids) if penalties else None,
-            prompt_token_ids=list(prompt_ids) if penalties else None,
-            banned_ids=banned, token_bitmask=mask, num_logprobs=self.num_logprobs)
+            frequency_penalty=self.frequency_penalty, min_tokens=self.min_tokens,
+            min_tokens_stop_ids=self.stop_token_ids, token_bitmask=mask, num_logprobs=self.num_logprobs)

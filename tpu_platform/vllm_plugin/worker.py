@@ -1,14 +1,16 @@
-"""``TpuserveWorker``: vLLM's worker interface implemented over our JAX ``ModelRunner``.
+"""``TpuserveWorker``: vLLM's worker interface implemented over our shared ``Worker``.
 
-vLLM calls, in order: ``init_device`` (JAX backend, compilation cache, dtype), ``load_model`` (our
-loader: weights to device), ``get_kv_cache_spec`` (one full-attention spec per layer: our page size,
-KV heads, head_dim, dtype), ``determine_available_memory`` (bytes vLLM may turn into KV blocks),
-``initialize_from_config`` (vLLM's num_blocks become our KV pages, one for one, page 0 being vLLM's
-null block), ``compile_or_warm_up_model`` (every shape bucket, on accelerators), then each step
-``execute_model`` (SchedulerOutput deltas -> planned chunks) and ``sample_tokens`` (grammar bitmask
-in, ModelRunnerOutput out). The model step itself runs in ``sample_tokens``: our runner samples on
-device in the same program as the forward pass, and the bitmask only exists by then. With the
-synchronous uniproc executor this loses no overlap.
+vLLM calls, in order: ``init_device`` (our Worker: JAX backend, compilation cache, dtype; its
+EngineConfig built from vLLM's), ``load_model`` (weights to device), ``get_kv_cache_spec`` (one
+full-attention spec per layer: our page size, KV heads, head_dim, dtype),
+``determine_available_memory`` (the Worker's one KV budget formula), ``initialize_from_config``
+(vLLM's num_blocks become our KV pages, one for one, page 0 being vLLM's null block),
+``compile_or_warm_up_model`` (every shape bucket, on accelerators), then each step
+``execute_model`` and ``sample_tokens``.
+
+Overlap: ``execute_model`` dispatches the forward pass and returns at once (JAX runs it
+asynchronously); vLLM's engine core then builds the structured-output bitmask on the host while
+the device computes, and ``sample_tokens`` samples under that bitmask.
 """
 
 from __future__ import annotations
@@ -24,16 +26,13 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCache
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, LogprobsLists, LogprobsTensors, ModelRunnerOutput
 from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
+from tpuserve.tpu_platform.step_batch import pack_sampling_rows
 from tpuserve.tpu_platform.vllm_plugin.options import PluginOptions
 from tpuserve.tpu_platform.vllm_plugin.request_state import RequestTable, StepPlan, StepResult
 
 log = logging.getLogger("vllm.tpuserve.worker")
 
 _TORCH_TO_NAME = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-_CPU_DEFAULT_KV_BYTES = 1 << 30  # like our engine: host RAM is shared with everything else
-# Activation headroom kept free on an accelerator, per scheduled token (a generous bound for the
-# hidden/MLP intermediates of one step) plus the [S, V] f32 logits and sampler temporaries.
-_ACT_BYTES_PER_TOKEN_FACTOR = 16
 
 
 class TpuserveWorker(WorkerBase):
@@ -41,63 +40,76 @@ class TpuserveWorker(WorkerBase):
                  distributed_init_method: str, is_driver_worker: bool = False):
         super().__init__(vllm_config, local_rank, rank, distributed_init_method, is_driver_worker)
         self.options = PluginOptions.from_vllm(vllm_config)
-        self.device_info = None
-        self.dtype = None
+        self.worker = None  # tpuserve.tpu_platform.worker.Worker
         self.arch = None
-        self.params = None
         self.runner = None
         self.table: RequestTable | None = None
-        self._pending: StepPlan | None = None
+        self._pending: tuple | None = None  # (StepPlan, ScheduledSeqs, StepBatch, ForwardState)
         self._compiled_after_warmup: int | None = None
 
     # ---- start-up ----
 
-    def init_device(self) -> None:
-        from tpuserve.tpu_platform.device import discover, enable_compilation_cache, resolve_dtype
+    def _engine_config(self):
+        from tpuserve.tpu_platform.config import EngineConfig
 
-        self.device_info = discover()
-        cache_dir = enable_compilation_cache(self.options.compilation_cache_dir)
         name = _TORCH_TO_NAME.get(self.model_config.dtype)
         if name is None:
             raise ValueError(f"dtype {self.model_config.dtype}: the tpuserve platform runs "
                              f"float32, bfloat16 or float16")
-        self.dtype = resolve_dtype(name, self.device_info)
+        sched, cache = self.scheduler_config, self.cache_config
+        return EngineConfig.from_kwargs(
+            model=self.model_config.model, dtype=name, max_model_len=int(self.model_config.max_model_len),
+            max_num_seqs=sched.max_num_seqs, max_num_batched_tokens=sched.max_num_batched_tokens,
+            block_size=cache.block_size, seed=int(self.model_config.seed or 0),
+            gpu_memory_utilization=float(cache.gpu_memory_utilization),
+            kv_cache_memory_bytes=(int(cache.kv_cache_memory_bytes)
+                                   if cache.kv_cache_memory_bytes is not None else None),
+            attention_impl=self.options.attention_impl,
+            enable_chunked_prefill=bool(sched.enable_chunked_prefill),
+            compilation_cache_dir=self.options.compilation_cache_dir,
+            max_logprobs=min(max(int(self.model_config.max_logprobs), 0), 1024),
+            async_scheduling=False)  # vLLM's scheduler drives the steps
+
+    def init_device(self) -> None:
+        from tpuserve.tpu_platform.worker import Worker
+
+        self.worker = Worker(self._engine_config())
+        info = self.worker.device
         # vLLM's own tensors around this worker stay on the host (see platform.py).
         self.device = torch.device("cpu")
-        log.info("tpuserve worker on JAX %s (%d x %s), dtype %s, XLA cache %s",
-                 self.device_info.backend, self.device_info.device_count,
-                 self.device_info.device_kind, name, cache_dir)
+        log.info("tpuserve worker on JAX %s (%d x %s), dtype %s, XLA cache %s", info.backend,
+                 info.device_count, info.device_kind, self.worker.config.model.dtype,
+                 self.worker.compilation_cache_dir)
 
     def load_model(self, *, load_dummy_weights: bool = False) -> None:
-        from tpuserve.tpu_platform.loader import load_model
-
         if load_dummy_weights:
             raise NotImplementedError("dummy weights are not supported on the tpuserve platform")
         fmt = str(self.load_config.load_format)
         if fmt not in ("auto", "safetensors", "gguf", "LoadFormats.AUTO"):
             raise ValueError(f"load_format={fmt!r}: the tpuserve platform loads safetensors or GGUF")
-        t0 = time.perf_counter()
-        loaded = load_model(self.model_config.model, self.dtype)
-        self.arch, self.params = loaded.arch, loaded.params
+        self.worker.load()
+        self.arch = self.worker.arch
         vocab = self.model_config.get_vocab_size()
         if vocab != self.arch.vocab_size:
             raise ValueError(f"vocab size mismatch: vLLM's config says {vocab}, the checkpoint "
                              f"has {self.arch.vocab_size}")
-        log.info("loaded %s (%s, %d layers) in %.1f s", loaded.source, self.arch.architecture,
-                 self.arch.num_layers, time.perf_counter() - t0)
 
     def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
-        """One full-attention spec per layer, so vLLM's page bytes equal ours exactly.
+        """One full-attention spec per layer, with vLLM's page bytes equal to ours.
 
-        vLLM's page (per layer) = 2 * block_size * num_kv_heads * head_size * itemsize: our
-        interleaved page [page_size, 2*Hkv, D] holds the same bytes. A sliding-window model is
-        described as full attention with the window recorded, so vLLM keeps every page and our
-        attention applies the window.
+        vLLM's page (per layer) = 2 * block_size * num_kv_heads * head_size * itemsize, which is our
+        interleaved page [page_size, 2*Hkv, D]; where the attention backend pads the combined-head
+        axis (TPU sublane tiles), ``page_size_padded`` tells vLLM the real per-layer bytes so its
+        block count matches what we allocate. A sliding-window model is described as full
+        attention with the window recorded, so vLLM keeps every page and our attention applies it.
         """
         a = self.arch
+        padded = self.worker.page_bytes() // a.num_layers
+        plain = 2 * self.cache_config.block_size * a.num_kv_heads * a.head_dim * self.model_config.dtype.itemsize
+        extra = {"page_size_padded": padded} if padded != plain else {}
         spec = FullAttentionSpec(block_size=self.cache_config.block_size, num_kv_heads=a.num_kv_heads,
                                  head_size=a.head_dim, dtype=self.model_config.dtype,
-                                 sliding_window=a.sliding_window)
+                                 sliding_window=a.sliding_window, **extra)
         return {f"model.layers.{i}.self_attn.attn": spec for i in range(a.num_layers)}
 
     def get_supported_kv_cache_layouts(self) -> list[str]:
@@ -106,70 +118,35 @@ class TpuserveWorker(WorkerBase):
         return ["LBNHC"]
 
     def determine_available_memory(self) -> int:
-        """Bytes for the KV cache: an explicit size if given, else what the accelerator has left."""
-        explicit = self.cache_config.kv_cache_memory_bytes
-        if explicit is not None:
-            return int(explicit)
-        info = self.device_info
-        if not info.is_accelerator or not info.memory_bytes:
-            return _CPU_DEFAULT_KV_BYTES
-        import jax
-
-        stats = jax.devices()[0].memory_stats() or {}
-        in_use = int(stats.get("bytes_in_use", 0))  # the weights, just loaded
-        sched = self.scheduler_config
-        a = self.arch
-        act = (sched.max_num_batched_tokens * max(a.hidden_size, a.intermediate_size) * 4
-               * _ACT_BYTES_PER_TOKEN_FACTOR + sched.max_num_seqs * a.vocab_size * 4 * 4)
-        budget = int(self.cache_config.gpu_memory_utilization * info.memory_bytes) - in_use - act
-        if budget <= 0:
-            raise ValueError(f"no device memory left for the KV cache ({in_use} bytes in use of "
-                             f"{info.memory_bytes}); raise --gpu-memory-utilization or shrink the model")
-        return budget
+        """Bytes for the KV cache: the Worker's one budget formula (vLLM's --kv-cache-memory-bytes
+        if given; else gpu_memory_utilization of the accelerator less weights and activations;
+        1 GiB on a CPU host)."""
+        return self.worker.kv_cache_budget()
 
     def initialize_from_config(self, kv_cache_config: KVCacheConfig) -> None:
         """Allocate our KV pages: vLLM's block ids index them directly."""
-        from tpuserve.tpu_platform.config import EngineConfig
-        from tpuserve.tpu_platform.model_runner import ModelRunner
-
         groups = kv_cache_config.kv_cache_groups
         if len(groups) != 1:
             raise ValueError(f"expected one KV cache group, vLLM built {len(groups)}")
         block_size = groups[0].kv_cache_spec.block_size
-        num_blocks = int(kv_cache_config.num_blocks)
-        sched = self.scheduler_config
-        max_len = int(self.model_config.max_model_len)
-        config = EngineConfig(
-            model=self.model_config.model, dtype=_TORCH_TO_NAME[self.model_config.dtype],
-            max_model_len=max_len, max_num_seqs=sched.max_num_seqs,
-            max_num_batched_tokens=sched.max_num_batched_tokens, block_size=block_size,
-            num_gpu_blocks=num_blocks, seed=int(self.model_config.seed or 0),
-            attention_impl=self.options.attention_impl,
-            enable_chunked_prefill=bool(sched.enable_chunked_prefill),
-            compilation_cache_dir=self.options.compilation_cache_dir,
-            max_logprobs=min(max(int(self.model_config.max_logprobs), 0), 1024))
-        self.runner = ModelRunner(config, self.arch, self.params, self.device_info, self.dtype,
-                                  num_blocks, max_len)
-        self.params = None  # the runner holds them now
-        self.table = RequestTable(block_size, self.arch.vocab_size, seed=config.seed)
-        log.info("KV cache: %d pages of %d tokens (%.2f GiB), token buckets %s, page buckets %s",
-                 num_blocks, block_size, self.runner.kv_spec.bytes_per_page * num_blocks / (1 << 30),
-                 self.runner.token_buckets, self.runner.page_buckets)
+        if block_size != self.worker.config.cache.block_size:
+            raise ValueError(f"vLLM chose block size {block_size}, the worker was set up for "
+                             f"{self.worker.config.cache.block_size}")
+        self.runner = self.worker.init_kv_cache(int(kv_cache_config.num_blocks))
+        self.table = RequestTable(block_size, self.arch.vocab_size, seed=self.worker.config.model.seed)
 
     def compile_or_warm_up_model(self) -> CompilationTimes:
         warmup = self.options.warmup
         if warmup is None:
-            warmup = self.device_info.is_accelerator
+            warmup = self.worker.device.is_accelerator
         if not warmup:
             log.info("warm-up skipped (%s): programs compile on first use and persist in the XLA cache",
                      "JAX CPU backend" if self.options.warmup is None else "warmup=false / --enforce-eager")
             return CompilationTimes(language_model=0.0, encoder=0.0)
         t0 = time.perf_counter()
-        n = self.runner.warmup()
+        self.worker.warmup()
         self._compiled_after_warmup = self.runner.compile_count
-        secs = time.perf_counter() - t0
-        log.info("warm-up compiled %d programs in %.1f s", n, secs)
-        return CompilationTimes(language_model=secs, encoder=0.0)
+        return CompilationTimes(language_model=time.perf_counter() - t0, encoder=0.0)
 
     def update_max_model_len(self, max_model_len: int) -> None:
         # Called only when vLLM shrinks the length to fit memory, before initialize_from_config.
@@ -183,15 +160,23 @@ class TpuserveWorker(WorkerBase):
         plan = self.table.plan(scheduler_output)
         if not plan.seqs:
             return EMPTY_MODEL_RUNNER_OUTPUT  # a step that only retired requests
-        self._pending = plan
+        # Dispatch the forward now; the grammar bitmask only exists at sample_tokens, and vLLM
+        # builds it on the host while the device runs this.
+        batch = self.runner.build_batch(plan.scheduled(self.table))
+        self._pending = (plan, batch, self.runner.forward(batch))
         return None  # vLLM now calls sample_tokens with the grammar bitmask
 
     def sample_tokens(self, grammar_output: Any) -> ModelRunnerOutput:
-        plan, self._pending = self._pending, None
-        if plan is None:
+        pending, self._pending = self._pending, None
+        if pending is None:
             return EMPTY_MODEL_RUNNER_OUTPUT
-        seqs = plan.scheduled(self.table, self._grammar_masks(grammar_output))
-        step = self.runner.execute(self.runner.build_batch(seqs))
+        plan, batch, fwd = pending
+        sampling = None
+        masks = self._grammar_masks(grammar_output)
+        if masks:
+            rows = [s.sampling for s in plan.scheduled(self.table, masks)]
+            sampling = pack_sampling_rows(rows, len(batch.kv_lens), self.arch.vocab_size)
+        step = self.runner.fetch(self.runner.sample(fwd, sampling))
         result = plan.finish(self.table, step)
         self._check_recompiles()
         return _to_vllm_output(result)
@@ -227,7 +212,7 @@ class TpuserveWorker(WorkerBase):
         return ("generate",)
 
     def get_cache_block_size_bytes(self) -> int:
-        return self.runner.kv_spec.bytes_per_page
+        return self.runner.kv_spec.page_bytes(self.runner.attn_impl)
 
     def get_model(self):
         raise NotImplementedError("the tpuserve platform's model is a JAX program, not a torch module")
@@ -241,7 +226,7 @@ class TpuserveWorker(WorkerBase):
         return None  # text-only: no encoder cache
 
     def check_health(self) -> None:
-        if self.device_info is None:
+        if self.worker is None:
             raise RuntimeError("tpuserve worker: device not initialised")
 
     def add_lora(self, lora_request) -> bool:
@@ -259,8 +244,9 @@ class TpuserveWorker(WorkerBase):
     def shutdown(self) -> None:
         self._pending = None
         self.table = None
-        self.runner = None  # drops the KV cache and weights
-        self.params = None
+        self.runner = None
+        if self.worker is not None:
+            self.worker.shutdown()  # drops the KV cache and weights
 
 
 def _to_vllm_output(r: StepResult) -> ModelRunnerOutput:

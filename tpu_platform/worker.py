@@ -1,0 +1,157 @@
+"""``Worker``: one model on one device, built the same way for every front end.
+
+The standalone engine, the vLLM worker and the SGLang executor each build one; they differ only in
+who decides the number of KV pages (our engine from the config, vLLM from the bytes this worker
+reports, SGLang from ``--max-total-tokens``). Steps, in the order vLLM calls them:
+
+    w = Worker(config)            device discovery, XLA cache, dtype
+    w.load()                      weights (HF safetensors or GGUF), tokenizer, context length
+    w.kv_cache_budget()           bytes the KV cache may take  (the one sizing formula)
+    w.num_pages()                 pages that budget holds, capped by what the scheduler can use
+    w.init_kv_cache(num_pages)    the ModelRunner: weights + KV pages on the device
+    w.warmup()                    compile every shape bucket
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from tpuserve.tpu_platform.config import ConfigError, EngineConfig
+
+log = logging.getLogger(__name__)
+
+# Default KV budget on a CPU host: its RAM is shared with everything else on the machine.
+CPU_KV_CACHE_BYTES = 1 << 30
+# Activation headroom kept free on an accelerator: per scheduled token, a generous bound on the
+# hidden/MLP intermediates of one step; per sequence slot, the f32 logits and sampler temporaries.
+_ACT_BYTES_PER_TOKEN_FACTOR = 16
+_LOGITS_COPIES = 4
+
+
+def kv_cache_budget(config: EngineConfig, *, memory_bytes: int | None, is_accelerator: bool,
+                    weight_bytes: int, hidden_size: int, intermediate_size: int, vocab_size: int) -> int:
+    """Bytes for KV pages: the explicit ``kv_cache_memory_bytes``; else on an accelerator
+    ``gpu_memory_utilization`` of its memory less the weights and the activation headroom; else
+    (CPU) a fixed 1 GiB. Raises ConfigError when nothing is left."""
+    cache, sched = config.cache, config.scheduler
+    if cache.kv_cache_memory_bytes is not None:
+        return int(cache.kv_cache_memory_bytes)
+    if not is_accelerator or not memory_bytes:
+        return CPU_KV_CACHE_BYTES
+    act = (sched.max_num_batched_tokens * max(hidden_size, intermediate_size) * 4
+           * _ACT_BYTES_PER_TOKEN_FACTOR + sched.max_num_seqs * vocab_size * 4 * _LOGITS_COPIES)
+    budget = int(cache.gpu_memory_utilization * memory_bytes) - weight_bytes - act
+    if budget <= 0:
+        raise ConfigError(f"gpu_memory_utilization: no device memory left for the KV cache "
+                          f"(weights {weight_bytes} B + activations {act} B of "
+                          f"{cache.gpu_memory_utilization} x {memory_bytes} B); raise it or shrink the model")
+    return budget
+
+
+class Worker:
+    def __init__(self, config: EngineConfig):
+        from tpuserve.tpu_platform.device import discover, enable_compilation_cache, resolve_dtype
+
+        self.config = config
+        self.device = discover()
+        self.compilation_cache_dir = enable_compilation_cache(config.compilation.compilation_cache_dir)
+        self.dtype = resolve_dtype(config.model.dtype, self.device)
+        self.arch = None
+        self.tokenizer = None
+        self.model_source: str | None = None
+        self.max_model_len: int | None = None
+        self.runner = None
+        self._params = None
+
+    # ---- weights ----
+
+    def load(self, *, clamp_max_model_len: bool = False) -> None:
+        """Load weights and tokenizer. A max_model_len beyond the model's limit is an error, or is
+        lowered to it with ``clamp_max_model_len`` (a front end that derived it from elsewhere)."""
+        from tpuserve.tpu_platform.loader import load_model
+
+        t0 = time.perf_counter()
+        m = self.config.model
+        loaded = load_model(m.model, self.dtype, m.tokenizer)
+        self.arch, self.tokenizer, self.model_source = loaded.arch, loaded.tokenizer, loaded.source
+        self._params = loaded.params
+        limit = self.arch.max_position_embeddings
+        want = m.max_model_len or limit
+        if want > limit and clamp_max_model_len:
+            want = limit
+        if want > limit:
+            raise ConfigError(f"max_model_len: {want} exceeds the model's max_position_embeddings={limit}")
+        self.max_model_len = want
+        log.info("loaded %s (%s, %d layers) in %.1f s", loaded.source, self.arch.architecture,
+                 self.arch.num_layers, time.perf_counter() - t0)
+
+    @property
+    def weight_bytes(self) -> int:
+        import jax
+        params = self._params if self._params is not None else self.runner.params
+        return sum(x.nbytes for x in jax.tree_util.tree_leaves(params))
+
+    # ---- KV cache sizing: the one formula ----
+
+    def page_bytes(self) -> int:
+        """Bytes one KV page takes across all layers, in the layout the attention backend uses."""
+        from tpuserve.attention.kv_cache_shape import resolve_impl
+        from tpuserve.kv_cache.layout import KVCacheSpec
+        a = self.arch
+        impl = resolve_impl(self.config.compilation.attention_impl, self.device.backend)
+        return KVCacheSpec(a.num_layers, 1, self.config.cache.block_size, a.num_kv_heads, a.head_dim,
+                           self.dtype).page_bytes(impl)
+
+    def kv_cache_budget(self) -> int:
+        a = self.arch
+        return kv_cache_budget(self.config, memory_bytes=self.device.memory_bytes,
+                               is_accelerator=self.device.is_accelerator, weight_bytes=self.weight_bytes,
+                               hidden_size=a.hidden_size, intermediate_size=a.intermediate_size,
+                               vocab_size=a.vocab_size)
+
+    def num_pages(self, *, need_full_sequence: bool = True) -> int:
+        """KV pages (page 0 reserved included): ``num_gpu_blocks`` if set, else what the budget
+        holds, never more than every sequence slot at full length could use. Refuses a cache
+        that cannot hold one sequence of max_model_len (unless the front end's own scheduler
+        admits by its pool size, as SGLang's does)."""
+        cache = self.config.cache
+        pages_per_seq = -(-self.max_model_len // cache.block_size)
+        if cache.num_gpu_blocks is not None:
+            n = cache.num_gpu_blocks
+        else:
+            n = min(self.kv_cache_budget() // self.page_bytes(),
+                    self.config.scheduler.max_num_seqs * pages_per_seq + 1)
+        if n < 2 or (need_full_sequence and n - 1 < pages_per_seq):
+            raise ConfigError(
+                f"num_gpu_blocks: the KV cache has {n - 1} usable pages ({(n - 1) * cache.block_size} "
+                f"tokens), fewer than one sequence of max_model_len={self.max_model_len} needs; "
+                f"lower max_model_len or give the cache more memory")
+        return int(n)
+
+    # ---- runner ----
+
+    def init_kv_cache(self, num_pages: int):
+        """Build the ModelRunner over ``num_pages`` KV pages; the runner owns the weights from here."""
+        from tpuserve.tpu_platform.model_runner import ModelRunner
+
+        if self._params is None:
+            raise RuntimeError("Worker.load() must run before init_kv_cache()")
+        self.runner = ModelRunner(self.config, self.arch, self._params, self.device, self.dtype,
+                                  num_pages, self.max_model_len)
+        self._params = None
+        log.info("KV cache: %d pages of %d tokens (%.2f GiB), token buckets %s, page buckets %s",
+                 num_pages, self.config.cache.block_size,
+                 self.runner.kv_spec.page_bytes(self.runner.attn_impl) * num_pages / (1 << 30),
+                 self.runner.token_buckets, self.runner.page_buckets)
+        return self.runner
+
+    def warmup(self) -> int:
+        t0 = time.perf_counter()
+        n = self.runner.warmup()
+        log.info("warm-up compiled %d programs in %.1f s", n, time.perf_counter() - t0)
+        return n
+
+    def shutdown(self) -> None:
+        self.runner = None
+        self._params = None
