@@ -20,7 +20,7 @@ from tpuserve.server.detokenizer import IncrementalDetokenizer, StopStringMatche
 from tpuserve.server.outputs import CompletionOutput, Logprob, RequestOutput
 from tpuserve.server.sampling_params import SamplingParams
 from tpuserve.server.scheduler import ScheduledWork, Scheduler
-from tpuserve.server.sequence import Sequence, SeqStatus
+from tpuserve.server.sequence import Sequence
 from tpuserve.tpu_platform.config import EngineConfig
 from tpuserve.tpu_platform.model_runner import PendingStep
 from tpuserve.tpu_platform.step_batch import Logprobs, ScheduledSeq, StepOutput, sampling_row
@@ -63,6 +63,7 @@ class _InFlight:
     work: list[ScheduledWork]
     starts: list[int]  # num_computed of each sequence when the step was dispatched
     completes: list[bool]  # the chunk reaches the sequence's last token: its sample is kept
+    prompt_rows: list[int]  # first prompt-logprob row of each item in the step's output
     step: PendingStep
 
 
@@ -214,12 +215,14 @@ class LLMEngine:
         return seq.num_tokens < self.max_model_len
 
     def _dispatch(self, work: list[ScheduledWork], prev: _InFlight | None) -> _InFlight:
-        items = []
+        items, prompt_rows, row = [], [], 0
         for w in work:
             item = self._scheduled_seq(w)
             if w.seq.num_pending:
                 item.feed_from = w.seq.feed_slot
             items.append(item)
+            prompt_rows.append(row)
+            row += len(item.prompt_logprob_targets or ())
         batch = self.runner.build_batch(items)
         step = self.runner.sample(self.runner.forward(batch, prev.step if prev is not None else None))
         starts, completes = [], []
@@ -230,13 +233,12 @@ class LLMEngine:
                 w.seq.num_pending += 1
                 w.seq.feed_slot = i
             w.seq.num_computed += w.num_tokens
-        return _InFlight(work, starts, completes, step)
+        return _InFlight(work, starts, completes, prompt_rows, step)
 
     def _process(self, inflight: _InFlight) -> list[RequestOutput]:
         result = self.runner.fetch(inflight.step)
         self.stats.steps += 1
         touched: dict[str, RequestState] = {}
-        pl_row = 0
         for i, (w, start, completes) in enumerate(zip(inflight.work, inflight.starts, inflight.completes)):
             seq = w.seq
             if completes:
@@ -246,7 +248,7 @@ class LLMEngine:
                 continue
             if start < len(seq.prompt_token_ids):
                 self.stats.prompt_tokens += min(w.num_tokens, len(seq.prompt_token_ids) - start)
-            pl_row = self._take_prompt_logprobs(state, w, start, result.prompt_logprobs, pl_row)
+            self._take_prompt_logprobs(state, w, start, result.prompt_logprobs, inflight.prompt_rows[i])
             if completes:
                 try:
                     self._append_token(state, seq, result, i)
@@ -287,18 +289,18 @@ class LLMEngine:
                             prompt_logprob_targets=targets, num_prompt_logprobs=p.prompt_logprobs or 0)
 
     def _take_prompt_logprobs(self, state: RequestState, w: ScheduledWork, start: int,
-                              lp: Logprobs | None, row: int) -> int:
+                              lp: Logprobs | None, row: int) -> None:
+        """Record the prompt logprobs this chunk computed (rows from ``row`` of the step's output)."""
         seq = w.seq
         if state.prompt_logprobs is None or seq.index != 0 or lp is None:
-            return row
+            return
         end = min(start + w.num_tokens, len(seq.prompt_token_ids) - 1)
-        k = seq.params.prompt_logprobs or 0
         if seq.num_preemptions and len(state.prompt_logprobs) > start + 1:
-            return row + max(0, end - start)  # recomputed after preemption: already recorded
+            return  # recomputed after preemption: already recorded
+        k = seq.params.prompt_logprobs or 0
         for j in range(max(0, end - start)):
             target = seq.prompt_token_ids[start + 1 + j]
             state.prompt_logprobs.append(self._position_logprobs(lp, row + j, target, k))
-        return row + max(0, end - start)
 
     def _position_logprobs(self, lp: Logprobs, row: int, token: int, k: int) -> dict[int, Logprob]:
         """The chosen token's entry plus the top ``k`` (the step computed max_logprobs of them)."""

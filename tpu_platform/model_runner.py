@@ -36,7 +36,7 @@ from tpuserve.tpu_platform.device import DeviceInfo
 from tpuserve.tpu_platform.models.arch import ModelArch
 from tpuserve.tpu_platform.models.decoder import compute_logits, forward
 from tpuserve.tpu_platform.models.weights import unstack_layers
-from tpuserve.tpu_platform.step_batch import (Logprobs, SamplingBatch, SamplingRow, ScheduledSeq,
+from tpuserve.tpu_platform.step_batch import (Logprobs, SamplingBatch, ScheduledSeq,
                                               StepBatch, StepOutput, pack_sampling_rows)
 
 log = logging.getLogger(__name__)

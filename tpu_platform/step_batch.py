@@ -89,9 +89,9 @@ class StepBatch:
       A sequence's span is its known tokens, then its draft tokens (speculative decoding).
     cu_q_lens [S+1] i32, kv_lens [S] i32 (cache length after this step), page_table [S, pages_per_seq].
     logits_indices [R] i32: the token rows whose logits are computed; sequence i owns logits rows
-      cu_logits[i]:cu_logits[i+1] (cu_logits [S+1] i32): one row per draft token it verifies plus
-      one, the rows of its last known token and of each draft (none for a mid-prefill chunk's
-      padding-free sampling: it still gets its one row, whose sample the front end drops).
+      cu_logits[i]:cu_logits[i+1] (cu_logits [S+1] i32): the row of its last known token, then
+      one per draft it verifies. A mid-prefill chunk has its one row too; the front end drops
+      that sample.
     draft_token_ids [S, K] i32 (-1 pads; K = 0 when nothing is speculated): the drafts being verified.
     feed_rows [T] i32 or None (async scheduling): row r >= 0 takes its token id from the previous
       step's output of sequence slot feed_rows[r] (its last accepted token), on the device, because

@@ -4,7 +4,6 @@ retry)."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import threading
 import time
@@ -12,10 +11,10 @@ from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import httpx
-import openai
 import pytest
 
-from tpuserve.server.launcher import ServerProcess, free_port, tpuserve_argv
+from server_fixtures import openai_client, running_server  # tests/server/server_fixtures.py
+from tpuserve.server.launcher import free_port
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -27,23 +26,15 @@ LIMIT = MAX_MODEL_LEN * CHARS_PER_TOKEN
 
 @pytest.fixture(scope="module")
 def server(random_checkpoints, tmp_path_factory):
-    port = free_port()
-    log = str(tmp_path_factory.mktemp("adversarial-server") / "server.log")
-    srv = ServerProcess(tpuserve_argv("serve", random_checkpoints["qwen3"], "--port", str(port),
-                                      "--served-model-name", MODEL, "--no-warmup",
-                                      "--max-model-len", str(MAX_MODEL_LEN),
-                                      "--max-num-batched-tokens", "64", "--max-num-seqs", "4",
-                                      "--max-prompt-chars-per-token", str(CHARS_PER_TOKEN)),
-                        port, env={"JAX_PLATFORMS": "cpu"}, log_path=log)
-    srv.start()
-    yield srv
-    assert srv.stop() == 0, srv.log_tail()
+    yield from running_server(tmp_path_factory, "adversarial-server", random_checkpoints["qwen3"],
+                              "--served-model-name", MODEL, "--no-warmup",
+                              "--max-model-len", str(MAX_MODEL_LEN), "--max-num-batched-tokens", "64",
+                              "--max-num-seqs", "4", "--max-prompt-chars-per-token", str(CHARS_PER_TOKEN))
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0,
-                         timeout=300)
+    return openai_client(server)
 
 
 def _raw_post(base: str, path: str, body: str) -> httpx.Response:
@@ -109,7 +100,6 @@ def test_surrogate_as_raw_utf8_bytes_and_valid_astral_text(server, client):
 
 def test_huge_prompt_does_not_stall_small_requests(server, client):
     def small():
-        t0 = time.monotonic()
         r = client.completions.create(model=MODEL, prompt="hello", max_tokens=2, temperature=0,
                                       extra_body={"ignore_eos": True})
         assert r.usage.completion_tokens == 2

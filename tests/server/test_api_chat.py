@@ -6,10 +6,9 @@ from __future__ import annotations
 import json
 
 import httpx
-import openai
 import pytest
 
-from tpuserve.server.launcher import ServerProcess, free_port, tpuserve_argv
+from server_fixtures import openai_client, running_server  # tests/server/server_fixtures.py
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -18,21 +17,13 @@ MODEL = "SmolLM2-135M-Instruct"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    port = free_port()
-    log = str(tmp_path_factory.mktemp("chat-server") / "server.log")
-    srv = ServerProcess(tpuserve_argv("serve", "--port", str(port), "--no-warmup",
-                                      "--max-model-len", "1024", "--max-num-batched-tokens", "128",
-                                      "--max-num-seqs", "8"),
-                        port, env={"JAX_PLATFORMS": "cpu"}, log_path=log)
-    srv.start()
-    yield srv
-    assert srv.stop() == 0, srv.log_tail()
+    yield from running_server(tmp_path_factory, "chat-server", "--no-warmup", "--max-model-len", "1024",
+                              "--max-num-batched-tokens", "128", "--max-num-seqs", "8")
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0,
-                         timeout=300)
+    return openai_client(server)
 
 
 MESSAGES = [{"role": "system", "content": "You are a concise assistant."},

@@ -4,10 +4,9 @@
 from __future__ import annotations
 
 import httpx
-import openai
 import pytest
 
-from tpuserve.server.launcher import ServerProcess, free_port, tpuserve_argv
+from server_fixtures import openai_client, running_server  # tests/server/server_fixtures.py
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -16,21 +15,13 @@ ENGINE_FLAGS = ["--max-model-len", "512", "--max-num-batched-tokens", "64", "--m
 
 @pytest.fixture(scope="module")
 def server(random_checkpoints, tmp_path_factory):
-    port = free_port()
-    log = str(tmp_path_factory.mktemp("server") / "server.log")
-    srv = ServerProcess(tpuserve_argv("serve", random_checkpoints["qwen3"], "--port", str(port),
-                                      "--served-model-name", "tiny-qwen3", "--no-warmup",
-                                      *ENGINE_FLAGS),
-                        port, env={"JAX_PLATFORMS": "cpu"}, log_path=log)
-    srv.start()
-    yield srv
-    assert srv.stop() == 0, srv.log_tail()
+    yield from running_server(tmp_path_factory, "server", random_checkpoints["qwen3"],
+                              "--served-model-name", "tiny-qwen3", "--no-warmup", *ENGINE_FLAGS)
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0,
-                         timeout=120)
+    return openai_client(server)
 
 
 GREEDY = dict(temperature=0.0, extra_body={"ignore_eos": True})

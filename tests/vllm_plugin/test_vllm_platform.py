@@ -100,7 +100,7 @@ for bad in (dict(kv_cache_dtype="fp8"), dict(enable_lora=True),
         print("REFUSED", type(e).__name__, str(e).replace(chr(10), " ")[:300])
 """
     out = python(code, plugin=True, timeout=240)
-    assert "WORKER tpu_platform.vllm_plugin.worker.TpuserveWorker" in out
+    assert "WORKER tpuserve.tpu_platform.vllm_plugin.worker.TpuserveWorker" in out
     assert "EXECUTOR uni" in out and "BLOCK 16" in out and "ASYNC False" in out
     refused = [line for line in out.splitlines() if line.startswith("REFUSED")]
     assert "ACCEPTED" not in out, out

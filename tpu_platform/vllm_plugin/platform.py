@@ -160,7 +160,8 @@ class TpuservePlatform(Platform):
             # Honoured as vLLM's CPU platform does, so one knob sizes the KV cache of CPU runs.
             cache.kv_cache_memory_bytes = int(float(space) * (1 << 30))
 
-        # Our worker executes synchronously: execute_model then sample_tokens, one step at a time.
+        # vLLM reads each step's tokens before scheduling the next; inside a step our worker
+        # overlaps its forward pass with vLLM's grammar bitmask (worker.py).
         vllm_config.scheduler_config.async_scheduling = False
 
         # vLLM's torch.compile and CUDA graphs have no model to act on; XLA compiles ours.

@@ -28,7 +28,7 @@ from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
 from tpuserve.tpu_platform.step_batch import pack_sampling_rows
 from tpuserve.tpu_platform.vllm_plugin.options import PluginOptions
-from tpuserve.tpu_platform.vllm_plugin.request_state import RequestTable, StepPlan, StepResult
+from tpuserve.tpu_platform.vllm_plugin.request_state import RequestTable, StepResult
 
 log = logging.getLogger("vllm.tpuserve.worker")
 
@@ -144,9 +144,11 @@ class TpuserveWorker(WorkerBase):
                      "JAX CPU backend" if self.options.warmup is None else "warmup=false / --enforce-eager")
             return CompilationTimes(language_model=0.0, encoder=0.0)
         t0 = time.perf_counter()
-        self.worker.warmup()
+        n = self.worker.warmup()
         self._compiled_after_warmup = self.runner.compile_count
-        return CompilationTimes(language_model=time.perf_counter() - t0, encoder=0.0)
+        secs = time.perf_counter() - t0
+        log.info("warm-up compiled %d programs in %.1f s", n, secs)  # in vLLM's log
+        return CompilationTimes(language_model=secs, encoder=0.0)
 
     def update_max_model_len(self, max_model_len: int) -> None:
         # Called only when vLLM shrinks the length to fit memory, before initialize_from_config.
