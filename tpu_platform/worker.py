@@ -96,12 +96,17 @@ class Worker:
 
     def page_bytes(self) -> int:
         """Bytes one KV page takes across all layers, in the layout the attention backend uses."""
+        return self.page_bytes_padded_and_plain()[0]
+
+    def page_bytes_padded_and_plain(self) -> tuple[int, int]:
+        """(bytes of a page as the attention backend lays it out, bytes of its real K/V)."""
         from tpuserve.attention.kv_cache_shape import resolve_impl
         from tpuserve.kv_cache.layout import KVCacheSpec
         a = self.arch
         impl = resolve_impl(self.config.compilation.attention_impl, self.device.backend)
-        return KVCacheSpec(a.num_layers, 1, self.config.cache.block_size, a.num_kv_heads, a.head_dim,
-                           self.dtype).page_bytes(impl)
+        spec = KVCacheSpec(a.num_layers, 1, self.config.cache.block_size, a.num_kv_heads, a.head_dim,
+                           self.dtype)
+        return spec.page_bytes(impl), spec.bytes_per_page
 
     def kv_cache_budget(self) -> int:
         a = self.arch

@@ -104,8 +104,7 @@ class TpuserveWorker(WorkerBase):
         attention with the window recorded, so vLLM keeps every page and our attention applies it.
         """
         a = self.arch
-        padded = self.worker.page_bytes() // a.num_layers
-        plain = 2 * self.cache_config.block_size * a.num_kv_heads * a.head_dim * self.model_config.dtype.itemsize
+        padded, plain = (b // a.num_layers for b in self.worker.page_bytes_padded_and_plain())
         extra = {"page_size_padded": padded} if padded != plain else {}
         spec = FullAttentionSpec(block_size=self.cache_config.block_size, num_kv_heads=a.num_kv_heads,
                                  head_size=a.head_dim, dtype=self.model_config.dtype,
