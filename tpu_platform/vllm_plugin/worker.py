@@ -44,7 +44,7 @@ class TpuserveWorker(WorkerBase):
         self.arch = None
         self.runner = None
         self.table: RequestTable | None = None
-        self._pending: tuple | None = None  # (StepPlan, ScheduledSeqs, StepBatch, ForwardState)
+        self._pending: tuple | None = None  # (StepPlan, StepBatch, ForwardState) between the two calls
         self._compiled_after_warmup: int | None = None
 
     # ---- start-up ----
