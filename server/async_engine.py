@@ -49,6 +49,10 @@ class EngineSnapshot:
     generation_tokens: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    host_cache_queries: int = 0
+    host_cache_hits: int = 0
+    host_bytes_loaded: int = 0
+    host_bytes_saved: int = 0
     steps: int = 0
     compiled_programs: int = 0
 
@@ -154,7 +158,8 @@ class AsyncEngine:
     # ---- requests (event loop side) ----
 
     async def add_request(self, request_id: str, prompt: str | None, params: SamplingParams,
-                          prompt_token_ids: list[int] | None = None) -> RequestStream:
+                          prompt_token_ids: list[int] | None = None,
+                          cache_salt: str | None = None) -> RequestStream:
         """Hand a request to the engine. Returns its stream once the engine accepted it; raises
         ValueError (bad input), QueueFullError or EngineUnavailableError."""
         if not self._accepting or not self.is_healthy:
@@ -169,8 +174,8 @@ class AsyncEngine:
         accepted.add_done_callback(_consume_exception)
         stream = RequestStream(request_id, self)
         self._pending_adds += 1
-        self._commands.put(("add", request_id, prompt, params, prompt_token_ids, stream, accepted,
-                            time.monotonic()))
+        self._commands.put(("add", request_id, prompt, params, prompt_token_ids, cache_salt, stream,
+                            accepted, time.monotonic()))
         try:
             await asyncio.shield(accepted)
         except asyncio.CancelledError:
@@ -242,9 +247,11 @@ class AsyncEngine:
             elif kind == "abort":
                 self._abort_in_engine(cmd[1])
 
-    def _add(self, request_id, prompt, params, prompt_token_ids, stream, accepted, arrival) -> None:
+    def _add(self, request_id, prompt, params, prompt_token_ids, cache_salt, stream, accepted,
+             arrival) -> None:
         try:
-            self.engine.add_request(request_id, prompt, params, prompt_token_ids=prompt_token_ids)
+            self.engine.add_request(request_id, prompt, params, prompt_token_ids=prompt_token_ids,
+                                    cache_salt=cache_salt)
         except Exception as e:  # ValueError: bad input; anything else: reported to that request only
             if not isinstance(e, ValueError):
                 log.exception("add_request %s failed", request_id)
@@ -308,7 +315,7 @@ class AsyncEngine:
             except queue.Empty:
                 break
             if cmd[0] == "add":
-                self._call(_settle, cmd[6], error)
+                self._call(_settle, cmd[7], error)
 
     def _take_snapshot(self) -> EngineSnapshot:
         e = self.engine
@@ -321,6 +328,8 @@ class AsyncEngine:
             total_blocks=pool.num_usable, kv_cache_usage=pool.usage(),
             prompt_tokens=stats.prompt_tokens, generation_tokens=stats.generation_tokens,
             prefix_cache_queries=stats.prefix_cache_queries, prefix_cache_hits=stats.prefix_cache_hits,
+            host_cache_queries=stats.host_cache_queries, host_cache_hits=stats.host_cache_hits,
+            host_bytes_loaded=stats.host_bytes_loaded, host_bytes_saved=stats.host_bytes_saved,
             steps=stats.steps, compiled_programs=_compile_count(e))
 
     # ---- event loop side ----

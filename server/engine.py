@@ -19,7 +19,7 @@ from tpuserve.kv_cache.block_pool import BlockPool
 from tpuserve.server.detokenizer import IncrementalDetokenizer, StopStringMatcher, decode_token
 from tpuserve.server.outputs import CompletionOutput, Logprob, RequestOutput
 from tpuserve.server.sampling_params import SamplingParams
-from tpuserve.server.scheduler import ScheduledWork, Scheduler
+from tpuserve.server.scheduler import ScheduledWork, Scheduler, SchedulerOutput
 from tpuserve.server.sequence import Sequence
 from tpuserve.tpu_platform.config import EngineConfig
 from tpuserve.tpu_platform.model_runner import PendingStep
@@ -33,8 +33,12 @@ log = logging.getLogger(__name__)
 class EngineStats:
     prompt_tokens: int = 0
     generation_tokens: int = 0
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens looked up at admission
+    prefix_cache_hits: int = 0  # of which found cached (device or host)
+    host_cache_queries: int = 0  # tokens looked up in the host tier after a device miss
+    host_cache_hits: int = 0
+    host_bytes_loaded: int = 0
+    host_bytes_saved: int = 0
     steps: int = 0
 
 
@@ -80,10 +84,14 @@ class LLMEngine:
         self.model_source, self.max_model_len = self.worker.model_source, self.worker.max_model_len
         num_pages = self.worker.num_pages()
         self.runner = self.worker.init_kv_cache(num_pages)
-        self.pool = BlockPool(num_pages, config.cache.block_size)
+        cache = config.cache
+        self.host_tier = self._build_host_tier(cache.kv_offloading_size)
+        self.pool = BlockPool(num_pages, cache.block_size, enable_caching=cache.enable_prefix_caching,
+                              record_evictions=self.host_tier is not None)
         sched = config.scheduler
         self.scheduler = Scheduler(self.pool, sched.max_num_seqs, sched.max_num_batched_tokens,
-                                   sched.enable_chunked_prefill, can_schedule=self._can_schedule)
+                                   sched.enable_chunked_prefill, can_schedule=self._can_schedule,
+                                   host_tier=self.host_tier)
         self.async_scheduling = sched.async_scheduling
         self.grammar_factory = grammar_factory
         self.requests: dict[str, RequestState] = {}
@@ -95,6 +103,15 @@ class LLMEngine:
         self._ids = itertools.count()
         self._inflight: _InFlight | None = None
 
+    def _build_host_tier(self, gib: float | None):
+        if gib is None:
+            return None
+        from tpuserve.kv_cache.host_tier import HostKVTier
+        kv = self.runner.kv_cache
+        tier = HostKVTier(int(gib * (1 << 30)), tuple(kv.shape), kv.dtype)
+        log.info("host KV tier: %d pages (%.2f GiB)", tier.num_slots, gib)
+        return tier
+
     def warmup(self) -> int:
         return self.worker.warmup()
 
@@ -105,8 +122,10 @@ class LLMEngine:
 
     def add_request(self, request_id: str | None, prompt: str | list[int] | None,
                     params: SamplingParams | None = None, prompt_token_ids: list[int] | None = None,
-                    arrival: float | None = None) -> str:
-        """Queue a request. Raises ValueError naming the problem when the input is bad."""
+                    arrival: float | None = None, cache_salt: str | None = None) -> str:
+        """Queue a request. Raises ValueError naming the problem when the input is bad.
+
+        ``cache_salt``: requests share cached prefix pages only with requests of the same salt."""
         params = params or SamplingParams()
         params.validate(self.config.model.max_logprobs)
         request_id = request_id if request_id is not None else str(next(self._ids))
@@ -129,6 +148,8 @@ class LLMEngine:
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt: {len(ids)} tokens leave no room to generate within "
                              f"max_model_len={self.max_model_len}")
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise ValueError("cache_salt: must be a non-empty string")
         if params.structured_outputs is not None and self.grammar_factory is None:
             raise ValueError("structured_outputs: this engine has no grammar backend")
         now = arrival if arrival is not None else time.monotonic()
@@ -137,7 +158,8 @@ class LLMEngine:
             base = params.seed if params.seed is not None else int(self._seed_rng.integers(0, 2**32))
             seed = int(np.random.SeedSequence([base & 0xFFFFFFFF, i]).generate_state(1)[0])
             seq = Sequence(seq_id=f"{request_id}#{i}", request_id=request_id, index=i,
-                           prompt_token_ids=ids, params=params, seed=seed, arrival=now)
+                           prompt_token_ids=ids, params=params, seed=seed, arrival=now,
+                           cache_salt=cache_salt)
             seq.detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens,
                                                params.spaces_between_special_tokens)
             seq.stopper = StopStringMatcher(params.stop, params.include_stop_str_in_output)
@@ -186,6 +208,7 @@ class LLMEngine:
         returns the outputs of the step dispatched by the previous call).
         """
         sched = self.scheduler.schedule()
+        self._move_pages(sched)
         if not self.async_scheduling:
             return self._process(self._dispatch(sched.work, None)) if sched.work else []
         prev = self._inflight
@@ -194,6 +217,27 @@ class LLMEngine:
         if self._inflight is not None and not self.requests:
             self._inflight = None  # everything it computes belongs to finished requests
         return outputs
+
+    def _move_pages(self, sched: SchedulerOutput) -> None:
+        """Host tier: copy out the cached pages this schedule evicted, then copy in the host hits,
+        both dispatched before the step that overwrites / reads those device pages."""
+        ps = self.scheduler.prefix_stats
+        st = self.stats
+        st.prefix_cache_queries, st.prefix_cache_hits = ps.queries, ps.hits
+        st.host_cache_queries, st.host_cache_hits = ps.host_queries, ps.host_hits
+        tier = self.host_tier
+        if tier is None:
+            return
+        loading = [h for h, _ in sched.loads]
+        tier.pin(loading)  # the saves below must not evict what this step loads
+        try:
+            if sched.evicted:
+                tier.save(self.runner.kv_cache, sched.evicted)
+            if sched.loads:
+                self.runner.kv_cache = tier.load(self.runner.kv_cache, sched.loads)
+        finally:
+            tier.unpin(loading)
+        st.host_bytes_loaded, st.host_bytes_saved = tier.stats.bytes_loaded, tier.stats.bytes_saved
 
     def _can_schedule(self, seq: Sequence) -> bool:
         """Whether the scheduler may give ``seq`` work now (always, without async scheduling).
@@ -364,4 +408,4 @@ class LLMEngine:
         return RequestOutput(request_id=state.request_id, prompt=state.prompt,
                              prompt_token_ids=state.prompt_token_ids, outputs=outs,
                              finished=state.finished, prompt_logprobs=state.prompt_logprobs,
-                             error=state.error)
+                             num_cached_tokens=state.seqs[0].num_cached_tokens, error=state.error)

@@ -58,6 +58,15 @@ class _EngineCollector(Collector):
                             s.prefix_cache_queries)
         yield self._counter("vllm:prefix_cache_hits", "Prefix-cache hits, in tokens.",
                             s.prefix_cache_hits)
+        # The host tier is our "external" cache, as vLLM names a KV connector's prefix hits.
+        yield self._counter("vllm:external_prefix_cache_queries",
+                            "Host-tier prefix-cache queries, in tokens.", s.host_cache_queries)
+        yield self._counter("vllm:external_prefix_cache_hits",
+                            "Host-tier prefix-cache hits, in tokens.", s.host_cache_hits)
+        yield self._counter("tpuserve:host_cache_bytes_loaded",
+                            "KV bytes copied from the host tier to the device.", s.host_bytes_loaded)
+        yield self._counter("tpuserve:host_cache_bytes_saved",
+                            "KV bytes copied from the device to the host tier.", s.host_bytes_saved)
         yield self._counter("vllm:prompt_tokens", "Prefill tokens processed.", s.prompt_tokens)
         yield self._counter("vllm:generation_tokens", "Generation tokens processed.",
                             s.generation_tokens)

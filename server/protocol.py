@@ -143,6 +143,8 @@ class SamplingFields(Request):
     guided_regex: str | None = None
     guided_grammar: str | None = None
     guided_choice: list[str] | None = None
+    # Prefix-cache isolation: only requests with the same salt share cached pages.
+    cache_salt: str | None = Field(default=None, min_length=1)
 
 
 # ---- /v1/completions ----
@@ -177,10 +179,21 @@ class CompletionChoice(Response):
     stop_reason: int | str | None = None
 
 
+class PromptTokensDetails(Response):
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+
 class UsageInfo(Response):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+def usage_info(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> UsageInfo:
+    return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                     total_tokens=prompt_tokens + completion_tokens,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))
 
 
 class CompletionResponse(Response):

@@ -5,6 +5,14 @@ needs (one token for a decode, the next chunk of a prompt) under the per-step to
 waiting sequences in arrival order while slots, budget and pages last. When pages run out for a
 running sequence, the most recently admitted running sequence is preempted: its pages are freed and
 it goes back to the front of the queue to be recomputed later.
+
+Prefix caching (when the pool caches): a sequence being admitted first takes the longest run of its
+full pages already on the device (shared, no compute), then the next run held by the host tier
+(fresh device pages the engine fills from host memory before the step: ``SchedulerOutput.loads``);
+it computes the rest, always at least its last token (a step must produce logits to sample from).
+Full pages are registered in the cache as soon as a dispatched step computes them and the host
+knows their tokens. The n completions of one request prefill once: the later ones wait until the
+first has scheduled its whole prompt, then share its pages.
 """
 
 from __future__ import annotations
@@ -14,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tpuserve.kv_cache.block_pool import BlockPool
+from tpuserve.kv_cache.prefix_hash import PageHash, extend_page_hashes
 from tpuserve.server.sequence import Sequence, SeqStatus
 
 
@@ -32,14 +41,42 @@ class ScheduledWork:
 class SchedulerOutput:
     work: list[ScheduledWork] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    # Host-tier pages to copy into these device pages before the step runs.
+    loads: list[tuple[PageHash, int]] = field(default_factory=list)
+    # Cached device pages this schedule evicted (reallocated): copy them to the host tier before
+    # the step overwrites them. Empty unless the pool records evictions.
+    evicted: list[tuple[PageHash, int]] = field(default_factory=list)
+
+
+@dataclass
+class PrefixCacheStats:
+    """Token counts at first admission, as vLLM counts them (queries: prompt tokens looked up)."""
+
+    queries: int = 0
+    hits: int = 0  # device + host
+    host_queries: int = 0  # tokens looked up in the host tier (after the device missed)
+    host_hits: int = 0
+
+
+class HostTierView:
+    """What the scheduler needs of a host tier: how many leading page hashes it holds."""
+
+    def match(self, hashes: list[PageHash]) -> int:  # pragma: no cover - interface
+        raise NotImplementedError
 
 
 class Scheduler:
     def __init__(self, pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int,
-                 chunked_prefill: bool = True, can_schedule: Callable[[Sequence], bool] | None = None):
+                 chunked_prefill: bool = True, can_schedule: Callable[[Sequence], bool] | None = None,
+                 host_tier: HostTierView | None = None):
         """``can_schedule(seq)`` lets the engine hold a sequence back for a step (async scheduling:
-        its last token is not on the host yet and its next step needs it there)."""
+        its last token is not on the host yet and its next step needs it there). ``host_tier``:
+        the second prefix-cache tier consulted after the device (needs a caching pool)."""
+        if host_tier is not None and not pool.enable_caching:
+            raise ValueError("a host tier needs a pool with prefix caching enabled")
         self.pool = pool
+        self.host_tier = host_tier
+        self.prefix_stats = PrefixCacheStats()
         self.can_schedule = can_schedule or (lambda seq: True)
         self.max_num_seqs = max_num_seqs
         self.token_budget = max_num_batched_tokens
@@ -65,8 +102,9 @@ class Scheduler:
         seq.status = SeqStatus.FINISHED
 
     def _release(self, seq: Sequence) -> None:
-        self.pool.free(seq.page_ids)
+        self.pool.free(reversed(seq.page_ids))  # tail first: a prefix's end is evicted first
         seq.page_ids = []
+        seq.num_registered_pages = 0
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -85,13 +123,102 @@ class Scheduler:
         seq.page_ids.extend(pages)
         return True
 
+    # ---- prefix cache ----
+
+    def _hashes(self, seq: Sequence) -> list[PageHash]:
+        """Hashes of the full pages of the tokens the host knows (extended as the sequence grows)."""
+        known = seq.num_known
+        if known // self.pool.page_size > len(seq.page_hashes):
+            extend_page_hashes(seq.page_hashes, seq.tokens(0, known), self.pool.page_size,
+                               seq.cache_salt)
+        return seq.page_hashes
+
+    def _register(self, seq: Sequence, computed: int) -> None:
+        """Register the sequence's pages that are full, computed (by ``computed`` tokens) and whose
+        tokens the host knows."""
+        if not self.pool.enable_caching:
+            return
+        full = min(computed, seq.num_known) // self.pool.page_size
+        if full <= seq.num_registered_pages:
+            return
+        hashes = self._hashes(seq)
+        for i in range(seq.num_registered_pages, full):
+            self.pool.register(seq.page_ids[i], hashes[i])
+        seq.num_registered_pages = full
+
+    def _cached_prefix(self, seq: Sequence) -> tuple[list[int], list[PageHash]]:
+        """(device pages, host-tier hashes) of the sequence's cached prefix, leaving at least its
+        last known token to compute."""
+        if not self.pool.enable_caching or seq.params.prompt_logprobs is not None:
+            return [], []  # prompt logprobs need every prompt position computed
+        hashes = self._hashes(seq)[: (seq.num_known - 1) // self.pool.page_size]
+        device = self.pool.match(hashes)
+        host: list[PageHash] = []
+        if self.host_tier is not None and len(device) < len(hashes):
+            host = hashes[len(device): len(device) + self.host_tier.match(hashes[len(device):])]
+        return device, host
+
+    def _count_lookup(self, seq: Sequence, device: list[int], host: list[PageHash]) -> None:
+        if seq.admitted:
+            return  # a preempted sequence coming back is not a new query
+        seq.admitted = True
+        page = self.pool.page_size
+        st = self.prefix_stats
+        seq.num_cached_tokens = (len(device) + len(host)) * page
+        if not self.pool.enable_caching:
+            return
+        st.queries += seq.num_tokens
+        st.hits += seq.num_cached_tokens
+        if self.host_tier is not None:
+            st.host_queries += seq.num_tokens - len(device) * page
+            st.host_hits += len(host) * page
+
+    def _admit(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int | None:
+        """Give a waiting sequence its cached prefix and pages for its next chunk. Returns the
+        tokens it computes this step, or None (nothing held) when it cannot start now."""
+        device, host = self._cached_prefix(seq)
+        cached = (len(device) + len(host)) * self.pool.page_size
+        remaining = seq.num_tokens - cached
+        n = min(remaining, budget)
+        if n < remaining and not self.chunked_prefill:
+            return None
+        self.pool.acquire(device)
+        fresh = self.pool.allocate(self.pool.pages_needed(cached + n, len(device)))
+        if fresh is None:
+            self.pool.free(reversed(device))
+            return None
+        self._count_lookup(seq, device, host)
+        seq.page_ids = device + fresh
+        seq.num_computed = cached
+        seq.num_registered_pages = len(device)
+        for h, page in zip(host, fresh):
+            out.loads.append((h, page))
+            self.pool.register(page, h)  # filled from the host before the step that reads it
+        seq.num_registered_pages += len(host)
+        return n
+
+    def _sibling_prefilling(self, seq: Sequence, scheduled: dict[int, int]) -> bool:
+        """Whether another completion of the same request is still computing the shared prompt
+        (this one then waits and shares its pages instead of computing them again)."""
+        if not self.pool.enable_caching:
+            return False
+        for r in self.running:
+            if r.request_id == seq.request_id and \
+                    r.num_computed + scheduled.get(id(r), 0) < len(r.prompt_token_ids):
+                return True
+        return False
+
+    # ---- one step ----
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.token_budget
+        scheduled: dict[int, int] = {}
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             if not self.can_schedule(seq):
+                self._register(seq, seq.num_computed)
                 i += 1
                 continue
             n = min(seq.num_tokens - seq.num_computed, budget)
@@ -104,23 +231,32 @@ class Scheduler:
             if seq.status is not SeqStatus.RUNNING:
                 break  # seq itself was the last running sequence and got preempted
             out.work.append(ScheduledWork(seq, n))
+            scheduled[id(seq)] = n
+            self._register(seq, seq.num_computed + n)
             budget -= n
             i += 1
-        if out.preempted:
-            return out  # memory is tight: do not admit new work this step
+        if not out.preempted:  # memory is tight after a preemption: admit nothing new this step
+            self._admit_waiting(out, budget, scheduled)
+        out.evicted = self.pool.take_evicted()
+        return out
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int, scheduled: dict[int, int]) -> None:
+        skipped: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if not self.can_schedule(seq):
                 break  # a preempted sequence waits until its last token reaches the host
-            remaining = seq.num_tokens - seq.num_computed
-            n = min(remaining, budget)
-            if n < remaining and not self.chunked_prefill:
-                break
-            if not self._grow(seq, n):
+            if self._sibling_prefilling(seq, scheduled):
+                skipped.append(self.waiting.popleft())
+                continue
+            n = self._admit(seq, budget, out)
+            if n is None:
                 break
             self.waiting.popleft()
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             out.work.append(ScheduledWork(seq, n))
+            scheduled[id(seq)] = n
+            self._register(seq, seq.num_computed + n)
             budget -= n
-        return out
+        self.waiting.extendleft(reversed(skipped))

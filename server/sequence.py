@@ -38,6 +38,13 @@ class Sequence:
     num_pending: int = 0
     feed_slot: int = -1
     page_ids: list[int] = field(default_factory=list)
+    # Prefix cache: the request's salt, hashes of the full pages of the known tokens, how many of
+    # page_ids are registered in the cache, and the prompt tokens found cached at first admission.
+    cache_salt: str | None = None
+    page_hashes: list[bytes] = field(default_factory=list)
+    num_registered_pages: int = 0
+    num_cached_tokens: int = 0
+    admitted: bool = False
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_preemptions: int = 0
@@ -63,6 +70,11 @@ class Sequence:
         if end <= p:
             return self.prompt_token_ids[start:end]
         return (self.prompt_token_ids + self.output_token_ids)[start:end]
+
+    @property
+    def num_known(self) -> int:
+        """Tokens the host has seen (all but the pending ones)."""
+        return self.num_tokens - self.num_pending
 
     @property
     def is_finished(self) -> bool:

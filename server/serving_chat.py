@@ -13,7 +13,7 @@ from tpuserve.server.protocol import (ChatChoice, ChatCompletionChunk, ChatCompl
                              ChatCompletionResponse, ChatLogprobs, ChatMessage, ChatResponseMessage,
                              ChatStreamChoice, DeltaFunctionCall, DeltaMessage, DeltaToolCall,
                              NamedToolChoice, TokenLogprob, ToolCallFunction, ToolCallOut,
-                             TopLogprob, UsageInfo)
+                             TopLogprob, usage_info)
 from tpuserve.server.sampling_params import StructuredOutputParams
 from tpuserve.server.serving_common import (SSE_DONE, ServingContext, StreamingResult, collect_final,
                                    finite, make_sampling_params, merge_streams, outputs_or_error,
@@ -192,7 +192,8 @@ class ChatHandler:
                                       structured=structured)
         await ctx.compile_grammar(structured)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        streams = await ctx.submit([(request_id, None, prompt_ids, params)])
+        streams = await ctx.submit([(request_id, None, prompt_ids, params)],
+                                   cache_salt=req.cache_salt)
         created = int(time.time())
         if req.stream:
             return StreamingResult(self._stream(req, request_id, created, streams, parse_tools,
@@ -244,9 +245,8 @@ class ChatHandler:
         completion_tokens = sum(len(c.token_ids) for c in out.outputs)
         return ChatCompletionResponse(id=request_id, created=created, model=self.ctx.model_name,
                                       choices=choices,
-                                      usage=UsageInfo(prompt_tokens=prompt_tokens,
-                                                      completion_tokens=completion_tokens,
-                                                      total_tokens=prompt_tokens + completion_tokens))
+                                      usage=usage_info(prompt_tokens, completion_tokens,
+                                                       out.num_cached_tokens))
 
     async def _stream(self, req: ChatCompletionRequest, request_id: str, created: int, streams,
                       parse_tools: bool, prompt_tokens: int) -> AsyncIterator[str]:
@@ -313,8 +313,8 @@ class ChatHandler:
         else:
             if req.stream_options is not None and req.stream_options.include_usage:
                 completion_tokens = sum(len(c.token_ids) for c in final.outputs) if final else 0
-                usage = UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                                  total_tokens=prompt_tokens + completion_tokens)
+                usage = usage_info(prompt_tokens, completion_tokens,
+                                   final.num_cached_tokens if final else 0)
                 yield sse(ChatCompletionChunk(id=request_id, created=created, model=model,
                                               choices=[], usage=usage))
         yield SSE_DONE

@@ -143,13 +143,14 @@ class ServingContext:
         except ValueError as e:
             raise bad_request(str(e), "response_format")
 
-    async def submit(self, items: list[tuple[str, str | None, list[int], SamplingParams]]
-                     ) -> list[RequestStream]:
+    async def submit(self, items: list[tuple[str, str | None, list[int], SamplingParams]],
+                     cache_salt: str | None = None) -> list[RequestStream]:
         """Add each (request_id, prompt text, prompt ids, params) as an engine request; all or none."""
         streams: list[RequestStream] = []
         try:
             for rid, text, ids, params in items:
-                streams.append(await self.engine.add_request(rid, text, params, ids))
+                streams.append(await self.engine.add_request(rid, text, params, ids,
+                                                             cache_salt=cache_salt))
         except BaseException as e:
             for s in streams:
                 self.engine.abort(s.request_id)

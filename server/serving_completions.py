@@ -9,7 +9,7 @@ from typing import AsyncIterator
 from tpuserve.server.api_errors import APIError, bad_request
 from tpuserve.server.outputs import RequestOutput
 from tpuserve.server.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest,
-                             CompletionResponse, UsageInfo)
+                             CompletionResponse, usage_info)
 from tpuserve.server.serving_common import (MAX_PROMPTS, SSE_DONE, ServingContext, StreamingResult,
                                    collect_final, finite, make_sampling_params, merge_streams,
                                    outputs_or_error, ranked_top, resolve_max_tokens,
@@ -82,7 +82,7 @@ class CompletionHandler:
         if req.echo:
             echo_texts = [text if text is not None else
                           await ctx.blocking(ctx.tokenizer.decode, ids) for text, ids in prompts]
-        streams = await ctx.submit(items)
+        streams = await ctx.submit(items, cache_salt=req.cache_salt)
         created = int(time.time())
         if req.stream:
             return StreamingResult(
@@ -144,11 +144,10 @@ class CompletionHandler:
                 completion_tokens += len(c.token_ids)
         choices.sort(key=lambda c: c.index)
         prompt_tokens = sum(len(ids) for _, ids in prompts)
+        cached = sum(out.num_cached_tokens for out in finals)
         return CompletionResponse(id=request_id, created=created, model=self.ctx.model_name,
                                   choices=choices,
-                                  usage=UsageInfo(prompt_tokens=prompt_tokens,
-                                                  completion_tokens=completion_tokens,
-                                                  total_tokens=prompt_tokens + completion_tokens))
+                                  usage=usage_info(prompt_tokens, completion_tokens, cached))
 
     async def _stream(self, req: CompletionRequest, request_id: str, created: int, streams,
                       prompts, echo_texts) -> AsyncIterator[str]:
@@ -206,8 +205,8 @@ class CompletionHandler:
             if req.stream_options is not None and req.stream_options.include_usage:
                 prompt_tokens = sum(len(ids) for _, ids in prompts)
                 completion_tokens = sum(len(c.token_ids) for o in finals.values() for c in o.outputs)
-                usage = UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                                  total_tokens=prompt_tokens + completion_tokens)
+                cached = sum(o.num_cached_tokens for o in finals.values())
+                usage = usage_info(prompt_tokens, completion_tokens, cached)
                 yield sse(CompletionResponse(id=request_id, created=created, model=model, choices=[],
                                              usage=usage))
         yield SSE_DONE

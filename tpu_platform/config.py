@@ -81,6 +81,10 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.5
     kv_cache_memory_bytes: int | None = None
     kv_cache_dtype: str = "auto"
+    # Automatic prefix caching: full pages are shared between requests with the same prefix.
+    enable_prefix_caching: bool = True
+    # GiB of host memory holding pages evicted from the device (the second prefix-cache tier).
+    kv_offloading_size: float | None = None
 
     def validate(self) -> None:
         b = self.block_size
@@ -93,6 +97,11 @@ class CacheConfig:
               "kv_cache_memory_bytes", self.kv_cache_memory_bytes, "must be > 0")
         _need(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype", self.kv_cache_dtype,
               f"must be one of {KV_CACHE_DTYPES} (an FP8 KV cache is not supported yet)")
+        _need(self.kv_offloading_size is None or self.kv_offloading_size > 0, "kv_offloading_size",
+              self.kv_offloading_size, "must be > 0 GiB")
+        _need(self.kv_offloading_size is None or self.enable_prefix_caching, "kv_offloading_size",
+              self.kv_offloading_size, "the host tier holds prefix-cache pages: it needs "
+              "--enable-prefix-caching")
 
 
 @dataclass

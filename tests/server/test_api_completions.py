@@ -179,3 +179,29 @@ def test_metrics(server, client):
     assert values["vllm:generation_tokens_total"] >= 3
     assert values["vllm:time_to_first_token_seconds_count"] >= 1
     assert values["vllm:num_requests_running"] == 0
+
+
+def test_prefix_cache_usage_salt_and_metrics(server, client):
+    """The openai client reads cached prompt tokens from usage; a cache_salt isolates them."""
+    prompt = "The shared preamble of this prefix cache test. " * 12  # several full 16-token pages
+    first = client.completions.create(model="tiny-qwen3", prompt=prompt, max_tokens=2, **GREEDY)
+    again = client.completions.create(model="tiny-qwen3", prompt=prompt, max_tokens=2, **GREEDY)
+    n = first.usage.prompt_tokens
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.usage.prompt_tokens_details.cached_tokens == (n - 1) // 16 * 16 > 0
+    assert again.choices[0].text == first.choices[0].text
+    salted = client.completions.create(model="tiny-qwen3", prompt=prompt, max_tokens=2,
+                                       temperature=0.0, extra_body={"cache_salt": "tenant-a"})
+    assert salted.usage.prompt_tokens_details.cached_tokens == 0
+    chat = [{"role": "user", "content": prompt}]
+    client.chat.completions.create(model="tiny-qwen3", messages=chat, max_tokens=2, **GREEDY)
+    c2 = client.chat.completions.create(model="tiny-qwen3", messages=chat, max_tokens=2, **GREEDY)
+    assert c2.usage.prompt_tokens_details.cached_tokens > 0
+    bad = httpx.post(server.base_url + "/v1/completions",
+                     json={"prompt": "x", "max_tokens": 1, "cache_salt": ""})
+    assert bad.status_code == 400 and "cache_salt" in bad.text
+    text = httpx.get(server.base_url + "/metrics").text
+    values = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line and not line.startswith("#") and "{" in line}
+    assert values["vllm:prefix_cache_hits_total"] >= again.usage.prompt_tokens_details.cached_tokens
+    assert values["vllm:prefix_cache_queries_total"] >= 3 * n
