@@ -68,7 +68,8 @@ _RESOLVE = textwrap.dedent("""
 
     out = {"platform": type(platforms.current_platform).__name__,
            "oot": platforms.current_platform.is_out_of_tree(),
-           "default": resolve(), "device_tpu": resolve("--device", "tpu")}
+           "default": resolve(), "device_tpu": resolve("--device", "tpu"),
+           "hicache": resolve("--enable-hierarchical-cache"), "hicache_alias": resolve("--enable-hicache")}
     activation.tpu_visible = lambda: True  # as on a TPU host (no torch device is involved)
     out["device_tpu_on_tpu_host"] = resolve("--device", "tpu")
     print("RESULT" + json.dumps(out))
@@ -100,3 +101,8 @@ def test_sglang_resolves_our_defaults(run_py, hf_dir):
     assert "no TPU is visible" in res["device_tpu"]["error"]
     # Where a TPU is visible, --device tpu is served; SGLang's own tensors stay on torch's cpu.
     assert res["device_tpu_on_tpu_host"]["device"] == "cpu"
+    # HiCache cannot reach pages held in a JAX array: refused at start-up, naming what to use.
+    for key in ("hicache", "hicache_alias"):
+        err = res[key]["error"]
+        assert "--enable-hierarchical-cache is not supported" in err, err
+        assert "--kv-offloading-size" in err, err

@@ -13,6 +13,11 @@ What the platform declares, and why:
     built for CUDA; our worker answers each batch synchronously (the forward itself is async in
     JAX until the sampled ids are read back).
   * no graph capture, no Triton, no HiCache device kernels: all capabilities stay False.
+  * ``--enable-hierarchical-cache`` (HiCache) and ``--enable-lmcache`` are refused: both copy KV
+    pages between SGLang's torch device pool and host memory with their own kernels, and on this
+    platform the pages live in a JAX array those kernels cannot reach. tpuserve's own host tier
+    (``tpuserve serve --kv-offloading-size GiB``, or vLLM with ``--device tpu
+    --kv-offloading-size GiB``) is the supported way to keep evicted prefixes in host memory.
 """
 
 from __future__ import annotations
@@ -56,6 +61,15 @@ class TpuServeSRTPlatform(SRTPlatform):
             log.info("tpuserve: --device tpu -> the model runs on JAX's TPU; SGLang's scheduler "
                      "tensors (int metadata) stay on torch device 'cpu'")
         server_args.device = "cpu"
+        for flag, attr in (("--enable-hierarchical-cache", "enable_hierarchical_cache"),
+                           ("--enable-lmcache", "enable_lmcache")):
+            if getattr(server_args, attr, False):
+                raise ValueError(
+                    f"{flag} is not supported by the tpuserve SGLang platform: it moves KV pages "
+                    f"between SGLang's torch device pool and host memory, while here the pages live "
+                    f"in tpuserve's JAX cache. For a host-memory KV tier use tpuserve's own: "
+                    f"`tpuserve serve MODEL --kv-offloading-size GiB`, or `vllm serve MODEL --device "
+                    f"tpu --kv-offloading-size GiB`; or drop {flag}")
         # One SGLang rank drives one JAX executor; sharding belongs inside JAX (a mesh), not to
         # SGLang's torch process groups, which would each load their own full copy.
         for name in ("tp_size", "pp_size"):

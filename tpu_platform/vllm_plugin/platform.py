@@ -37,6 +37,11 @@ if TYPE_CHECKING:
 log = logging.getLogger("vllm.tpuserve")
 
 WORKER_QUALNAME = "tpuserve.tpu_platform.vllm_plugin.worker.TpuserveWorker"
+# Our KV connector (offload_connector.py), named here as strings: this module must not import it
+# eagerly (it pulls in the host tier); vLLM imports it by path where it is used.
+OFFLOAD_CONNECTOR = "TpuserveHostOffloadConnector"
+OFFLOAD_CONNECTOR_MODULE = "tpuserve.tpu_platform.vllm_plugin.offload_connector"
+OFFLOAD_BUDGET_KEY = "cpu_bytes_to_use"
 DEFAULT_BLOCK_SIZE = 16  # tokens per KV page: EngineConfig's default, which our kernels are tuned for
 
 
@@ -135,6 +140,7 @@ class TpuservePlatform(Platform):
         """Point vLLM at our worker, pick the block size and executor, refuse what we cannot run."""
         from vllm.config import CompilationMode, CUDAGraphMode
 
+        _use_our_kv_offloading(vllm_config)  # before the checks: it turns --kv-offloading-size into our connector
         problems = _unsupported_config(vllm_config)
         if problems:
             raise ValueError("the tpuserve vLLM platform does not support: " + "; ".join(problems))
@@ -199,6 +205,57 @@ class TpuservePlatform(Platform):
         return False
 
 
+def _is_our_connector(ktc: Any) -> bool:
+    return (ktc.kv_connector == OFFLOAD_CONNECTOR
+            and ktc.kv_connector_module_path in (None, OFFLOAD_CONNECTOR_MODULE))
+
+
+def _use_our_kv_offloading(cfg: "VllmConfig") -> None:
+    """Point ``--kv-offloading-size`` (and an explicit ``OffloadingConnector``) at our host-tier connector.
+
+    vLLM turns ``--kv-offloading-size`` into ``kv_connector="OffloadingConnector"`` with
+    ``cpu_bytes_to_use`` after this hook runs, and that connector only works on CUDA-like GPUs. So
+    the platform builds the transfer config itself, with the same byte budget and role, and clears
+    ``kv_offloading_size`` so vLLM's own translation does not overwrite it.
+    """
+    from vllm.config import KVTransferConfig
+
+    cache = cfg.cache_config
+    size = cache.kv_offloading_size
+    ktc = cfg.kv_transfer_config
+    if size is not None:
+        if cache.kv_offloading_backend != "native":
+            raise ValueError(f"--kv-offloading-backend {cache.kv_offloading_backend}: the tpuserve "
+                             f"platform's host tier is its own (use the default, native)")
+        if not size > 0:
+            raise ValueError(f"--kv-offloading-size {size}: must be > 0 GiB")
+        if ktc is not None and ktc.kv_connector is not None and not _is_our_connector(ktc):
+            raise ValueError(f"--kv-offloading-size and --kv-transfer-config (connector "
+                             f"{ktc.kv_connector!r}) both given: the tpuserve platform runs one connector, "
+                             f"its host tier")
+        extra = dict(ktc.kv_connector_extra_config) if ktc is not None else {}
+        extra[OFFLOAD_BUDGET_KEY] = int(size * (1 << 30))
+        cfg.kv_transfer_config = KVTransferConfig(
+            kv_connector=OFFLOAD_CONNECTOR, kv_connector_module_path=OFFLOAD_CONNECTOR_MODULE,
+            kv_role="kv_both", kv_connector_extra_config=extra)
+        cache.kv_offloading_size = None
+        log.info("--kv-offloading-size %s GiB: host-memory KV tier via %s", size, OFFLOAD_CONNECTOR)
+    elif ktc is not None and ktc.kv_connector == "OffloadingConnector" and not ktc.kv_connector_module_path:
+        # vLLM's native offloading spelled out: the same intent, served by our connector.
+        ktc.kv_connector = OFFLOAD_CONNECTOR
+        ktc.kv_connector_module_path = OFFLOAD_CONNECTOR_MODULE
+    ktc = cfg.kv_transfer_config
+    if ktc is not None and _is_our_connector(ktc):
+        ktc.kv_connector_module_path = OFFLOAD_CONNECTOR_MODULE
+        budget = (ktc.kv_connector_extra_config or {}).get(OFFLOAD_BUDGET_KEY)
+        if not isinstance(budget, (int, float)) or isinstance(budget, bool) or budget <= 0:
+            raise ValueError(f"kv_connector_extra_config[{OFFLOAD_BUDGET_KEY!r}]={budget!r}: the host "
+                             f"tier needs its size in bytes (or pass --kv-offloading-size GiB)")
+        if ktc.kv_role != "kv_both":
+            raise ValueError(f"kv_role={ktc.kv_role!r}: the host-tier connector both saves and loads "
+                             f"(kv_both)")
+
+
 def _unsupported_config(cfg: "VllmConfig") -> list[str]:
     """Human-readable reasons this config cannot run on our worker (empty: fine)."""
     out = []
@@ -230,8 +287,11 @@ def _unsupported_config(cfg: "VllmConfig") -> list[str]:
         out.append("speculative decoding (not wired through the plugin yet)")
     if cfg.lora_config is not None:
         out.append("LoRA adapters")
-    if cfg.kv_transfer_config is not None:
-        out.append("KV transfer connectors")
+    ktc = cfg.kv_transfer_config
+    if ktc is not None and ktc.kv_connector is not None and not _is_our_connector(ktc):
+        out.append(f"KV connector {ktc.kv_connector!r} (vLLM's connectors move torch device tensors; "
+                   f"for a host-memory KV tier use --kv-offloading-size, which selects tpuserve's "
+                   f"{OFFLOAD_CONNECTOR})")
     c = cfg.cache_config
     if c.cache_dtype not in ("auto", None):
         out.append(f"kv_cache_dtype={c.cache_dtype!r} (the KV cache uses the model dtype)")

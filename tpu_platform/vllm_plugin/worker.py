@@ -11,6 +11,12 @@ full-attention spec per layer: our page size, KV heads, head_dim, dtype),
 Overlap: ``execute_model`` dispatches the forward pass and returns at once (JAX runs it
 asynchronously); vLLM's engine core then builds the structured-output bitmask on the host while
 the device computes, and ``sample_tokens`` samples under that bitmask.
+
+KV connector (only ours, ``offload_connector.TpuserveHostOffloadConnector``, which
+``--kv-offloading-size`` selects): created before the KV cache is allocated, handed the runner
+after; each step binds the scheduler's metadata, runs the host-tier loads before the forward,
+dispatches the stores after sampling, and returns a ``KVConnectorOutput`` (also from steps that
+schedule no tokens: ``with_kv_conn_output_only``). Any other connector is refused here too.
 """
 
 from __future__ import annotations
@@ -22,11 +28,15 @@ from typing import Any
 import numpy as np
 import torch
 from vllm.config import VllmConfig
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheSpec
-from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, LogprobsLists, LogprobsTensors, ModelRunnerOutput
+from vllm.v1.outputs import (EMPTY_MODEL_RUNNER_OUTPUT, KVConnectorOutput, LogprobsLists, LogprobsTensors,
+                             ModelRunnerOutput)
 from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
 from tpuserve.tpu_platform.step_batch import pack_sampling_rows
+from tpuserve.tpu_platform.vllm_plugin.offload_connector import TpuserveHostOffloadConnector
 from tpuserve.tpu_platform.vllm_plugin.options import PluginOptions
 from tpuserve.tpu_platform.vllm_plugin.request_state import RequestTable, StepResult
 
@@ -44,7 +54,9 @@ class TpuserveWorker(WorkerBase):
         self.arch = None
         self.runner = None
         self.table: RequestTable | None = None
-        self._pending: tuple | None = None  # (StepPlan, StepBatch, ForwardState) between the two calls
+        # (StepPlan, StepBatch, ForwardState, finished req ids) between the two calls
+        self._pending: tuple | None = None
+        self.connector: TpuserveHostOffloadConnector | None = None
         self._compiled_after_warmup: int | None = None
 
     # ---- start-up ----
@@ -131,7 +143,12 @@ class TpuserveWorker(WorkerBase):
         if block_size != self.worker.config.cache.block_size:
             raise ValueError(f"vLLM chose block size {block_size}, the worker was set up for "
                              f"{self.worker.config.cache.block_size}")
+        # The connector exists before the KV cache is allocated (vLLM's order), and gets the runner,
+        # whose cache it reads and replaces, once it does.
+        self.connector = _make_connector(self.vllm_config, kv_cache_config)
         self.runner = self.worker.init_kv_cache(int(kv_cache_config.num_blocks))
+        if self.connector is not None:
+            self.connector.register_runner(self.runner)
         self.table = RequestTable(block_size, self.arch.vocab_size, seed=self.worker.config.model.seed)
 
     def compile_or_warm_up_model(self) -> CompilationTimes:
@@ -144,6 +161,11 @@ class TpuserveWorker(WorkerBase):
             return CompilationTimes(language_model=0.0, encoder=0.0)
         t0 = time.perf_counter()
         n = self.worker.warmup()
+        if self.connector is not None:
+            # The host tier's gather and scatter, for up to a full-length request's worth of blocks.
+            bs = self.worker.config.cache.block_size
+            n += self.connector.warmup(max(-(-int(self.model_config.max_model_len) // bs),
+                                           self.scheduler_config.max_num_batched_tokens // bs + 1))
         self._compiled_after_warmup = self.runner.compile_count
         secs = time.perf_counter() - t0
         log.info("warm-up compiled %d programs in %.1f s", n, secs)  # in vLLM's log
@@ -156,31 +178,61 @@ class TpuserveWorker(WorkerBase):
     # ---- steps ----
 
     def execute_model(self, scheduler_output: Any) -> ModelRunnerOutput | None:
-        if getattr(scheduler_output, "kv_connector_metadata", None) is not None:
-            raise NotImplementedError("KV connectors are not supported on the tpuserve platform")
+        conn = self.connector
+        if conn is None and getattr(scheduler_output, "kv_connector_metadata", None) is not None:
+            raise NotImplementedError("this step carries KV connector metadata, but no connector runs "
+                                      "in the tpuserve worker")
         plan = self.table.plan(scheduler_output)
-        if not plan.seqs:
-            return EMPTY_MODEL_RUNNER_OUTPUT  # a step that only retired requests
+        if conn is not None:
+            meta = scheduler_output.kv_connector_metadata
+            if meta is None:
+                raise RuntimeError("a KV connector is configured but the step carries no metadata")
+            conn.handle_preemptions(meta)
+            conn.bind_connector_metadata(meta)
+            conn.start_load_kv(None)  # host-tier loads are synchronous: scattered before the forward
+        if not plan.seqs:  # a step that only retired requests (or only moves KV)
+            if conn is None:
+                return EMPTY_MODEL_RUNNER_OUTPUT
+            return ModelRunnerOutput.with_kv_conn_output_only(
+                self._finish_connector(scheduler_output.finished_req_ids))
         # Dispatch the forward now; the grammar bitmask only exists at sample_tokens, and vLLM
         # builds it on the host while the device runs this.
         batch = self.runner.build_batch(plan.scheduled(self.table))
-        self._pending = (plan, batch, self.runner.forward(batch))
+        self._pending = (plan, batch, self.runner.forward(batch), set(scheduler_output.finished_req_ids))
         return None  # vLLM now calls sample_tokens with the grammar bitmask
 
     def sample_tokens(self, grammar_output: Any) -> ModelRunnerOutput:
         pending, self._pending = self._pending, None
         if pending is None:
             return EMPTY_MODEL_RUNNER_OUTPUT
-        plan, batch, fwd = pending
+        plan, batch, fwd, finished = pending
         sampling = None
         masks = self._grammar_masks(grammar_output)
         if masks:
             rows = [s.sampling for s in plan.scheduled(self.table, masks)]
             sampling = pack_sampling_rows(rows, len(batch.kv_lens), self.arch.vocab_size)
-        step = self.runner.fetch(self.runner.sample(fwd, sampling))
-        result = plan.finish(self.table, step)
+        step = self.runner.sample(fwd, sampling)
+        # Stores go after the sampler in device order, so they do not delay this step's tokens.
+        kv_out = self._finish_connector(finished) if self.connector is not None else None
+        result = plan.finish(self.table, self.runner.fetch(step))
         self._check_recompiles()
-        return _to_vllm_output(result)
+        out = _to_vllm_output(result)
+        out.kv_connector_output = kv_out
+        return out
+
+    def _finish_connector(self, finished_req_ids: set[str]) -> KVConnectorOutput:
+        """The connector's end of a step (stores dispatched, results and stats collected, metadata cleared)."""
+        conn = self.connector
+        conn.wait_for_save()
+        done = conn.get_transfer_results(finished_req_ids)
+        out = KVConnectorOutput(
+            finished_sending=done.finished_sending, finished_recving=done.finished_recving,
+            failed_recving=done.failed_recving, invalid_block_ids=conn.get_block_ids_with_load_errors(),
+            kv_connector_stats=conn.get_kv_connector_stats(),
+            kv_cache_events=conn.get_kv_connector_kv_cache_events(),
+            kv_connector_worker_meta=conn.build_connector_worker_meta())
+        conn.clear_connector_metadata()
+        return out
 
     def _grammar_masks(self, grammar_output: Any) -> dict[str, np.ndarray]:
         """Structured-output bitmask rows by request id (xgrammar's layout, as our sampler takes)."""
@@ -205,6 +257,13 @@ class TpuserveWorker(WorkerBase):
             self._compiled_after_warmup = now
 
     # ---- the rest of vLLM's worker interface ----
+
+    def get_kv_connector_handshake_metadata(self) -> dict | None:
+        """Out-of-band handshake data by (pp_rank, tp_rank); the host tier has none."""
+        if self.connector is None:
+            return None
+        meta = self.connector.get_handshake_metadata()
+        return None if meta is None else {(0, 0): meta}
 
     def take_draft_token_ids(self) -> None:
         return None  # no speculative decoding through the plugin
@@ -244,10 +303,33 @@ class TpuserveWorker(WorkerBase):
 
     def shutdown(self) -> None:
         self._pending = None
+        if self.connector is not None:
+            self.connector.shutdown()  # finishes in-flight host-tier saves
+            self.connector = None
         self.table = None
         self.runner = None
         if self.worker is not None:
             self.worker.shutdown()  # drops the KV cache and weights
+
+
+def _make_connector(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> TpuserveHostOffloadConnector | None:
+    """This worker's side of the configured KV connector; only ours can drive a JAX KV cache.
+
+    vLLM's ``ensure_kv_transfer_initialized`` would build it too, but first broadcasts the engine id
+    over vLLM's tensor-parallel torch process group, which this worker never creates (one JAX process
+    drives every device, so there is nothing to sync). The worker builds the connector through the
+    same factory and keeps it itself: nothing outside vLLM's own GPU workers reads the global one.
+    """
+    ktc = vllm_config.kv_transfer_config
+    if ktc is None or not ktc.is_kv_transfer_instance:
+        return None
+    conn = KVConnectorFactory.create_connector(config=vllm_config, role=KVConnectorRole.WORKER,
+                                               kv_cache_config=kv_cache_config)
+    if not isinstance(conn, TpuserveHostOffloadConnector):
+        raise NotImplementedError(
+            f"KV connector {type(conn).__name__}: vLLM's connectors move torch device tensors; the "
+            f"tpuserve platform runs only its host-tier connector (select it with --kv-offloading-size)")
+    return conn
 
 
 def _to_vllm_output(r: StepResult) -> ModelRunnerOutput:
