@@ -3,11 +3,14 @@
 Shapes are padded to buckets so XLA compiles a bounded set of programs:
     T (token slots)       one of config.token_buckets (powers of two up to max_num_batched_tokens)
     S (sequence slots)    min(T, max_num_seqs)
-    R (logits rows)       S when nothing is speculated, else a token bucket >= sum of (1 + drafts)
+    R (logits rows)       S when nothing is speculated, else min(T, S * (1 + K)): one per T bucket
+    K (draft slots)       num_speculative_tokens when the batch's drafts fit, else a power of two
     pages_per_seq         powers of four up to the pages of max_model_len (just the maximum for the
                           blocked CPU attention, whose cost does not depend on it)
-``warmup()`` compiles every (T, pages_per_seq) pair and every sampler variant; ``compile_count``
-counts every trace, so a compile while serving shows up as a rise after warm-up.
+``warmup()`` compiles every (T, pages_per_seq) pair and every sampler variant, and, when drafts are
+expected (``num_speculative_tokens`` > 0), the drafted shapes of every T with their verification
+programs (spec_decode.rejection_sampler); ``compile_count`` counts every trace, so a compile while
+serving shows up as a rise after warm-up.
 
 A step runs in two dispatches that return at once (JAX dispatches asynchronously): ``forward``
 (feeds, model, logits) and ``sample`` (sampler, draft acceptance). ``fetch`` waits for the host
@@ -30,6 +33,7 @@ import numpy as np
 from tpuserve.attention.dispatch import resolve_impl
 from tpuserve.attention.metadata import AttentionMetadata
 from tpuserve.kv_cache.layout import RESERVED_PAGE, KVCacheSpec
+from tpuserve.spec_decode import rejection_sampler
 from tpuserve.tpu_platform import sampler
 from tpuserve.tpu_platform.config import EngineConfig
 from tpuserve.tpu_platform.device import DeviceInfo
@@ -78,8 +82,14 @@ class PendingStep:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, arch: ModelArch, params: dict, device: DeviceInfo,
-                 dtype, num_pages: int, max_model_len: int):
+                 dtype, num_pages: int, max_model_len: int, num_speculative_tokens: int | None = None):
+        """num_speculative_tokens: the most drafts a sequence verifies per step (the draft slots
+        ``warmup`` compiles); None takes the speculative config's, 0 when there is none."""
         self.config = config
+        if num_speculative_tokens is None:
+            spec = config.speculative
+            num_speculative_tokens = spec.num_speculative_tokens if spec is not None else 0
+        self.num_speculative_tokens = int(num_speculative_tokens)
         self.arch = arch
         self.layer_loop = config.compilation.layer_loop
         if self.layer_loop == "auto":
@@ -144,7 +154,8 @@ class ModelRunner:
     @property
     def compile_count(self) -> int:
         """Programs traced so far: model forward variants plus sampler and step-glue variants."""
-        return self._traces + sampler.compile_count() + _glue_traces()
+        return (self._traces + sampler.compile_count() + _glue_traces()
+                + rejection_sampler.compile_count())
 
     # ---- building a padded batch ----
 
@@ -158,10 +169,10 @@ class ModelRunner:
         if len(seqs) > s_slots:
             raise ValueError(f"{len(seqs)} sequences exceed the {s_slots} slots of a {t_slots}-token step")
         max_drafts = max(len(s.draft_token_ids) for s in seqs)
-        num_rows = sum(1 + len(s.draft_token_ids) for s in seqs)
-        # Without drafts every sequence has one logits row: R = S. With drafts R is a token bucket.
-        r_slots = s_slots if max_drafts == 0 else _bucket(num_rows, self.token_buckets)
-        k_slots = 0 if max_drafts == 0 else 1 << (max_drafts - 1).bit_length()
+        k_slots = self._draft_slots(max_drafts)
+        # Without drafts every sequence has one logits row: R = S. With drafts each has at most
+        # 1 + K rows and the step at most T, so R = min(T, S * (1 + K)): one R per (T, K).
+        r_slots = self._logits_slots(t_slots, k_slots)
         kv_lens = np.zeros(s_slots, np.int32)
         pages_per_seq = _bucket(max(len(s.page_ids) for s in seqs), self.page_buckets)
         page_table = np.full((s_slots, pages_per_seq), RESERVED_PAGE, np.int32)
@@ -178,9 +189,9 @@ class ModelRunner:
             n, k = len(s.token_ids), len(s.draft_token_ids)
             if n == 0:
                 raise ValueError("a scheduled sequence must compute at least one token")
-            if k and (s.sampling.temperature > 0 or s.sampling.token_bitmask is not None):
-                raise ValueError("draft verification is greedy-only for now (random rows need the "
-                                 "rejection sampler; grammars need per-draft masks)")
+            if k and s.sampling.token_bitmask is not None:
+                raise ValueError("drafts cannot be verified under a grammar yet (each draft row "
+                                 "needs the mask of the state after the drafts before it)")
             kv_len = s.num_computed + n + k
             if len(s.page_ids) * self.page_size < kv_len:
                 raise ValueError(f"sequence {i}: {len(s.page_ids)} pages cannot hold {kv_len} tokens")
@@ -214,6 +225,19 @@ class ModelRunner:
             prompt_logprob_targets=np.asarray(pl_targets, np.int32) if pl_rows else None,
             num_prompt_logprobs=pl_k)
 
+    def _draft_slots(self, max_drafts: int) -> int:
+        """K of a batch whose longest draft list has ``max_drafts`` tokens (0: nothing speculated)."""
+        if max_drafts == 0:
+            return 0
+        if max_drafts <= self.num_speculative_tokens:
+            return self.num_speculative_tokens  # the one K warm-up compiled
+        return 1 << (max_drafts - 1).bit_length()
+
+    def _logits_slots(self, t_slots: int, k_slots: int) -> int:
+        """R of a step with T = t_slots and K = k_slots."""
+        s_slots = min(t_slots, self.max_num_seqs)
+        return s_slots if k_slots == 0 else min(t_slots, s_slots * (1 + k_slots))
+
     # ---- running ----
 
     @staticmethod
@@ -236,20 +260,25 @@ class ModelRunner:
             jnp.asarray(batch.positions), self._metadata(batch), jnp.asarray(batch.logits_indices))
         return ForwardState(batch, logits, hidden)
 
-    def sample(self, fwd: ForwardState, sampling: SamplingBatch | None = None) -> PendingStep:
-        """Dispatch sampling (and draft acceptance) over a forward's logits.
+    def sample(self, fwd: ForwardState, sampling: SamplingBatch | None = None,
+               draft_probs: jax.Array | None = None) -> PendingStep:
+        """Dispatch sampling (and draft verification) over a forward's logits.
 
         ``sampling`` replaces the batch's own (the vLLM worker adds the grammar bitmask here).
+        draft_probs [S, K, V]: the draft distributions of the batch's drafts (a drafter that samples,
+        e.g. EAGLE with probabilistic drafting); None verifies them as one-hot drafts (n-gram,
+        greedy drafters).
         """
         batch = fwd.batch
         sampling = sampling if sampling is not None else batch.sampling
-        rows = _expand_rows(sampling, batch.cu_logits, fwd.logits.shape[0])
-        tokens, lp_parts = sampler.sample_async(fwd.logits, rows, self.max_logprobs)
+        rows = _expand_rows(sampling, batch.cu_logits, fwd.logits.shape[0], batch.draft_token_ids)
         if batch.draft_token_ids.shape[1] == 0:
+            tokens, lp_parts = sampler.sample_async(fwd.logits, rows, self.max_logprobs)
             token_ids, accepted = tokens[:, None], jnp.zeros(tokens.shape[0], jnp.int32)
         else:
-            token_ids, accepted = _accept_greedy(tokens, jnp.asarray(batch.draft_token_ids),
-                                                 jnp.asarray(batch.cu_logits))
+            v = rejection_sampler.verify_async(fwd.logits, rows, batch.draft_token_ids, batch.cu_logits,
+                                               draft_probs, max_logprobs=self.max_logprobs)
+            token_ids, accepted, lp_parts = v.token_ids, v.num_accepted, v.logprobs
         prompt_parts = None
         if batch.prompt_logprob_rows is not None:
             # Every row of the step is scored (one program per token bucket); the host keeps the
@@ -285,13 +314,29 @@ class ModelRunner:
 
     def warmup(self) -> int:
         """Compile every (token bucket, page bucket) forward, every sampler variant at every sequence
-        bucket, and the step glue. Returns the number of programs compiled."""
+        bucket, and the step glue; with num_speculative_tokens > 0 also the drafted forward of every
+        (T, pages) pair, the sampler at every drafted row count, and the verification programs.
+        Returns the number of programs compiled."""
         before = self.compile_count
+        k = self.num_speculative_tokens
         for t in self.token_buckets:
             for p in self.page_buckets:
                 # Feeds travel as fixed-shape operands: the same program serves fed and plain steps.
                 self.sample(self.forward(self._empty_batch(t, p)))
-        sampler.warmup(self.seq_buckets, self.arch.vocab_size, self.max_logprobs,
+                if k and t >= 2:  # a drafted step holds at least a token and a draft
+                    drafted = self.forward(self._empty_batch(t, p, k))
+            if k and t >= 2:
+                # Greedy verification and the step glue of the [S, K+1] output; the sampler's R-row
+                # programs and the rejection sampler's follow below.
+                self.sample(drafted)
+        row_counts = set(self.seq_buckets)
+        if k:
+            drafted_buckets = [t for t in self.token_buckets if t >= 2]
+            row_counts |= {self._logits_slots(t, k) for t in drafted_buckets}
+            rejection_sampler.warmup(
+                [(self._logits_slots(t, k), min(t, self.max_num_seqs), k) for t in drafted_buckets],
+                self.arch.vocab_size)
+        sampler.warmup(sorted(row_counts), self.arch.vocab_size, self.max_logprobs,
                        prompt_logprob_rows=self.token_buckets[-1])
         # Prompt logprobs: the LM head over every row of each token bucket.
         for t in self.token_buckets:
@@ -300,15 +345,17 @@ class ModelRunner:
         log.info("warm-up compiled %d programs", self.compile_count - before)
         return self.compile_count - before
 
-    def _empty_batch(self, t_slots: int, pages_per_seq: int) -> StepBatch:
-        """A batch of bucket shape with no sequences: nothing is written or attended."""
+    def _empty_batch(self, t_slots: int, pages_per_seq: int, k_slots: int = 0) -> StepBatch:
+        """A batch of bucket shape with no sequences (and K = k_slots draft slots): nothing is
+        written or attended."""
         s_slots = min(t_slots, self.max_num_seqs)
         return StepBatch(
             token_ids=np.zeros(t_slots, np.int32), positions=np.zeros(t_slots, np.int32),
             cu_q_lens=np.zeros(s_slots + 1, np.int32), kv_lens=np.zeros(s_slots, np.int32),
             page_table=np.zeros((s_slots, pages_per_seq), np.int32), num_seqs=0,
-            num_tokens=0, logits_indices=np.zeros(s_slots, np.int32),
-            cu_logits=np.zeros(s_slots + 1, np.int32), draft_token_ids=np.zeros((s_slots, 0), np.int32),
+            num_tokens=0, logits_indices=np.zeros(self._logits_slots(t_slots, k_slots), np.int32),
+            cu_logits=np.zeros(s_slots + 1, np.int32),
+            draft_token_ids=np.full((s_slots, k_slots), -1, np.int32),
             sampling=pack_sampling_rows([], s_slots, self.arch.vocab_size))
 
 
@@ -335,31 +382,13 @@ def _last_tokens(token_ids, num_accepted, *, num_slots: int):
     return jnp.zeros(num_slots, jnp.int32).at[: last.shape[0]].set(last)
 
 
-@jax.jit
-def _accept_greedy(tokens, drafts, cu_logits):
-    """Greedy verification. tokens [R] (the target's token at each logits row), drafts [S, K] (-1
-    pads), cu_logits [S+1] -> (token_ids [S, K+1], num_accepted [S]).
-
-    Sequence i's row j holds the target's choice after its j-th draft; drafts are accepted while
-    they equal it, and the new tokens are the target's choices up to and including the first
-    mismatch (or the bonus row after the last draft).
-    """
-    _note_glue()
-    s, k = drafts.shape
-    j = jnp.arange(k + 1)
-    n_drafts = cu_logits[1:] - cu_logits[:-1] - 1
-    rows = jnp.clip(cu_logits[:-1, None] + j[None, :], 0, tokens.shape[0] - 1)
-    target = tokens[rows]  # [S, K+1]
-    match = (drafts == target[:, :k]) & (j[None, :k] < n_drafts[:, None])
-    accepted = jnp.sum(jnp.cumprod(match.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
-    token_ids = jnp.where(j[None, :] <= accepted[:, None], target, -1)
-    return token_ids, accepted
-
-
-def _expand_rows(sampling: SamplingBatch, cu_logits: np.ndarray, num_rows: int) -> SamplingBatch:
+def _expand_rows(sampling: SamplingBatch, cu_logits: np.ndarray, num_rows: int,
+                 drafts: np.ndarray | None = None) -> SamplingBatch:
     """Per-sequence sampling params -> one row per logits row (the identity without drafts).
 
-    A sequence's j-th row samples token index ``step + j``: each position keeps its own key.
+    A sequence's j-th row samples token index ``step + j``: each position keeps its own key, and
+    its penalties count drafts 0..j-1 as output (they precede that token if the row is reached).
+    drafts [S, K] i32 (-1 pads).
     """
     counts = np.diff(cu_logits)
     if len(counts) == num_rows and (counts <= 1).all():
@@ -377,5 +406,11 @@ def _expand_rows(sampling: SamplingBatch, cu_logits: np.ndarray, num_rows: int) 
         "presence_penalty", "frequency_penalty", "output_counts", "prompt_mask", "banned_ids",
         "token_bitmask")}, num_logprobs=sampling.num_logprobs)
     out.steps = out.steps + np.concatenate([offs, np.zeros(pad, np.int64)]).astype(np.int32)
+    if out.output_counts is not None and drafts is not None:
+        real = np.arange(len(offs))
+        for j in range(1, drafts.shape[1] + 1):
+            r = real[offs >= j]
+            ids = drafts[src[r], j - 1]
+            np.add.at(out.output_counts, (r[ids >= 0], ids[ids >= 0]), 1)
     return out
 

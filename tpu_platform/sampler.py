@@ -34,6 +34,10 @@ so nothing compiles after ``warmup``:
 Stages rather than one fused program per kind: the PRNG (threefry) dominates compile time on CPU,
 and this way one program per row count holds it instead of four. Prompt logprobs
 (``compute_logprobs``) pad their rows to power-of-two buckets. ``compile_count()`` counts traces.
+
+Draft verification (spec_decode.rejection_sampler) draws its own tokens from the same distribution:
+it reuses the extras stage (``prepare_verification``), the random processing (``target_logits``),
+the row keys (``row_keys``) and the logprobs program (``token_logprobs_async``).
 """
 
 from __future__ import annotations
@@ -205,8 +209,19 @@ def _row_key(seed: jax.Array, step: jax.Array) -> jax.Array:
     return jax.random.fold_in(jax.random.key(seed), step)
 
 
-def _draw_random(x: jax.Array, greedy_ids: jax.Array, a: dict[str, jax.Array]) -> jax.Array:
-    """x [S, V] processed logits, greedy_ids [S] -> [S] i32: greedy rows keep greedy_ids, others sample."""
+def row_keys(seeds: jax.Array, steps: jax.Array) -> jax.Array:
+    """seeds [S] u32, steps [S] i32 -> [S] typed PRNG keys, each from its row's (seed, step) alone."""
+    return jax.vmap(_row_key)(seeds, steps)
+
+
+def target_logits(x: jax.Array, a: dict[str, jax.Array]) -> jax.Array:
+    """x [S, V] processed logits (after the extras stage) -> [S, V] f32 logits whose softmax is the
+    distribution a random row draws from: divided by the temperature, min-p, then top-k/top-p, with
+    dropped tokens at -inf. Greedy rows divide by 1. Draft verification (spec_decode) reuses it, so
+    its target distribution is exactly the one plain sampling draws from.
+
+    ``a`` holds the random stage's arguments (temperature, min_p, top_k, top_p [S], use_top_k_top_p).
+    """
     temperature = a["temperature"]
     is_greedy = temperature < GREEDY_EPS
     # Greedy rows divide by 1 only to keep their (discarded) draw finite.
@@ -222,10 +237,15 @@ def _draw_random(x: jax.Array, greedy_ids: jax.Array, a: dict[str, jax.Array]) -
         lambda z: jnp.ones(z.shape, bool),
         y,
     )
-    y = jnp.where(keep, y, -jnp.inf)
-    keys = jax.vmap(_row_key)(a["seeds"], a["steps"])
+    return jnp.where(keep, y, -jnp.inf)
+
+
+def _draw_random(x: jax.Array, greedy_ids: jax.Array, a: dict[str, jax.Array]) -> jax.Array:
+    """x [S, V] processed logits, greedy_ids [S] -> [S] i32: greedy rows keep greedy_ids, others sample."""
+    y = target_logits(x, a)
+    keys = row_keys(a["seeds"], a["steps"])
     drawn = jax.vmap(jax.random.categorical)(keys, y).astype(jnp.int32)
-    return jnp.where(is_greedy, greedy_ids, drawn)
+    return jnp.where(a["temperature"] < GREEDY_EPS, greedy_ids, drawn)
 
 
 def _logprobs(raw: jax.Array, targets: jax.Array, num_top: int) -> tuple[jax.Array, ...]:
@@ -469,6 +489,27 @@ def sample(logits: jax.Array, batch: SamplingBatch, max_logprobs: int = DEFAULT_
     if parts is not None:
         logprobs = _to_logprobs(parts, len(batch.temperature), min(int(batch.num_logprobs), parts[2].shape[1]))
     return SamplerOutput(token_ids=np.asarray(token_ids), logprobs=logprobs)
+
+
+def prepare_verification(
+    logits: jax.Array, batch: SamplingBatch, max_logprobs: int = DEFAULT_MAX_LOGPROBS
+) -> tuple[jax.Array, dict[str, Any], int | None]:
+    """For draft verification (spec_decode.rejection_sampler), which draws its own tokens.
+
+    logits [R, V] (device), batch with R rows -> (x [R, V]: the logits after the extras stage (mask,
+    penalties; dispatched, not awaited) or the logits themselves when the batch needs none; the random
+    stage's arguments, empty when every row is greedy; the logprob columns the device computes,
+    None when the batch wants no logprobs). Feed x and the arguments to ``target_logits``.
+    """
+    variant, random_args, extras_args, _ = _prepare(batch, *logits.shape, max_logprobs)
+    x = _extras_jit(logits, extras_args, keep_logits=True) if variant.extras else logits
+    return x, random_args, variant.num_top
+
+
+def token_logprobs_async(logits: jax.Array, targets: jax.Array, num_top: int) -> tuple[jax.Array, ...]:
+    """logits [R, V], targets [R] i32 -> device (logprob [R], rank [R], top_ids [R, k], top_lp [R, k]),
+    the program ``sample_async`` runs for its logprobs (so a warmed row count compiles nothing)."""
+    return tuple(_logprobs_jit(logits, targets, num_top=num_top))
 
 
 def _run_stages(variant: _Variant, logits: jax.Array, random_args: dict, extras_args: dict) -> jax.Array:

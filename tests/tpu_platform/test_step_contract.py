@@ -16,7 +16,7 @@ from tpuserve.tpu_platform.config import EngineConfig
 from tpuserve.tpu_platform.device import discover
 from tpuserve.tpu_platform.loader import load_model
 from tpuserve.tpu_platform.model_runner import ModelRunner
-from tpuserve.tpu_platform.step_batch import SamplingRow, ScheduledSeq
+from tpuserve.tpu_platform.step_batch import SamplingRow, ScheduledSeq, sampling_row
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -84,19 +84,22 @@ def test_build_batch_refuses_bad_work(runner, seqs, match):
         runner.build_batch(seqs)
 
 
-def test_drafts_refused_for_random_rows(runner):
-    s = ScheduledSeq([1], 0, [1], SamplingRow(temperature=0.7), draft_token_ids=[2])
-    with pytest.raises(ValueError, match="greedy-only"):
+def test_drafts_refused_under_a_grammar(runner):
+    words = np.full((runner.arch.vocab_size + 31) // 32, -1, np.int32)
+    s = ScheduledSeq([1], 0, [1], SamplingRow(temperature=0.7, token_bitmask=words), draft_token_ids=[2])
+    with pytest.raises(ValueError, match="grammar"):
         runner.build_batch([s])
 
 
-def _greedy_reference(runner, prompt, pages, n):
-    """n greedy tokens, one step each."""
-    out = runner.execute(runner.build_batch([_seq(prompt, 0, pages)]))
+def _greedy_reference(runner, prompt, pages, n, row=None):
+    """n greedy tokens, one step each; ``row(output_ids)`` builds each step's SamplingRow."""
+    row = row or (lambda out: SamplingRow())
+    out = runner.execute(runner.build_batch([ScheduledSeq(list(prompt), 0, list(pages), row([]))]))
     tokens = [int(out.token_ids[0, 0])]
     for _ in range(n - 1):
         done = len(prompt) + len(tokens) - 1
-        out = runner.execute(runner.build_batch([_seq([tokens[-1]], done, pages)]))
+        out = runner.execute(runner.build_batch([ScheduledSeq([tokens[-1]], done, list(pages),
+                                                              row(tokens))]))
         tokens.append(int(out.token_ids[0, 0]))
     return tokens
 
@@ -120,6 +123,49 @@ def test_multi_token_steps_verify_drafts_and_roll_back(runner):
     # Rollback: the rejected drafts' K/V past the accepted point are simply overwritten.
     out = runner.execute(runner.build_batch([_seq([ref[5]], done + 1, pages, draft_token_ids=ref[6:8])]))
     assert int(out.num_accepted[0]) == 2 and out.new_tokens(0)[:2] == ref[6:8]
+
+
+def test_random_rows_verify_drafts(runner):
+    """Drafts of sampling rows go through the rejection sampler. At a temperature just above greedy,
+    p is the argmax's point mass: the true continuation is accepted in full with the target's bonus,
+    a wrong first draft is rejected and replaced by the target's token. A greedy sequence in the
+    same batch keeps its greedy behaviour."""
+    prompt, pages = [11, 23, 5, 42, 17, 8, 99], [1, 2]
+    other, other_pages = [3, 1, 4, 1, 5], [3]
+    ref = _greedy_reference(runner, prompt, pages, 6)
+    ref_other = _greedy_reference(runner, other, other_pages, 4)
+    hot = SamplingRow(temperature=1e-4, seed=5)
+    out = runner.execute(runner.build_batch([ScheduledSeq(list(prompt), 0, pages, hot),
+                                             _seq(other, 0, other_pages)]))
+    assert out.new_tokens(0) == ref[:1] and out.new_tokens(1) == ref_other[:1]
+    hot = SamplingRow(temperature=1e-4, seed=5, step=1)
+    out = runner.execute(runner.build_batch([
+        ScheduledSeq([ref[0]], len(prompt), pages, hot, draft_token_ids=ref[1:4]),
+        _seq([ref_other[0]], len(other), other_pages, draft_token_ids=[ref_other[1], 7, 7])]))
+    assert int(out.num_accepted[0]) == 3 and out.new_tokens(0) == ref[1:5]
+    assert int(out.num_accepted[1]) == 1 and out.new_tokens(1) == ref_other[1:3]
+    done = len(prompt) + 4
+    wrong = (ref[5] + 1) % runner.arch.vocab_size
+    hot = SamplingRow(temperature=1e-4, seed=5, step=5)
+    out = runner.execute(runner.build_batch([ScheduledSeq([ref[4]], done, pages, hot,
+                                                          draft_token_ids=[wrong, wrong])]))
+    assert int(out.num_accepted[0]) == 0 and out.new_tokens(0) == [ref[5]]
+
+
+def test_penalties_count_earlier_drafts(runner):
+    """A draft row's penalties see the drafts before it as output, so greedy decoding with a
+    repetition penalty accepts exactly its own one-step-at-a-time continuation."""
+    prompt, pages = [7, 7, 3, 9, 7, 3], [4, 5]
+
+    def row(output_ids):
+        return sampling_row(prompt_ids=prompt, output_ids=list(output_ids), repetition_penalty=3.0,
+                            frequency_penalty=0.5)
+
+    ref = _greedy_reference(runner, prompt, pages, 7, row)
+    runner.execute(runner.build_batch([ScheduledSeq(list(prompt), 0, pages, row([]))]))
+    out = runner.execute(runner.build_batch([ScheduledSeq([ref[0]], len(prompt), pages, row(ref[:1]),
+                                                          draft_token_ids=ref[1:6])]))
+    assert int(out.num_accepted[0]) == 5 and out.new_tokens(0) == ref[1:7]
 
 
 def test_fed_steps_equal_host_steps(runner):
@@ -147,3 +193,53 @@ def test_fed_steps_equal_host_steps(runner):
 def test_feed_without_previous_step_is_refused(runner):
     with pytest.raises(ValueError, match="previous step"):
         runner.forward(runner.build_batch([_seq([0], 4, [1], feed_from=0)]))
+
+
+@pytest.mark.slow
+def test_drafted_steps_compile_nothing_after_warmup(random_checkpoints):
+    """With num_speculative_tokens set, warm-up covers drafted steps: greedy, sampling and mixed
+    rows, 1..k drafts, logprobs, penalties, every batch size. Two counters: the runner's traces and
+    JAX's own backend compilations (which also see eager ops)."""
+    from jax import monitoring
+
+    path = random_checkpoints["llama"]
+    loaded = load_model(path, jnp.float32)
+    config = EngineConfig.from_kwargs(model=path, max_num_batched_tokens=16, max_num_seqs=4,
+                                      block_size=PAGE)
+    runner = ModelRunner(config, loaded.arch, loaded.params, discover(), jnp.float32, num_pages=64,
+                         max_model_len=256, num_speculative_tokens=3)
+    assert runner.warmup() > 0
+    before = runner.compile_count
+    compiles = []
+
+    def on_event(name, secs, **kw):
+        if name == "/jax/core/compile/backend_compile_duration":
+            compiles.append(name)
+
+    rng = np.random.default_rng(0)
+    monitoring.register_event_duration_secs_listener(on_event)
+    try:
+        prompts = [rng.integers(0, 1000, 5).tolist() for _ in range(4)]
+        pages = [[1 + 2 * i, 2 + 2 * i] for i in range(4)]
+        runner.execute(runner.build_batch([_seq(p, 0, pg) for p, pg in list(zip(prompts, pages))[:2]]))
+        runner.execute(runner.build_batch([_seq(p, 0, pg) for p, pg in list(zip(prompts, pages))[2:]]))
+        rows = [SamplingRow(), SamplingRow(temperature=0.8, top_p=0.9, seed=1, step=1),
+                SamplingRow(temperature=1.0, seed=2, step=1, num_logprobs=2),
+                sampling_row(prompt_ids=prompts[3], output_ids=[1], repetition_penalty=1.3,
+                             temperature=0.7, seed=3)]
+        for round_ in range(6):
+            n = int(rng.integers(1, 5))
+            chosen = rng.permutation(4)[:n]
+            seqs = []
+            for i in chosen:
+                k = int(rng.integers(1, 4))
+                seqs.append(ScheduledSeq([int(rng.integers(0, 1000))], 5 + 4 * round_, pages[i], rows[i],
+                                         draft_token_ids=rng.integers(0, 1000, k).tolist()))
+            out = runner.execute(runner.build_batch(seqs))
+            assert ((out.num_accepted[:n] >= 0) & (out.num_accepted[:n] <= 3)).all()
+        # Plain steps stay warm too.
+        runner.execute(runner.build_batch([_seq([1], 28, pages[0])]))
+    finally:
+        monitoring.unregister_event_duration_listener(on_event)
+    assert runner.compile_count == before
+    assert compiles == []
