@@ -53,6 +53,10 @@ class EngineSnapshot:
     host_cache_hits: int = 0
     host_bytes_loaded: int = 0
     host_bytes_saved: int = 0
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: tuple[int, ...] = ()
     steps: int = 0
     compiled_programs: int = 0
 
@@ -330,6 +334,9 @@ class AsyncEngine:
             prefix_cache_queries=stats.prefix_cache_queries, prefix_cache_hits=stats.prefix_cache_hits,
             host_cache_queries=stats.host_cache_queries, host_cache_hits=stats.host_cache_hits,
             host_bytes_loaded=stats.host_bytes_loaded, host_bytes_saved=stats.host_bytes_saved,
+            spec_num_drafts=stats.spec_num_drafts, spec_num_draft_tokens=stats.spec_num_draft_tokens,
+            spec_num_accepted_tokens=stats.spec_num_accepted_tokens,
+            spec_accepted_per_pos=tuple(stats.spec_accepted_per_pos),
             steps=stats.steps, compiled_programs=_compile_count(e))
 
     # ---- event loop side ----

@@ -21,6 +21,7 @@ from tpuserve.server.outputs import CompletionOutput, Logprob, RequestOutput
 from tpuserve.server.sampling_params import SamplingParams
 from tpuserve.server.scheduler import ScheduledWork, Scheduler, SchedulerOutput
 from tpuserve.server.sequence import Sequence
+from tpuserve.spec_decode.ngram import propose_ngram
 from tpuserve.tpu_platform.config import EngineConfig
 from tpuserve.tpu_platform.model_runner import PendingStep
 from tpuserve.tpu_platform.step_batch import Logprobs, ScheduledSeq, StepOutput, sampling_row
@@ -40,6 +41,12 @@ class EngineStats:
     host_bytes_loaded: int = 0
     host_bytes_saved: int = 0
     steps: int = 0
+    # Speculative decoding, as vLLM counts it: steps that verified drafts, drafts, accepted drafts,
+    # and accepted drafts by position (index j: the (j+1)-th draft of a step was accepted).
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = field(default_factory=list)
 
 
 @dataclass(eq=False)
@@ -69,6 +76,7 @@ class _InFlight:
     completes: list[bool]  # the chunk reaches the sequence's last token: its sample is kept
     prompt_rows: list[int]  # first prompt-logprob row of each item in the step's output
     step: PendingStep
+    num_drafts: list[int] = field(default_factory=list)  # drafts each item verifies
 
 
 class LLMEngine:
@@ -92,10 +100,17 @@ class LLMEngine:
         self.scheduler = Scheduler(self.pool, sched.max_num_seqs, sched.max_num_batched_tokens,
                                    sched.enable_chunked_prefill, can_schedule=self._can_schedule,
                                    host_tier=self.host_tier)
-        self.async_scheduling = sched.async_scheduling
+        self.speculative = config.speculative
+        # Drafts are proposed from the tokens the host has seen, so a drafting sequence needs its
+        # last token on the host: with speculation the engine schedules synchronously.
+        self.async_scheduling = sched.async_scheduling and self.speculative is None
+        # drafter(token_ids [N], k) -> up to k draft ids (tests swap in replaying / adversarial ones).
+        self.drafter: Callable[[np.ndarray, int], list[int]] = self._ngram_drafter
         self.grammar_factory = grammar_factory
         self.requests: dict[str, RequestState] = {}
         self.stats = EngineStats()
+        if self.speculative is not None:
+            self.stats.spec_accepted_per_pos = [0] * self.speculative.num_speculative_tokens
         self.eos_token_ids = set(self.arch.eos_token_ids)
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
@@ -207,6 +222,8 @@ class LLMEngine:
         reach the host: the device computes step i+1 while the host detokenizes step i (so a call
         returns the outputs of the step dispatched by the previous call).
         """
+        if self.speculative is not None:
+            self._propose_drafts()
         sched = self.scheduler.schedule()
         self._move_pages(sched)
         if not self.async_scheduling:
@@ -217,6 +234,37 @@ class LLMEngine:
         if self._inflight is not None and not self.requests:
             self._inflight = None  # everything it computes belongs to finished requests
         return outputs
+
+    def _ngram_drafter(self, token_ids: np.ndarray, k: int) -> list[int]:
+        lo, hi = self.speculative.lookup_range()
+        return [int(t) for t in propose_ngram(token_ids, min_n=lo, max_n=hi, k=k,
+                                              max_model_len=self.max_model_len)]
+
+    def _propose_drafts(self) -> None:
+        """Drafts for every running sequence that decodes next and can verify them."""
+        spec = self.speculative
+        for seq in self.scheduler.running:
+            seq.draft_token_ids = []
+            p = seq.params
+            if seq.num_tokens - seq.num_computed != 1 or not self._may_draft(seq):
+                continue
+            k = spec.num_speculative_tokens
+            if p.max_tokens is not None:
+                k = min(k, p.max_tokens - len(seq.output_token_ids) - 1)
+            if k <= 0:
+                continue
+            tokens = np.asarray(seq.prompt_token_ids + seq.output_token_ids, np.int64)
+            seq.draft_token_ids = list(self.drafter(tokens, k))[:k]
+
+    @staticmethod
+    def _may_draft(seq: Sequence) -> bool:
+        """Drafts are verified with the sequence's plain sampling row repeated per position; what
+        would need per-draft host state (a grammar's next mask, penalties counting the drafts, the
+        min_tokens ban, per-token logprobs) does not draft."""
+        p = seq.params
+        return (seq.grammar is None and p.logprobs is None and p.repetition_penalty == 1.0
+                and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
+                and len(seq.output_token_ids) >= p.min_tokens)
 
     def _move_pages(self, sched: SchedulerOutput) -> None:
         """Host tier: copy out the cached pages this schedule evicted, then copy in the host hits,
@@ -277,12 +325,15 @@ class LLMEngine:
                 w.seq.num_pending += 1
                 w.seq.feed_slot = i
             w.seq.num_computed += w.num_tokens
-        return _InFlight(work, starts, completes, prompt_rows, step)
+        return _InFlight(work, starts, completes, prompt_rows, step,
+                         [len(w.draft_token_ids) for w in work])
 
     def _process(self, inflight: _InFlight) -> list[RequestOutput]:
         result = self.runner.fetch(inflight.step)
         self.stats.steps += 1
         touched: dict[str, RequestState] = {}
+        # Logits rows: one per item, plus one per draft it verified (logprobs are per row).
+        first_row = np.cumsum([0] + [1 + d for d in inflight.num_drafts])
         for i, (w, start, completes) in enumerate(zip(inflight.work, inflight.starts, inflight.completes)):
             seq = w.seq
             if completes:
@@ -293,9 +344,14 @@ class LLMEngine:
             if start < len(seq.prompt_token_ids):
                 self.stats.prompt_tokens += min(w.num_tokens, len(seq.prompt_token_ids) - start)
             self._take_prompt_logprobs(state, w, start, result.prompt_logprobs, inflight.prompt_rows[i])
+            if inflight.num_drafts[i]:
+                self._take_verification(seq, inflight.num_drafts[i], int(result.num_accepted[i]))
             if completes:
                 try:
-                    self._append_token(state, seq, result, i)
+                    for j, token in enumerate(result.new_tokens(i)):
+                        if seq.is_finished:
+                            break  # a stop inside the accepted drafts ends it there
+                        self._append_token(state, seq, result, int(first_row[i]) + j, token)
                 except Exception as e:  # one request's failure must not take down the batch
                     log.exception("request %s failed", seq.request_id)
                     self._fail(state, f"{type(e).__name__}: {e}")
@@ -324,11 +380,11 @@ class LLMEngine:
             # Position j predicts prompt token j + 1; only prompt positions have targets.
             end = min(start + w.num_tokens, len(seq.prompt_token_ids) - 1)
             targets = seq.prompt_token_ids[start + 1: end + 1] if end > start else None
-        end = start + w.num_tokens
+        end = start + w.num_tokens - len(w.draft_token_ids)
         known = seq.num_tokens - seq.num_pending
         # A token still on the device is a placeholder here; the runner feeds it (feed_from).
         tokens = seq.tokens(start, min(end, known)) + [0] * max(0, end - max(start, known))
-        return ScheduledSeq(token_ids=tokens, num_computed=start,
+        return ScheduledSeq(token_ids=tokens, num_computed=start, draft_token_ids=list(w.draft_token_ids),
                             page_ids=list(seq.page_ids), sampling=row,
                             prompt_logprob_targets=targets, num_prompt_logprobs=p.prompt_logprobs or 0)
 
@@ -354,8 +410,20 @@ class LLMEngine:
             entry.setdefault(int(tid), Logprob(float(val), rank, decode_token(self.tokenizer, int(tid))))
         return entry
 
-    def _append_token(self, state: RequestState, seq: Sequence, result: StepOutput, row: int) -> None:
-        token = int(result.token_ids[row, 0])
+    def _take_verification(self, seq: Sequence, num_drafts: int, accepted: int) -> None:
+        """Count a verification and roll the sequence back over its rejected drafts (their K/V
+        lies past its computed length, to be overwritten)."""
+        seq.num_computed -= num_drafts - accepted
+        st = self.stats
+        st.spec_num_drafts += 1
+        st.spec_num_draft_tokens += num_drafts
+        st.spec_num_accepted_tokens += accepted
+        for j in range(accepted):
+            st.spec_accepted_per_pos[j] += 1
+
+    def _append_token(self, state: RequestState, seq: Sequence, result: StepOutput, row: int,
+                      token: int) -> None:
+        """Append one new token, sampled at logits row ``row`` of the step."""
         p = seq.params
         seq.output_token_ids.append(token)
         self.stats.generation_tokens += 1

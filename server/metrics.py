@@ -67,6 +67,19 @@ class _EngineCollector(Collector):
                             "KV bytes copied from the host tier to the device.", s.host_bytes_loaded)
         yield self._counter("tpuserve:host_cache_bytes_saved",
                             "KV bytes copied from the device to the host tier.", s.host_bytes_saved)
+        if s.spec_accepted_per_pos:  # speculative decoding is on
+            yield self._counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.",
+                                s.spec_num_drafts)
+            yield self._counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.",
+                                s.spec_num_draft_tokens)
+            yield self._counter("vllm:spec_decode_num_accepted_tokens",
+                                "Number of accepted tokens.", s.spec_num_accepted_tokens)
+            per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                          "Accepted tokens per draft position.",
+                                          labels=[*self._labels, "position"])
+            for j, n in enumerate(s.spec_accepted_per_pos):
+                per_pos.add_metric([*self._labels.values(), str(j)], n)
+            yield per_pos
         yield self._counter("vllm:prompt_tokens", "Prefill tokens processed.", s.prompt_tokens)
         yield self._counter("vllm:generation_tokens", "Generation tokens processed.",
                             s.generation_tokens)

@@ -29,12 +29,14 @@ from tpuserve.server.sequence import Sequence, SeqStatus
 @dataclass
 class ScheduledWork:
     seq: Sequence
-    num_tokens: int  # tokens of this sequence computed this step
+    num_tokens: int  # tokens of this sequence computed this step, drafts included
+    draft_token_ids: list[int] = field(default_factory=list)  # verified after the known tokens
 
     @property
     def completes(self) -> bool:
         """True when this step computes the sequence's last known token, so its sample is kept."""
-        return self.seq.num_computed + self.num_tokens == self.seq.num_tokens
+        return (self.seq.num_computed + self.num_tokens - len(self.draft_token_ids)
+                == self.seq.num_tokens)
 
 
 @dataclass
@@ -221,7 +223,11 @@ class Scheduler:
                 self._register(seq, seq.num_computed)
                 i += 1
                 continue
-            n = min(seq.num_tokens - seq.num_computed, budget)
+            need = seq.num_tokens - seq.num_computed
+            # A decoding sequence also verifies its drafts, as many as the budget leaves room for.
+            drafts = seq.draft_token_ids if need == 1 else []
+            n = min(need + len(drafts), budget)
+            drafts = drafts[: max(0, n - need)]
             while not self._grow(seq, n):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -230,7 +236,7 @@ class Scheduler:
                     break
             if seq.status is not SeqStatus.RUNNING:
                 break  # seq itself was the last running sequence and got preempted
-            out.work.append(ScheduledWork(seq, n))
+            out.work.append(ScheduledWork(seq, n, list(drafts)))
             scheduled[id(seq)] = n
             self._register(seq, seq.num_computed + n)
             budget -= n

@@ -38,6 +38,8 @@ class Sequence:
     num_pending: int = 0
     feed_slot: int = -1
     page_ids: list[int] = field(default_factory=list)
+    # Speculative decoding: the drafts proposed for this sequence's next step.
+    draft_token_ids: list[int] = field(default_factory=list)
     # Prefix cache: the request's salt, hashes of the full pages of the known tokens, how many of
     # page_ids are registered in the cache, and the prompt tokens found cached at first admission.
     cache_salt: str | None = None

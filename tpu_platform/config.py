@@ -28,6 +28,7 @@ from tpuserve.attention.names import ATTENTION_IMPLS
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto",)
+QUANTIZATION_METHODS = ("fp8", "mxfp4", "nvfp4")
 LAYER_LOOPS = ("auto", "scan", "unroll")
 SPEC_METHODS = ("ngram", "eagle3", "mtp")
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
@@ -133,11 +134,17 @@ class ParallelConfig:
 
 @dataclass
 class QuantizationConfig:
+    """``--quantization``: None serves the checkpoint as it is (a pre-quantized checkpoint's own
+    ``quantization_config`` is detected by the loader); a method quantizes an unquantized
+    checkpoint's linear weights once, at load (``quant/params.py``): "fp8" (e4m3, per output
+    channel, W8A16), "mxfp4" (e2m1 in 32-blocks, e8m0 scales), "nvfp4" (e2m1 in 16-blocks, e4m3
+    scales, f32 global). On a pre-quantized checkpoint the flag must name its format or be unset."""
+
     method: str | None = None  # the --quantization flag
 
     def validate(self) -> None:
-        _need(self.method is None, "quantization", self.method,
-              "quantized weights are not supported yet; leave it unset")
+        _need(self.method is None or self.method in QUANTIZATION_METHODS, "quantization",
+              self.method, f"must be one of {QUANTIZATION_METHODS} (or unset)")
 
 
 @dataclass
@@ -153,9 +160,20 @@ class SpeculativeConfig:
     def validate(self) -> None:
         _need(self.method in SPEC_METHODS, "speculative_config.method", self.method,
               f"must be one of {SPEC_METHODS}")
-        _need(self.num_speculative_tokens >= 1, "speculative_config.num_speculative_tokens",
-              self.num_speculative_tokens, "must be >= 1")
-        _need(False, "speculative_config", self.method, "speculative decoding is not supported yet")
+        _need(1 <= self.num_speculative_tokens <= 16, "speculative_config.num_speculative_tokens",
+              self.num_speculative_tokens, "must be in [1, 16]")
+        _need(self.method == "ngram", "speculative_config.method", self.method,
+              "only 'ngram' is supported so far (EAGLE-3 and MTP draft heads are not built yet)")
+        lo, hi = self.lookup_range()
+        _need(1 <= lo <= hi, "speculative_config.prompt_lookup_min", (lo, hi),
+              "need 1 <= prompt_lookup_min <= prompt_lookup_max")
+
+    def lookup_range(self) -> tuple[int, int]:
+        """vLLM's n-gram defaults: both unset -> 5 and 5; one unset -> it copies the other."""
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        lo = lo if lo is not None else (hi if hi is not None else 5)
+        hi = hi if hi is not None else lo
+        return lo, hi
 
 
 @dataclass

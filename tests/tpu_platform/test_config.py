@@ -55,8 +55,10 @@ def test_every_section_field_is_a_cli_flag_once():
     (dict(kv_cache_dtype="fp8"), "kv_cache_dtype"),
     (dict(tensor_parallel_size=2), "tensor_parallel_size"),
     (dict(data_parallel_size=0), "data_parallel_size"),
-    (dict(quantization="fp8"), "quantization"),
-    (dict(speculative_config='{"method": "ngram", "num_speculative_tokens": 3}'), "speculative"),
+    (dict(quantization="int4"), r"quantization: must be one of \('fp8', 'mxfp4', 'nvfp4'\)"),
+    (dict(speculative_config='{"method": "eagle3", "num_speculative_tokens": 3}'), "eagle3"),
+    (dict(speculative_config='{"method": "ngram", "prompt_lookup_min": 4, "prompt_lookup_max": 2}'),
+     "prompt_lookup_min"),
     (dict(speculative_config='{"method": "medusa"}'), "method"),
     (dict(speculative_config="{oops"), "not valid JSON"),
     (dict(speculative_config='{"methd": "ngram"}'), "unknown key"),
@@ -85,3 +87,9 @@ def test_no_field_is_dead():
             if section in ("parallel", "quantization") or f.name == "kv_cache_dtype":
                 continue
             assert f".{f.name}" in sources or f"{f.name}=" in sources, f"{section}.{f.name} is never read"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("method", ["fp8", "mxfp4", "nvfp4"])
+def test_online_quantization_methods_are_accepted(method):
+    assert EngineConfig.from_kwargs(quantization=method).quantization.method == method
