@@ -1,4 +1,5 @@
-"""The ``tpuserve`` command: ``generate`` (offline batch, JSONL in/out) and ``serve`` (HTTP API)."""
+"""The ``tpuserve`` command: ``generate`` (offline batch, JSONL in/out), ``serve`` (HTTP API) and
+``router`` (a prefill/decode proxy over several servers)."""
 
 from __future__ import annotations
 
@@ -133,6 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
         add_serve_parser = None
     if add_serve_parser is not None:
         add_serve_parser(sub)
+    from tpuserve.server.router import add_router_parser
+
+    add_router_parser(sub)
     return parser
 
 

@@ -1,0 +1,155 @@
+"""Device KV cache <-> host page arrays, the two ends of a transfer.
+
+``gather`` reads pages ``page_ids`` of the device cache ``kv [L, P, page_size, C, D]`` into
+``[L, n, page_size, C, D]`` with one jitted gather whose output lands in host memory (memory kind
+``pinned_host`` where the device has it), and returns at once: a ``HostPages`` the transport
+materializes when the consumer pulls. JAX runs computations on a device in dispatch order, so the
+producer may free those device pages and dispatch the next step right after ``gather``.
+
+``scatter`` writes received ``[L, n, page_size, C, D]`` host pages into device pages ``page_ids``
+with one donated update (use the returned cache).
+
+Page counts are padded to powers of two so few programs compile (``warmup`` compiles them all):
+padded gather rows read page 0 (reserved) and are cut off on the host; padded scatter indices are
+out of range and dropped.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+
+def _bucket(n: int) -> int:
+    return 1 << max(0, math.ceil(math.log2(max(n, 1))))
+
+
+def _to_bits(x):
+    """``x`` as unsigned ints of the same width (a free bitcast). Moving bits instead of floats keeps
+    NaN payloads: XLA:CPU computes a bf16 scatter in f32 and canonicalizes every NaN on the way."""
+    import jax
+    import jax.numpy as jnp
+
+    return jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{jnp.dtype(x.dtype).itemsize * 8}"))
+
+
+def _from_bits(x, dtype):
+    import jax
+
+    return jax.lax.bitcast_convert_type(x, dtype)
+
+
+@dataclass
+class HostPages:
+    """Pages on their way to host memory: ``array [L, n_pad, ...]``, of which the first ``num_pages``."""
+
+    array: object  # jax.Array
+    num_pages: int
+
+    def numpy(self) -> np.ndarray:
+        """``[L, n, page_size, C, D]`` (blocks until landed; a view, each layer's pages contiguous)."""
+        return np.asarray(self.array)[:, :self.num_pages]
+
+
+class DevicePageMover:
+    """The jitted gather and donated scatter for single-device caches (bound at first use)."""
+
+    def __init__(self):
+        self._gather = self._scatter = None
+        self._device = None
+        self._traces = 0
+
+    @property
+    def compile_count(self) -> int:
+        return self._traces
+
+    def _bind(self, kv) -> None:
+        import jax
+        from jax.sharding import SingleDeviceSharding
+
+        from tpuserve.kv_cache.host_tier import host_memory_kind
+
+        devices = kv.devices()
+        if len(devices) != 1:
+            raise ValueError(f"page transfer handles a single-device KV cache, this one spans "
+                             f"{len(devices)} devices")
+        self._device = next(iter(devices))
+        kind = host_memory_kind(self._device)
+        self._device_sharding = SingleDeviceSharding(self._device)
+
+        def gather(kv, idx):
+            self._traces += 1
+            return _from_bits(_to_bits(kv)[:, idx], kv.dtype)
+
+        def scatter(kv, pages, idx):
+            self._traces += 1
+            out = _to_bits(kv).at[:, idx].set(_to_bits(pages), mode="drop")
+            return _from_bits(out, kv.dtype)
+
+        out = SingleDeviceSharding(self._device, memory_kind=kind) if kind else None
+        self._gather = jax.jit(gather, out_shardings=out)
+        self._scatter = jax.jit(scatter, donate_argnums=(0,))
+
+    def _ids(self, kv, page_ids: Sequence[int]) -> np.ndarray:
+        if kv.ndim != 5:
+            raise ValueError(f"KV cache must be [L, P, page_size, C, D], got shape {tuple(kv.shape)}")
+        if self._gather is None:
+            self._bind(kv)
+        ids = np.asarray(page_ids, np.int64).reshape(-1)
+        if ids.size and (ids.min() < 0 or ids.max() >= kv.shape[1]):
+            raise ValueError(f"page ids out of range [0, {kv.shape[1]}): {ids.tolist()}")
+        return ids
+
+    def gather(self, kv, page_ids: Sequence[int]) -> HostPages:
+        """Dispatch the copy of ``kv[:, page_ids]`` to host memory; returns without waiting."""
+        import jax.numpy as jnp
+
+        ids = self._ids(kv, page_ids)
+        idx = np.zeros(_bucket(ids.size), np.int32)
+        idx[:ids.size] = ids
+        return HostPages(self._gather(kv, jnp.asarray(idx)), int(ids.size))
+
+    def scatter(self, kv, pages: np.ndarray, page_ids: Sequence[int]):
+        """Write ``pages [L, n, page_size, C, D]`` into device pages ``page_ids``; ``kv`` is donated."""
+        import jax
+        import jax.numpy as jnp
+
+        ids = self._ids(kv, page_ids)
+        pages = np.asarray(pages)
+        want = (kv.shape[0], ids.size, *kv.shape[2:])
+        if pages.shape != want:
+            raise ValueError(f"pages of shape {pages.shape} do not fit {ids.size} pages of this cache "
+                             f"({list(want)})")
+        if pages.dtype != np.dtype(kv.dtype):
+            raise ValueError(f"pages of dtype {pages.dtype} differ from the cache's {kv.dtype}")
+        if len(set(ids.tolist())) != ids.size:
+            raise ValueError(f"a page id appears twice: {ids.tolist()}")
+        if not ids.size:
+            return kv
+        n_pad = _bucket(ids.size)
+        staging = np.zeros((kv.shape[0], n_pad, *kv.shape[2:]), pages.dtype)
+        staging[:, :ids.size] = pages
+        idx = np.full(n_pad, kv.shape[1], np.int32)  # out of range: dropped
+        idx[:ids.size] = ids
+        return self._scatter(kv, jax.device_put(staging, self._device_sharding), jnp.asarray(idx))
+
+    def warmup(self, kv, max_pages: int):
+        """Compile the gather and scatter for every bucket up to ``max_pages``; touches no page.
+
+        ``kv`` is donated; use the returned cache.
+        """
+        import jax
+        import jax.numpy as jnp
+
+        self._ids(kv, [])
+        b = 1
+        while True:
+            self._gather(kv, jnp.zeros(b, jnp.int32))
+            staged = jax.device_put(np.zeros((kv.shape[0], b, *kv.shape[2:]), kv.dtype), self._device_sharding)
+            kv = self._scatter(kv, staged, jnp.full(b, kv.shape[1], jnp.int32))
+            if b >= max_pages:
+                return kv
+            b *= 2

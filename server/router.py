@@ -1,0 +1,315 @@
+"""``tpuserve router``: an OpenAI-compatible proxy for disaggregated prefill/decode.
+
+For ``/v1/completions`` and ``/v1/chat/completions`` it sends the request to a prefill server with
+``max_tokens=1``, ``stream=false`` and ``kv_transfer_params={"do_remote_decode": true}`` (vLLM's
+field; vLLM's and tpu-inference's toy proxies do the same), then sends the original request to a
+decode server with the ``kv_transfer_params`` the prefill answered with, if any (a decode server
+without them computes the prompt itself). The decode answer, streamed or not, is passed through.
+
+Backends are chosen round-robin among the healthy ones of each pool. A background task polls each
+backend's ``/health``; a backend that cannot be reached while serving is marked unhealthy at once
+(and the request tries the pool's next healthy one: nothing was sent to it yet). No healthy
+backend: 503. Every upstream failure: 502 with an OpenAI-shaped JSON error. All upstream waits
+have timeouts, so a hung backend costs at most the timeout, never a hang.
+"""
+
+# No ``from __future__ import annotations``: FastAPI reads the handlers' ``Request`` annotations, and
+# fastapi is imported inside ``build_router_app`` (the CLI imports this module for every command).
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+
+log = logging.getLogger(__name__)
+
+COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions")
+# Request headers passed to the backends (auth for servers run with --api-key).
+_FORWARD_HEADERS = ("authorization",)
+
+
+@dataclass
+class RouterConfig:
+    prefill_urls: list[str]
+    decode_urls: list[str]
+    health_interval_s: float = 5.0
+    health_timeout_s: float = 2.0
+    connect_timeout_s: float = 3.0
+    prefill_timeout_s: float = 300.0  # the whole prefill answer
+    decode_read_timeout_s: float = 600.0  # between two chunks of a decode answer
+
+    def validate(self) -> None:
+        for name, urls in (("--prefill", self.prefill_urls), ("--decode", self.decode_urls)):
+            if not urls:
+                raise ValueError(f"{name}: give at least one server URL")
+            for u in urls:
+                if not u.startswith(("http://", "https://")):
+                    raise ValueError(f"{name}: {u!r} is not an http(s):// URL")
+        for name in ("health_interval_s", "health_timeout_s", "connect_timeout_s", "prefill_timeout_s",
+                     "decode_read_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+
+@dataclass
+class Backend:
+    url: str
+    healthy: bool = True  # optimistic until the first check
+    last_error: str | None = None
+    requests: int = 0
+    checked_at: float | None = None
+
+
+@dataclass
+class BackendPool:
+    """Round-robin over the healthy backends of one role."""
+
+    role: str
+    backends: list[Backend]
+    _next: int = field(default=0, repr=False)
+
+    @classmethod
+    def of(cls, role: str, urls: Sequence[str]) -> "BackendPool":
+        return cls(role, [Backend(u.rstrip("/")) for u in urls])
+
+    def candidates(self) -> list[Backend]:
+        """Healthy backends in the order to try them: round-robin, the next start each call."""
+        n = len(self.backends)
+        start, self._next = self._next, (self._next + 1) % n
+        order = [self.backends[(start + i) % n] for i in range(n)]
+        return [b for b in order if b.healthy]
+
+    def mark(self, b: Backend, error: str | None) -> None:
+        if error is None:
+            b.healthy, b.last_error = True, None
+        else:
+            if b.healthy:
+                log.warning("%s server %s marked unhealthy: %s", self.role, b.url, error)
+            b.healthy, b.last_error = False, error
+
+
+class UpstreamError(Exception):
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status, self.message = status, message
+
+
+def _prefill_body(body: dict, path: str) -> dict:
+    """The prefill request: one token, not streamed, asking the prefill server to keep the KV."""
+    out = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
+    out.update(max_tokens=1, stream=False, kv_transfer_params={"do_remote_decode": True})
+    if path.endswith("chat/completions") and "max_completion_tokens" in out:
+        out["max_completion_tokens"] = 1
+    return out
+
+
+def _decode_body(body: dict, kv_params: dict | None) -> dict:
+    out = dict(body)
+    out.pop("kv_transfer_params", None)  # never a client's own: only what the prefill handed out
+    if kv_params:
+        out["kv_transfer_params"] = kv_params
+    return out
+
+
+def build_router_app(config: RouterConfig, transport=None):
+    """The FastAPI app. ``transport``: an httpx transport for the backend client (tests mock it)."""
+    import httpx
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+    from tpuserve.server.api_errors import error_response
+
+    config.validate()
+    pools = {"prefill": BackendPool.of("prefill", config.prefill_urls),
+             "decode": BackendPool.of("decode", config.decode_urls)}
+    state: dict = {}
+
+    async def check_health(client: httpx.AsyncClient) -> None:
+        async def one(pool: BackendPool, b: Backend) -> None:
+            try:
+                r = await client.get(b.url + "/health", timeout=config.health_timeout_s)
+                err = None if r.status_code == 200 else f"/health answered {r.status_code}"
+            except httpx.HTTPError as e:
+                err = f"/health failed: {type(e).__name__}: {e}"
+            b.checked_at = time.time()
+            pool.mark(b, err)
+
+        await asyncio.gather(*(one(p, b) for p in pools.values() for b in p.backends))
+
+    async def health_loop(client: httpx.AsyncClient) -> None:
+        while True:
+            try:
+                await check_health(client)
+            except Exception:  # never let the checker die
+                log.exception("health check failed")
+            await asyncio.sleep(config.health_interval_s)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
+        client = httpx.AsyncClient(transport=transport, limits=limits,
+                                   timeout=httpx.Timeout(config.prefill_timeout_s,
+                                                         connect=config.connect_timeout_s))
+        state["client"] = client
+        task = asyncio.create_task(health_loop(client))
+        try:
+            yield
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            await client.aclose()
+
+    app = FastAPI(title="tpuserve router", lifespan=lifespan)
+    app.state.pools = pools
+
+    async def send(role: str, path: str, body: dict, headers: dict, stream: bool,
+                   read_timeout: float) -> httpx.Response:
+        """POST to the first reachable healthy backend of ``role``; UpstreamError if none is."""
+        client: httpx.AsyncClient = state["client"]
+        pool = pools[role]
+        tried: list[str] = []
+        for b in pool.candidates():
+            req = client.build_request("POST", b.url + path, json=body, headers=headers,
+                                       timeout=httpx.Timeout(read_timeout, connect=config.connect_timeout_s))
+            try:
+                resp = await client.send(req, stream=stream)
+            except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError) as e:
+                # Refused, unreachable, or closed before answering: nothing ran there; try the next.
+                pool.mark(b, f"{type(e).__name__}: {e}")
+                tried.append(f"{b.url}: {type(e).__name__}")
+                continue
+            except httpx.TimeoutException as e:
+                pool.mark(b, f"{type(e).__name__}: {e}")
+                raise UpstreamError(504 if role == "prefill" else 502,
+                                    f"{role} server {b.url} timed out ({type(e).__name__})")
+            except httpx.HTTPError as e:
+                raise UpstreamError(502, f"{role} server {b.url} failed: {type(e).__name__}: {e}")
+            b.requests += 1
+            return resp
+        if not tried:
+            raise UpstreamError(503, f"no healthy {role} server "
+                                     f"({', '.join(b.url + ': ' + str(b.last_error) for b in pool.backends)})")
+        raise UpstreamError(502, f"no {role} server reachable ({'; '.join(tried)})")
+
+    async def proxy(request: Request, path: str):
+        raw = await request.body()
+        try:
+            body = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            return error_response(400, f"request body is not valid JSON: {e}")
+        if not isinstance(body, dict):
+            return error_response(400, "request body must be a JSON object")
+        headers = {k: v for k, v in request.headers.items() if k.lower() in _FORWARD_HEADERS}
+        try:
+            p = await send("prefill", path, _prefill_body(body, path), headers, stream=False,
+                           read_timeout=config.prefill_timeout_s)
+            if p.status_code != 200:
+                if 400 <= p.status_code < 500:  # the request itself is bad: say so as the server did
+                    return Response(p.content, p.status_code, media_type=p.headers.get("content-type"))
+                raise UpstreamError(502, f"prefill server answered {p.status_code}: {p.text[:500]}")
+            try:
+                kv_params = p.json().get("kv_transfer_params")
+            except (ValueError, AttributeError):
+                raise UpstreamError(502, "prefill server answered something that is not a JSON object")
+            stream = bool(body.get("stream"))
+            d = await send("decode", path, _decode_body(body, kv_params), headers, stream=stream,
+                           read_timeout=config.decode_read_timeout_s)
+        except UpstreamError as e:
+            return error_response(e.status, e.message)
+        if not stream:
+            return Response(d.content, d.status_code, media_type=d.headers.get("content-type"))
+        if d.status_code != 200:
+            content = await d.aread()
+            await d.aclose()
+            return Response(content, d.status_code, media_type=d.headers.get("content-type"))
+        return StreamingResponse(_relay(d), status_code=200,
+                                 media_type=d.headers.get("content-type", "text/event-stream"))
+
+    async def _relay(d) -> AsyncIterator[bytes]:
+        try:
+            async for chunk in d.aiter_bytes():  # decoded: the relay sends no content-encoding
+                yield chunk
+        except httpx.HTTPError as e:  # the decode server died or stalled mid-stream: tell the client
+            log.warning("decode stream from %s broke: %s", d.request.url, e)
+            err = {"error": {"message": f"decode server failed mid-stream: {type(e).__name__}",
+                             "type": "BadGatewayError", "param": None, "code": 502}}
+            yield f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode()
+        finally:
+            await d.aclose()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await proxy(request, "/v1/completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await proxy(request, "/v1/chat/completions")
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        headers = {k: v for k, v in request.headers.items() if k.lower() in _FORWARD_HEADERS}
+        client: httpx.AsyncClient = state["client"]
+        for b in pools["decode"].candidates():
+            try:
+                r = await client.get(b.url + "/v1/models", headers=headers)
+            except httpx.HTTPError as e:
+                pools["decode"].mark(b, f"{type(e).__name__}: {e}")
+                continue
+            return Response(r.content, r.status_code, media_type=r.headers.get("content-type"))
+        return error_response(503, "no healthy decode server")
+
+    @app.get("/health")
+    async def health():
+        missing = [role for role, pool in pools.items() if not any(b.healthy for b in pool.backends)]
+        if missing:
+            return error_response(503, f"no healthy {' or '.join(missing)} server")
+        return Response(status_code=200)
+
+    @app.get("/router/backends")
+    async def backends():
+        return JSONResponse({role: [{"url": b.url, "healthy": b.healthy, "last_error": b.last_error,
+                                     "requests": b.requests} for b in pool.backends]
+                             for role, pool in pools.items()})
+
+    return app
+
+
+# ---- CLI (``tpuserve router``; tpuserve/cli.py calls add_router_parser) ----
+
+def add_router_parser(subparsers) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser("router", help="OpenAI-compatible proxy over prefill and decode servers")
+    parser.add_argument("--prefill", action="extend", nargs="+", required=True, metavar="URL",
+                        help="prefill server URL(s) (repeatable)")
+    parser.add_argument("--decode", action="extend", nargs="+", required=True, metavar="URL",
+                        help="decode server URL(s) (repeatable)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--health-interval", type=float, default=5.0, help="seconds between /health polls")
+    parser.add_argument("--connect-timeout", type=float, default=3.0)
+    parser.add_argument("--prefill-timeout", type=float, default=300.0,
+                        help="seconds a prefill answer may take")
+    parser.add_argument("--decode-read-timeout", type=float, default=600.0,
+                        help="seconds a decode answer may go without sending anything")
+    parser.add_argument("--log-level", default="info",
+                        choices=["critical", "error", "warning", "info", "debug"])
+    parser.set_defaults(func=run_router)
+    return parser
+
+
+def run_router(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = RouterConfig(args.prefill, args.decode, health_interval_s=args.health_interval,
+                          connect_timeout_s=args.connect_timeout, prefill_timeout_s=args.prefill_timeout,
+                          decode_read_timeout_s=args.decode_read_timeout)
+    app = build_router_app(config)  # ValueError (bad URL, ...) -> the CLI's exit 2
+    log.info("routing on http://%s:%d: prefill %s, decode %s", args.host, args.port,
+             config.prefill_urls, config.decode_urls)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
+    return 0
