@@ -162,8 +162,9 @@ class AsyncEngine:
     # ---- requests (event loop side) ----
 
     async def add_request(self, request_id: str, prompt: str | None, params: SamplingParams,
-                          prompt_token_ids: list[int] | None = None,
-                          cache_salt: str | None = None) -> RequestStream:
+                          prompt_token_ids: list[int] | None = None, cache_salt: str | None = None,
+                          kv_transfer_params: dict | None = None,
+                          remote_kv: Any = None) -> RequestStream:
         """Hand a request to the engine. Returns its stream once the engine accepted it; raises
         ValueError (bad input), QueueFullError or EngineUnavailableError."""
         if not self._accepting or not self.is_healthy:
@@ -178,7 +179,8 @@ class AsyncEngine:
         accepted.add_done_callback(_consume_exception)
         stream = RequestStream(request_id, self)
         self._pending_adds += 1
-        self._commands.put(("add", request_id, prompt, params, prompt_token_ids, cache_salt, stream,
+        extra = dict(cache_salt=cache_salt, kv_transfer_params=kv_transfer_params, remote_kv=remote_kv)
+        self._commands.put(("add", request_id, prompt, params, prompt_token_ids, extra, stream,
                             accepted, time.monotonic()))
         try:
             await asyncio.shield(accepted)
@@ -251,11 +253,11 @@ class AsyncEngine:
             elif kind == "abort":
                 self._abort_in_engine(cmd[1])
 
-    def _add(self, request_id, prompt, params, prompt_token_ids, cache_salt, stream, accepted,
+    def _add(self, request_id, prompt, params, prompt_token_ids, extra, stream, accepted,
              arrival) -> None:
         try:
             self.engine.add_request(request_id, prompt, params, prompt_token_ids=prompt_token_ids,
-                                    cache_salt=cache_salt)
+                                    **extra)
         except Exception as e:  # ValueError: bad input; anything else: reported to that request only
             if not isinstance(e, ValueError):
                 log.exception("add_request %s failed", request_id)

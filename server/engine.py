@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -61,6 +62,8 @@ class RequestState:
     first_token_time: float | None = None
     prompt_logprobs: list | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    export_kv: bool = False  # a prefill for a remote decode: offer its pages when it finishes
+    kv_transfer_params: dict | None = None  # what the consumer pulls them with
 
     @property
     def finished(self) -> bool:
@@ -117,6 +120,11 @@ class LLMEngine:
         self._seed_rng = np.random.default_rng(config.model.seed)
         self._ids = itertools.count()
         self._inflight: _InFlight | None = None
+        self.kv_role = None
+        if config.kv_transfer is not None:
+            from tpuserve.server.kv_transfer import KVTransferRole
+            model_id = config.model.served_model_name or os.path.basename(str(self.model_source))
+            self.kv_role = KVTransferRole(config.kv_transfer, model_id, self.runner.kv_cache)
 
     def _build_host_tier(self, gib: float | None):
         if gib is None:
@@ -137,10 +145,14 @@ class LLMEngine:
 
     def add_request(self, request_id: str | None, prompt: str | list[int] | None,
                     params: SamplingParams | None = None, prompt_token_ids: list[int] | None = None,
-                    arrival: float | None = None, cache_salt: str | None = None) -> str:
+                    arrival: float | None = None, cache_salt: str | None = None,
+                    kv_transfer_params: dict | None = None, remote_kv: Any = None) -> str:
         """Queue a request. Raises ValueError naming the problem when the input is bad.
 
-        ``cache_salt``: requests share cached prefix pages only with requests of the same salt."""
+        ``cache_salt``: requests share cached prefix pages only with requests of the same salt.
+        ``kv_transfer_params`` ``{"do_remote_decode": true}``: offer the prompt's pages to a decode
+        engine when done (a producer). ``remote_kv``: the ``PageBatch`` a consumer pulled for this
+        prompt (``kv_transfer.KVTransferRole.pull``)."""
         params = params or SamplingParams()
         params.validate(self.config.model.max_logprobs)
         request_id = request_id if request_id is not None else str(next(self._ids))
@@ -165,6 +177,16 @@ class LLMEngine:
                              f"max_model_len={self.max_model_len}")
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise ValueError("cache_salt: must be a non-empty string")
+        # A server that is no producer serves the request plainly (the decode side then computes
+        # the prompt itself), so a router works in front of ordinary servers too.
+        export_kv = bool(kv_transfer_params and kv_transfer_params.get("do_remote_decode")
+                         and self.kv_role is not None and self.kv_role.produces)
+        if remote_kv is not None:
+            page = self.config.cache.block_size
+            if remote_kv.num_tokens > len(ids) or remote_kv.pages.shape[1] * page < remote_kv.num_tokens:
+                raise ValueError(f"kv_transfer_params: the transferred KV covers "
+                                 f"{remote_kv.num_tokens} tokens, which does not fit this prompt "
+                                 f"({len(ids)} tokens, {remote_kv.pages.shape[1]} pages)")
         if params.structured_outputs is not None and self.grammar_factory is None:
             raise ValueError("structured_outputs: this engine has no grammar backend")
         now = arrival if arrival is not None else time.monotonic()
@@ -184,7 +206,8 @@ class LLMEngine:
                 seq.grammar = self.grammar_factory(params.structured_outputs, self.tokenizer,
                                                    self.arch.vocab_size)
             seqs.append(seq)
-        state = RequestState(request_id, text, ids, params, seqs, now)
+        seqs[0].remote_kv = remote_kv  # the other completions share its pages through the cache
+        state = RequestState(request_id, text, ids, params, seqs, now, export_kv=export_kv)
         if params.prompt_logprobs is not None:
             state.prompt_logprobs = [None]
         self.requests[request_id] = state
@@ -273,6 +296,8 @@ class LLMEngine:
         st = self.stats
         st.prefix_cache_queries, st.prefix_cache_hits = ps.queries, ps.hits
         st.host_cache_queries, st.host_cache_hits = ps.host_queries, ps.host_hits
+        for pages, page_ids in sched.remote_loads:
+            self.runner.kv_cache = self.kv_role.import_pages(self.runner.kv_cache, pages, page_ids)
         tier = self.host_tier
         if tier is None:
             return
@@ -458,7 +483,15 @@ class LLMEngine:
             if not isinstance(stop_reason, str):
                 seq.text += seq.stopper.feed(seq.detok.flush())[0] + seq.stopper.flush()
             seq.finish_reason, seq.stop_reason = reason, stop_reason
+            if state.export_kv and seq.index == 0:
+                self._export_kv(state, seq)
             self.scheduler.finish(seq)
+
+    def _export_kv(self, state: RequestState, seq: Sequence) -> None:
+        """Offer the prompt's pages (all computed once a token was sampled) before they are freed."""
+        n = len(seq.prompt_token_ids)
+        pages = seq.page_ids[: -(-n // self.config.cache.block_size)]
+        state.kv_transfer_params = self.kv_role.export(state.request_id, self.runner.kv_cache, pages, n)
 
     def _fail(self, state: RequestState, message: str) -> None:
         state.error = message
@@ -476,4 +509,5 @@ class LLMEngine:
         return RequestOutput(request_id=state.request_id, prompt=state.prompt,
                              prompt_token_ids=state.prompt_token_ids, outputs=outs,
                              finished=state.finished, prompt_logprobs=state.prompt_logprobs,
-                             num_cached_tokens=state.seqs[0].num_cached_tokens, error=state.error)
+                             num_cached_tokens=state.seqs[0].num_cached_tokens, error=state.error,
+                             kv_transfer_params=state.kv_transfer_params)

@@ -42,3 +42,4 @@ class RequestOutput:
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     num_cached_tokens: int = 0
     error: str | None = None  # set when the request failed on its own (others continue)
+    kv_transfer_params: dict | None = None  # a prefill for a remote decode: how to pull its KV

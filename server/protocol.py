@@ -145,6 +145,9 @@ class SamplingFields(Request):
     guided_choice: list[str] | None = None
     # Prefix-cache isolation: only requests with the same salt share cached pages.
     cache_salt: str | None = Field(default=None, min_length=1)
+    # Disaggregated prefill/decode (vLLM's field): {"do_remote_decode": true} on a prefill request;
+    # the prefill response's params on the decode request.
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 # ---- /v1/completions ----
@@ -203,6 +206,7 @@ class CompletionResponse(Response):
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # a prefill's KV, for the decode server
 
 
 # ---- /v1/chat/completions ----
@@ -325,6 +329,7 @@ class ChatCompletionResponse(Response):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # a prefill's KV, for the decode server
 
 
 class DeltaFunctionCall(Response):

@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from tpuserve.kv_cache.block_pool import BlockPool
 from tpuserve.kv_cache.prefix_hash import PageHash, extend_page_hashes
@@ -48,6 +49,9 @@ class SchedulerOutput:
     # Cached device pages this schedule evicted (reallocated): copy them to the host tier before
     # the step overwrites them. Empty unless the pool records evictions.
     evicted: list[tuple[PageHash, int]] = field(default_factory=list)
+    # Pages a prefill engine computed: (pages [L, n, page_size, C, D] host array, device page ids)
+    # to scatter before the step.
+    remote_loads: list[tuple[Any, list[int]]] = field(default_factory=list)
 
 
 @dataclass
@@ -175,9 +179,32 @@ class Scheduler:
             st.host_queries += seq.num_tokens - len(device) * page
             st.host_hits += len(host) * page
 
+    def _admit_remote(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int | None:
+        """Admit a sequence whose prompt a prefill engine computed: fresh pages take its pages, and
+        only what they do not cover (at least the last prompt token) is computed here."""
+        batch = seq.remote_kv
+        have = min(batch.num_tokens, seq.num_tokens - 1)
+        n = min(seq.num_tokens - have, budget)
+        if n < seq.num_tokens - have and not self.chunked_prefill:
+            return None
+        fresh = self.pool.allocate(self.pool.pages_needed(have + n, 0))
+        if fresh is None:
+            return None
+        self._count_lookup(seq, [], [])
+        seq.num_cached_tokens = have
+        used = -(-have // self.pool.page_size)
+        out.remote_loads.append((batch.pages[:, :used], fresh[:used]))
+        seq.remote_kv = None
+        seq.page_ids = fresh
+        seq.num_computed = have
+        seq.num_registered_pages = 0
+        return n
+
     def _admit(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int | None:
         """Give a waiting sequence its cached prefix and pages for its next chunk. Returns the
         tokens it computes this step, or None (nothing held) when it cannot start now."""
+        if seq.remote_kv is not None and not seq.admitted:
+            return self._admit_remote(seq, budget, out)
         device, host = self._cached_prefix(seq)
         cached = (len(device) + len(host)) * self.pool.page_size
         remaining = seq.num_tokens - cached

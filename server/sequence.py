@@ -38,6 +38,9 @@ class Sequence:
     num_pending: int = 0
     feed_slot: int = -1
     page_ids: list[int] = field(default_factory=list)
+    # Disaggregated prefill: a prefill engine's pages for this prompt (a ``PageBatch``), used once
+    # at admission instead of computing the prompt.
+    remote_kv: Any = None
     # Speculative decoding: the drafts proposed for this sequence's next step.
     draft_token_ids: list[int] = field(default_factory=list)
     # Prefix cache: the request's salt, hashes of the full pages of the known tokens, how many of

@@ -193,7 +193,8 @@ class ChatHandler:
         await ctx.compile_grammar(structured)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         streams = await ctx.submit([(request_id, None, prompt_ids, params)],
-                                   cache_salt=req.cache_salt)
+                                   cache_salt=req.cache_salt,
+                                   kv_transfer_params=req.kv_transfer_params)
         created = int(time.time())
         if req.stream:
             return StreamingResult(self._stream(req, request_id, created, streams, parse_tools,
@@ -246,7 +247,8 @@ class ChatHandler:
         return ChatCompletionResponse(id=request_id, created=created, model=self.ctx.model_name,
                                       choices=choices,
                                       usage=usage_info(prompt_tokens, completion_tokens,
-                                                       out.num_cached_tokens))
+                                                       out.num_cached_tokens),
+                                      kv_transfer_params=out.kv_transfer_params)
 
     async def _stream(self, req: ChatCompletionRequest, request_id: str, created: int, streams,
                       parse_tools: bool, prompt_tokens: int) -> AsyncIterator[str]:

@@ -143,14 +143,42 @@ class ServingContext:
         except ValueError as e:
             raise bad_request(str(e), "response_format")
 
+    async def pull_remote_kv(self, kv_transfer_params: dict | None):
+        """A decode request's prefill pages, pulled off the engine thread (None when the request
+        carries none). A failed pull answers 502, or returns None to recompute the prompt, as the
+        server's kv_load_failure_policy says."""
+        if not kv_transfer_params or not kv_transfer_params.get("do_remote_prefill"):
+            return None
+        role = self.engine.engine.kv_role
+        if role is None or not role.consumes:
+            raise bad_request("kv_transfer_params: this server is not a KV consumer (start it with "
+                              "--kv-transfer-config '{\"kv_role\": \"kv_consumer\"}')",
+                              "kv_transfer_params")
+        from tpuserve.kv_cache.transfer.errors import KVTransferError
+        try:
+            return await self.blocking(role.pull, kv_transfer_params)
+        except ValueError as e:
+            raise bad_request(str(e), "kv_transfer_params") from e
+        except KVTransferError as e:
+            if role.cfg.kv_load_failure_policy == "recompute":
+                log.warning("pulling remote KV failed (%s); recomputing the prompt", e)
+                return None
+            raise APIError(502, f"could not load the prefill's KV cache: {e}") from e
+
     async def submit(self, items: list[tuple[str, str | None, list[int], SamplingParams]],
-                     cache_salt: str | None = None) -> list[RequestStream]:
+                     cache_salt: str | None = None,
+                     kv_transfer_params: dict | None = None) -> list[RequestStream]:
         """Add each (request_id, prompt text, prompt ids, params) as an engine request; all or none."""
         streams: list[RequestStream] = []
+        remote_kv = await self.pull_remote_kv(kv_transfer_params)
+        if remote_kv is not None and len(items) != 1:
+            raise bad_request("kv_transfer_params: a decode request carries one prompt",
+                              "kv_transfer_params")
         try:
             for rid, text, ids, params in items:
-                streams.append(await self.engine.add_request(rid, text, params, ids,
-                                                             cache_salt=cache_salt))
+                streams.append(await self.engine.add_request(
+                    rid, text, params, ids, cache_salt=cache_salt,
+                    kv_transfer_params=kv_transfer_params, remote_kv=remote_kv))
         except BaseException as e:
             for s in streams:
                 self.engine.abort(s.request_id)

@@ -82,7 +82,8 @@ class CompletionHandler:
         if req.echo:
             echo_texts = [text if text is not None else
                           await ctx.blocking(ctx.tokenizer.decode, ids) for text, ids in prompts]
-        streams = await ctx.submit(items, cache_salt=req.cache_salt)
+        streams = await ctx.submit(items, cache_salt=req.cache_salt,
+                                   kv_transfer_params=req.kv_transfer_params)
         created = int(time.time())
         if req.stream:
             return StreamingResult(
@@ -147,7 +148,8 @@ class CompletionHandler:
         cached = sum(out.num_cached_tokens for out in finals)
         return CompletionResponse(id=request_id, created=created, model=self.ctx.model_name,
                                   choices=choices,
-                                  usage=usage_info(prompt_tokens, completion_tokens, cached))
+                                  usage=usage_info(prompt_tokens, completion_tokens, cached),
+                                  kv_transfer_params=finals[0].kv_transfer_params if finals else None)
 
     async def _stream(self, req: CompletionRequest, request_id: str, created: int, streams,
                       prompts, echo_texts) -> AsyncIterator[str]:

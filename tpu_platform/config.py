@@ -186,12 +186,20 @@ class KVTransferConfig:
     kv_port: int = 14579
     engine_id: str | None = None
     kv_connector_extra_config: dict = field(default_factory=dict)
+    # What a consumer does when pulling a prefill's pages fails: fail the request, or recompute.
+    kv_load_failure_policy: str = "fail"
 
     def validate(self) -> None:
         _need(self.kv_role in KV_ROLES, "kv_transfer_config.kv_role", self.kv_role,
               f"must be one of {KV_ROLES}")
-        _need(False, "kv_transfer_config", self.kv_role,
-              "disaggregated prefill/decode is not supported yet")
+        _need(self.kv_connector in (None, "TpuserveTcpConnector"), "kv_transfer_config.kv_connector",
+              self.kv_connector, "the standalone server transfers KV over its own TCP transport: "
+              "leave it unset or use 'TpuserveTcpConnector'")
+        _need(self.kv_load_failure_policy in ("fail", "recompute"),
+              "kv_transfer_config.kv_load_failure_policy", self.kv_load_failure_policy,
+              "must be 'fail' or 'recompute'")
+        _need(0 <= self.kv_port < 65536, "kv_transfer_config.kv_port", self.kv_port,
+              "must be a TCP port (0: any free port)")
 
 
 @dataclass
