@@ -176,12 +176,12 @@ class _DyingEngine:
         self.arch = SimpleNamespace(vocab_size=100)
         self.requests: dict = {}
         self.pool = SimpleNamespace(num_free=10, num_usable=10, usage=lambda: 0.0)
-        self.stats = SimpleNamespace(prompt_tokens=0, generation_tokens=0, prefix_cache_queries=0,
-                                     prefix_cache_hits=0, steps=0)
+        from tpuserve.server.engine import EngineStats
+        self.stats = EngineStats()
         self.scheduler = SimpleNamespace(waiting=[])
         self.num_running = self.num_waiting = 0
 
-    def add_request(self, rid, prompt, params, prompt_token_ids=None):
+    def add_request(self, rid, prompt, params, prompt_token_ids=None, **extra):
         self.requests[rid] = params
 
     def abort_request(self, rid):
