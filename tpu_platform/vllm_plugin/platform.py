@@ -29,6 +29,7 @@ from vllm.platforms.interface import Platform, PlatformEnum
 from tpuserve.tpu_platform.vllm_plugin.activation import DEVICE_CHOICES, DEVICE_FLAG, ENV_VAR, decide, tpu_attached
 from tpuserve.tpu_platform.vllm_plugin.options import PluginOptions
 from tpuserve.tpu_platform.vllm_plugin.sampling import unsupported_features
+from tpuserve.tpu_platform.vllm_plugin.spec_decode import unsupported_speculative
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -42,6 +43,10 @@ WORKER_QUALNAME = "tpuserve.tpu_platform.vllm_plugin.worker.TpuserveWorker"
 OFFLOAD_CONNECTOR = "TpuserveHostOffloadConnector"
 OFFLOAD_CONNECTOR_MODULE = "tpuserve.tpu_platform.vllm_plugin.offload_connector"
 OFFLOAD_BUDGET_KEY = "cpu_bytes_to_use"
+# The P/D connector (pd_connector.py): KV pages from a prefill server to a decode server.
+PD_CONNECTOR = "TpuservePDConnector"
+PD_CONNECTOR_MODULE = "tpuserve.tpu_platform.vllm_plugin.pd_connector"
+PD_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 DEFAULT_BLOCK_SIZE = 16  # tokens per KV page: EngineConfig's default, which our kernels are tuned for
 
 
@@ -141,6 +146,7 @@ class TpuservePlatform(Platform):
         from vllm.config import CompilationMode, CUDAGraphMode
 
         _use_our_kv_offloading(vllm_config)  # before the checks: it turns --kv-offloading-size into our connector
+        _check_pd_connector(vllm_config)
         problems = _unsupported_config(vllm_config)
         if problems:
             raise ValueError("the tpuserve vLLM platform does not support: " + "; ".join(problems))
@@ -208,6 +214,20 @@ class TpuservePlatform(Platform):
 def _is_our_connector(ktc: Any) -> bool:
     return (ktc.kv_connector == OFFLOAD_CONNECTOR
             and ktc.kv_connector_module_path in (None, OFFLOAD_CONNECTOR_MODULE))
+
+
+def _is_pd_connector(ktc: Any) -> bool:
+    return ktc.kv_connector == PD_CONNECTOR and ktc.kv_connector_module_path in (None, PD_CONNECTOR_MODULE)
+
+
+def _check_pd_connector(cfg: "VllmConfig") -> None:
+    """``--kv-transfer-config`` naming our P/D connector: fill its module path, check its role."""
+    ktc = cfg.kv_transfer_config
+    if ktc is None or not _is_pd_connector(ktc):
+        return
+    ktc.kv_connector_module_path = PD_CONNECTOR_MODULE
+    if ktc.kv_role not in PD_ROLES:
+        raise ValueError(f"--kv-transfer-config kv_role={ktc.kv_role!r}: {PD_CONNECTOR} takes one of {PD_ROLES}")
 
 
 def _use_our_kv_offloading(cfg: "VllmConfig") -> None:
@@ -283,15 +303,16 @@ def _unsupported_config(cfg: "VllmConfig") -> list[str]:
         if m.enable_sleep_mode:
             out.append("sleep mode")
         out.extend(_unsupported_architecture(m))
-    if cfg.speculative_config is not None:
-        out.append("speculative decoding (not wired through the plugin yet)")
+    out.extend(unsupported_speculative(cfg.speculative_config))  # ngram only (spec_decode.py)
     if cfg.lora_config is not None:
         out.append("LoRA adapters")
     ktc = cfg.kv_transfer_config
-    if ktc is not None and ktc.kv_connector is not None and not _is_our_connector(ktc):
+    if (ktc is not None and ktc.kv_connector is not None and not _is_our_connector(ktc)
+            and not _is_pd_connector(ktc)):
         out.append(f"KV connector {ktc.kv_connector!r} (vLLM's connectors move torch device tensors; "
                    f"for a host-memory KV tier use --kv-offloading-size, which selects tpuserve's "
-                   f"{OFFLOAD_CONNECTOR})")
+                   f"{OFFLOAD_CONNECTOR}; for prefill/decode disaggregation use {PD_CONNECTOR} with "
+                   f"kv_connector_module_path {PD_CONNECTOR_MODULE})")
     c = cfg.cache_config
     if c.cache_dtype not in ("auto", None):
         out.append(f"kv_cache_dtype={c.cache_dtype!r} (the KV cache uses the model dtype)")

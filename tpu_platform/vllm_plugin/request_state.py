@@ -13,7 +13,11 @@ vLLM features expressed through this table:
   * prefix caching: a new request arrives with ``num_computed_tokens > 0`` and block ids whose first
     pages already hold that prefix's KV, so the chunk simply starts later;
   * preemption (recompute): the request comes back with ``resumed`` set, fresh block ids replacing
-    the old ones and (model runner V1) its full token list, and recomputes from num_computed.
+    the old ones and (model runner V1) its full token list, and recomputes from num_computed;
+  * speculative decoding: a decode may carry drafts (``scheduled_spec_decode_tokens``, counted in
+    its scheduled tokens); they are verified after its last known token, and the accepted drafts
+    plus the token sampled after them come back as that request's sampled tokens (see
+    spec_decode.py for the contract).
 
 Nothing here imports vLLM or JAX: the scheduler's objects are read by attribute.
 """
@@ -78,6 +82,8 @@ class PlannedSeq:
     page_ids: list[int]
     samples: bool  # this step reaches the end of the known tokens, so its sampled token is kept
     prompt_logprob_targets: list[int] | None = None
+    # Drafts verified after token_ids (a prefix of what vLLM scheduled; the rest counts as rejected).
+    draft_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -91,11 +97,17 @@ class StepResult:
     logprobs: np.ndarray | None = None
     sampled_ranks: np.ndarray | None = None
     prompt_logprobs: dict[str, PromptLogprobBuffer] = field(default_factory=dict)
+    # With drafts, each request's logprob rows start at cu_num_generated_tokens[i] (vLLM's
+    # LogprobsLists slicing); None: one row per request.
+    cu_num_generated_tokens: list[int] | None = None
 
 
 @dataclass
 class StepPlan:
     seqs: list[PlannedSeq]
+    # Drafts vLLM scheduled per request, -1 padding included: its grammar bitmask has 1 + that many
+    # rows for each structured-output request.
+    scheduled_drafts: dict[str, int] = field(default_factory=dict)
 
     def scheduled(self, table: "RequestTable",
                   grammar_masks: dict[str, np.ndarray] | None = None) -> list[ScheduledSeq]:
@@ -109,21 +121,30 @@ class StepPlan:
             out.append(ScheduledSeq(
                 token_ids=p.token_ids, num_computed=p.num_computed, page_ids=p.page_ids,
                 sampling=row, prompt_logprob_targets=p.prompt_logprob_targets,
-                num_prompt_logprobs=k if (p.prompt_logprob_targets and k) else 0))
+                num_prompt_logprobs=k if (p.prompt_logprob_targets and k) else 0,
+                draft_token_ids=list(p.draft_token_ids)))
         return out
 
     def finish(self, table: "RequestTable", output: StepOutput) -> StepResult:
         """Fold the step's sampled tokens into the table; build the output vLLM expects."""
-        sampled = np.asarray(output.token_ids)[:, 0]
+        tokens = np.asarray(output.token_ids)
+        accepted = np.asarray(output.num_accepted)
         result = StepResult(req_ids=[p.req_id for p in self.seqs], sampled_token_ids=[])
+        # Logits rows: 1 + drafts per sequence, in order; row cu[i] + j scored token j of sequence i.
+        cu = np.concatenate([[0], np.cumsum([1 + len(p.draft_token_ids) for p in self.seqs])]).astype(np.int64)
+        row_tokens = np.zeros(int(cu[-1]), np.int32)
         pl_offset = 0
         for i, p in enumerate(self.seqs):
             st = table.requests[p.req_id]
             st.num_computed_tokens = p.num_computed + len(p.token_ids)
+            n_rows = 1 + len(p.draft_token_ids)
+            row_tokens[cu[i]: cu[i + 1]] = np.maximum(tokens[i, :n_rows], 0)
             if p.samples:
-                token = int(sampled[i])
-                st.token_ids.append(token)
-                result.sampled_token_ids.append([token])
+                a = int(accepted[i])
+                new = [int(t) for t in tokens[i, : a + 1]]
+                st.token_ids.extend(new)
+                st.num_computed_tokens += a  # the accepted drafts' KV was written this step
+                result.sampled_token_ids.append(new)
             else:
                 result.sampled_token_ids.append([])  # mid-prefill chunk: vLLM expects no token
             if p.prompt_logprob_targets is not None:
@@ -136,17 +157,28 @@ class StepPlan:
                     st.prompt_logprobs = None  # delivered once; a recompute after preemption skips them
         lp = output.logprobs
         if lp is not None:
-            rows = len(self.seqs)
+            rows = int(cu[-1])
             # The step computed max_logprobs columns; vLLM gets the most any request here asked for.
             wanted = [table.requests[p.req_id].spec.num_logprobs for p in self.seqs]
             k = max((w for w in wanted if w is not None), default=0)
+            if rows != len(self.seqs):
+                result.cu_num_generated_tokens = [int(c) for c in cu]
             result.logprob_token_ids = np.concatenate(
-                [sampled[:rows, None].astype(np.int32), np.asarray(lp.top_ids)[:rows, :k]], axis=1)
+                [row_tokens[:, None], np.asarray(lp.top_ids)[:rows, :k]], axis=1)
             result.logprobs = np.concatenate(
                 [np.asarray(lp.token_logprobs)[:rows, None], np.asarray(lp.top_logprobs)[:rows, :k]],
                 axis=1).astype(np.float32)
             result.sampled_ranks = np.asarray(lp.token_ranks)[:rows].astype(np.int32)
         return result
+
+
+def _verifiable_drafts(st: RequestState, scheduled: list[int]) -> list[int]:
+    """The drafts this worker verifies: those before the first -1 (vLLM's padding), none for a
+    request whose drafts our runner cannot verify (a token mask). What is left out is rejected."""
+    if not scheduled or not st.spec.drafts_verifiable:
+        return []
+    cut = next((i for i, t in enumerate(scheduled) if t < 0), len(scheduled))
+    return [int(t) for t in scheduled[:cut]]
 
 
 def _fill_prompt_logprobs(st: RequestState, start: int, lp: Logprobs | None, offset: int,
@@ -188,20 +220,26 @@ class RequestTable:
         for new in so.scheduled_new_reqs:
             self._add(new)
         self._update_cached(so.scheduled_cached_reqs)
-        if getattr(so, "scheduled_spec_decode_tokens", None):
-            raise NotImplementedError("speculative decoding is not supported on the tpuserve platform")
+        spec = getattr(so, "scheduled_spec_decode_tokens", None) or {}
 
         seqs = []
         for req_id, n in so.num_scheduled_tokens.items():
             st = self.requests[req_id]
+            scheduled_drafts = list(spec.get(req_id, ()))
+            n -= len(scheduled_drafts)  # vLLM counts the drafts among the scheduled tokens
             start = st.num_computed_tokens
             end = start + n
             if end > len(st.token_ids):
                 raise RuntimeError(f"request {req_id}: {n} tokens scheduled from {start}, but only "
                                    f"{len(st.token_ids)} are known to the worker")
-            pages = math.ceil(end / self.block_size)
+            drafts = _verifiable_drafts(st, scheduled_drafts)
+            if drafts and end != len(st.token_ids):
+                raise RuntimeError(f"request {req_id}: drafts scheduled after token {end}, but the "
+                                   f"worker knows {len(st.token_ids)} tokens")
+            pages = math.ceil((end + len(drafts)) / self.block_size)
             if pages > len(st.block_ids):
-                raise RuntimeError(f"request {req_id}: {len(st.block_ids)} blocks cannot hold {end} tokens")
+                raise RuntimeError(f"request {req_id}: {len(st.block_ids)} blocks cannot hold "
+                                   f"{end + len(drafts)} tokens")
             targets = None
             if st.prompt_logprobs is not None:
                 # Row p of the chunk wants the logprob of token p+1, while p+1 is still in the prompt.
@@ -209,8 +247,8 @@ class RequestTable:
                 targets = st.token_ids[start + 1: last + 1] if last > start else []
             seqs.append(PlannedSeq(req_id=req_id, num_computed=start, token_ids=st.token_ids[start:end],
                                    page_ids=st.block_ids[:pages], samples=end >= len(st.token_ids),
-                                   prompt_logprob_targets=targets))
-        return StepPlan(seqs)
+                                   prompt_logprob_targets=targets, draft_token_ids=drafts))
+        return StepPlan(seqs, {rid: len(d) for rid, d in spec.items() if d})
 
     def _add(self, new: Any) -> None:
         if new.prompt_token_ids is None:

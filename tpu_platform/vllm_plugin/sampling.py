@@ -71,6 +71,13 @@ class SamplingSpec:
     num_logprobs: int | None  # top-k beside the sampled token; None = none wanted
     num_prompt_logprobs: int | None
     allowed_mask: np.ndarray | None = None  # [ceil(V/32)] i32 from allowed_token_ids
+    uses_grammar: bool = False  # structured output: vLLM sends a bitmask row each step
+
+    @property
+    def drafts_verifiable(self) -> bool:
+        """Whether our runner can verify drafts for this request: not under a token mask, which
+        would need the mask of the state after each draft."""
+        return not self.uses_grammar and self.allowed_mask is None
 
     @property
     def has_penalties(self) -> bool:
@@ -102,6 +109,7 @@ class SamplingSpec:
             num_logprobs=count(params.logprobs),
             num_prompt_logprobs=count(params.prompt_logprobs),
             allowed_mask=allowed_ids_bitmask(allowed, vocab_size) if allowed else None,
+            uses_grammar=getattr(params, "structured_outputs", None) is not None,
         )
 
     def row(self, prompt_ids: list[int], output_ids: list[int],

@@ -12,11 +12,17 @@ Overlap: ``execute_model`` dispatches the forward pass and returns at once (JAX 
 asynchronously); vLLM's engine core then builds the structured-output bitmask on the host while
 the device computes, and ``sample_tokens`` samples under that bitmask.
 
-KV connector (only ours, ``offload_connector.TpuserveHostOffloadConnector``, which
-``--kv-offloading-size`` selects): created before the KV cache is allocated, handed the runner
-after; each step binds the scheduler's metadata, runs the host-tier loads before the forward,
-dispatches the stores after sampling, and returns a ``KVConnectorOutput`` (also from steps that
-schedule no tokens: ``with_kv_conn_output_only``). Any other connector is refused here too.
+KV connector (only ours: ``offload_connector.TpuserveHostOffloadConnector``, which
+``--kv-offloading-size`` selects, or ``pd_connector.TpuservePDConnector`` for prefill/decode
+disaggregation): created before the KV cache is allocated, handed the runner after; each step binds
+the scheduler's metadata, starts the loads before the forward, dispatches the stores / exports
+after sampling, and returns a ``KVConnectorOutput`` (also from steps that schedule no tokens:
+``with_kv_conn_output_only``). Any other connector is refused here too.
+
+Speculative decoding (``--speculative-config`` with method ngram; spec_decode.py): ``sample_tokens``
+proposes the next step's drafts on the host for the requests it just sampled, vLLM's engine core
+collects them through ``take_draft_token_ids`` and schedules them; the next step verifies them in
+the same ragged batch (our runner's rejection sampler) and returns accepted drafts + one token each.
 """
 
 from __future__ import annotations
@@ -31,14 +37,16 @@ from vllm.config import VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheSpec
-from vllm.v1.outputs import (EMPTY_MODEL_RUNNER_OUTPUT, KVConnectorOutput, LogprobsLists, LogprobsTensors,
-                             ModelRunnerOutput)
+from vllm.v1.outputs import (EMPTY_MODEL_RUNNER_OUTPUT, DraftTokenIds, KVConnectorOutput, LogprobsLists,
+                             LogprobsTensors, ModelRunnerOutput)
 from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
 from tpuserve.tpu_platform.step_batch import pack_sampling_rows
 from tpuserve.tpu_platform.vllm_plugin.offload_connector import TpuserveHostOffloadConnector
 from tpuserve.tpu_platform.vllm_plugin.options import PluginOptions
-from tpuserve.tpu_platform.vllm_plugin.request_state import RequestTable, StepResult
+from tpuserve.tpu_platform.vllm_plugin.pd_connector import TpuservePDConnector
+from tpuserve.tpu_platform.vllm_plugin.request_state import RequestTable, StepPlan, StepResult
+from tpuserve.tpu_platform.vllm_plugin.spec_decode import DraftPlanner, NgramSettings
 
 log = logging.getLogger("vllm.tpuserve.worker")
 
@@ -56,8 +64,11 @@ class TpuserveWorker(WorkerBase):
         self.table: RequestTable | None = None
         # (StepPlan, StepBatch, ForwardState, finished req ids) between the two calls
         self._pending: tuple | None = None
-        self.connector: TpuserveHostOffloadConnector | None = None
+        self.connector: TpuserveHostOffloadConnector | TpuservePDConnector | None = None
         self._compiled_after_warmup: int | None = None
+        self.speculation = NgramSettings.from_vllm(vllm_config)
+        self.drafter: DraftPlanner | None = None
+        self._drafts: DraftTokenIds | None = None  # proposed by sample_tokens, taken by the engine core
 
     # ---- start-up ----
 
@@ -69,6 +80,7 @@ class TpuserveWorker(WorkerBase):
             raise ValueError(f"dtype {self.model_config.dtype}: the tpuserve platform runs "
                              f"float32, bfloat16 or float16")
         sched, cache = self.scheduler_config, self.cache_config
+        spec = self.speculation
         return EngineConfig.from_kwargs(
             model=self.model_config.model, dtype=name, max_model_len=int(self.model_config.max_model_len),
             max_num_seqs=sched.max_num_seqs, max_num_batched_tokens=sched.max_num_batched_tokens,
@@ -80,7 +92,8 @@ class TpuserveWorker(WorkerBase):
             enable_chunked_prefill=bool(sched.enable_chunked_prefill),
             compilation_cache_dir=self.options.compilation_cache_dir,
             max_logprobs=min(max(int(self.model_config.max_logprobs), 0), 1024),
-            async_scheduling=False)  # vLLM's scheduler drives the steps
+            async_scheduling=False,  # vLLM's scheduler drives the steps
+            speculative_config=spec.engine_section() if spec is not None else None)
 
     def init_device(self) -> None:
         from tpuserve.tpu_platform.worker import Worker
@@ -150,6 +163,8 @@ class TpuserveWorker(WorkerBase):
         if self.connector is not None:
             self.connector.register_runner(self.runner)
         self.table = RequestTable(block_size, self.arch.vocab_size, seed=self.worker.config.model.seed)
+        if self.speculation is not None:
+            self.drafter = DraftPlanner(self.speculation, int(self.model_config.max_model_len))
 
     def compile_or_warm_up_model(self) -> CompilationTimes:
         warmup = self.options.warmup
@@ -207,7 +222,7 @@ class TpuserveWorker(WorkerBase):
             return EMPTY_MODEL_RUNNER_OUTPUT
         plan, batch, fwd, finished = pending
         sampling = None
-        masks = self._grammar_masks(grammar_output)
+        masks = self._grammar_masks(grammar_output, plan)
         if masks:
             rows = [s.sampling for s in plan.scheduled(self.table, masks)]
             sampling = pack_sampling_rows(rows, len(batch.kv_lens), self.arch.vocab_size)
@@ -215,6 +230,11 @@ class TpuserveWorker(WorkerBase):
         # Stores go after the sampler in device order, so they do not delay this step's tokens.
         kv_out = self._finish_connector(finished) if self.connector is not None else None
         result = plan.finish(self.table, self.runner.fetch(step))
+        if self.drafter is not None:
+            # vLLM's GPU runner proposes here too: from each request's tokens including this step's.
+            sampled = [rid for rid, toks in zip(result.req_ids, result.sampled_token_ids) if toks]
+            d = self.drafter.propose(self.table, sampled)
+            self._drafts = DraftTokenIds(d.req_ids, d.draft_token_ids) if d.req_ids else None
         self._check_recompiles()
         out = _to_vllm_output(result)
         out.kv_connector_output = kv_out
@@ -234,8 +254,12 @@ class TpuserveWorker(WorkerBase):
         conn.clear_connector_metadata()
         return out
 
-    def _grammar_masks(self, grammar_output: Any) -> dict[str, np.ndarray]:
-        """Structured-output bitmask rows by request id (xgrammar's layout, as our sampler takes)."""
+    def _grammar_masks(self, grammar_output: Any, plan: StepPlan) -> dict[str, np.ndarray]:
+        """Structured-output bitmask rows by request id (xgrammar's layout, as our sampler takes).
+
+        With speculation vLLM sends 1 + (scheduled drafts) rows per request, one per position; we
+        verify no drafts under a grammar, so each request's first row (its next token) is the one.
+        """
         if grammar_output is None:
             return {}
         words = (self.arch.vocab_size + 31) // 32
@@ -244,8 +268,14 @@ class TpuserveWorker(WorkerBase):
             raise ValueError(f"grammar bitmask must be 2-D, got shape {bitmask.shape}")
         if bitmask.shape[1] < words:  # tokens past the grammar's vocabulary stay disallowed
             bitmask = np.pad(bitmask, ((0, 0), (0, words - bitmask.shape[1])))
-        return {rid: bitmask[i, :words]
-                for i, rid in enumerate(grammar_output.structured_output_request_ids)}
+        out, row = {}, 0
+        for rid in grammar_output.structured_output_request_ids:
+            out[rid] = bitmask[row, :words]
+            row += 1 + plan.scheduled_drafts.get(rid, 0)
+        if row > bitmask.shape[0]:
+            raise ValueError(f"grammar bitmask has {bitmask.shape[0]} rows, the step's structured "
+                             f"requests and their drafts need {row}")
+        return out
 
     def _check_recompiles(self) -> None:
         if self._compiled_after_warmup is None:
@@ -265,8 +295,10 @@ class TpuserveWorker(WorkerBase):
         meta = self.connector.get_handshake_metadata()
         return None if meta is None else {(0, 0): meta}
 
-    def take_draft_token_ids(self) -> None:
-        return None  # no speculative decoding through the plugin
+    def take_draft_token_ids(self) -> DraftTokenIds | None:
+        """The drafts the last ``sample_tokens`` proposed (vLLM's engine core asks once per step)."""
+        drafts, self._drafts = self._drafts, None
+        return drafts
 
     def get_supported_tasks(self) -> tuple[str, ...]:
         return ("generate",)
@@ -312,7 +344,8 @@ class TpuserveWorker(WorkerBase):
             self.worker.shutdown()  # drops the KV cache and weights
 
 
-def _make_connector(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> TpuserveHostOffloadConnector | None:
+def _make_connector(vllm_config: VllmConfig,
+                    kv_cache_config: KVCacheConfig) -> TpuserveHostOffloadConnector | TpuservePDConnector | None:
     """This worker's side of the configured KV connector; only ours can drive a JAX KV cache.
 
     vLLM's ``ensure_kv_transfer_initialized`` would build it too, but first broadcasts the engine id
@@ -325,10 +358,11 @@ def _make_connector(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> 
         return None
     conn = KVConnectorFactory.create_connector(config=vllm_config, role=KVConnectorRole.WORKER,
                                                kv_cache_config=kv_cache_config)
-    if not isinstance(conn, TpuserveHostOffloadConnector):
+    if not isinstance(conn, (TpuserveHostOffloadConnector, TpuservePDConnector)):
         raise NotImplementedError(
             f"KV connector {type(conn).__name__}: vLLM's connectors move torch device tensors; the "
-            f"tpuserve platform runs only its host-tier connector (select it with --kv-offloading-size)")
+            f"tpuserve platform runs its host-tier connector (--kv-offloading-size) and its P/D "
+            f"connector (TpuservePDConnector)")
     return conn
 
 
@@ -336,7 +370,8 @@ def _to_vllm_output(r: StepResult) -> ModelRunnerOutput:
     logprobs = None
     if r.logprob_token_ids is not None:
         logprobs = LogprobsLists(logprob_token_ids=r.logprob_token_ids, logprobs=r.logprobs,
-                                 sampled_token_ranks=r.sampled_ranks)
+                                 sampled_token_ranks=r.sampled_ranks,
+                                 cu_num_generated_tokens=r.cu_num_generated_tokens)
     prompt = {rid: LogprobsTensors(logprob_token_ids=torch.from_numpy(b.token_ids),
                                    logprobs=torch.from_numpy(b.logprobs),
                                    selected_token_ranks=torch.from_numpy(b.ranks))
