@@ -68,6 +68,7 @@ class DevicePageMover:
 
     def _bind(self, kv) -> None:
         import jax
+        import jax.numpy as jnp
         from jax.sharding import SingleDeviceSharding
 
         from tpuserve.kv_cache.host_tier import host_memory_kind
@@ -80,12 +81,21 @@ class DevicePageMover:
         kind = host_memory_kind(self._device)
         self._device_sharding = SingleDeviceSharding(self._device)
 
+        # Only 16-bit floats need the bit path (their scatter runs in f32 on XLA:CPU and would
+        # canonicalize NaN payloads); bitcasting the whole donated cache makes XLA:CPU copy all of
+        # it on every import, so f32 caches move as floats.
+        as_bits = jnp.dtype(kv.dtype).itemsize == 2
+
         def gather(kv, idx):
             self._traces += 1
+            if not as_bits:
+                return kv[:, idx]
             return _from_bits(_to_bits(kv)[:, idx], kv.dtype)
 
         def scatter(kv, pages, idx):
             self._traces += 1
+            if not as_bits:
+                return kv.at[:, idx].set(pages, mode="drop")
             out = _to_bits(kv).at[:, idx].set(_to_bits(pages), mode="drop")
             return _from_bits(out, kv.dtype)
 
