@@ -49,6 +49,12 @@ def kv_cache_budget(config: EngineConfig, *, memory_bytes: int | None, is_accele
     return budget
 
 
+def _tree_nbytes(tree) -> int:
+    """Bytes of every array in ``tree`` (quantized records count their data and scales)."""
+    import jax
+    return sum(x.nbytes for x in jax.tree_util.tree_leaves(tree))
+
+
 class Worker:
     def __init__(self, config: EngineConfig):
         from tpuserve.tpu_platform.device import discover, enable_compilation_cache, resolve_dtype
@@ -63,6 +69,8 @@ class Worker:
         self.max_model_len: int | None = None
         self.runner = None
         self._params = None
+        self.quantization: str | None = None  # the weights' format once loaded (None: dense)
+        self.quant_report = None  # quant.params.QuantReport after online quantization
 
     # ---- weights ----
 
@@ -75,7 +83,7 @@ class Worker:
         m = self.config.model
         loaded = load_model(m.model, self.dtype, m.tokenizer)
         self.arch, self.tokenizer, self.model_source = loaded.arch, loaded.tokenizer, loaded.source
-        self._params = loaded.params
+        self._params = self._quantize(loaded.params, loaded.quantization)
         limit = self.arch.max_position_embeddings
         want = m.max_model_len or limit
         if want > limit and clamp_max_model_len:
@@ -86,11 +94,42 @@ class Worker:
         log.info("loaded %s (%s, %d layers) in %.1f s", loaded.source, self.arch.architecture,
                  self.arch.num_layers, time.perf_counter() - t0)
 
+    def _quantize(self, params: dict, checkpoint_method: str | None) -> dict:
+        """The quantization step of loading: route ``linear`` for quantized records, and quantize an
+        unquantized checkpoint's linear weights when ``--quantization`` asks (quant/params.py).
+
+        checkpoint_method: the format a pre-quantized checkpoint already carries (the loader read
+        its ``quantization_config``); the flag must then be unset or name that same format.
+        """
+        method = self.config.quantization.method
+        if checkpoint_method is not None:
+            if method is not None and method != checkpoint_method:
+                raise ConfigError(f"quantization: the checkpoint is already quantized as "
+                                  f"{checkpoint_method!r}; leave --quantization unset or pass "
+                                  f"{checkpoint_method!r} (got {method!r})")
+            self.quantization = checkpoint_method
+        elif method is None:
+            return params
+        else:
+            self.quantization = method
+        # Registration happens here, not at import: only an engine that holds records needs it.
+        from tpuserve.quant.dispatch import register_quant_linears
+        register_quant_linears()
+        if checkpoint_method is not None:
+            log.info("checkpoint is pre-quantized (%s): weights %.1f MiB", checkpoint_method,
+                     _tree_nbytes(params) / 2 ** 20)
+            return params
+        from tpuserve.quant.params import quantize_params
+
+        t0 = time.perf_counter()
+        params, report = quantize_params(params, method, register=False)
+        self.quant_report = report
+        log.info("quantized online in %.1f s: %s", time.perf_counter() - t0, report.summary())
+        return params
+
     @property
     def weight_bytes(self) -> int:
-        import jax
-        params = self._params if self._params is not None else self.runner.params
-        return sum(x.nbytes for x in jax.tree_util.tree_leaves(params))
+        return _tree_nbytes(self._params if self._params is not None else self.runner.params)
 
     # ---- KV cache sizing: the one formula ----
 

@@ -102,3 +102,27 @@ def test_two_device_sharded_forward_matches_unsharded():
 
 if __name__ == "__main__":
     _sharded_matches_unsharded()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("method", ["fp8", "nvfp4"])
+def test_specs_for_quantized_records(method):
+    from tpuserve.quant.params import quantize_params
+
+    _, _, params = tiny_model("qwen2", layers=2)
+    q, _ = quantize_params(params, method, register=False)
+    for tree, lead in ((q, (None,)), (unstack_layers(q), ())):
+        specs = param_partition_specs(tree, axis="tp")
+        # one spec per array, in the record's own structure (what jax.tree.map over both needs)
+        assert (jax.tree.structure(specs, is_leaf=lambda x: isinstance(x, P))
+                == jax.tree.structure(tree))
+        lay = specs["layers"] if lead else specs["layers"][1]
+        data = "qweight" if method == "fp8" else "packed"
+        assert getattr(lay["qkv"], data) == P(*lead, None, "tp")     # N: by KV head
+        assert getattr(lay["o"], data) == P(*lead, "tp", None)       # K rows: contracted
+        assert getattr(lay["down"], data) == P(*lead, "tp", None)
+        assert getattr(lay["gate_up"], data) == P()                  # [2, F] flattened: replicated
+        if method == "fp8":  # per-channel scale [1, N]: one row, split only along N
+            assert lay["qkv"].scale == P(*lead, None, "tp") and lay["o"].scale == P()
+        else:                # global scale [1, 1]: never split
+            assert lay["qkv"].global_scale == P() and lay["o"].scale == P(*lead, "tp", None)

@@ -18,6 +18,9 @@ class LoadedModel:
     params: dict
     tokenizer: Any  # transformers PreTrainedTokenizerFast
     source: str  # the path the weights came from
+    # A pre-quantized checkpoint's format ("fp8", "mxfp4", "nvfp4"; its linear weights are then
+    # quant/ records in ``params``), None for a dense one.
+    quantization: str | None = None
 
 
 def resolve_model_path(model: str | None) -> str:
@@ -60,18 +63,23 @@ def _load_hf_dir(path: str, dtype, tokenizer: str | None) -> LoadedModel:
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise ModelConfigError(f"{path!r} has no *.safetensors weight files")
-    from safetensors import safe_open
     import numpy as np
 
-    handles = [safe_open(f, framework="flax") for f in files]
-    index = {name: h for h in handles for name in h.keys()}
+    from tpuserve.tpu_platform.loader.safetensors_raw import SafetensorsFiles
+
+    raw = SafetensorsFiles(files).get  # stored dtype (fp8 included), memory-mapped
 
     def get(name: str):
-        h = index.get(name)
-        return None if h is None else np.asarray(h.get_tensor(name).astype("float32"))
+        t = raw(name)
+        return None if t is None else t.astype(np.float32)
 
-    params = build_params(arch, get, dtype)
-    return LoadedModel(arch, params, _load_tokenizer(tokenizer or path), path)
+    from tpuserve.tpu_platform.loader.quantized import detect, read_linear
+
+    quant = detect(cfg, path)
+    get_linear = None if quant is None else (lambda module: read_linear(quant, module, raw))
+    params = build_params(arch, get, dtype, get_linear)
+    return LoadedModel(arch, params, _load_tokenizer(tokenizer or path), path,
+                       quantization=None if quant is None else quant.method)
 
 
 def _load_tokenizer(path: str):

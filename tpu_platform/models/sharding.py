@@ -27,9 +27,44 @@ _TOP_SPECS = {
 }
 
 
+# Quantized weight records (quant/) keep a weight [in, *out] as 2-D data [rows, N] with N =
+# prod(out) flattened and rows derived from `in` (K, K/2 packed nibbles), plus scales [rows', N'].
+# How each record's arrays split: "out" splits the last axis (qkv: Hkv is N's outermost factor, so
+# an even split of N is a split by KV head), "in" the rows (o, down: the contracted axis, as dense).
+# gate_up's N is [2, F] flattened with the 2 outermost, so no single-axis split of N is a split by F:
+# its records stay replicated (correct, just not memory-sharded) until records keep F as an axis.
+_RECORD_SPLIT = {"qkv": "out", "o": "in", "down": "in", "lm_head": "out"}
+
+
+def _record_spec(name: str, rec, axis: str, stacked: bool):
+    """The record with each data array replaced by its PartitionSpec (a spec tree of its type).
+
+    A scale with one row or one column (per-tensor / per-channel) is not split along that axis.
+    """
+    import dataclasses
+
+    split = _RECORD_SPLIT.get(name)
+    lead = (None,) if stacked else ()
+    specs = {}
+    for f in dataclasses.fields(rec):
+        arr = getattr(rec, f.name)
+        if not hasattr(arr, "ndim"):
+            continue  # static metadata (block, out_shape, ...)
+        rows, cols = arr.shape[-2], arr.shape[-1]
+        if split == "out" and cols > 1:
+            specs[f.name] = P(*lead, None, axis)
+        elif split == "in" and rows > 1:
+            specs[f.name] = P(*lead, axis, None)
+        else:
+            specs[f.name] = P()
+    return dataclasses.replace(rec, **specs)
+
+
 def _spec(name: str, arr, table: dict, axis: str, stacked: bool) -> P:
     if name not in table:  # norms, o_bias, down_bias, q_norm, k_norm: small, replicated
         return P()
+    if not hasattr(arr, "ndim"):  # a quantized weight record (a pytree of arrays)
+        return _record_spec(name, arr, axis, stacked)
     rank, make = table[name]
     ndim = getattr(arr, "ndim", None)
     if ndim != rank + stacked:
@@ -43,7 +78,8 @@ def param_partition_specs(params: dict, axis: str = "model") -> dict:
     """The params tree with each array replaced by its ``PartitionSpec`` over mesh axis ``axis``.
 
     Works for stacked layers (``layers`` a dict of [L, ...] arrays: the L axis is never split) and
-    for ``weights.unstack_layers`` trees (a list of per-layer dicts). Use as
+    for ``weights.unstack_layers`` trees (a list of per-layer dicts). A quantized weight record
+    gets a record of the same type holding one spec per array (``_RECORD_SPLIT``). Use as
     ``jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), params, specs)``.
     """
     out = {k: _spec(k, v, _TOP_SPECS, axis, False) for k, v in params.items() if k != "layers"}

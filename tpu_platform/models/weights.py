@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -22,12 +23,52 @@ def _group_qkv(q: np.ndarray, k: np.ndarray, v: np.ndarray, hkv: int, d: int) ->
                            v.reshape(*lead, hkv, 1, d)], axis=-2)
 
 
-def build_params(arch: ModelArch, get: Callable[[str], np.ndarray | None], dtype) -> dict:
+def _qkv_index(hq: int, hkv: int, d: int) -> np.ndarray:
+    """Columns of [q | k | v] (``[Hq*D + 2*Hkv*D]``) in ``_group_qkv``'s [Hkv, G+2, D] order."""
+    g = hq // hkv
+    q = np.arange(hq * d).reshape(hkv, g, d)
+    k = hq * d + np.arange(hkv * d).reshape(hkv, 1, d)
+    v = hq * d + hkv * d + np.arange(hkv * d).reshape(hkv, 1, d)
+    return np.concatenate([q, k, v], axis=1).reshape(-1)
+
+
+def _check_record(name: str, rec, k: int, n: int):
+    if (rec.in_features, rec.out_features) != (k, n):
+        raise ModelConfigError(f"quantized tensor {name!r} is [out={rec.out_features}, "
+                               f"in={rec.in_features}], config implies [{n}, {k}]")
+    return rec
+
+
+def _stack_records(key: str, recs: list):
+    """Per-layer records -> one record with a leading [L] axis (same type and static layout)."""
+    import jax
+
+    try:
+        return jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *recs)
+    except ValueError as e:  # differing static metadata (block, out_shape, convention)
+        raise ModelConfigError(f"quantized {key!r} weights differ in format between layers; "
+                               f"mixed per-layer formats are not supported ({e})") from e
+
+
+def build_params(arch: ModelArch, get: Callable[[str], np.ndarray | None], dtype,
+                 get_linear: Callable[[str], object | None] | None = None) -> dict:
     """``get(name)`` returns the HF tensor (any float dtype, HF [out, in] layout) or None if absent.
 
+    get_linear: for a pre-quantized checkpoint, ``get_linear(module)`` (e.g.
+    ``"model.layers.0.mlp.down_proj"``) returns that Linear's quantized record (quant/, 2-D
+    ``[in, out]``), or None when the module is dense. Fused weights (qkv, gate_up) are then fused
+    records (quant/fuse.py); their parts must be all quantized or all dense.
+
     Returns the tree documented in ``tpu_platform/models/decoder.py`` (layers stacked on a leading
-    [L] axis), arrays in ``dtype``. ``tpu_platform/models/sharding.py`` gives its PartitionSpecs.
+    [L] axis), dense arrays in ``dtype``, records as they were read.
+    ``tpu_platform/models/sharding.py`` gives its PartitionSpecs.
     """
+    from tpuserve.quant import fuse
+
+    def linear_rec(module: str, k: int, n: int):
+        rec = get_linear(module) if get_linear is not None else None
+        return None if rec is None else _check_record(module, rec, k, n)
+
     def need(name: str) -> np.ndarray:
         t = get(name)
         if t is None:
@@ -48,10 +89,18 @@ def build_params(arch: ModelArch, get: Callable[[str], np.ndarray | None], dtype
 
     for i in range(arch.num_layers):
         p = f"model.layers.{i}."
-        q = check(p + "self_attn.q_proj.weight", need(p + "self_attn.q_proj.weight"), (hq * d, hid))
-        k = check(p + "self_attn.k_proj.weight", need(p + "self_attn.k_proj.weight"), (hkv * d, hid))
-        v = check(p + "self_attn.v_proj.weight", need(p + "self_attn.v_proj.weight"), (hkv * d, hid))
-        add("qkv", _group_qkv(q.T, k.T, v.T, hkv, d))
+        recs = [linear_rec(p + f"self_attn.{n}_proj", hid, rows)
+                for n, rows in (("q", hq * d), ("k", hkv * d), ("v", hkv * d))]
+        if all(r is not None for r in recs):
+            add("qkv", fuse.take_out(fuse.concat_out(recs), _qkv_index(hq, hkv, d),
+                                     (hkv, hq // hkv + 2, d)))
+        elif any(r is not None for r in recs):
+            raise ModelConfigError(f"{p}self_attn: q/k/v must be all quantized or all dense")
+        else:
+            q = check(p + "self_attn.q_proj.weight", need(p + "self_attn.q_proj.weight"), (hq * d, hid))
+            k = check(p + "self_attn.k_proj.weight", need(p + "self_attn.k_proj.weight"), (hkv * d, hid))
+            v = check(p + "self_attn.v_proj.weight", need(p + "self_attn.v_proj.weight"), (hkv * d, hid))
+            add("qkv", _group_qkv(q.T, k.T, v.T, hkv, d))
         if arch.qkv_bias:
             qb, kb, vb = (check(p + f"self_attn.{n}_proj.bias", need(p + f"self_attn.{n}_proj.bias"),
                                 (rows,)) for n, rows in (("q", hq * d), ("k", hkv * d), ("v", hkv * d)))
@@ -59,13 +108,23 @@ def build_params(arch: ModelArch, get: Callable[[str], np.ndarray | None], dtype
         if arch.qk_norm:
             add("q_norm", check(p + "self_attn.q_norm.weight", need(p + "self_attn.q_norm.weight"), (d,)))
             add("k_norm", check(p + "self_attn.k_norm.weight", need(p + "self_attn.k_norm.weight"), (d,)))
-        add("o", check(p + "self_attn.o_proj.weight", need(p + "self_attn.o_proj.weight"), (hid, hq * d)).T)
+        o = linear_rec(p + "self_attn.o_proj", hq * d, hid)
+        add("o", o if o is not None else
+            check(p + "self_attn.o_proj.weight", need(p + "self_attn.o_proj.weight"), (hid, hq * d)).T)
         if arch.o_bias:
             add("o_bias", need(p + "self_attn.o_proj.bias"))
-        gate = check(p + "mlp.gate_proj.weight", need(p + "mlp.gate_proj.weight"), (f, hid))
-        up = check(p + "mlp.up_proj.weight", need(p + "mlp.up_proj.weight"), (f, hid))
-        add("gate_up", np.stack([gate.T, up.T], axis=1))  # [H, 2, F]
-        add("down", check(p + "mlp.down_proj.weight", need(p + "mlp.down_proj.weight"), (hid, f)).T)
+        recs = [linear_rec(p + f"mlp.{n}_proj", hid, f) for n in ("gate", "up")]
+        if all(r is not None for r in recs):
+            add("gate_up", fuse.concat_out(recs, (2, f)))  # [gate | up] columns = [2, F]
+        elif any(r is not None for r in recs):
+            raise ModelConfigError(f"{p}mlp: gate/up must be all quantized or all dense")
+        else:
+            gate = check(p + "mlp.gate_proj.weight", need(p + "mlp.gate_proj.weight"), (f, hid))
+            up = check(p + "mlp.up_proj.weight", need(p + "mlp.up_proj.weight"), (f, hid))
+            add("gate_up", np.stack([gate.T, up.T], axis=1))  # [H, 2, F]
+        down = linear_rec(p + "mlp.down_proj", f, hid)
+        add("down", down if down is not None else
+            check(p + "mlp.down_proj.weight", need(p + "mlp.down_proj.weight"), (hid, f)).T)
         if arch.mlp_bias:
             add("gate_up_bias", np.stack([need(p + "mlp.gate_proj.bias"), need(p + "mlp.up_proj.bias")]))
             add("down_bias", need(p + "mlp.down_proj.bias"))
@@ -77,9 +136,13 @@ def build_params(arch: ModelArch, get: Callable[[str], np.ndarray | None], dtype
     params = {
         "embed": jnp.asarray(embed, dtype),
         "final_norm": jnp.asarray(need("model.norm.weight"), dtype),
-        "layers": {k: jnp.asarray(np.stack(v), dtype) for k, v in per_layer.items()},
+        "layers": {k: (jnp.asarray(np.stack(v), dtype) if isinstance(v[0], np.ndarray)
+                       else _stack_records(k, v)) for k, v in per_layer.items()},
     }
-    if not arch.tie_word_embeddings:
+    head_rec = None if arch.tie_word_embeddings else linear_rec("lm_head", hid, arch.vocab_size)
+    if head_rec is not None:
+        params["lm_head"] = head_rec
+    elif not arch.tie_word_embeddings:
         head = get("lm_head.weight")
         if head is None:
             raise ModelConfigError("checkpoint has no lm_head.weight and tie_word_embeddings is false")
@@ -93,13 +156,15 @@ def unstack_layers(params: dict) -> dict:
 
     For ``layer_loop="unroll"``: a dot can then read its weight in place, where a slice of the
     stacked array would be copied first. The stacked arrays are released as each key is split.
+    A value may also be a pytree of arrays that all lead with [L] (a quantized weight record of
+    ``quant/``: data and scales); each leaf is split the same way, the record type kept.
     """
     stacked = dict(params["layers"])
-    num_layers = len(next(iter(stacked.values())))
+    num_layers = int(jax.tree_util.tree_leaves(next(iter(stacked.values())))[0].shape[0])
     layers: list[dict] = [{} for _ in range(num_layers)]
     for key in list(stacked):
-        arr = stacked.pop(key)
+        value = stacked.pop(key)
         for i in range(num_layers):
-            layers[i][key] = jnp.array(arr[i], copy=True)
-        del arr
+            layers[i][key] = jax.tree_util.tree_map(lambda a, i=i: jnp.array(a[i], copy=True), value)
+        del value
     return {**params, "layers": layers}

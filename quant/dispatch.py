@@ -1,0 +1,50 @@
+"""Where a quantized ``linear`` runs: the Pallas TPU kernels on a TPU, XLA everywhere else.
+
+``register_quant_linears()`` routes ``tpu_platform.models.linear.linear`` for every record type
+(``Fp8Weight``, ``Mxfp4Weight``, ``Nvfp4Weight``) here. Nothing registers at import time: the
+engine (or ``quantize_params``, or a test) calls it; calling it again replaces the routing.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+
+from tpuserve.quant.fp4 import Mxfp4Weight, Nvfp4Weight
+from tpuserve.quant.fp8 import Fp8Weight
+from tpuserve.quant.linear_xla import XLA_IMPLS
+from tpuserve.quant.pallas_tpu_matmul import quant_linear_tpu
+
+RECORD_TYPES = (Fp8Weight, Mxfp4Weight, Nvfp4Weight)
+IMPLS = ("auto", "xla", "pallas_tpu")
+
+
+def quant_linear(x, w, bias=None, out_dtype=None, *, impl: str = "auto", interpret=None):
+    """``x [..., K] @ w (+ bias) -> [..., *w.out_shape]`` for a quantized record.
+
+    impl "auto" decides at trace time from ``jax.default_backend()`` (tpu -> the Pallas kernels),
+    so one registration serves every backend. ``interpret`` (a ``pltpu.InterpretParams``) runs the
+    Pallas path in TPU interpret mode, for tests on CPU.
+    """
+    if impl == "auto":
+        impl = "pallas_tpu" if jax.default_backend() == "tpu" else "xla"
+    if impl == "pallas_tpu" and w_is_2d(w):
+        return quant_linear_tpu(x, w, bias, out_dtype, interpret=interpret)
+    return XLA_IMPLS[type(w)](x, w, bias, out_dtype)
+
+
+def w_is_2d(w) -> bool:
+    """The kernels take one layer's record; a still-stacked one (leading L) goes through XLA."""
+    return (w.qweight if isinstance(w, Fp8Weight) else w.packed).ndim == 2
+
+
+def register_quant_linears(impl: str = "auto", *, interpret=None) -> None:
+    """Make ``linear(x, record)`` work for every quantized record type (idempotent)."""
+    if impl not in IMPLS:
+        raise ValueError(f"quantized linear impl must be one of {IMPLS}, got {impl!r}")
+    # imported here, not at module import: quant/ stays importable without the model package
+    from tpuserve.tpu_platform.models.linear import register_linear
+    fn = functools.partial(quant_linear, impl=impl, interpret=interpret)
+    for t in RECORD_TYPES:
+        register_linear(t, fn)

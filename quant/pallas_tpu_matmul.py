@@ -1,0 +1,284 @@
+"""Pallas TPU quantized matmuls: FP8 W8A16 / W8A8 and FP4 (MXFP4, NVFP4) W4A16.
+
+Every kernel computes ``x [M, K] @ W [K, N] -> [M, N]`` for a record of ``quant/`` and has its pure
+jnp reference beside it (``*_ref``: the format's exact dequant, then an f32 GEMM at HIGHEST
+precision). Tests run the kernels in TPU interpret mode with race detection against the references.
+
+Grid and tiles
+--------------
+grid = (M/tm, N/tn, K/tk), semantics ("parallel", "parallel", "arbitrary"): an f32 ``[tm, tn]``
+VMEM accumulator is zeroed at k == 0 and written out (cast to the output dtype) at the last k.
+Tiles are full array dims or multiples of 128 lanes (N) so every block obeys the (8, 128) rule;
+M is padded up to the row tile. The weight is read once per M tile: for decode (M <= tm) that is
+exactly once, which is what the kernels are for (memory-bound GEMV: bytes/element 1 for FP8,
+0.5 + 1/32 or 1/16 for FP4).
+
+Scales
+------
+Scales travel as a full-K block ``[K/bk, tn]`` (small: 1/bk of the weight's rows) whose rows for
+the current K tile are read with a dynamic sublane slice, so their block shape is always legal.
+
+* FP8: the record's ``scale [Kb, Nb]`` is expanded along N only (to ``[Kb, N]``, once per call,
+  outside the kernel). Inside, each K sub-block of ``bk`` rows of the tile gets its own partial
+  dot, multiplied by its scale row: ``acc += (x[:, blk] @ q[blk]) * s[row]``. Per-channel and
+  per-tensor records have one scale row (bk = K) and so one dot per tile; blocks of 128 take
+  ``tk / 128`` dots. W8A16 upcasts the fp8 tile to the activation dtype in VMEM; W8A8 quantizes
+  ``x`` per token outside the kernel (an M x K elementwise pass XLA fuses), feeds an fp8 x fp8 dot
+  with f32 accumulation, and multiplies the per-token scale in at the end.
+* FP4: bytes stay packed in HBM and VMEM. ``x`` is split (outside, once) into its even and odd K
+  columns: even k pair with the low nibbles, odd k with the high nibbles, so the kernel never
+  interleaves rows. Nibbles and scale bytes are decoded with integer ops and a bitcast
+  (``codecs.e2m1_bits_decode``, ``e8m0_bits_decode``, ``e4m3_bits_decode``): no gathers and no
+  fp4/fp8 dtypes in VMEM (older TPUs cannot convert them). Scale rows are broadcast over the
+  ``block/2`` byte rows they cover, multiplied in f32, cast to the activation dtype, and two half-K
+  dots accumulate in f32. NVFP4's global scale does not vary along K (one per tensor, or per column
+  after fusing tensors), so it multiplies the output after the kernel (1/global for the
+  compressed-tensors convention).
+
+Status: verified in TPU interpret mode on CPU (tests/quant/test_pallas_tpu_matmul.py). Not yet
+compiled by Mosaic for a real TPU; the likeliest snags there are u8 sublane-dynamic slices of the
+FP4 scale block (a 32-row u8 tile) and int32 bit tricks on v5e, both with straightforward
+fallbacks (f32/bf16 decoded scales; a lookup via selects).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from tpuserve.quant.codecs import e2m1_bits_decode, e4m3_bits_decode, e8m0_bits_decode
+from tpuserve.quant.fp4 import Mxfp4Weight, Nvfp4Weight, dequantize_mxfp4, dequantize_nvfp4
+from tpuserve.quant.fp8 import Fp8Weight, dequantize_fp8, quantize_per_token, scale_columns
+
+_MAX_TK = 2048     # K rows per tile (fp8: 2 MiB of weight per 1024-lane tile)
+_MAX_TN = 512
+_MAX_TM = 256
+
+
+def _round_up(a: int, b: int) -> int:
+    return -(-a // b) * b
+
+
+def _pick_tile(dim: int, pref: int, quantum: int) -> int:
+    """Largest multiple of ``quantum`` <= ``pref`` dividing ``dim``; the full dim if none (or small)."""
+    if dim <= pref:
+        return dim
+    for t in range(pref - pref % quantum, 0, -quantum):
+        if dim % t == 0:
+            return t
+    return dim
+
+
+def _row_tile(m: int, x_dtype, block_m: int | None) -> int:
+    sub = 8 * max(1, 4 // jnp.dtype(x_dtype).itemsize)  # sublanes per tile: 8 f32, 16 bf16, 32 fp8
+    return block_m or min(_MAX_TM, _round_up(m, sub))
+
+
+def _pad_rows(a: jax.Array, rows: int) -> jax.Array:
+    return a if a.shape[0] == rows else jnp.pad(a, ((0, rows - a.shape[0]), (0, 0)))
+
+
+def _compiler_params():
+    return pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary"))
+
+
+# ---------------------------------------------------------------------------------------------
+# FP8
+
+def _fp8_kernel(*refs, subs, rows_per_tile, tk, bk, act_quant, nk):
+    if act_quant:
+        x_ref, q_ref, s_ref, sx_ref, o_ref, acc_ref = refs
+    else:
+        x_ref, q_ref, s_ref, o_ref, acc_ref = refs
+    kk = pl.program_id(2)
+
+    @pl.when(kk == 0)
+    def _init():
+        acc_ref[...] = jnp.zeros_like(acc_ref)
+
+    x = x_ref[...]
+    q = q_ref[...]
+    if not act_quant:
+        q = q.astype(x.dtype)  # exact: every e4m3 value is a bf16 / f32 value
+    acc = acc_ref[...]
+    for lo, hi, j in subs:
+        # scale row of this sub-block: several rows per tile (tk >= bk) or one row per bk / tk tiles
+        row = kk * rows_per_tile + j if rows_per_tile else (kk * tk) // bk
+        part = jnp.dot(x[:, lo:hi], q[lo:hi, :], preferred_element_type=jnp.float32)
+        acc = acc + part * s_ref[pl.ds(row, 1), :]
+    acc_ref[...] = acc
+
+    @pl.when(kk == nk - 1)
+    def _store():
+        y = acc_ref[...]
+        if act_quant:
+            y = y * sx_ref[...]
+        o_ref[...] = y.astype(o_ref.dtype)
+
+
+def fp8_matmul_tpu(x: jax.Array, w: Fp8Weight, *, out_dtype=None, block_m: int | None = None,
+                   block_n: int | None = None, block_k: int | None = None,
+                   interpret=None) -> jax.Array:
+    """``x [M, K] @ w -> [M, N]`` (W8A16, or W8A8 when ``w.act_quant``), f32 accumulation.
+
+    block_k must divide K and be a multiple of the record's K block (or divide it), unless it is
+    K itself. ``interpret``: None compiles for TPU; a ``pltpu.InterpretParams`` runs interpreted.
+    """
+    m, k = x.shape
+    n = w.out_features
+    if w.qweight.ndim != 2 or w.in_features != k:
+        raise ValueError(f"fp8_matmul_tpu: x {x.shape} does not fit a 2-D weight {w.qweight.shape}")
+    out_dtype = out_dtype or x.dtype
+    bk = min(w.block[0], k)
+    tk = block_k or (k if k <= _MAX_TK else _pick_tile(k, _MAX_TK, math.lcm(bk, 128)))
+    if k % tk or not (tk == k or tk % bk == 0 or bk % tk == 0):
+        raise ValueError(f"block_k={tk} must divide K={k} and align with the scale block {bk}")
+    if tk >= bk:
+        nsub = -(-tk // bk)
+        subs = tuple((j * bk, min((j + 1) * bk, tk), j) for j in range(nsub))
+        rows_per_tile = nsub
+    else:
+        subs, rows_per_tile = ((0, tk, 0),), 0
+    s_cols = scale_columns(w)  # [Kb, N]
+    kb = s_cols.shape[0]
+
+    if w.act_quant:
+        xin, sx = quantize_per_token(x)
+    else:
+        xin, sx = x, None
+    tm = _row_tile(m, xin.dtype, block_m)
+    mp = _round_up(m, tm)
+    tn = block_n or _pick_tile(n, _MAX_TN, 128)
+    nk = k // tk
+
+    in_specs = [pl.BlockSpec((tm, tk), lambda i, j, kk: (i, kk)),
+                pl.BlockSpec((tk, tn), lambda i, j, kk: (kk, j)),
+                pl.BlockSpec((kb, tn), lambda i, j, kk: (0, j))]
+    args = [_pad_rows(xin, mp), w.qweight, s_cols]
+    if w.act_quant:
+        in_specs.append(pl.BlockSpec((tm, 1), lambda i, j, kk: (i, 0)))
+        args.append(_pad_rows(sx, mp))
+    kernel = functools.partial(_fp8_kernel, subs=subs, rows_per_tile=rows_per_tile, tk=tk, bk=bk,
+                               act_quant=w.act_quant, nk=nk)
+    out = pl.pallas_call(
+        kernel,
+        grid=(mp // tm, n // tn, nk),
+        in_specs=in_specs,
+        out_specs=pl.BlockSpec((tm, tn), lambda i, j, kk: (i, j)),
+        out_shape=jax.ShapeDtypeStruct((mp, n), out_dtype),
+        scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32)],
+        compiler_params=_compiler_params(),
+        interpret=interpret if interpret is not None else False,
+    )(*args)
+    return out[:m]
+
+
+def fp8_matmul_ref(x: jax.Array, w: Fp8Weight, *, out_dtype=None) -> jax.Array:
+    """Reference for ``fp8_matmul_tpu``: exact dequant (and the same per-token activation quant)."""
+    k, n = w.in_features, w.out_features
+    if w.act_quant:
+        xq, sx = quantize_per_token(x)
+        xf = xq.astype(jnp.float32) * sx
+    else:
+        xf = x.astype(jnp.float32)
+    y = jnp.dot(xf, dequantize_fp8(w).reshape(k, n), precision=lax.Precision.HIGHEST)
+    return y.astype(out_dtype or x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# FP4
+
+def _fp4_kernel(xe_ref, xo_ref, p_ref, s_ref, o_ref, acc_ref, *, scale_rows, block, kind, nk):
+    kk = pl.program_id(2)
+
+    @pl.when(kk == 0)
+    def _init():
+        acc_ref[...] = jnp.zeros_like(acc_ref)
+
+    b = p_ref[...].astype(jnp.int32)                                   # [tk/2, tn]
+    sb = s_ref[pl.ds(kk * scale_rows, scale_rows), :]                  # [tk/block, tn]
+    s = e8m0_bits_decode(sb) if kind == "mx" else e4m3_bits_decode(sb)
+    tn = s.shape[-1]
+    # each scale row covers block/2 byte rows: broadcast along a new axis, merge it into the rows
+    s = jnp.broadcast_to(s[:, None, :], (scale_rows, block // 2, tn)).reshape(-1, tn)
+    xe = xe_ref[...]
+    w_even = (e2m1_bits_decode(b & 15) * s).astype(xe.dtype)
+    w_odd = (e2m1_bits_decode(b >> 4) * s).astype(xe.dtype)
+    acc_ref[...] += (jnp.dot(xe, w_even, preferred_element_type=jnp.float32)
+                     + jnp.dot(xo_ref[...], w_odd, preferred_element_type=jnp.float32))
+
+    @pl.when(kk == nk - 1)
+    def _store():
+        o_ref[...] = acc_ref[...].astype(o_ref.dtype)
+
+
+def fp4_matmul_tpu(x: jax.Array, w: Mxfp4Weight | Nvfp4Weight, *, out_dtype=None,
+                   block_m: int | None = None, block_n: int | None = None,
+                   block_k: int | None = None, interpret=None) -> jax.Array:
+    """``x [M, K] @ w -> [M, N]`` for MXFP4 / NVFP4 (W4A16), f32 accumulation.
+
+    block_k (in elements of K) must divide K and be a multiple of the format's block.
+    """
+    m, k = x.shape
+    n = w.out_features
+    if w.packed.ndim != 2 or w.in_features != k:
+        raise ValueError(f"fp4_matmul_tpu: x {x.shape} does not fit a 2-D weight {w.packed.shape}")
+    out_dtype = out_dtype or x.dtype
+    blk = w.block
+    tk = block_k or (k if k <= 2 * _MAX_TK else _pick_tile(k, 2 * _MAX_TK, 256))
+    if k % tk or tk % blk:
+        raise ValueError(f"block_k={tk} must divide K={k} and be a multiple of {blk}")
+    if isinstance(w, Mxfp4Weight):
+        kind, sbytes = "mx", w.scale
+    else:
+        kind, sbytes = "nv", lax.bitcast_convert_type(w.scale, jnp.uint8)
+    tm = _row_tile(m, x.dtype, block_m)
+    mp = _round_up(m, tm)
+    tn = block_n or _pick_tile(n, _MAX_TN, 128)
+    nk = k // tk
+    xp = _pad_rows(x, mp).reshape(mp, k // 2, 2)
+    kernel = functools.partial(_fp4_kernel, scale_rows=tk // blk, block=blk, kind=kind, nk=nk)
+    out = pl.pallas_call(
+        kernel,
+        grid=(mp // tm, n // tn, nk),
+        in_specs=[pl.BlockSpec((tm, tk // 2), lambda i, j, kk: (i, kk)),
+                  pl.BlockSpec((tm, tk // 2), lambda i, j, kk: (i, kk)),
+                  pl.BlockSpec((tk // 2, tn), lambda i, j, kk: (kk, j)),
+                  pl.BlockSpec((k // blk, tn), lambda i, j, kk: (0, j))],
+        out_specs=pl.BlockSpec((tm, tn), lambda i, j, kk: (i, j)),
+        out_shape=jax.ShapeDtypeStruct((mp, n), jnp.float32 if kind == "nv" else out_dtype),
+        scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32)],
+        compiler_params=_compiler_params(),
+        interpret=interpret if interpret is not None else False,
+    )(xp[..., 0], xp[..., 1], w.packed, sbytes)[:m]
+    if kind == "nv":
+        out = (out * w.global_multiplier()[0]).astype(out_dtype)  # [1] or per column [N]
+    return out
+
+
+def fp4_matmul_ref(x: jax.Array, w: Mxfp4Weight | Nvfp4Weight, *, out_dtype=None) -> jax.Array:
+    """Reference for ``fp4_matmul_tpu``: exact dequant, then an f32 GEMM."""
+    deq = dequantize_mxfp4(w) if isinstance(w, Mxfp4Weight) else dequantize_nvfp4(w)
+    y = jnp.dot(x.astype(jnp.float32), deq.reshape(w.in_features, w.out_features),
+                precision=lax.Precision.HIGHEST)
+    return y.astype(out_dtype or x.dtype)
+
+
+def quant_linear_tpu(x, w, bias=None, out_dtype=None, *, interpret=None):
+    """``linear``-signature wrapper: ``x [..., K]`` -> ``[..., *out]`` through the kernels."""
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    if isinstance(w, Fp8Weight):
+        y = fp8_matmul_tpu(x2, w, out_dtype=jnp.float32, interpret=interpret)
+    else:
+        y = fp4_matmul_tpu(x2, w, out_dtype=jnp.float32, interpret=interpret)
+    y = y.reshape(*lead, *w.out_shape)
+    if bias is not None:
+        y = y + bias.astype(y.dtype)
+    return y.astype(out_dtype or x.dtype)

@@ -1,0 +1,134 @@
+"""Pallas TPU quantized matmuls in TPU interpret mode (race detection on) against their references.
+
+The references (``fp8_matmul_ref``, ``fp4_matmul_ref``) are the formats' exact dequant followed by
+an f32 GEMM; that dequant is held bit-exact against the oracles in test_quant_formats.py. Grids
+are tiny (interpret mode costs milliseconds per step) but cover several M, N and K tiles, row
+padding, ragged FP8 edge blocks, several scale rows per K tile and one scale row across K tiles.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax._src.pallas.mosaic.interpret import interpret_pallas_call as tpu_interpret
+from jax.experimental.pallas import tpu as pltpu
+
+from tpuserve.quant import fp4, fp8
+from tpuserve.quant.pallas_tpu_matmul import (fp4_matmul_ref, fp4_matmul_tpu, fp8_matmul_ref,
+                                              fp8_matmul_tpu)
+
+RACES = pltpu.InterpretParams(detect_races=True)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_interpreter():
+    pltpu.reset_tpu_interpret_mode_state()
+    yield
+    pltpu.reset_tpu_interpret_mode_state()
+
+
+def races_found() -> bool:
+    assert tpu_interpret.races is not None, "no kernel ran in TPU interpret mode"
+    return bool(tpu_interpret.races.races_found)
+
+
+def data(m, k, n, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    w = (rng.standard_normal((k, n)) * np.exp(rng.uniform(-2, 2, (1, n))) / np.sqrt(k)).astype(np.float32)
+    return jnp.asarray(x), jnp.asarray(w)
+
+
+def check(y, want, dtype=jnp.float32):
+    assert not races_found(), "the race detector reported a data race"
+    tol = dict(rtol=2e-5, atol=2e-5) if dtype == jnp.float32 else dict(rtol=2e-2, atol=3e-2)
+    scale = float(jnp.max(jnp.abs(want)))
+    np.testing.assert_allclose(np.asarray(y, np.float32) / scale, np.asarray(want, np.float32) / scale,
+                               **tol)
+
+
+# name: (M, K, N, quantize kwargs, tiles)
+FP8_CASES = {
+    # one scale row; it stays the same across the 2 K tiles (bk = K > tk)
+    "channel_w8a16": (10, 256, 256, dict(granularity="channel"), dict(block_k=128, block_n=128)),
+    "tensor_w8a16": (8, 128, 384, dict(granularity="tensor"), dict(block_n=128)),
+    # 2 scale rows per K tile (tk = 256, bk = 128), 2 K tiles, 3 M tiles with padding
+    "block_w8a16": (20, 512, 256, dict(granularity="block"), dict(block_m=8, block_k=256, block_n=128)),
+    # ragged 128-blocks in K (320) and N (200): one full-K tile with a 64-row last sub-block
+    "block_ragged_w8a16": (6, 320, 200, dict(granularity="block"), dict()),
+    "block_w8a8": (12, 256, 256, dict(granularity="block", act_quant=True), dict(block_k=128, block_n=128)),
+    "channel_w8a8": (12, 256, 128, dict(granularity="channel", act_quant=True), dict(block_k=128)),
+}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", list(FP8_CASES))
+def test_fp8_kernel_matches_reference(name):
+    m, k, n, qkw, tiles = FP8_CASES[name]
+    x, w = data(m, k, n)
+    rec = fp8.quantize_fp8(w, block_size=128, **qkw)
+    y = fp8_matmul_tpu(x, rec, interpret=RACES, **tiles)
+    jax.block_until_ready(y)
+    check(y, fp8_matmul_ref(x, rec))
+
+
+@pytest.mark.timeout(300)
+def test_fp8_kernel_bf16_activations():
+    x, w = data(16, 256, 256, seed=3)
+    rec = fp8.quantize_fp8(w, "block", block_size=128)
+    xb = x.astype(jnp.bfloat16)
+    y = fp8_matmul_tpu(xb, rec, block_k=128, block_n=128, interpret=RACES)
+    assert y.dtype == jnp.bfloat16
+    check(y, fp8_matmul_ref(xb.astype(jnp.float32), rec), jnp.bfloat16)
+
+
+FP4_CASES = {
+    "mxfp4_3k_tiles": ("mx", 10, 384, 256, dict(block_k=128, block_n=128)),
+    "mxfp4_full_k": ("mx", 8, 256, 128, dict()),
+    "nvfp4_2k_tiles": ("nv", 20, 256, 256, dict(block_m=8, block_k=128, block_n=128)),
+    "nvfp4_full_k": ("nv", 4, 128, 384, dict(block_n=128)),
+}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", list(FP4_CASES))
+def test_fp4_kernel_matches_reference(name):
+    kind, m, k, n, tiles = FP4_CASES[name]
+    x, w = data(m, k, n, seed=5)
+    rec = fp4.quantize_mxfp4(w) if kind == "mx" else fp4.quantize_nvfp4(w)
+    y = fp4_matmul_tpu(x, rec, interpret=RACES, **tiles)
+    jax.block_until_ready(y)
+    check(y, fp4_matmul_ref(x, rec))
+
+
+@pytest.mark.timeout(300)
+def test_nvfp4_kernel_compressed_tensors_convention():
+    # a dividing global scale (compressed-tensors' weight_global_scale): same bytes, inverted number
+    x, w = data(8, 256, 128, seed=7)
+    rec = fp4.quantize_nvfp4(w)
+    ct_rec = fp4.Nvfp4Weight(rec.packed, rec.scale, 1.0 / rec.global_scale, rec.out_shape, True)
+    y = fp4_matmul_tpu(x, ct_rec, block_k=128, interpret=RACES)
+    jax.block_until_ready(y)
+    check(y, fp4_matmul_ref(x, ct_rec))
+    check(y, fp4_matmul_ref(x, rec))
+
+
+@pytest.mark.timeout(300)
+def test_fp4_kernel_bf16_activations():
+    x, w = data(16, 256, 128, seed=9)
+    rec = fp4.quantize_mxfp4(w)
+    xb = x.astype(jnp.bfloat16)
+    y = fp4_matmul_tpu(xb, rec, block_k=128, interpret=RACES)
+    assert y.dtype == jnp.bfloat16
+    check(y, fp4_matmul_ref(xb.astype(jnp.float32), rec), jnp.bfloat16)
+
+
+@pytest.mark.timeout(60)
+def test_bad_tiles_are_refused():
+    x, w = data(8, 256, 128)
+    with pytest.raises(ValueError, match="block_k"):
+        fp8_matmul_tpu(x, fp8.quantize_fp8(w, "block", block_size=128), block_k=192)
+    with pytest.raises(ValueError, match="block_k"):
+        fp4_matmul_tpu(x, fp4.quantize_mxfp4(w), block_k=48)
