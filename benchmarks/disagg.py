@@ -68,7 +68,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import httpx  # noqa: E402
 import numpy as np  # noqa: E402
-from serving import RequestResult, _pct, model_dir, one_request  # noqa: E402
+from serving import RequestResult, _compiled_programs, _pct, model_dir, one_request  # noqa: E402
 
 from tpuserve.kv_cache.transfer.layout import KVLayout  # noqa: E402
 from tpuserve.server.launcher import ServerProcess, free_port, tpuserve_argv  # noqa: E402
@@ -407,17 +407,6 @@ def _pin(cores: list[int] | None) -> list[str]:
     return ["taskset", "-c", ",".join(map(str, cores))] if cores else []
 
 
-def _compiled(base_url: str) -> int | None:
-    try:
-        text = httpx.get(base_url + "/metrics", timeout=10).text
-    except httpx.HTTPError:
-        return None
-    for line in text.splitlines():
-        if line.startswith("tpuserve:compiled_programs"):
-            return int(float(line.rsplit(" ", 1)[1]))
-    return None
-
-
 def bench_serving(args) -> dict:
     path = model_dir(args)
     common = ["--served-model-name", SERVED_NAME, "--log-level", "warning",
@@ -499,10 +488,10 @@ def bench_serving(args) -> dict:
         for rnd in range(args.rounds):
             order = list(modes) if rnd % 2 == 0 else list(reversed(modes))  # alternate who goes first
             for m in order:
-                before = [_compiled(s.base_url) for s in engines[m]]
+                before = [_compiled_programs(s.base_url) for s in engines[m]]
                 rd = asyncio.run(run_round(modes[m], args, prompts, args.short_requests_per_client,
                                            args.short_max_tokens))
-                after = [_compiled(s.base_url) for s in engines[m]]
+                after = [_compiled_programs(s.base_url) for s in engines[m]]
                 compiled[m] += sum(a - b for a, b in zip(after, before) if a is not None and b is not None)
                 runs[m].append(rd)
                 s = summarize([rd])
