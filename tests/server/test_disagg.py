@@ -108,3 +108,27 @@ def test_failure_policies_and_wrong_secret(pd):
     # Every server is still healthy after the failures.
     for name in ("prefill", "decode", "recompute", "wrong_secret"):
         assert httpx.get(pd[name].base_url + "/health").status_code == 200
+
+
+def test_producer_killed_consumers_fail_or_recompute_and_free_pages(pd):
+    """Runs last: kills the producer holding a lease. The fail-policy consumer answers 502 at once,
+    the recompute-policy consumer answers the single-engine output, the router answers 502/503 for
+    new requests, and every surviving server ends with no KV page in use."""
+    import time
+
+    body = {"prompt": PROMPTS[2], "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    single = _post(pd["decode"], body).json()["choices"][0]["text"]
+    leases = [_prefill(pd, PROMPTS[2]), _prefill(pd, PROMPTS[2])]
+    pd["prefill"].proc.kill()
+    pd["prefill"].proc.wait(30)
+    t = time.monotonic()
+    failed = _post(pd["decode"], dict(body, kv_transfer_params=leases[0]))
+    assert failed.status_code == 502 and time.monotonic() - t < 60
+    rec = _post(pd["recompute"], dict(body, kv_transfer_params=leases[1]))
+    assert rec.status_code == 200 and rec.json()["choices"][0]["text"] == single
+    via = httpx.post(pd["router"].base_url + "/v1/completions", json=body, timeout=120)
+    assert via.status_code in (502, 503) and "error" in via.json()
+    for name in ("decode", "recompute"):
+        metrics = httpx.get(pd[name].base_url + "/metrics").text
+        usage = [line for line in metrics.splitlines() if line.startswith("vllm:kv_cache_usage_perc")]
+        assert usage and float(usage[0].rsplit(" ", 1)[1]) == 0.0, usage
