@@ -215,8 +215,8 @@ class _FakeEngine:
         self.order: list[str] = []
         self.max_running = max_running
         self.pool = SimpleNamespace(num_free=10, num_usable=10, usage=lambda: 0.0)
-        self.stats = SimpleNamespace(prompt_tokens=0, generation_tokens=0, prefix_cache_queries=0,
-                                     prefix_cache_hits=0, steps=0)
+        from tpuserve.server.engine import EngineStats
+        self.stats = EngineStats()
         self.scheduler = SimpleNamespace(waiting=[])
 
     @property
@@ -231,7 +231,7 @@ class _FakeEngine:
         from types import SimpleNamespace
         self.scheduler.waiting = [SimpleNamespace(request_id=r) for r in self.order[self.max_running:]]
 
-    def add_request(self, rid, prompt, params, prompt_token_ids=None):
+    def add_request(self, rid, prompt, params, prompt_token_ids=None, **extra):
         if not prompt_token_ids:
             raise ValueError("prompt: must not be empty")
         self.requests[rid] = [params.max_tokens, []]
