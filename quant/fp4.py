@@ -31,10 +31,24 @@ _E4M3_SMALLEST_NORMAL = 2.0 ** -6  # torchao's E4M3_EPS: block scales never go s
 NVFP4_BLOCK = 16
 
 
+class _PackedFp4:
+    """Shape accessors shared by the two FP4 records (two e2m1 codes per byte along K)."""
+
+    packed: jax.Array
+
+    @property
+    def in_features(self) -> int:
+        return self.packed.shape[-2] * 2
+
+    @property
+    def out_features(self) -> int:
+        return self.packed.shape[-1]
+
+
 @functools.partial(jax.tree_util.register_dataclass, data_fields=("packed", "scale"),
                    meta_fields=("out_shape",))
 @dataclasses.dataclass(frozen=True)
-class Mxfp4Weight:
+class Mxfp4Weight(_PackedFp4):
     """OCP MXFP4 weight ``[*L, K, *out_shape]``.
 
     packed: u8 ``[*L, K/2, N]`` (two e2m1 codes per byte, low nibble = even k).
@@ -49,14 +63,6 @@ class Mxfp4Weight:
     block = MXFP4_BLOCK
 
     @property
-    def in_features(self) -> int:
-        return self.packed.shape[-2] * 2
-
-    @property
-    def out_features(self) -> int:
-        return self.packed.shape[-1]
-
-    @property
     def nbytes(self) -> int:
         return int(self.packed.size + self.scale.size)
 
@@ -64,7 +70,7 @@ class Mxfp4Weight:
 @functools.partial(jax.tree_util.register_dataclass, data_fields=("packed", "scale", "global_scale"),
                    meta_fields=("out_shape", "global_divides"))
 @dataclasses.dataclass(frozen=True)
-class Nvfp4Weight:
+class Nvfp4Weight(_PackedFp4):
     """NVFP4 weight ``[*L, K, *out_shape]``.
 
     packed: u8 ``[*L, K/2, N]``.
@@ -84,14 +90,6 @@ class Nvfp4Weight:
     global_divides: bool = False
 
     block = NVFP4_BLOCK
-
-    @property
-    def in_features(self) -> int:
-        return self.packed.shape[-2] * 2
-
-    @property
-    def out_features(self) -> int:
-        return self.packed.shape[-1]
 
     @property
     def nbytes(self) -> int:
