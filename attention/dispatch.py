@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import jax
 from jax.experimental.pallas import tpu as pltpu
+from jax.sharding import PartitionSpec as P
 
 from tpuserve.attention.blocked import ragged_paged_attention_blocked
 # resolve_impl and kv_cache_shape live in a jax-free module (KV sizing needs them before jax);
@@ -18,6 +19,7 @@ from tpuserve.attention.pallas_gpu import ragged_paged_attention_gpu_stacked
 from tpuserve.attention.pallas_tpu import ragged_paged_attention_tpu_stacked
 from tpuserve.attention.reference import ragged_paged_attention_ref, write_kv_ref
 from tpuserve.kv_cache.layout import interleave_kv
+from tpuserve.tpu_platform.mesh import MODEL_AXIS, model_axis_size
 
 # "pallas_tpu_interpret" runs the real TPU kernel on CPU in TPU interpret mode (simulated HBM/VMEM/
 # SMEM, DMAs executed on wait, semaphores, uninitialised VMEM reading as NaN). Race detection is
@@ -46,14 +48,33 @@ def ragged_paged_attention(
     md: AttentionMetadata,
     params: AttentionParams,
     impl: str,
+    mesh=None,
 ) -> tuple[jax.Array, jax.Array]:
     """Write this step's K/V into layer ``layer`` of the stacked cache, then attend.
+
+    mesh: under tensor parallelism the heads and the cache's combined-head axis are split over the
+    mesh's "model" axis; each device then runs ``impl`` on its own heads (``shard_map``: a Pallas
+    kernel cannot be partitioned by XLA) and no data crosses devices.
 
     queries [T, Hq, D]; new_k, new_v [T, Hkv, D]; kv_cache [L, P, page_size, C, D] in the
     shape ``kv_cache_shape(impl, spec)`` gives (C = 2*Hkv, or padded to the sublane tile for the
     Pallas TPU kernel, which also takes an unpadded cache); layer: scalar int32.
     Returns (out [T, Hq, D], updated kv_cache).
     """
+    if model_axis_size(mesh) > 1:
+        heads, cache = P(None, MODEL_AXIS, None), P(None, None, None, MODEL_AXIS, None)
+
+        def local(q, k, v, kv, layer, md):
+            return _attend(q, k, v, kv, layer, md, params, impl)
+
+        return jax.shard_map(local, mesh=mesh, in_specs=(heads, heads, heads, cache, P(), P()),
+                             out_specs=(heads, cache), check_vma=False)(
+            queries, new_k, new_v, kv_cache, layer, md)
+    return _attend(queries, new_k, new_v, kv_cache, layer, md, params, impl)
+
+
+def _attend(queries, new_k, new_v, kv_cache, layer, md: AttentionMetadata, params: AttentionParams,
+            impl: str):
     if impl == "auto":
         impl = resolve_impl(impl, jax.default_backend())
     num_combined = 2 * new_k.shape[1]

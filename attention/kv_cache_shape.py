@@ -61,6 +61,11 @@ def combined_heads(impl: str, num_kv_heads: int, dtype) -> int:
 
 
 def kv_cache_shape(impl: str, spec) -> tuple[int, int, int, int, int]:
-    """``[L, P, page_size, C, D]`` of the stacked cache ``impl`` works on, for a ``KVCacheSpec``."""
-    return (spec.num_layers, spec.num_pages, spec.page_size,
-            combined_heads(impl, spec.num_kv_heads, spec.dtype), spec.head_dim)
+    """``[L, P, page_size, C, D]`` of the stacked cache ``impl`` works on, for a ``KVCacheSpec``.
+
+    A cache split by KV head over ``spec.num_shards`` devices (tensor parallel) is the concatenation
+    of each device's own cache on C, so padding (if ``impl`` pads) applies per shard.
+    """
+    shards = getattr(spec, "num_shards", 1)
+    per_shard = combined_heads(impl, spec.num_kv_heads // shards, spec.dtype)
+    return (spec.num_layers, spec.num_pages, spec.page_size, shards * per_shard, spec.head_dim)

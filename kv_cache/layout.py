@@ -45,6 +45,12 @@ class KVCacheSpec:
     num_kv_heads: int
     head_dim: int
     dtype: jnp.dtype
+    num_shards: int = 1  # devices the KV heads split over (tensor parallel); must divide them
+
+    def __post_init__(self):
+        if self.num_shards < 1 or self.num_kv_heads % self.num_shards:
+            raise ValueError(f"{self.num_kv_heads} KV heads cannot split evenly over "
+                             f"{self.num_shards} devices")
 
     @property
     def shape(self) -> tuple[int, int, int, int, int]:

@@ -220,17 +220,19 @@ def verify_async(logits: jax.Array, rows: SamplingBatch, draft_token_ids: Any, c
     return Verification(token_ids, accepted, row_tokens, parts)
 
 
-def warmup(shapes: Iterable[tuple[int, int, int]], vocab_size: int, *, draft_probs: bool = False) -> int:
+def warmup(shapes: Iterable[tuple[int, int, int]], vocab_size: int, *, draft_probs: bool = False,
+           sharding=None) -> int:
     """Compile the verify and greedy-acceptance programs for each (R, S, K) in ``shapes`` (logits
     [R, V] f32), with one-hot drafts and, when ``draft_probs``, with draft distributions too.
-    The sampler's own programs at R rows are ``sampler.warmup``'s job. Returns programs compiled."""
+    The sampler's own programs at R rows are ``sampler.warmup``'s job. ``sharding``: where the real
+    logits live (None: the default device). Returns programs compiled."""
     before = compile_count()
     for num_rows, num_seqs, k in sorted(set(shapes)):
-        x = jax.device_put(np.zeros((num_rows, vocab_size), np.float32))
+        x = jax.device_put(np.zeros((num_rows, vocab_size), np.float32), sharding)
         drafts = np.full((num_seqs, k), -1, np.int32)
         cu = np.zeros(num_seqs + 1, np.int32)
         rows = SamplingBatch.greedy(num_rows)
-        accept_greedy(jax.device_put(np.zeros(num_rows, np.int32)), drafts, cu)
+        accept_greedy(jax.device_put(np.zeros(num_rows, np.int32), sharding), drafts, cu)
         rows.temperature[0] = 1.0
         _, random_args, _ = sampler.prepare_verification(x, rows)
         for probs in (None, np.zeros((num_seqs, k, vocab_size), np.float32)) if draft_probs else (None,):

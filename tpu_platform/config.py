@@ -128,8 +128,8 @@ class ParallelConfig:
     def validate(self) -> None:
         for name in ("tensor_parallel_size", "data_parallel_size"):
             v = getattr(self, name)
-            _need(v >= 1, name, v, "must be >= 1")
-            _need(v == 1, name, v, "parallel execution over a device mesh is not supported yet; use 1")
+            _need(isinstance(v, int) and not isinstance(v, bool) and v >= 1, name, v,
+                  "must be an integer >= 1")
 
 
 @dataclass
@@ -253,6 +253,21 @@ class EngineConfig:
                         self.speculative, self.kv_transfer, self.compilation):
             if section is not None:
                 section.validate()
+        if self.parallel.tensor_parallel_size > 1:
+            # The host tier and the KV transfer move pages of a single-device cache.
+            tp = self.parallel.tensor_parallel_size
+            _need(self.cache.kv_offloading_size is None, "kv_offloading_size",
+                  self.cache.kv_offloading_size,
+                  f"the host KV tier does not support a sharded KV cache yet "
+                  f"(tensor_parallel_size={tp}); drop one of the two")
+            _need(self.kv_transfer is None, "kv_transfer_config", "set",
+                  f"KV transfer does not support a sharded KV cache yet "
+                  f"(tensor_parallel_size={tp}); drop one of the two")
+        if self.parallel.data_parallel_size > 1:
+            _need(self.kv_transfer is None, "kv_transfer_config", "set",
+                  f"a P/D engine pairs one KV cache with its peer; with data_parallel_size="
+                  f"{self.parallel.data_parallel_size} run one server per replica behind "
+                  f"`tpuserve router` instead")
         s = self.scheduler
         if not s.enable_chunked_prefill and self.model.max_model_len is not None:
             _need(s.max_num_batched_tokens >= self.model.max_model_len, "max_num_batched_tokens",

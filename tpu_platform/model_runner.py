@@ -29,6 +29,8 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from tpuserve.attention.dispatch import resolve_impl
 from tpuserve.attention.metadata import AttentionMetadata
@@ -39,6 +41,8 @@ from tpuserve.tpu_platform.config import EngineConfig
 from tpuserve.tpu_platform.device import DeviceInfo
 from tpuserve.tpu_platform.models.arch import ModelArch
 from tpuserve.tpu_platform.models.decoder import compute_logits, forward
+from tpuserve.tpu_platform.mesh import MODEL_AXIS, model_axis_size
+from tpuserve.tpu_platform.models.sharding import kv_cache_partition_spec, param_partition_specs
 from tpuserve.tpu_platform.models.weights import unstack_layers
 from tpuserve.tpu_platform.step_batch import (Logprobs, SamplingBatch, ScheduledSeq,
                                               StepBatch, StepOutput, pack_sampling_rows)
@@ -82,10 +86,15 @@ class PendingStep:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, arch: ModelArch, params: dict, device: DeviceInfo,
-                 dtype, num_pages: int, max_model_len: int, num_speculative_tokens: int | None = None):
+                 dtype, num_pages: int, max_model_len: int, num_speculative_tokens: int | None = None,
+                 mesh=None):
         """num_speculative_tokens: the most drafts a sequence verifies per step (the draft slots
-        ``warmup`` compiles); None takes the speculative config's, 0 when there is none."""
+        ``warmup`` compiles); None takes the speculative config's, 0 when there is none.
+        mesh: the ("data", "model") mesh to run on (``tpu_platform/mesh.py``); None: the default
+        device. Weights and KV heads split over "model"; logits come back replicated, so the
+        sampler runs on every device of the mesh alike."""
         self.config = config
+        self.mesh = mesh
         if num_speculative_tokens is None:
             spec = config.speculative
             num_speculative_tokens = spec.num_speculative_tokens if spec is not None else 0
@@ -94,7 +103,13 @@ class ModelRunner:
         self.layer_loop = config.compilation.layer_loop
         if self.layer_loop == "auto":
             self.layer_loop = "unroll" if device.backend == "cpu" else "scan"
-        self.params = unstack_layers(params) if self.layer_loop == "unroll" else params
+        params = unstack_layers(params) if self.layer_loop == "unroll" else params
+        self._replicated = None if mesh is None else NamedSharding(mesh, P())
+        self._kv_sharding = None if mesh is None else NamedSharding(mesh, kv_cache_partition_spec(MODEL_AXIS))
+        if mesh is not None:
+            specs = param_partition_specs(params, MODEL_AXIS)
+            params = jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), params, specs)
+        self.params = params
         self.dtype = dtype
         self.page_size = config.cache.block_size
         self.max_model_len = max_model_len
@@ -102,9 +117,13 @@ class ModelRunner:
         self.max_logprobs = config.model.max_logprobs
         self.attn_impl = resolve_impl(config.compilation.attention_impl, device.backend)
         self.kv_spec = KVCacheSpec(arch.num_layers, num_pages, self.page_size, arch.num_kv_heads,
-                                   arch.head_dim, dtype)
+                                   arch.head_dim, dtype, num_shards=model_axis_size(mesh))
         # The attention backend picks the physical shape (TPU pads the combined-head axis).
-        self.kv_cache = self.kv_spec.allocate(self.attn_impl)
+        if mesh is None:
+            self.kv_cache = self.kv_spec.allocate(self.attn_impl)
+        else:  # allocated in place, each device its own slice of heads
+            self.kv_cache = jax.jit(functools.partial(self.kv_spec.allocate, self.attn_impl),
+                                    out_shardings=self._kv_sharding)()
         self.max_pages_per_seq = math.ceil(max_model_len / self.page_size)
         # The blocked path's work follows the live context, not the table width: one page bucket.
         self.page_buckets = ((self.max_pages_per_seq,) if self.attn_impl == "blocked"
@@ -117,7 +136,7 @@ class ModelRunner:
             functools.partial(self._traced_step, inv_freq=jnp.asarray(arch.inv_freq())),
             donate_argnums=(1,))
         self._prompt_logits = jax.jit(self._traced_prompt_logits)
-        self._no_feed = jnp.zeros(self.max_seq_slots, jnp.int32)
+        self._no_feed = self._put(np.zeros(self.max_seq_slots, np.int32))
 
     @staticmethod
     def _page_buckets(max_pages: int) -> tuple[int, ...]:
@@ -133,9 +152,15 @@ class ModelRunner:
         final norm (prompt logprobs score its rows later), kv_cache)."""
         self._traces += 1  # runs only while tracing, i.e. once per compiled program
         out = forward(params, kv_cache, token_ids, positions, md, arch=self.arch,
-                      attn_impl=self.attn_impl, inv_freq=inv_freq)
+                      attn_impl=self.attn_impl, inv_freq=inv_freq, mesh=self.mesh)
         logits = compute_logits(params, out.hidden[logits_indices], arch=self.arch)
-        return logits, out.hidden, out.kv_cache
+        hidden, kv_cache = out.hidden, out.kv_cache
+        if self.mesh is not None:
+            # Pin the cache's sharding so the donated buffer comes back as it went in.
+            logits = self._gather_logits(logits)
+            hidden = jax.lax.with_sharding_constraint(hidden, self._replicated)
+            kv_cache = jax.lax.with_sharding_constraint(kv_cache, self._kv_sharding)
+        return logits, hidden, kv_cache
 
     def _traced_step(self, params, kv_cache, token_ids, feed_rows, prev_tokens, positions, md,
                      logits_indices, *, inv_freq):
@@ -149,13 +174,28 @@ class ModelRunner:
         self._traces += 1
         rows = sampler.logprob_rows_bucket(hidden.shape[0])
         hidden = jnp.pad(hidden, ((0, rows - hidden.shape[0]), (0, 0)))
-        return compute_logits(params, hidden, arch=self.arch)
+        logits = compute_logits(params, hidden, arch=self.arch)
+        return logits if self.mesh is None else self._gather_logits(logits)
+
+    def _gather_logits(self, logits):
+        """[R, V] logits of a vocabulary-parallel LM head -> replicated, for the sampler.
+
+        Pinning the head's output to its vocabulary split first makes XLA all-gather the R x V
+        logits; asked only for a replicated result it may gather the H x V head instead.
+        """
+        split = NamedSharding(self.mesh, P(None, MODEL_AXIS))
+        logits = jax.lax.with_sharding_constraint(logits, split)
+        return jax.lax.with_sharding_constraint(logits, self._replicated)
 
     @property
     def compile_count(self) -> int:
         """Programs traced so far: model forward variants plus sampler and step-glue variants."""
         return (self._traces + sampler.compile_count() + _glue_traces()
                 + rejection_sampler.compile_count())
+
+    def _put(self, x) -> jax.Array:
+        """A host array as a step input: on the default device, or replicated over the mesh."""
+        return jnp.asarray(x) if self._replicated is None else jax.device_put(x, self._replicated)
 
     # ---- building a padded batch ----
 
@@ -240,11 +280,11 @@ class ModelRunner:
 
     # ---- running ----
 
-    @staticmethod
-    def _metadata(batch: StepBatch) -> AttentionMetadata:
+    def _metadata(self, batch: StepBatch) -> AttentionMetadata:
+        put = self._put
         return AttentionMetadata(
-            kv_lens=jnp.asarray(batch.kv_lens), page_indices=jnp.asarray(batch.page_table),
-            cu_q_lens=jnp.asarray(batch.cu_q_lens), num_seqs=jnp.asarray([batch.num_seqs], jnp.int32))
+            kv_lens=put(batch.kv_lens), page_indices=put(batch.page_table),
+            cu_q_lens=put(batch.cu_q_lens), num_seqs=put(np.asarray([batch.num_seqs], np.int32)))
 
     def forward(self, batch: StepBatch, prev: PendingStep | None = None) -> ForwardState:
         """Dispatch the model over ``batch`` (returns before the device finishes).
@@ -255,9 +295,10 @@ class ModelRunner:
             raise ValueError("the batch feeds tokens from a previous step, but none was given")
         feed = batch.feed_rows if batch.feed_rows is not None else np.full(len(batch.token_ids), -1, np.int32)
         prev_tokens = prev.last_tokens if prev is not None else self._no_feed
+        put = self._put
         logits, hidden, self.kv_cache = self._step(
-            self.params, self.kv_cache, jnp.asarray(batch.token_ids), jnp.asarray(feed), prev_tokens,
-            jnp.asarray(batch.positions), self._metadata(batch), jnp.asarray(batch.logits_indices))
+            self.params, self.kv_cache, put(batch.token_ids), put(feed), prev_tokens,
+            put(batch.positions), self._metadata(batch), put(batch.logits_indices))
         return ForwardState(batch, logits, hidden)
 
     def sample(self, fwd: ForwardState, sampling: SamplingBatch | None = None,
@@ -335,12 +376,12 @@ class ModelRunner:
             row_counts |= {self._logits_slots(t, k) for t in drafted_buckets}
             rejection_sampler.warmup(
                 [(self._logits_slots(t, k), min(t, self.max_num_seqs), k) for t in drafted_buckets],
-                self.arch.vocab_size)
+                self.arch.vocab_size, sharding=self._replicated)
         sampler.warmup(sorted(row_counts), self.arch.vocab_size, self.max_logprobs,
-                       prompt_logprob_rows=self.token_buckets[-1])
+                       prompt_logprob_rows=self.token_buckets[-1], sharding=self._replicated)
         # Prompt logprobs: the LM head over every row of each token bucket.
         for t in self.token_buckets:
-            self._prompt_logits(self.params, jnp.zeros((t, self.arch.hidden_size), self.dtype))
+            self._prompt_logits(self.params, self._put(np.zeros((t, self.arch.hidden_size), self.dtype)))
         jax.block_until_ready(self.kv_cache)
         log.info("warm-up compiled %d programs", self.compile_count - before)
         return self.compile_count - before

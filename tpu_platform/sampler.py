@@ -603,18 +603,21 @@ def warmup(
     max_logprobs: int = DEFAULT_MAX_LOGPROBS,
     prompt_logprob_rows: int = 0,
     dtype: Any = jnp.float32,
+    sharding: Any = None,
 ) -> int:
     """Compile every sampler variant for every row count in ``row_counts`` (logits [S, vocab_size] of
     ``dtype``), and compute_logprobs for every row bucket up to ``prompt_logprob_rows`` (0: none).
 
     Afterwards no batch of those row counts compiles anything, whatever its sampling parameters,
     as long as ``max_logprobs`` matches what ``sample`` / ``compute_logprobs`` are called with.
+    ``sharding``: where the real logits live (a mesh runner's replicated sharding); None: the
+    default device.
     Costs 5 programs per row count (argmax, extras x 2, random, logprobs) plus one per prompt
     bucket not among them. Returns the number of programs compiled (0 when everything was warm).
     """
     before = compile_count()
     for num_rows in sorted(set(int(n) for n in row_counts)):
-        logits = jax.device_put(np.zeros((num_rows, vocab_size), dtype))
+        logits = jax.device_put(np.zeros((num_rows, vocab_size), dtype), sharding)
         for name in ("output_counts", "prompt_mask", "token_bitmask"):
             _neutral(name, num_rows, vocab_size)
         for random in (False, True):
@@ -632,7 +635,7 @@ def warmup(
     if prompt_logprob_rows > 0:
         rows = MIN_LOGPROB_ROWS
         while rows <= logprob_rows_bucket(prompt_logprob_rows):
-            logits = jax.device_put(np.zeros((rows, vocab_size), dtype))
+            logits = jax.device_put(np.zeros((rows, vocab_size), dtype), sharding)
             compute_logprobs(logits, np.zeros(rows, np.int32), 0, max_logprobs)
             rows *= 2
     return compile_count() - before

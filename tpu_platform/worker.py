@@ -56,11 +56,20 @@ def _tree_nbytes(tree) -> int:
 
 
 class Worker:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, replica: int = 0):
+        """replica: which data-parallel replica this worker is (its device subset, mesh.py)."""
         from tpuserve.tpu_platform.device import discover, enable_compilation_cache, resolve_dtype
+        from tpuserve.tpu_platform.mesh import plan_devices, replica_mesh
 
         self.config = config
         self.device = discover()
+        par = config.parallel
+        self.tensor_parallel_size = par.tensor_parallel_size
+        # No mesh on a single device: the one-device engine stays exactly what it was.
+        self.mesh = None
+        if par.tensor_parallel_size * par.data_parallel_size > 1:
+            self.mesh = replica_mesh(plan_devices(par.tensor_parallel_size, par.data_parallel_size),
+                                     replica)
         self.compilation_cache_dir = enable_compilation_cache(config.compilation.compilation_cache_dir)
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         self.arch = None
@@ -83,7 +92,10 @@ class Worker:
         m = self.config.model
         loaded = load_model(m.model, self.dtype, m.tokenizer)
         self.arch, self.tokenizer, self.model_source = loaded.arch, loaded.tokenizer, loaded.source
-        self._params = self._quantize(loaded.params, loaded.quantization)
+        params = loaded.params
+        if self.tensor_parallel_size > 1:
+            params = self._shard_heads(params, loaded.quantization)
+        self._params = self._quantize(params, loaded.quantization)
         limit = self.arch.max_position_embeddings
         want = m.max_model_len or limit
         if want > limit and clamp_max_model_len:
@@ -93,6 +105,27 @@ class Worker:
         self.max_model_len = want
         log.info("loaded %s (%s, %d layers) in %.1f s", loaded.source, self.arch.architecture,
                  self.arch.num_layers, time.perf_counter() - t0)
+
+    def _shard_heads(self, params: dict, checkpoint_method: str | None) -> dict:
+        """Check the model splits over the TP devices; replicate KV heads when there are fewer
+        than devices (models/sharding.py), before any online quantization."""
+        from tpuserve.tpu_platform.models.sharding import check_tensor_parallel, replicate_kv_heads
+
+        tp = self.tensor_parallel_size
+        try:
+            r = check_tensor_parallel(self.arch, tp)
+            if r > 1 and checkpoint_method is not None:
+                raise ValueError(f"tensor_parallel_size={tp}: the model's {self.arch.num_kv_heads} "
+                                 f"KV heads would need replicating, which a pre-quantized "
+                                 f"({checkpoint_method}) checkpoint's qkv cannot be; use a TP size "
+                                 f"that divides the KV heads")
+        except ValueError as e:
+            raise ConfigError(str(e)) from e
+        if r > 1:
+            log.info("tensor parallel %d over %d KV heads: each KV head replicated %d times", tp,
+                     self.arch.num_kv_heads, r)
+            params, self.arch = replicate_kv_heads(params, self.arch, tp)
+        return params
 
     def _quantize(self, params: dict, checkpoint_method: str | None) -> dict:
         """The quantization step of loading: route ``linear`` for quantized records, and quantize an
@@ -144,12 +177,17 @@ class Worker:
         a = self.arch
         impl = resolve_impl(self.config.compilation.attention_impl, self.device.backend)
         spec = KVCacheSpec(a.num_layers, 1, self.config.cache.block_size, a.num_kv_heads, a.head_dim,
-                           self.dtype)
+                           self.dtype, num_shards=self.tensor_parallel_size)
         return spec.page_bytes(impl), spec.bytes_per_page
 
     def kv_cache_budget(self) -> int:
+        """Bytes for the whole (all devices') KV cache: weights and pages are counted whole, so
+        the memory is the mesh's (TP devices x one device's)."""
         a = self.arch
-        return kv_cache_budget(self.config, memory_bytes=self.device.memory_bytes,
+        memory = self.device.memory_bytes
+        if memory and self.device.is_accelerator:
+            memory *= self.tensor_parallel_size
+        return kv_cache_budget(self.config, memory_bytes=memory,
                                is_accelerator=self.device.is_accelerator, weight_bytes=self.weight_bytes,
                                hidden_size=a.hidden_size, intermediate_size=a.intermediate_size,
                                vocab_size=a.vocab_size)
@@ -182,7 +220,7 @@ class Worker:
         if self._params is None:
             raise RuntimeError("Worker.load() must run before init_kv_cache()")
         self.runner = ModelRunner(self.config, self.arch, self._params, self.device, self.dtype,
-                                  num_pages, self.max_model_len)
+                                  num_pages, self.max_model_len, mesh=self.mesh)
         self._params = None
         log.info("KV cache: %d pages of %d tokens (%.2f GiB), token buckets %s, page buckets %s",
                  num_pages, self.config.cache.block_size,

@@ -53,7 +53,7 @@ def test_every_section_field_is_a_cli_flag_once():
     (dict(dtype="int8"), "dtype"),
     (dict(gpu_memory_utilization=0), "gpu_memory_utilization"),
     (dict(kv_cache_dtype="fp8"), "kv_cache_dtype"),
-    (dict(tensor_parallel_size=2), "tensor_parallel_size"),
+    (dict(tensor_parallel_size=2, kv_offloading_size=1.0), "kv_offloading_size"),
     (dict(data_parallel_size=0), "data_parallel_size"),
     (dict(quantization="int4"), r"quantization: must be one of \('fp8', 'mxfp4', 'nvfp4'\)"),
     (dict(speculative_config='{"method": "eagle3", "num_speculative_tokens": 3}'), "eagle3"),

@@ -31,6 +31,9 @@ import numpy as np
 
 from tpuserve.attention.dispatch import AttentionParams, ragged_paged_attention
 from tpuserve.attention.metadata import AttentionMetadata
+from jax.sharding import PartitionSpec as P
+
+from tpuserve.tpu_platform.mesh import MODEL_AXIS, model_axis_size
 from tpuserve.tpu_platform.models.arch import ModelArch
 from tpuserve.tpu_platform.models.linear import linear
 
@@ -67,8 +70,26 @@ class DecoderOutput:
     kv_cache: jax.Array
 
 
+def embed_tokens(table, token_ids, mesh=None):
+    """table [V, H], token_ids [T] -> [T, H]. Under a tensor-parallel mesh the table is split by
+    vocabulary: each device looks up the ids in its own range (zeros elsewhere) and one all-reduce
+    sums the rows, instead of gathering the whole table."""
+    if model_axis_size(mesh) == 1:
+        return table[token_ids]
+
+    def local(tab, ids):
+        v_local = tab.shape[0]
+        rel = ids - jax.lax.axis_index(MODEL_AXIS) * v_local
+        mine = (rel >= 0) & (rel < v_local)
+        rows = tab[jnp.where(mine, rel, 0)]
+        return jax.lax.psum(jnp.where(mine[:, None], rows, jnp.zeros_like(rows)), MODEL_AXIS)
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(P(MODEL_AXIS, None), P()), out_specs=P(),
+                         check_vma=False)(table, token_ids)
+
+
 def _layer(arch: ModelArch, attn_params: AttentionParams, attn_impl: str, md: AttentionMetadata,
-           cos, sin, h, kv_cache, w, layer_idx):
+           cos, sin, h, kv_cache, w, layer_idx, mesh=None):
     """One transformer block. h [T, H] residual stream in; returns (h [T, H] out, kv_cache)."""
     t = h.shape[0]
     hq, hkv, d = arch.num_heads, arch.num_kv_heads, arch.head_dim
@@ -82,7 +103,8 @@ def _layer(arch: ModelArch, attn_params: AttentionParams, attn_impl: str, md: At
         q = rms_norm(q, w["q_norm"], arch.rms_norm_eps)
         k = rms_norm(k, w["k_norm"], arch.rms_norm_eps)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    attn, kv_cache = ragged_paged_attention(q, k, v, kv_cache, layer_idx, md, attn_params, attn_impl)
+    attn, kv_cache = ragged_paged_attention(q, k, v, kv_cache, layer_idx, md, attn_params, attn_impl,
+                                            mesh=mesh)
     h = h + linear(attn.reshape(t, hq * d), w["o"], w.get("o_bias"))
 
     x = rms_norm(h, w["post_norm"], arch.rms_norm_eps)
@@ -92,7 +114,7 @@ def _layer(arch: ModelArch, attn_params: AttentionParams, attn_impl: str, md: At
 
 
 def forward(params, kv_cache, token_ids, positions, md: AttentionMetadata, *, arch: ModelArch,
-            attn_impl: str, inv_freq, aux_layer_ids: tuple[int, ...] = ()) -> DecoderOutput:
+            attn_impl: str, inv_freq, aux_layer_ids: tuple[int, ...] = (), mesh=None) -> DecoderOutput:
     """One ragged step over all T token slots; returns hidden states, not logits.
 
     params: the tree in this module's docstring, layers stacked ([L, ...] arrays, run with
@@ -100,6 +122,9 @@ def forward(params, kv_cache, token_ids, positions, md: AttentionMetadata, *, ar
     kv_cache [L, P, page_size, 2*Hkv, D]; token_ids, positions [T] i32; inv_freq [D/2] f32.
     aux_layer_ids: static layer indices in [0, L] whose incoming residual stream to return (L: the
         last layer's output before the final norm). Empty: no extra work is traced.
+    mesh: a ("data", "model") mesh the params and cache are sharded over (``models/sharding.py``),
+        or None. The matmuls follow their weights' shardings (XLA adds the all-reduces after o and
+        down); attention and the embedding lookup run per device under ``shard_map``.
     Returns DecoderOutput(hidden [T, H], aux_hidden (len(aux_layer_ids) x [T, H]), kv_cache).
     """
     num_layers = arch.num_layers
@@ -107,13 +132,13 @@ def forward(params, kv_cache, token_ids, positions, md: AttentionMetadata, *, ar
     bad = [i for i in aux_layer_ids if not 0 <= i <= num_layers]
     if bad:
         raise ValueError(f"aux_layer_ids {bad} out of range for {num_layers} layers (0..{num_layers})")
-    h = params["embed"][token_ids]
+    h = embed_tokens(params["embed"], token_ids, mesh)
     freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
     cos, sin = jnp.cos(freqs), jnp.sin(freqs)
     attn_params = AttentionParams(sm_scale=arch.head_dim ** -0.5, sliding_window=arch.sliding_window)
 
     def block(h, kv_cache, w, layer_idx):
-        return _layer(arch, attn_params, attn_impl, md, cos, sin, h, kv_cache, w, layer_idx)
+        return _layer(arch, attn_params, attn_impl, md, cos, sin, h, kv_cache, w, layer_idx, mesh)
 
     captured: dict[int, jax.Array] = {}
     if isinstance(params["layers"], (list, tuple)):  # unrolled: layer i is a constant

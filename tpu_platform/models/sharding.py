@@ -100,3 +100,67 @@ def kv_cache_partition_spec(axis: str = "model") -> P:
     TPU kernel's) need the padding per device instead; that is not handled here yet.
     """
     return P(None, None, None, axis, None)
+
+
+def kv_head_replicas(num_heads: int, num_kv_heads: int, tp: int) -> int:
+    """How many copies of each KV head tensor parallelism over ``tp`` devices needs (1: none).
+
+    Raises ValueError naming the flag when the model's heads cannot split over ``tp`` devices.
+    """
+    problems = []
+    if num_heads % tp:
+        problems.append(f"{num_heads} attention heads")
+    if num_kv_heads % tp and tp % num_kv_heads:
+        problems.append(f"{num_kv_heads} KV heads (need a multiple or a divisor of the TP size)")
+    if problems:
+        raise ValueError(f"tensor_parallel_size={tp}: the model's " + " and ".join(problems)
+                         + f" do not split over {tp} devices")
+    return max(1, tp // num_kv_heads)
+
+
+def check_tensor_parallel(arch, tp: int) -> int:
+    """Validate that ``arch`` splits over ``tp`` devices; returns kv_head_replicas (see there)."""
+    r = kv_head_replicas(arch.num_heads, arch.num_kv_heads, tp)
+    for what, n in (("intermediate_size", arch.intermediate_size), ("vocab_size", arch.vocab_size)):
+        if n % tp:
+            raise ValueError(f"tensor_parallel_size={tp}: the model's {what}={n} does not split "
+                             f"evenly over {tp} devices")
+    return r
+
+
+def replicate_kv_heads(params: dict, arch, tp: int):
+    """(params, arch) with each KV head copied so that ``tp`` devices hold one KV head each.
+
+    When Hkv < TP a split by KV head is impossible, so (as tpu-inference does) each KV head is
+    replicated r = TP / Hkv times and its G query heads are divided among the copies: copy s of KV
+    head h serves query heads h*G + s*G/r ... h*G + (s+1)*G/r - 1. The query heads keep their order,
+    so ``o`` is unchanged; only qkv (and its bias) grow on the Hkv axis, and the KV cache holds TP
+    heads. The model computes exactly what it did. Dense weights only: quantize afterwards.
+    """
+    import dataclasses
+
+    import jax.numpy as jnp
+
+    r = kv_head_replicas(arch.num_heads, arch.num_kv_heads, tp)
+    if r == 1:
+        return params, arch
+    g = arch.num_heads // arch.num_kv_heads
+
+    def grow(x):  # [..., Hkv, G+2, D] -> [..., Hkv*r, G/r+2, D]
+        if not hasattr(x, "ndim"):
+            raise ValueError("replicating KV heads needs dense qkv weights; this checkpoint's are "
+                             "pre-quantized (use a tensor_parallel_size the KV heads divide)")
+        *lead, hkv, _, d = x.shape
+        q = x[..., :g, :].reshape(*lead, hkv * r, g // r, d)
+        kv = jnp.repeat(x[..., g:, :], r, axis=-3)
+        return jnp.concatenate([q, kv], axis=-2)
+
+    def layer(w):
+        w = dict(w, qkv=grow(w["qkv"]))
+        if w.get("qkv_bias") is not None:
+            w["qkv_bias"] = grow(w["qkv_bias"])
+        return w
+
+    layers = params["layers"]
+    layers = type(layers)(layer(w) for w in layers) if isinstance(layers, (list, tuple)) else layer(layers)
+    return dict(params, layers=layers), dataclasses.replace(arch, num_kv_heads=arch.num_kv_heads * r)
