@@ -382,11 +382,19 @@ def run_server(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = engine_config_from_args(args)
-    engine = LLMEngine(config, grammar_factory=make_grammar_matcher)
-    if not args.no_warmup:
-        log.info("warming up (compiling every shape bucket)")
-        engine.warmup()
-    async_engine = AsyncEngine(engine, max_waiting_requests=args.max_waiting_requests)
+    engines = []
+    for replica in range(config.parallel.data_parallel_size):
+        engine = LLMEngine(config, grammar_factory=make_grammar_matcher, replica=replica)
+        if not args.no_warmup:
+            log.info("warming up replica %d (compiling every shape bucket)", replica)
+            engine.warmup()
+        engines.append(engine)
+    replicas = [AsyncEngine(e, max_waiting_requests=args.max_waiting_requests) for e in engines]
+    if len(replicas) == 1:
+        async_engine = replicas[0]
+    else:
+        from tpuserve.server.data_parallel import DataParallelEngine
+        async_engine = DataParallelEngine(replicas)
     name, others = model_names(args.model, config.model.served_model_name)
     app = build_app(async_engine, name, api_key=args.api_key, model_root=engine.model_source,
                     extra_model_names=others, chat_template=_read_chat_template(args.chat_template),

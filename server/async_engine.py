@@ -59,6 +59,7 @@ class EngineSnapshot:
     spec_accepted_per_pos: tuple[int, ...] = ()
     steps: int = 0
     compiled_programs: int = 0
+    routed_per_replica: tuple[int, ...] = ()  # data parallel: requests sent to each replica
 
 
 @dataclass

@@ -84,11 +84,12 @@ class _InFlight:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig,
-                 grammar_factory: Callable[[Any, Any, int], Any] | None = None):
+                 grammar_factory: Callable[[Any, Any, int], Any] | None = None, replica: int = 0):
         """``grammar_factory(structured_output_params, tokenizer, vocab_size)`` builds a matcher with
-        ``fill_bitmask() -> int32[ceil(V/32)]``, ``accept(token_id) -> bool``, ``is_terminated()``."""
+        ``fill_bitmask() -> int32[ceil(V/32)]``, ``accept(token_id) -> bool``, ``is_terminated()``.
+        ``replica``: which data-parallel replica (device subset) this engine runs on."""
         self.config = config
-        self.worker = Worker(config)
+        self.worker = Worker(config, replica)
         self.worker.load()
         self.device, self.dtype = self.worker.device, self.worker.dtype
         self.arch, self.tokenizer = self.worker.arch, self.worker.tokenizer

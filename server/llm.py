@@ -8,7 +8,7 @@ from typing import Any
 from tpuserve.server.engine import LLMEngine
 from tpuserve.server.outputs import CompletionOutput, RequestOutput
 from tpuserve.server.sampling_params import SamplingParams
-from tpuserve.tpu_platform.config import EngineConfig
+from tpuserve.tpu_platform.config import ConfigError, EngineConfig
 
 PromptType = str | list[int] | dict
 
@@ -19,6 +19,10 @@ class LLM:
 
     def __init__(self, model: str | None = None, *, warmup: bool = False, **kwargs: Any):
         self.config = EngineConfig.from_kwargs(model=model, **kwargs)
+        if self.config.parallel.data_parallel_size > 1:
+            raise ConfigError(f"data_parallel_size={self.config.parallel.data_parallel_size}: offline "
+                              f"LLM runs one engine; replicas are served by `tpuserve serve "
+                              f"--data-parallel-size N` (tensor_parallel_size works here)")
         grammar_factory = _default_grammar_factory()
         self.engine = LLMEngine(self.config, grammar_factory=grammar_factory)
         if warmup:

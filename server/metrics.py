@@ -80,6 +80,13 @@ class _EngineCollector(Collector):
             for j, n in enumerate(s.spec_accepted_per_pos):
                 per_pos.add_metric([*self._labels.values(), str(j)], n)
             yield per_pos
+        if s.routed_per_replica:  # data parallel
+            routed = CounterMetricFamily("tpuserve:data_parallel_requests_routed",
+                                         "Requests the prefix-cache-aware router sent to each "
+                                         "data-parallel replica.", labels=[*self._labels, "replica"])
+            for i, n in enumerate(s.routed_per_replica):
+                routed.add_metric([*self._labels.values(), str(i)], n)
+            yield routed
         yield self._counter("vllm:prompt_tokens", "Prefill tokens processed.", s.prompt_tokens)
         yield self._counter("vllm:generation_tokens", "Generation tokens processed.",
                             s.generation_tokens)
