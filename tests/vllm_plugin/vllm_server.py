@@ -85,6 +85,14 @@ class VllmServer:
                 raise AssertionError(f"server did not come up in {timeout:.0f} s:\n{self.log()}")
             time.sleep(2)
 
+    def wait_exit(self, timeout: float = 600) -> int:
+        """For a server expected to fail at start-up: its exit code (it must exit, not hang)."""
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.stop()
+            raise AssertionError(f"server still running after {timeout:.0f} s:\n{self.log()}")
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)
@@ -93,6 +101,13 @@ class VllmServer:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
+
+
+def fake_devices_env(n: int) -> dict[str, str]:
+    """Extra env giving JAX's CPU backend ``n`` devices (read once, when JAX starts in the engine
+    core): appended to any XLA_FLAGS already set."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    return {"XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count={n}".strip()}
 
 
 def serve_cmd(model: str, port: int, *args: str) -> list[str]:

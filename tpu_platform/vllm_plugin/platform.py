@@ -158,9 +158,17 @@ class TpuservePlatform(Platform):
         elif parallel.worker_cls != WORKER_QUALNAME:
             raise ValueError(f"worker_cls={parallel.worker_cls!r}: the tpuserve platform runs its "
                              f"own worker ({WORKER_QUALNAME})")
-        # One in-process worker inside the engine core: JAX drives all local devices from one
-        # process, so vLLM's multi-process executors have nothing to spread.
+        # One in-process worker inside the engine core, whatever --tensor-parallel-size says: JAX
+        # drives every device of the mesh from one process (SPMD), so vLLM's multi-process
+        # executors have nothing to spread. vLLM's ParallelConfig keeps the user's
+        # tensor_parallel_size (world_size = N, as with vLLM's TPU backend): the uni executor builds
+        # one worker (rank 0) whatever world_size is, and our worker reads N from it to build its
+        # mesh (worker.py). vLLM's own TP checks (attention heads divisible by N) stay in force.
         parallel.distributed_executor_backend = "uni"
+        if parallel.tensor_parallel_size > 1:
+            log.info("tensor_parallel_size=%d: one tpuserve worker drives %d JAX devices as one SPMD "
+                     "program (weights and KV heads sharded over a device mesh)",
+                     parallel.tensor_parallel_size, parallel.tensor_parallel_size)
 
         cache = vllm_config.cache_config
         if not cache.user_specified_block_size:
@@ -280,13 +288,17 @@ def _unsupported_config(cfg: "VllmConfig") -> list[str]:
     """Human-readable reasons this config cannot run on our worker (empty: fine)."""
     out = []
     p = cfg.parallel_config
-    if p.tensor_parallel_size > 1:
-        out.append(f"tensor_parallel_size={p.tensor_parallel_size} (one JAX process drives the "
-                   "devices; sharding comes from our own mesh, not vLLM's process groups)")
+    # tensor_parallel_size > 1 is fine: one worker shards the model over a JAX mesh (see
+    # check_and_update_config). The other kinds of vLLM parallelism are not.
     if p.pipeline_parallel_size > 1:
         out.append(f"pipeline_parallel_size={p.pipeline_parallel_size}")
     if p.data_parallel_size > 1:
         out.append(f"data_parallel_size={p.data_parallel_size} (run one server per replica)")
+    for name in ("prefill_context_parallel_size", "decode_context_parallel_size"):
+        if getattr(p, name, 1) > 1:
+            out.append(f"{name}={getattr(p, name)} (context parallelism)")
+    if p.tensor_parallel_size > 1:
+        out.extend(_unsupported_with_tp(cfg, p.tensor_parallel_size))
     backend = p.distributed_executor_backend
     if backend not in (None, "uni", "mp"):
         out.append(f"distributed_executor_backend={backend!r} (the platform uses one in-process worker)")
@@ -317,6 +329,21 @@ def _unsupported_config(cfg: "VllmConfig") -> list[str]:
     if c.cache_dtype not in ("auto", None):
         out.append(f"kv_cache_dtype={c.cache_dtype!r} (the KV cache uses the model dtype)")
     return out
+
+
+def _unsupported_with_tp(cfg: "VllmConfig", tp: int) -> list[str]:
+    """What cannot run on a KV cache sharded over ``tp`` devices (yet): our KV connectors move
+    pages of a single-device cache (the engine's own EngineConfig refuses the same pairs)."""
+    ktc = cfg.kv_transfer_config
+    if ktc is None or ktc.kv_connector is None:
+        return []
+    if _is_our_connector(ktc):
+        return [f"--kv-offloading-size with tensor_parallel_size={tp} (the host KV tier does not "
+                f"handle a sharded KV cache yet; drop one of the two)"]
+    if _is_pd_connector(ktc):
+        return [f"{PD_CONNECTOR} with tensor_parallel_size={tp} (KV transfer does not handle a "
+                f"sharded KV cache yet; drop one of the two)"]
+    return []
 
 
 def _unsupported_architecture(m: Any) -> list[str]:

@@ -1,12 +1,21 @@
 """``TpuserveWorker``: vLLM's worker interface implemented over our shared ``Worker``.
 
-vLLM calls, in order: ``init_device`` (our Worker: JAX backend, compilation cache, dtype; its
-EngineConfig built from vLLM's), ``load_model`` (weights to device), ``get_kv_cache_spec`` (one
-full-attention spec per layer: our page size, KV heads, head_dim, dtype),
+vLLM calls, in order: ``init_device`` (our Worker: JAX backend, compilation cache, dtype, and with
+``--tensor-parallel-size N`` a mesh over the first N local devices; its EngineConfig built from
+vLLM's), ``load_model`` (weights to device), ``get_kv_cache_spec`` (one full-attention spec per
+layer: our page size, KV heads, head_dim, dtype),
 ``determine_available_memory`` (the Worker's one KV budget formula), ``initialize_from_config``
 (vLLM's num_blocks become our KV pages, one for one, page 0 being vLLM's null block),
 ``compile_or_warm_up_model`` (every shape bucket, on accelerators), then each step
 ``execute_model`` and ``sample_tokens``.
+
+Tensor parallelism: vLLM's uni executor builds this one worker whatever ``world_size`` says
+(platform.py keeps ``--tensor-parallel-size N`` in vLLM's config and forces ``uni``); the worker
+runs every step as one SPMD program over its N-device mesh, with weights and KV heads sharded.
+What it reports to vLLM is global: the spec's ``num_kv_heads`` is the engine's total (the model's,
+or N when the worker replicates fewer KV heads than devices), a page's bytes are its slices on every
+device together, and the memory budget is for the whole mesh, so vLLM's block count is the number
+of pages, each of which every device holds its heads' slice of.
 
 Overlap: ``execute_model`` dispatches the forward pass and returns at once (JAX runs it
 asynchronously); vLLM's engine core then builds the structured-output bitmask on the host while
@@ -93,6 +102,9 @@ class TpuserveWorker(WorkerBase):
             compilation_cache_dir=self.options.compilation_cache_dir,
             max_logprobs=min(max(int(self.model_config.max_logprobs), 0), 1024),
             async_scheduling=False,  # vLLM's scheduler drives the steps
+            # One worker drives all N devices as SPMD; a ConfigError names the flag and the device
+            # count when there are fewer (raised in init_device, so vLLM's start-up fails with it).
+            tensor_parallel_size=int(self.parallel_config.tensor_parallel_size),
             speculative_config=spec.engine_section() if spec is not None else None)
 
     def init_device(self) -> None:
@@ -102,9 +114,12 @@ class TpuserveWorker(WorkerBase):
         info = self.worker.device
         # vLLM's own tensors around this worker stay on the host (see platform.py).
         self.device = torch.device("cpu")
-        log.info("tpuserve worker on JAX %s (%d x %s), dtype %s, XLA cache %s", info.backend,
-                 info.device_count, info.device_kind, self.worker.config.model.dtype,
-                 self.worker.compilation_cache_dir)
+        mesh = self.worker.mesh
+        log.info("tpuserve worker on JAX %s (%d x %s), %s, dtype %s, XLA cache %s",
+                 info.backend, info.device_count, info.device_kind,
+                 "one device" if mesh is None else
+                 f"tensor parallel {self.worker.tensor_parallel_size} over mesh {dict(mesh.shape)}",
+                 self.worker.config.model.dtype, self.worker.compilation_cache_dir)
 
     def load_model(self, *, load_dummy_weights: bool = False) -> None:
         if load_dummy_weights:
