@@ -16,22 +16,31 @@ from dataclasses import dataclass
 import numpy as np
 
 COLLECTIVE_OPS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
-# "%name = f32[4,64]{1,0} all-reduce(" and the async "-start" forms; tuple results are not used
-# by the programs we build.
-_LINE = re.compile(r"=\s*(?P<dtype>[a-z]+[0-9]*)\[(?P<dims>[0-9,]*)\]\S*\s+"
-                   r"(?P<op>" + "|".join(COLLECTIVE_OPS) + r")(?:-start)?\(")
+# "%name = f32[4,64]{1,0} all-reduce(", its async "-start" form, and combined collectives whose
+# result is a tuple: "%name = (f32[8,64]{1,0}, f32[8,64]{1,0}) all-reduce(".
+_LINE = re.compile(r"=\s*(?P<result>\([^)]*\)|\S+)\s+(?P<op>" + "|".join(COLLECTIVE_OPS)
+                   + r")(?:-start)?\(")
+_ARRAY = re.compile(r"(?P<dtype>[a-z]+[0-9a-z]*)\[(?P<dims>[0-9,]*)\]")
 
 
 @dataclass(frozen=True)
 class Collective:
+    """One collective instruction; ``operands`` are the (HLO dtype, per-device shape) of each array
+    it carries (XLA may combine several arrays into one instruction)."""
+
     op: str  # one of COLLECTIVE_OPS
-    dtype: str  # HLO element type, e.g. "f32", "bf16"
-    shape: tuple[int, ...]  # the result's shape (per device)
+    operands: tuple[tuple[str, tuple[int, ...]], ...]
+
+    @property
+    def shape(self) -> tuple[int, ...] | tuple[tuple[int, ...], ...]:
+        """The result's shape, or the shapes of a combined instruction's arrays."""
+        shapes = tuple(shape for _, shape in self.operands)
+        return shapes[0] if len(shapes) == 1 else shapes
 
     @property
     def nbytes(self) -> int:
         """Bytes of the result on one device (the payload an all-reduce sums)."""
-        return math.prod(self.shape) * _itemsize(self.dtype)
+        return sum(math.prod(shape) * _itemsize(dtype) for dtype, shape in self.operands)
 
 
 def _itemsize(hlo_dtype: str) -> int:
@@ -52,8 +61,9 @@ def collectives(hlo_text: str) -> list[Collective]:
     for line in hlo_text.splitlines():
         m = _LINE.search(line)
         if m:
-            dims = tuple(int(d) for d in m["dims"].split(",") if d)
-            out.append(Collective(m["op"], m["dtype"], dims))
+            arrays = tuple((a["dtype"], tuple(int(d) for d in a["dims"].split(",") if d))
+                           for a in _ARRAY.finditer(m["result"]))
+            out.append(Collective(m["op"], arrays))
     return out
 
 

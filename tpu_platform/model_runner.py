@@ -87,12 +87,16 @@ class PendingStep:
 class ModelRunner:
     def __init__(self, config: EngineConfig, arch: ModelArch, params: dict, device: DeviceInfo,
                  dtype, num_pages: int, max_model_len: int, num_speculative_tokens: int | None = None,
-                 mesh=None):
+                 mesh=None, kv_cache_dtype=None, kv_scales: tuple[float, float] | None = None,
+                 calibration_tokens: np.ndarray | None = None):
         """num_speculative_tokens: the most drafts a sequence verifies per step (the draft slots
         ``warmup`` compiles); None takes the speculative config's, 0 when there is none.
         mesh: the ("data", "model") mesh to run on (``tpu_platform/mesh.py``); None: the default
         device. Weights and KV heads split over "model"; logits come back replicated, so the
-        sampler runs on every device of the mesh alike."""
+        sampler runs on every device of the mesh alike.
+        kv_cache_dtype: the KV cache's dtype (None: ``dtype``). An FP8 cache needs its
+        (k_scale, v_scale): ``kv_scales``, or ``calibration_tokens`` to measure them from
+        (``calibrate_kv_scales``; tpu_platform/kv_scales.py)."""
         self.config = config
         self.mesh = mesh
         if num_speculative_tokens is None:
@@ -116,8 +120,17 @@ class ModelRunner:
         self.max_num_seqs = config.scheduler.max_num_seqs
         self.max_logprobs = config.model.max_logprobs
         self.attn_impl = resolve_impl(config.compilation.attention_impl, device.backend)
+        self.kv_cache_dtype = jnp.dtype(dtype if kv_cache_dtype is None else kv_cache_dtype)
+        self.kv_scales = None if kv_scales is None else tuple(float(x) for x in kv_scales)
+        if jnp.dtype(self.kv_cache_dtype).itemsize == 1 and self.kv_scales is None:
+            if calibration_tokens is None:
+                raise ValueError(f"a {self.kv_cache_dtype} KV cache needs kv_scales or "
+                                 f"calibration_tokens to measure them from")
+            # Before the real cache exists: the calibration cache is small, but not free.
+            self.kv_scales = self.calibrate_kv_scales(calibration_tokens)
         self.kv_spec = KVCacheSpec(arch.num_layers, num_pages, self.page_size, arch.num_kv_heads,
-                                   arch.head_dim, dtype, num_shards=model_axis_size(mesh))
+                                   arch.head_dim, self.kv_cache_dtype,
+                                   num_shards=model_axis_size(mesh))
         # The attention backend picks the physical shape (TPU pads the combined-head axis).
         if mesh is None:
             self.kv_cache = self.kv_spec.allocate(self.attn_impl)
@@ -152,7 +165,8 @@ class ModelRunner:
         final norm (prompt logprobs score its rows later), kv_cache)."""
         self._traces += 1  # runs only while tracing, i.e. once per compiled program
         out = forward(params, kv_cache, token_ids, positions, md, arch=self.arch,
-                      attn_impl=self.attn_impl, inv_freq=inv_freq, mesh=self.mesh)
+                      attn_impl=self.attn_impl, inv_freq=inv_freq, mesh=self.mesh,
+                      kv_scales=self.kv_scales)
         logits = compute_logits(params, out.hidden[logits_indices], arch=self.arch)
         hidden, kv_cache = out.hidden, out.kv_cache
         if self.mesh is not None:
@@ -161,6 +175,54 @@ class ModelRunner:
             hidden = jax.lax.with_sharding_constraint(hidden, self._replicated)
             kv_cache = jax.lax.with_sharding_constraint(kv_cache, self._kv_sharding)
         return logits, hidden, kv_cache
+
+    def calibrate_kv_scales(self, token_ids, margin: float | None = None) -> tuple[float, float]:
+        """(k_scale, v_scale) of an FP8 KV cache, measured: one prefill of ``token_ids`` (cut to
+        max_model_len) into a temporary cache of the model dtype, then the amax of everything
+        written there - K after RoPE and V, as the cache would receive them, over all layers and
+        heads - through ``kv_scales.scales_from_amax`` (amax / 448 * margin)."""
+        from tpuserve.tpu_platform import kv_scales as ks
+
+        ids = np.asarray(token_ids, np.int32)[: self.max_model_len]
+        n = len(ids)
+        if n == 0:
+            raise ValueError("calibration needs at least one token")
+        pages = -(-n // self.page_size)
+        t_slots = -(-n // 16) * 16
+        spec = KVCacheSpec(self.arch.num_layers, pages + 1, self.page_size, self.arch.num_kv_heads,
+                           self.arch.head_dim, self.dtype, num_shards=model_axis_size(self.mesh))
+        if self.mesh is None:
+            cache = spec.allocate(self.attn_impl)
+        else:
+            cache = jax.jit(functools.partial(spec.allocate, self.attn_impl),
+                            out_shardings=self._kv_sharding)()
+        tokens, positions = np.zeros(t_slots, np.int32), np.zeros(t_slots, np.int32)
+        tokens[:n], positions[:n] = ids, np.arange(n, dtype=np.int32)
+        put = self._put
+        md = AttentionMetadata(
+            kv_lens=put(np.asarray([n], np.int32)),
+            page_indices=put(np.arange(1, pages + 1, dtype=np.int32)[None]),
+            cu_q_lens=put(np.asarray([0, n], np.int32)), num_seqs=put(np.asarray([1], np.int32)))
+
+        def amax(params, cache, tokens, positions, md, inv_freq):
+            kv = forward(params, cache, tokens, positions, md, arch=self.arch,
+                         attn_impl=self.attn_impl, inv_freq=inv_freq, mesh=self.mesh).kv_cache
+            # Combined heads interleave K (even) and V (odd); padding heads and unwritten rows
+            # are zeros, which never raise an amax.
+            kv = jnp.abs(kv.astype(jnp.float32))
+            return jnp.max(kv[..., 0::2, :]), jnp.max(kv[..., 1::2, :])
+
+        k_amax, v_amax = jax.jit(amax)(self.params, cache, put(tokens), put(positions), md,
+                                       jnp.asarray(self.arch.inv_freq()))
+        k_amax, v_amax = float(k_amax), float(v_amax)
+        del cache
+        if not (np.isfinite(k_amax) and np.isfinite(v_amax)):
+            raise ValueError(f"KV cache calibration measured a non-finite amax "
+                             f"(K {k_amax}, V {v_amax}): the model's activations overflow")
+        scales = ks.scales_from_amax(k_amax, v_amax, ks.MARGIN if margin is None else margin)
+        log.info("FP8 KV cache: calibrated over %d tokens: K amax %.4g, V amax %.4g -> "
+                 "k_scale %.6g, v_scale %.6g", n, k_amax, v_amax, *scales)
+        return scales
 
     def _traced_step(self, params, kv_cache, token_ids, feed_rows, prev_tokens, positions, md,
                      logits_indices, *, inv_freq):
@@ -300,6 +362,15 @@ class ModelRunner:
             self.params, self.kv_cache, put(batch.token_ids), put(feed), prev_tokens,
             put(batch.positions), self._metadata(batch), put(batch.logits_indices))
         return ForwardState(batch, logits, hidden)
+
+    def step_hlo(self, batch: StepBatch) -> str:
+        """The optimized HLO text of the forward program ``batch`` runs (compiles it if needed):
+        what ``collectives.collectives`` reads the communication of a sharded step from."""
+        put = self._put
+        feed = np.full(len(batch.token_ids), -1, np.int32)
+        return self._step.lower(self.params, self.kv_cache, put(batch.token_ids), put(feed),
+                                self._no_feed, put(batch.positions), self._metadata(batch),
+                                put(batch.logits_indices)).compile().as_text()
 
     def sample(self, fwd: ForwardState, sampling: SamplingBatch | None = None,
                draft_probs: jax.Array | None = None) -> PendingStep:

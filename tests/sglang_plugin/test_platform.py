@@ -69,7 +69,8 @@ _RESOLVE = textwrap.dedent("""
     out = {"platform": type(platforms.current_platform).__name__,
            "oot": platforms.current_platform.is_out_of_tree(),
            "default": resolve(), "device_tpu": resolve("--device", "tpu"),
-           "hicache": resolve("--enable-hierarchical-cache"), "hicache_alias": resolve("--enable-hicache")}
+           "hicache": resolve("--enable-hierarchical-cache"), "hicache_alias": resolve("--enable-hicache"),
+           "tp2": resolve("--tp-size", "2")}
     activation.tpu_visible = lambda: True  # as on a TPU host (no torch device is involved)
     out["device_tpu_on_tpu_host"] = resolve("--device", "tpu")
     print("RESULT" + json.dumps(out))
@@ -106,3 +107,6 @@ def test_sglang_resolves_our_defaults(run_py, hf_dir):
         err = res[key]["error"]
         assert "--enable-hierarchical-cache is not supported" in err, err
         assert "--kv-offloading-size" in err, err
+    # SGLang's tensor parallelism is process groups of torch ranks: refused, naming ours.
+    err = res["tp2"]["error"]
+    assert "--tp-size > 1 is not supported" in err and "--tensor-parallel-size N" in err, err

@@ -52,7 +52,11 @@ def test_every_section_field_is_a_cli_flag_once():
     (dict(block_size=12), "block_size"),
     (dict(dtype="int8"), "dtype"),
     (dict(gpu_memory_utilization=0), "gpu_memory_utilization"),
-    (dict(kv_cache_dtype="fp8"), "kv_cache_dtype"),
+    (dict(kv_cache_dtype="fp8_e5m2"), r"kv_cache_dtype: .*fp8_e5m2 .*not supported"),
+    (dict(kv_cache_dtype="int8"), "kv_cache_dtype"),
+    (dict(kv_cache_dtype="fp8", kv_offloading_size=1.0), "kv_offloading_size: .*kv_cache_dtype"),
+    (dict(kv_cache_dtype="fp8_e4m3", kv_transfer_config='{"kv_role": "kv_producer"}'),
+     "kv_transfer_config: .*kv_cache_dtype"),
     (dict(tensor_parallel_size=2, kv_offloading_size=1.0), "kv_offloading_size"),
     (dict(data_parallel_size=0), "data_parallel_size"),
     (dict(quantization="int4"), r"quantization: must be one of \('fp8', 'mxfp4', 'nvfp4'\)"),
@@ -86,9 +90,22 @@ def test_no_field_is_dead():
     for section, cls in _SECTIONS.items():
         for f in dataclasses.fields(cls):
             # Validated-and-refused features are read by their validate(); the rest by the runtime.
-            if section in ("parallel", "quantization") or f.name == "kv_cache_dtype":
+            if section in ("parallel", "quantization"):
                 continue
             assert f".{f.name}" in sources or f"{f.name}=" in sources, f"{section}.{f.name} is never read"
+
+
+@pytest.mark.parametrize("name", ["auto", "fp8", "fp8_e4m3"])
+def test_kv_cache_dtypes_are_accepted(name):
+    """vLLM's two names of an e4m3 KV cache both mean float8_e4m3fn; with TP it just works."""
+    import jax.numpy as jnp
+
+    from tpuserve.tpu_platform.worker import resolve_kv_cache_dtype
+
+    c = EngineConfig.from_kwargs(kv_cache_dtype=name, tensor_parallel_size=2)
+    assert c.cache.kv_cache_dtype == name
+    want = jnp.bfloat16 if name == "auto" else jnp.float8_e4m3fn
+    assert resolve_kv_cache_dtype(name, jnp.bfloat16) == jnp.dtype(want)
 
 
 @pytest.mark.timeout(60)

@@ -44,6 +44,8 @@ def test_tp_logits_greedy_warmup_and_collectives():
             assert f"OK logits Hkv={kv_heads} TP={tp} " in out, out
     assert "OK no compile after warm-up (TP=4)" in out, out
     assert "OK collectives: 5 all-reduces" in out, out
+    assert "OK quantized fp8 TP=2" in out and "OK quantized nvfp4 TP=2" in out, out
+    assert "OK pallas_tpu_interpret TP=2" in out, out
 
 
 @pytest.mark.slow
@@ -102,8 +104,11 @@ def test_collectives_parser_and_ring_bytes():
   %not = f32[8,64]{1,0} add(%a, %b)
 """
     ops = collectives(hlo)
-    assert ops == [Collective("all-reduce", "f32", (8, 64)), Collective("all-gather", "bf16", (4, 128)),
-                   Collective("all-reduce", "f32", (2,))]
-    assert ops[0].nbytes == 8 * 64 * 4 and ops[1].nbytes == 4 * 128 * 2
+    assert ops == [Collective("all-reduce", (("f32", (8, 64)),)), Collective("all-gather", (("bf16", (4, 128)),)),
+                   Collective("all-reduce", (("f32", (2,)),))]
+    assert ops[0].shape == (8, 64) and ops[0].nbytes == 8 * 64 * 4 and ops[1].nbytes == 4 * 128 * 2
     assert ring_bytes_sent(ops[0], 4) == 2 * 3 / 4 * ops[0].nbytes
     assert ring_bytes_sent(ops[1], 4) == 3 / 4 * ops[1].nbytes and ring_bytes_sent(ops[0], 1) == 0
+    combined = collectives("%ar = (f32[8,64]{1,0}, bf16[8,64]{1,0}) all-reduce(%a, %b), channel_id=1")
+    assert combined == [Collective("all-reduce", (("f32", (8, 64)), ("bf16", (8, 64))))]
+    assert combined[0].nbytes == 8 * 64 * 6 and combined[0].shape == ((8, 64), (8, 64))

@@ -27,13 +27,18 @@ from tpuserve.tpu_platform.step_batch import SamplingRow, ScheduledSeq
 LAYERS, HEADS, VOCAB = 2, 8, 128
 
 
-def make_runner(kv_heads: int, tp: int, **config) -> ModelRunner:
-    arch, _, params = tiny_model("qwen3", layers=LAYERS, heads=HEADS, kv_heads=kv_heads, ffn=96,
+def make_runner(kv_heads: int, tp: int, quantization: str | None = None, **config) -> ModelRunner:
+    arch, _, params = tiny_model("qwen3", layers=LAYERS, heads=HEADS, kv_heads=kv_heads, ffn=128,
                                  vocab=VOCAB)
     mesh = None
     if tp > 1:
         params, arch = replicate_kv_heads(params, arch, tp)
         mesh = build_mesh(tp)
+    if quantization is not None:  # after replication, as Worker.load does
+        from tpuserve.quant.dispatch import register_quant_linears
+        from tpuserve.quant.params import quantize_params
+        register_quant_linears()
+        params, _ = quantize_params(params, quantization, register=False)
     cfg = EngineConfig.from_kwargs(model="tiny", tensor_parallel_size=tp, max_num_batched_tokens=32,
                                    max_num_seqs=4, block_size=16, **config)
     return ModelRunner(cfg, arch, params, discover(), jnp.float32, num_pages=16, max_model_len=64,
@@ -84,15 +89,34 @@ def check_runner() -> None:
     assert r.compile_count == before, f"compiled {r.compile_count - before} programs after warm-up"
     print("OK no compile after warm-up (TP=4)", flush=True)
 
-    # The compiled step holds 2 all-reduces per layer (after o, after down), one for the
-    # vocabulary-parallel embedding, and one all-gather: the logits rows, never a weight.
-    batch = r.build_batch([ScheduledSeq(PROMPTS[0], 0, pages[0], SamplingRow())])
-    put = r._put
-    feed = np.full(len(batch.token_ids), -1, np.int32)
-    hlo = r._step.lower(r.params, r.kv_cache, put(batch.token_ids), put(feed), r._no_feed,
-                        put(batch.positions), r._metadata(batch),
-                        put(batch.logits_indices)).compile().as_text()
-    ops = collectives(hlo)
+    t, h, rows = check_collectives(r)
+    print(f"OK collectives: {2 * LAYERS + 1} all-reduces of [{t}, {h}] for {LAYERS} layers, "
+          f"one all-gather of [{rows}, {VOCAB}] logits", flush=True)
+
+    # Quantized weights shard like dense ones (scales alike) and compute what TP=1 computes.
+    for method in ("fp8", "nvfp4"):
+        ref = two_steps(make_runner(2, 1, method))
+        r = make_runner(2, 2, method)
+        got = two_steps(r)
+        np.testing.assert_allclose(got[0], ref[0], rtol=1e-5, atol=2e-5, err_msg=method)
+        np.testing.assert_allclose(got[1], ref[1], rtol=1e-5, atol=2e-5, err_msg=method)
+        check_collectives(r)
+        print(f"OK quantized {method} TP=2", flush=True)
+
+    # The Pallas TPU kernel (interpret mode) under shard_map, against the blocked path at TP=1.
+    ref = two_steps(make_runner(2, 1, attention_impl="blocked"))
+    got = two_steps(make_runner(2, 2, attention_impl="pallas_tpu_interpret"))
+    for a, b in zip(got, ref):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=2e-5, err_msg="pallas_tpu_interpret")
+    print("OK pallas_tpu_interpret TP=2", flush=True)
+
+
+def check_collectives(r: ModelRunner) -> tuple[int, int, int]:
+    """The compiled step holds 2 all-reduces per layer (after o, after down), one for the
+    vocabulary-parallel embedding, and one all-gather: the logits rows, never a weight.
+    Returns (T, H, R) of the step checked."""
+    batch = r.build_batch([ScheduledSeq(PROMPTS[0], 0, [1, 2], SamplingRow())])
+    ops = collectives(r.step_hlo(batch))
     reduces = [c for c in ops if c.op == "all-reduce"]
     gathers = [c for c in ops if c.op == "all-gather"]
     t, h, rows = len(batch.token_ids), r.arch.hidden_size, len(batch.logits_indices)
@@ -100,8 +124,7 @@ def check_runner() -> None:
     assert all(c.shape == (t, h) for c in reduces), ops
     assert [c.shape for c in gathers] == [(rows, VOCAB)], ops
     assert not [c for c in ops if c.op not in ("all-reduce", "all-gather")], ops
-    print(f"OK collectives: {len(reduces)} all-reduces of [{t}, {h}] for {LAYERS} layers, "
-          f"one all-gather of [{rows}, {VOCAB}] logits", flush=True)
+    return t, h, rows
 
 
 def check_engine(checkpoint: str) -> None:

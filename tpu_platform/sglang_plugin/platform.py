@@ -75,7 +75,11 @@ class TpuServeSRTPlatform(SRTPlatform):
         for name in ("tp_size", "pp_size"):
             if (getattr(server_args, name, 1) or 1) > 1:
                 raise ValueError(f"--{name.replace('_', '-')} > 1 is not supported by the tpuserve "
-                                 f"SGLang platform (one SGLang rank drives one JAX executor)")
+                                 f"SGLang platform (one SGLang rank drives one JAX executor, and "
+                                 f"SGLang's ranks would each load the whole model). For tensor "
+                                 f"parallelism over a JAX mesh use `tpuserve serve MODEL "
+                                 f"--tensor-parallel-size N` or `vllm serve MODEL --device tpu "
+                                 f"--tensor-parallel-size N`")
         if server_args.page_size is None:
             server_args.page_size = DEFAULT_PAGE_SIZE
         if server_args.chunked_prefill_size is None:
