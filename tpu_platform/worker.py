@@ -49,6 +49,19 @@ def kv_cache_budget(config: EngineConfig, *, memory_bytes: int | None, is_accele
     return budget
 
 
+def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype):
+    """The KV cache's jnp dtype for ``--kv-cache-dtype``: "auto" -> the model dtype; "fp8" and
+    "fp8_e4m3" (vLLM's names) -> float8_e4m3fn."""
+    import jax.numpy as jnp
+
+    from tpuserve.tpu_platform.config import FP8_KV_CACHE_DTYPES, KV_CACHE_DTYPES
+    if kv_cache_dtype == "auto":
+        return jnp.dtype(model_dtype)
+    if kv_cache_dtype in FP8_KV_CACHE_DTYPES:
+        return jnp.dtype(jnp.float8_e4m3fn)
+    raise ConfigError(f"kv_cache_dtype: must be one of {KV_CACHE_DTYPES} (got {kv_cache_dtype!r})")
+
+
 def _tree_nbytes(tree) -> int:
     """Bytes of every array in ``tree`` (quantized records count their data and scales)."""
     import jax
@@ -72,6 +85,10 @@ class Worker:
                                      replica)
         self.compilation_cache_dir = enable_compilation_cache(config.compilation.compilation_cache_dir)
         self.dtype = resolve_dtype(config.model.dtype, self.device)
+        self.kv_cache_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, self.dtype)
+        # (k_scale, v_scale) of an FP8 KV cache: the checkpoint's (load), else calibrated when the
+        # runner is built (init_kv_cache). None for a cache in the model dtype.
+        self.kv_scales: tuple[float, float] | None = None
         self.arch = None
         self.tokenizer = None
         self.model_source: str | None = None
@@ -96,6 +113,10 @@ class Worker:
         if self.tensor_parallel_size > 1:
             params = self._shard_heads(params, loaded.quantization)
         self._params = self._quantize(params, loaded.quantization)
+        if self.kv_cache_dtype.itemsize == 1 and loaded.kv_scales is not None:
+            self.kv_scales = loaded.kv_scales
+            log.info("FP8 KV cache: the checkpoint's scales (max over layers): k_scale %.6g, "
+                     "v_scale %.6g", *self.kv_scales)
         limit = self.arch.max_position_embeddings
         want = m.max_model_len or limit
         if want > limit and clamp_max_model_len:
@@ -109,7 +130,8 @@ class Worker:
     def _shard_heads(self, params: dict, checkpoint_method: str | None) -> dict:
         """Check the model splits over the TP devices; replicate KV heads when there are fewer
         than devices (models/sharding.py), before any online quantization."""
-        from tpuserve.tpu_platform.models.sharding import check_tensor_parallel, replicate_kv_heads
+        from tpuserve.tpu_platform.models.sharding import (check_tensor_parallel, group_gate_up_by_device,
+                                                            replicate_kv_heads)
 
         tp = self.tensor_parallel_size
         try:
@@ -125,6 +147,8 @@ class Worker:
             log.info("tensor parallel %d over %d KV heads: each KV head replicated %d times", tp,
                      self.arch.num_kv_heads, r)
             params, self.arch = replicate_kv_heads(params, self.arch, tp)
+        if checkpoint_method is None and self.config.quantization.method is not None:
+            params = group_gate_up_by_device(params, tp)  # so its quantized record splits by F
         return params
 
     def _quantize(self, params: dict, checkpoint_method: str | None) -> dict:
@@ -177,7 +201,7 @@ class Worker:
         a = self.arch
         impl = resolve_impl(self.config.compilation.attention_impl, self.device.backend)
         spec = KVCacheSpec(a.num_layers, 1, self.config.cache.block_size, a.num_kv_heads, a.head_dim,
-                           self.dtype, num_shards=self.tensor_parallel_size)
+                           self.kv_cache_dtype, num_shards=self.tensor_parallel_size)
         return spec.page_bytes(impl), spec.bytes_per_page
 
     def kv_cache_budget(self) -> int:
@@ -219,13 +243,20 @@ class Worker:
 
         if self._params is None:
             raise RuntimeError("Worker.load() must run before init_kv_cache()")
+        calibration = None
+        if self.kv_cache_dtype.itemsize == 1 and self.kv_scales is None:
+            from tpuserve.tpu_platform.kv_scales import calibration_token_ids
+            calibration = calibration_token_ids(self.tokenizer, self.arch.vocab_size)
         self.runner = ModelRunner(self.config, self.arch, self._params, self.device, self.dtype,
-                                  num_pages, self.max_model_len, mesh=self.mesh)
+                                  num_pages, self.max_model_len, mesh=self.mesh,
+                                  kv_cache_dtype=self.kv_cache_dtype, kv_scales=self.kv_scales,
+                                  calibration_tokens=calibration)
+        self.kv_scales = self.runner.kv_scales
         self._params = None
-        log.info("KV cache: %d pages of %d tokens (%.2f GiB), token buckets %s, page buckets %s",
+        log.info("KV cache: %d pages of %d tokens (%.2f GiB, %s), token buckets %s, page buckets %s",
                  num_pages, self.config.cache.block_size,
                  self.runner.kv_spec.page_bytes(self.runner.attn_impl) * num_pages / (1 << 30),
-                 self.runner.token_buckets, self.runner.page_buckets)
+                 self.kv_cache_dtype.name, self.runner.token_buckets, self.runner.page_buckets)
         return self.runner
 
     def warmup(self) -> int:

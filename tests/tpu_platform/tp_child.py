@@ -21,7 +21,7 @@ from tpuserve.tpu_platform.config import EngineConfig
 from tpuserve.tpu_platform.device import discover
 from tpuserve.tpu_platform.mesh import build_mesh
 from tpuserve.tpu_platform.model_runner import ModelRunner
-from tpuserve.tpu_platform.models.sharding import replicate_kv_heads
+from tpuserve.tpu_platform.models.sharding import group_gate_up_by_device, replicate_kv_heads
 from tpuserve.tpu_platform.step_batch import SamplingRow, ScheduledSeq
 
 LAYERS, HEADS, VOCAB = 2, 8, 128
@@ -34,10 +34,12 @@ def make_runner(kv_heads: int, tp: int, quantization: str | None = None, **confi
     if tp > 1:
         params, arch = replicate_kv_heads(params, arch, tp)
         mesh = build_mesh(tp)
-    if quantization is not None:  # after replication, as Worker.load does
+    if quantization is not None:  # after replication and grouping, as Worker.load does
         from tpuserve.quant.dispatch import register_quant_linears
         from tpuserve.quant.params import quantize_params
         register_quant_linears()
+        if tp > 1:
+            params = group_gate_up_by_device(params, tp)
         params, _ = quantize_params(params, quantization, register=False)
     cfg = EngineConfig.from_kwargs(model="tiny", tensor_parallel_size=tp, max_num_batched_tokens=32,
                                    max_num_seqs=4, block_size=16, **config)
@@ -101,6 +103,10 @@ def check_runner() -> None:
         np.testing.assert_allclose(got[0], ref[0], rtol=1e-5, atol=2e-5, err_msg=method)
         np.testing.assert_allclose(got[1], ref[1], rtol=1e-5, atol=2e-5, err_msg=method)
         check_collectives(r)
+        data = "qweight" if method == "fp8" else "packed"
+        for name in ("qkv", "gate_up", "o", "down"):  # every record split over the 2 devices
+            arr = getattr(r.params["layers"][0][name], data)
+            assert arr.addressable_shards[0].data.size * 2 == arr.size, (method, name, arr.sharding)
         print(f"OK quantized {method} TP=2", flush=True)
 
     # The Pallas TPU kernel (interpret mode) under shard_map, against the blocked path at TP=1.

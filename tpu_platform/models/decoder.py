@@ -109,12 +109,15 @@ def _layer(arch: ModelArch, attn_params: AttentionParams, attn_impl: str, md: At
 
     x = rms_norm(h, w["post_norm"], arch.rms_norm_eps)
     gu = linear(x, w["gate_up"], w.get("gate_up_bias"))  # [T, 2, F]
+    if gu.ndim == 4:  # grouped by device for tensor parallelism (sharding.group_gate_up_by_device)
+        gu = gu.swapaxes(1, 2).reshape(t, 2, -1)
     y = linear(jax.nn.silu(gu[:, 0]) * gu[:, 1], w["down"], w.get("down_bias"))
     return h + y, kv_cache
 
 
 def forward(params, kv_cache, token_ids, positions, md: AttentionMetadata, *, arch: ModelArch,
-            attn_impl: str, inv_freq, aux_layer_ids: tuple[int, ...] = (), mesh=None) -> DecoderOutput:
+            attn_impl: str, inv_freq, aux_layer_ids: tuple[int, ...] = (), mesh=None,
+            kv_scales: tuple[float, float] | None = None) -> DecoderOutput:
     """One ragged step over all T token slots; returns hidden states, not logits.
 
     params: the tree in this module's docstring, layers stacked ([L, ...] arrays, run with
@@ -125,6 +128,8 @@ def forward(params, kv_cache, token_ids, positions, md: AttentionMetadata, *, ar
     mesh: a ("data", "model") mesh the params and cache are sharded over (``models/sharding.py``),
         or None. The matmuls follow their weights' shardings (XLA adds the all-reduces after o and
         down); attention and the embedding lookup run per device under ``shard_map``.
+    kv_scales: (k_scale, v_scale), static floats of an FP8 KV cache (the cache holds K/k_scale and
+        V/v_scale, attention/dispatch.py); None: the cache holds K and V as they are.
     Returns DecoderOutput(hidden [T, H], aux_hidden (len(aux_layer_ids) x [T, H]), kv_cache).
     """
     num_layers = arch.num_layers
@@ -135,7 +140,9 @@ def forward(params, kv_cache, token_ids, positions, md: AttentionMetadata, *, ar
     h = embed_tokens(params["embed"], token_ids, mesh)
     freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
     cos, sin = jnp.cos(freqs), jnp.sin(freqs)
-    attn_params = AttentionParams(sm_scale=arch.head_dim ** -0.5, sliding_window=arch.sliding_window)
+    k_scale, v_scale = (None, None) if kv_scales is None else (float(x) for x in kv_scales)
+    attn_params = AttentionParams(sm_scale=arch.head_dim ** -0.5, sliding_window=arch.sliding_window,
+                                  k_scale=k_scale, v_scale=v_scale)
 
     def block(h, kv_cache, w, layer_idx):
         return _layer(arch, attn_params, attn_impl, md, cos, sin, h, kv_cache, w, layer_idx, mesh)

@@ -19,6 +19,9 @@ _LAYER_SPECS = {
     "o": (2, lambda a: P(a, None)),  # [Hq*D, H]: rows are heads
     "gate_up": (3, lambda a: P(None, None, a)),  # [H, 2, F]
     "gate_up_bias": (2, lambda a: P(None, a)),  # [2, F]
+    # grouped by device (group_gate_up_by_device): [H, TP, 2, F/TP] and [TP, 2, F/TP]
+    "gate_up_grouped": (4, lambda a: P(None, a, None, None)),
+    "gate_up_bias_grouped": (3, lambda a: P(a, None, None)),
     "down": (2, lambda a: P(a, None)),  # [F, H]
 }
 _TOP_SPECS = {
@@ -32,8 +35,9 @@ _TOP_SPECS = {
 # How each record's arrays split: "out" splits the last axis (qkv: Hkv is N's outermost factor, so
 # an even split of N is a split by KV head), "in" the rows (o, down: the contracted axis, as dense).
 # gate_up's N is [2, F] flattened with the 2 outermost, so no single-axis split of N is a split by F:
-# its records stay replicated (correct, just not memory-sharded) until records keep F as an axis.
-_RECORD_SPLIT = {"qkv": "out", "o": "in", "down": "in", "lm_head": "out"}
+# such records stay replicated (correct, just not memory-sharded). Quantized after
+# ``group_gate_up_by_device`` its N is [TP, 2, F/TP]: an even split of N is then a split by F.
+_RECORD_SPLIT = {"qkv": "out", "o": "in", "down": "in", "lm_head": "out", "gate_up": "out"}
 
 
 def _record_spec(name: str, rec, axis: str, stacked: bool):
@@ -44,6 +48,8 @@ def _record_spec(name: str, rec, axis: str, stacked: bool):
     import dataclasses
 
     split = _RECORD_SPLIT.get(name)
+    if name == "gate_up" and len(rec.out_shape) != 3:
+        split = None  # [2, F]: see _RECORD_SPLIT
     lead = (None,) if stacked else ()
     specs = {}
     for f in dataclasses.fields(rec):
@@ -67,6 +73,8 @@ def _spec(name: str, arr, table: dict, axis: str, stacked: bool) -> P:
         return _record_spec(name, arr, axis, stacked)
     rank, make = table[name]
     ndim = getattr(arr, "ndim", None)
+    if name in ("gate_up", "gate_up_bias") and ndim == rank + 1 + stacked:
+        rank, make = table[name + "_grouped"]
     if ndim != rank + stacked:
         raise ValueError(f"parameter {name!r} has rank {ndim}, expected {rank + stacked} "
                          f"({'stacked [L, ...]' if stacked else 'per-layer'} layout of decoder.py)")
@@ -126,6 +134,32 @@ def check_tensor_parallel(arch, tp: int) -> int:
             raise ValueError(f"tensor_parallel_size={tp}: the model's {what}={n} does not split "
                              f"evenly over {tp} devices")
     return r
+
+
+def group_gate_up_by_device(params: dict, tp: int) -> dict:
+    """gate_up [.., H, 2, F] -> [.., H, TP, 2, F/TP] (its bias [.., 2, F] -> [.., TP, 2, F/TP]).
+
+    A quantized record flattens a weight's output axes into one N; with gate and up as the two
+    outermost blocks of N, no even split of N gives each device both halves of its F slice. Grouped
+    by device first, N's outermost factor is the device, so the record splits by F like the dense
+    weight. The decoder turns the grouped output back into [T, 2, F] (a relabelling: F keeps its
+    order). Apply before quantizing; dense weights do not need it.
+    """
+    def group(x):
+        *lead, two, f = x.shape
+        if f % tp:
+            raise ValueError(f"intermediate_size={f} does not split over {tp} devices")
+        return x.reshape(*lead, two, tp, f // tp).swapaxes(-3, -2)
+
+    def layer(w):
+        w = dict(w, gate_up=group(w["gate_up"]))
+        if w.get("gate_up_bias") is not None:
+            w["gate_up_bias"] = group(w["gate_up_bias"])
+        return w
+
+    layers = params["layers"]
+    layers = type(layers)(layer(w) for w in layers) if isinstance(layers, (list, tuple)) else layer(layers)
+    return dict(params, layers=layers)
 
 
 def replicate_kv_heads(params: dict, arch, tp: int):
