@@ -54,7 +54,6 @@ def test_every_section_field_is_a_cli_flag_once():
     (dict(gpu_memory_utilization=0), "gpu_memory_utilization"),
     (dict(kv_cache_dtype="fp8_e5m2"), r"kv_cache_dtype: .*fp8_e5m2 .*not supported"),
     (dict(kv_cache_dtype="int8"), "kv_cache_dtype"),
-    (dict(kv_cache_dtype="fp8", kv_offloading_size=1.0), "kv_offloading_size: .*kv_cache_dtype"),
     (dict(kv_cache_dtype="fp8_e4m3", kv_transfer_config='{"kv_role": "kv_producer"}'),
      "kv_transfer_config: .*kv_cache_dtype"),
     (dict(tensor_parallel_size=2, kv_offloading_size=1.0), "kv_offloading_size"),

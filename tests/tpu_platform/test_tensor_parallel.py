@@ -42,7 +42,7 @@ def test_tp_logits_greedy_warmup_and_collectives():
     for kv_heads in (1, 2, 8):
         for tp in (2, 4, 8):
             assert f"OK logits Hkv={kv_heads} TP={tp} " in out, out
-    assert "OK no compile after warm-up (TP=4)" in out, out
+    assert "OK scanned layers TP=4" in out and "OK no compile after warm-up (TP=4)" in out, out
     assert "OK collectives: 5 all-reduces" in out, out
     assert "OK quantized fp8 TP=2" in out and "OK quantized nvfp4 TP=2" in out, out
     assert "OK pallas_tpu_interpret TP=2" in out, out

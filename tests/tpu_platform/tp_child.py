@@ -77,6 +77,13 @@ def check_runner() -> None:
             print(f"OK logits Hkv={kv_heads} TP={tp} max|diff|="
                   f"{max(np.abs(got[0] - ref[0]).max(), np.abs(got[1] - ref[1]).max()):.2e}", flush=True)
 
+    # Scanned layers (the accelerator default): the sharded [L, ...] stacks under lax.scan.
+    ref = two_steps(make_runner(2, 1))
+    got = two_steps(make_runner(2, 4, layer_loop="scan"))
+    for a, b in zip(got, ref):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=2e-5, err_msg="layer_loop=scan")
+    print("OK scanned layers TP=4", flush=True)
+
     # Warm-up covers serving: sampled steps (greedy, random, logprobs) compile nothing new.
     r = make_runner(2, 4)
     assert r.warmup() > 0
