@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import jax
+import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import PartitionSpec as P
 
@@ -35,8 +36,31 @@ class AttentionParams:
     sm_scale: float
     sliding_window: int | None = None
     soft_cap: float | None = None
+    # The cache holds k / k_scale and v / v_scale (an FP8 KV cache); attention multiplies back.
     k_scale: float | None = None
     v_scale: float | None = None
+
+
+def quantize_kv(new_k: jax.Array, new_v: jax.Array, params: AttentionParams, cache_dtype):
+    """This step's K/V [T, Hkv, D] as the cache stores them: [T, 2*Hkv, D] interleaved, divided by
+    the scales (in f32), clipped to the cache dtype's finite range when it is an FP8 type and cast.
+
+    The clip matters: jax's cast of an out-of-range value to ``float8_e4m3fn`` (no inf) gives NaN,
+    where a saturating cast (torch's) gives +-448; a NaN in the cache would poison every query that
+    reads the page.
+    """
+    k, v = new_k, new_v
+    fp8 = jnp.issubdtype(cache_dtype, jnp.floating) and jnp.dtype(cache_dtype).itemsize == 1
+    if params.k_scale is not None or params.v_scale is not None or fp8:
+        k, v = k.astype(jnp.float32), v.astype(jnp.float32)
+        if params.k_scale is not None:
+            k = k / params.k_scale
+        if params.v_scale is not None:
+            v = v / params.v_scale
+        if fp8:
+            limit = float(jnp.finfo(cache_dtype).max)
+            k, v = jnp.clip(k, -limit, limit), jnp.clip(v, -limit, limit)
+    return interleave_kv(k, v).astype(cache_dtype)
 
 
 def ragged_paged_attention(
@@ -59,6 +83,8 @@ def ragged_paged_attention(
     queries [T, Hq, D]; new_k, new_v [T, Hkv, D]; kv_cache [L, P, page_size, C, D] in the
     shape ``kv_cache_shape(impl, spec)`` gives (C = 2*Hkv, or padded to the sublane tile for the
     Pallas TPU kernel, which also takes an unpadded cache); layer: scalar int32.
+    The write goes through ``quantize_kv``: with ``params.k_scale`` / ``v_scale`` the cache holds
+    K / k_scale and V / v_scale, clipped and cast when it is an FP8 cache.
     Returns (out [T, Hq, D], updated kv_cache).
     """
     if model_axis_size(mesh) > 1:
@@ -87,8 +113,9 @@ def _attend(queries, new_k, new_v, kv_cache, layer, md: AttentionMetadata, param
                          f"{kv_cache.shape}")
     if impl in ("reference", "blocked"):
         # In place on the stacked cache: slicing a layer out and back would copy it twice a step.
-        kv_cache = write_kv_ref(kv_cache, interleave_kv(new_k, new_v), md.kv_lens, md.page_indices,
-                                md.cu_q_lens, md.num_seqs, layer=layer)
+        new_kv = quantize_kv(new_k, new_v, params, kv_cache.dtype)
+        kv_cache = write_kv_ref(kv_cache, new_kv, md.kv_lens, md.page_indices, md.cu_q_lens,
+                                md.num_seqs, layer=layer)
         attend = ragged_paged_attention_ref if impl == "reference" else ragged_paged_attention_blocked
         out = attend(
             queries, kv_cache, md.kv_lens, md.page_indices, md.cu_q_lens, md.num_seqs,
@@ -96,7 +123,7 @@ def _attend(queries, new_k, new_v, kv_cache, layer, md: AttentionMetadata, param
             soft_cap=params.soft_cap, k_scale=params.k_scale, v_scale=params.v_scale, layer=layer)
         return out, kv_cache
     # The kernels write the layer in place: the layer index travels as a scalar, no slicing.
-    new_kv = interleave_kv(new_k, new_v)
+    new_kv = quantize_kv(new_k, new_v, params, kv_cache.dtype)
     args = (queries, new_kv, kv_cache, layer, md.kv_lens, md.page_indices, md.cu_q_lens,
             md.num_seqs)
     kwargs = dict(sm_scale=params.sm_scale, sliding_window=params.sliding_window,

@@ -27,7 +27,10 @@ from typing import Any
 from tpuserve.attention.names import ATTENTION_IMPLS
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-KV_CACHE_DTYPES = ("auto",)
+# "auto": the model dtype. "fp8" / "fp8_e4m3" (vLLM's names): float8_e4m3fn with one static
+# k_scale / v_scale per model (the checkpoint's, else calibrated at load: tpu_platform/kv_scales.py).
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3")
 QUANTIZATION_METHODS = ("fp8", "mxfp4", "nvfp4")
 LAYER_LOOPS = ("auto", "scan", "unroll")
 SPEC_METHODS = ("ngram", "eagle3", "mtp")
@@ -97,7 +100,8 @@ class CacheConfig:
         _need(self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0,
               "kv_cache_memory_bytes", self.kv_cache_memory_bytes, "must be > 0")
         _need(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype", self.kv_cache_dtype,
-              f"must be one of {KV_CACHE_DTYPES} (an FP8 KV cache is not supported yet)")
+              f"must be one of {KV_CACHE_DTYPES} (fp8 and fp8_e4m3 both mean float8_e4m3fn; "
+              f"fp8_e5m2 and other KV cache dtypes are not supported)")
         _need(self.kv_offloading_size is None or self.kv_offloading_size > 0, "kv_offloading_size",
               self.kv_offloading_size, "must be > 0 GiB")
         _need(self.kv_offloading_size is None or self.enable_prefix_caching, "kv_offloading_size",
@@ -263,6 +267,12 @@ class EngineConfig:
             _need(self.kv_transfer is None, "kv_transfer_config", "set",
                   f"KV transfer does not support a sharded KV cache yet "
                   f"(tensor_parallel_size={tp}); drop one of the two")
+        if self.cache.kv_cache_dtype in FP8_KV_CACHE_DTYPES:
+            # The transfer layout carries the cache dtype but not the k/v scales the pages were
+            # written with, and the two engines calibrate their own.
+            _need(self.kv_transfer is None, "kv_transfer_config", "set",
+                  f"KV transfer does not support kv_cache_dtype={self.cache.kv_cache_dtype!r} yet "
+                  f"(the peer could read the pages with other k/v scales); drop one of the two")
         if self.parallel.data_parallel_size > 1:
             _need(self.kv_transfer is None, "kv_transfer_config", "set",
                   f"a P/D engine pairs one KV cache with its peer; with data_parallel_size="

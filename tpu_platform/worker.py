@@ -113,6 +113,10 @@ class Worker:
         if self.tensor_parallel_size > 1:
             params = self._shard_heads(params, loaded.quantization)
         self._params = self._quantize(params, loaded.quantization)
+        if self.kv_cache_dtype.itemsize == 1 and loaded.kv_scales_error is not None:
+            from tpuserve.tpu_platform.models.arch import ModelConfigError
+            raise ModelConfigError(f"kv_cache_dtype={self.config.cache.kv_cache_dtype!r}: "
+                                   f"{loaded.kv_scales_error}")
         if self.kv_cache_dtype.itemsize == 1 and loaded.kv_scales is not None:
             self.kv_scales = loaded.kv_scales
             log.info("FP8 KV cache: the checkpoint's scales (max over layers): k_scale %.6g, "

@@ -21,6 +21,12 @@ class LoadedModel:
     # A pre-quantized checkpoint's format ("fp8", "mxfp4", "nvfp4"; its linear weights are then
     # quant/ records in ``params``), None for a dense one.
     quantization: str | None = None
+    # (k_scale, v_scale) of an FP8 KV cache when the checkpoint carries them (max over layers,
+    # tpu_platform/kv_scales.py), else None.
+    kv_scales: tuple[float, float] | None = None
+    # Why the checkpoint's KV scales are unusable (some layers only, not positive); raised only
+    # when an FP8 KV cache asks for them.
+    kv_scales_error: str | None = None
 
 
 def resolve_model_path(model: str | None) -> str:
@@ -78,8 +84,15 @@ def _load_hf_dir(path: str, dtype, tokenizer: str | None) -> LoadedModel:
     quant = detect(cfg, path)
     get_linear = None if quant is None else (lambda module: read_linear(quant, module, raw))
     params = build_params(arch, get, dtype, get_linear)
+    from tpuserve.tpu_platform.kv_scales import scales_from_checkpoint
+    kv_scales, kv_scales_error = None, None
+    try:
+        kv_scales = scales_from_checkpoint(raw, arch.num_layers)
+    except ValueError as e:
+        kv_scales_error = f"{path!r}: {e}"
     return LoadedModel(arch, params, _load_tokenizer(tokenizer or path), path,
-                       quantization=None if quant is None else quant.method)
+                       quantization=None if quant is None else quant.method, kv_scales=kv_scales,
+                       kv_scales_error=kv_scales_error)
 
 
 def _load_tokenizer(path: str):
