@@ -125,12 +125,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--max-model-len", type=int, default=2304)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
-    p.add_argument("--small-pool-pages", type=int, default=400,
-                   help="device pages of the small-pool server (16 tokens each). The default "
-                        "workload's working set is ~900 pages (a 90-page shared system prompt plus "
-                        "~50 private pages per conversation), while its 4 running requests need "
-                        "~300: 400 pages hold the running set but not the working set, so the run "
-                        "measures the host tier, not admission stalls (200 pages stalled turns 3-4)")
+    p.add_argument("--small-pool-pages", type=int, default=200,
+                   help="device pages of the small-pool server (16 tokens each). With the default "
+                        "workload (SmolLM2's tokenizer) the 4 running requests need ~140 pages (an "
+                        "88-page shared system prompt plus ~13 private pages each) and the working "
+                        "set is ~285 pages: 200 holds the first, not the second")
     p.add_argument("--offload-gib", type=float, default=2.0)
     p.add_argument("--vllm-kv-gib", type=float, default=2.0, help="VLLM_CPU_KVCACHE_SPACE")
     p.add_argument("--only", nargs="+", help="run only these servers (off, device, host, vllm)")
