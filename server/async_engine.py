@@ -194,14 +194,9 @@ class AsyncEngine:
         self._streams[request_id] = stream
         return stream
 
-    async def generate(self, request_id: str, prompt: str | list[int] | None, params: SamplingParams,
-                       prompt_token_ids: list[int] | None = None) -> AsyncIterator[RequestOutput]:
-        text = prompt if isinstance(prompt, str) else None
-        if prompt_token_ids is None and isinstance(prompt, list):
-            prompt_token_ids = prompt
-        stream = await self.add_request(request_id, text, params, prompt_token_ids)
-        async for out in stream:
-            yield out
+    def generate(self, request_id: str, prompt: str | list[int] | None, params: SamplingParams,
+                 prompt_token_ids: list[int] | None = None) -> AsyncIterator[RequestOutput]:
+        return generate_through(self, request_id, prompt, params, prompt_token_ids)
 
     def abort(self, request_id: str) -> None:
         """Abort a request (thread-safe; a no-op for unknown or finished requests)."""
@@ -354,6 +349,18 @@ class AsyncEngine:
             stream._put(out)
             if out.finished:
                 self._streams.pop(stream.request_id, None)
+
+
+async def generate_through(engine, request_id: str, prompt: str | list[int] | None, params,
+                           prompt_token_ids: list[int] | None = None) -> AsyncIterator[RequestOutput]:
+    """A request's outputs as an async iterator, through ``engine.add_request`` (an AsyncEngine or
+    anything with its interface, e.g. data_parallel.DataParallelEngine)."""
+    text = prompt if isinstance(prompt, str) else None
+    if prompt_token_ids is None and isinstance(prompt, list):
+        prompt_token_ids = prompt
+    stream = await engine.add_request(request_id, text, params, prompt_token_ids)
+    async for out in stream:
+        yield out
 
 
 def _compile_count(engine) -> int:

@@ -18,7 +18,7 @@ import dataclasses
 import logging
 
 from tpuserve.kv_cache.prefix_hash import page_hashes
-from tpuserve.server.async_engine import AsyncEngine, EngineSnapshot, RequestStream
+from tpuserve.server.async_engine import AsyncEngine, EngineSnapshot, RequestStream, generate_through
 
 log = logging.getLogger(__name__)
 
@@ -136,13 +136,8 @@ class DataParallelEngine:
         finally:
             self._inflight[i] -= 1
 
-    async def generate(self, request_id: str, prompt, params, prompt_token_ids=None):
-        text = prompt if isinstance(prompt, str) else None
-        if prompt_token_ids is None and isinstance(prompt, list):
-            prompt_token_ids = prompt
-        stream = await self.add_request(request_id, text, params, prompt_token_ids)
-        async for out in stream:
-            yield out
+    def generate(self, request_id: str, prompt, params, prompt_token_ids=None):
+        return generate_through(self, request_id, prompt, params, prompt_token_ids)
 
     def abort(self, request_id: str) -> None:
         for r in self.replicas:  # a no-op on the replicas that do not hold it

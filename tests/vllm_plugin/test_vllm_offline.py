@@ -16,7 +16,7 @@ pytest.importorskip("vllm")  # runs in the vLLM venv; test_vllm_venv_suite.py ru
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
-from vllm_helpers import PROMPTS, run_driver  # noqa: E402
+from vllm_helpers import PROMPTS, hf_greedy, run_driver  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
@@ -33,17 +33,6 @@ SEEDED = dict(temperature=1.0, top_p=0.9, top_k=50, seed=1234, max_tokens=12, ig
 
 def hf_model(path):
     return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-
-
-def hf_greedy(model, ids: list[int], n: int) -> list[int]:
-    out, past, x = [], None, torch.tensor([ids])
-    with torch.no_grad():
-        for _ in range(n):
-            res = model(x, past_key_values=past, use_cache=True)
-            past = res.past_key_values
-            out.append(int(res.logits[0, -1].argmax()))
-            x = torch.tensor([[out[-1]]])
-    return out
 
 
 def hf_logprobs(model, ids: list[int]) -> np.ndarray:

@@ -19,7 +19,7 @@ pytest.importorskip("openai")
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from vllm_helpers import child_env, root_conftest  # noqa: E402
+from vllm_helpers import child_env, hf_greedy, root_conftest  # noqa: E402
 from vllm_server import VllmServer, fake_devices_env, free_port, serve_cmd, vllm_servers  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -46,17 +46,6 @@ def tp2(qwen3_tp_dir, tmp_path_factory):
         yield srv
 
 
-def _hf_greedy(model, ids: list[int], n: int) -> list[int]:
-    out, past, x = [], None, torch.tensor([ids])
-    with torch.no_grad():
-        for _ in range(n):
-            res = model(x, past_key_values=past, use_cache=True)
-            past = res.past_key_values
-            out.append(int(res.logits[0, -1].argmax()))
-            x = torch.tensor([[out[-1]]])
-    return out
-
-
 def test_greedy_completions_equal_transformers(tp2, qwen3_tp_dir):
     log = tp2.log(tail=200_000)
     assert "tensor_parallel_size=2: one tpuserve worker drives 2 JAX devices" in log
@@ -69,7 +58,7 @@ def test_greedy_completions_equal_transformers(tp2, qwen3_tp_dir):
         choice = r.choices[0]
         prompt_ids, token_ids = choice.model_extra["prompt_token_ids"], choice.model_extra["token_ids"]
         assert len(token_ids) == MAX_TOKENS and r.usage.completion_tokens == MAX_TOKENS
-        assert token_ids == _hf_greedy(hf, prompt_ids, MAX_TOKENS), prompt
+        assert token_ids == hf_greedy(hf, prompt_ids, MAX_TOKENS), prompt
 
 
 def test_more_devices_than_there_are_fails_start_up_with_the_reason(qwen3_tp_dir, tmp_path):

@@ -65,3 +65,17 @@ def root_conftest():
         spec.loader.exec_module(module)
         sys.modules[name] = module
     return sys.modules[name]
+
+
+def hf_greedy(model, ids: list[int], n: int) -> list[int]:
+    """transformers' greedy continuation of ``ids`` (n tokens, KV-cached): the model-numerics oracle."""
+    import torch
+
+    out, past, x = [], None, torch.tensor([ids])
+    with torch.no_grad():
+        for _ in range(n):
+            res = model(x, past_key_values=past, use_cache=True)
+            past = res.past_key_values
+            out.append(int(res.logits[0, -1].argmax()))
+            x = torch.tensor([[out[-1]]])
+    return out

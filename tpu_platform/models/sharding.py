@@ -151,15 +151,7 @@ def group_gate_up_by_device(params: dict, tp: int) -> dict:
             raise ValueError(f"intermediate_size={f} does not split over {tp} devices")
         return x.reshape(*lead, two, tp, f // tp).swapaxes(-3, -2)
 
-    def layer(w):
-        w = dict(w, gate_up=group(w["gate_up"]))
-        if w.get("gate_up_bias") is not None:
-            w["gate_up_bias"] = group(w["gate_up_bias"])
-        return w
-
-    layers = params["layers"]
-    layers = type(layers)(layer(w) for w in layers) if isinstance(layers, (list, tuple)) else layer(layers)
-    return dict(params, layers=layers)
+    return _map_weight_and_bias(params, "gate_up", group)
 
 
 def replicate_kv_heads(params: dict, arch, tp: int):
@@ -189,12 +181,19 @@ def replicate_kv_heads(params: dict, arch, tp: int):
         kv = jnp.repeat(x[..., g:, :], r, axis=-3)
         return jnp.concatenate([q, kv], axis=-2)
 
+    return (_map_weight_and_bias(params, "qkv", grow),
+            dataclasses.replace(arch, num_kv_heads=arch.num_kv_heads * r))
+
+
+def _map_weight_and_bias(params: dict, name: str, fn) -> dict:
+    """params with every layer's ``name`` and ``name + "_bias"`` (when present) replaced by
+    ``fn(array)``; stacked ([L, ...] dict) and unrolled (list of dicts) layers alike."""
     def layer(w):
-        w = dict(w, qkv=grow(w["qkv"]))
-        if w.get("qkv_bias") is not None:
-            w["qkv_bias"] = grow(w["qkv_bias"])
+        w = dict(w, **{name: fn(w[name])})
+        if w.get(name + "_bias") is not None:
+            w[name + "_bias"] = fn(w[name + "_bias"])
         return w
 
     layers = params["layers"]
     layers = type(layers)(layer(w) for w in layers) if isinstance(layers, (list, tuple)) else layer(layers)
-    return dict(params, layers=layers), dataclasses.replace(arch, num_kv_heads=arch.num_kv_heads * r)
+    return dict(params, layers=layers)
