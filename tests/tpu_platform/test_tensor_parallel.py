@@ -21,7 +21,9 @@ from tpuserve.tpu_platform.collectives import Collective, collectives, ring_byte
 from tpuserve.tpu_platform.config import ConfigError, EngineConfig
 from tpuserve.tpu_platform.mesh import plan_devices
 from tpuserve.tpu_platform.models.decoder import compute_logits, forward
-from tpuserve.tpu_platform.models.sharding import kv_head_replicas, replicate_kv_heads
+from tpuserve.tpu_platform.models.sharding import (group_gate_up_by_device, kv_head_replicas,
+                                                    replicate_kv_heads)
+from tpuserve.tpu_platform.models.weights import unstack_layers
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -60,20 +62,24 @@ def test_tp_engine_greedy_output_equals_single_device(tmp_path):
     assert "OK engine greedy TP=2 == TP=1" in out and "OK engine greedy TP=4 == TP=1" in out, out
 
 
-def test_replicated_kv_heads_compute_the_same_model():
-    """Single device: the replicated layout (Hkv=2 -> 8 heads) is the same function."""
+def test_replicated_kv_heads_and_grouped_gate_up_compute_the_same_model():
+    """Single device: the replicated layout (Hkv=2 -> 8 heads) and gate_up grouped by device
+    ([H, 2, F] -> [H, TP, 2, F/TP], what quantized TP uses) are the same function."""
     from tiny_models import empty_kv_cache, ragged_step
 
     arch, _, params = tiny_model("qwen2", layers=2, heads=8, kv_heads=2, ffn=96)  # qkv bias too
     rep_params, rep_arch = replicate_kv_heads(params, arch, 8)
     assert rep_arch.num_kv_heads == 8 and rep_params["layers"]["qkv"].shape[-3:] == (8, 3, 16)
     batch = ragged_step(arch, [5, 3])
+    grouped = unstack_layers(group_gate_up_by_device(params, 4))
+    assert grouped["layers"][0]["gate_up"].shape == (64, 4, 2, 24)
     outs = []
-    for a, p in ((arch, params), (rep_arch, rep_params)):
+    for a, p in ((arch, params), (rep_arch, rep_params), (arch, grouped)):
         out = forward(p, empty_kv_cache(a), batch["token_ids"], batch["positions"], batch["md"], arch=a,
                       attn_impl="blocked", inv_freq=jnp.asarray(a.inv_freq()))
         outs.append(np.asarray(compute_logits(p, out.hidden[batch["logits_indices"]], arch=a)))
     np.testing.assert_allclose(outs[1], outs[0], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(outs[2], outs[0], rtol=1e-5, atol=1e-5)
 
 
 def test_head_split_rules_and_errors():
