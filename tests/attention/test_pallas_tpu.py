@@ -12,8 +12,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax._src.pallas.mosaic.interpret import interpret_pallas_call as tpu_interpret
-from jax.experimental.pallas import tpu as pltpu
 
 from tpuserve.attention.dispatch import AttentionParams, kv_cache_shape, ragged_paged_attention
 from tpuserve.attention.metadata import AttentionMetadata
@@ -23,21 +21,7 @@ from tpuserve.kv_cache.layout import KVCacheSpec, split_kv
 
 import attention_cases as cases  # tests/attention/attention_cases.py
 
-RACES = pltpu.InterpretParams(detect_races=True)
-
-
-@pytest.fixture(autouse=True)
-def _fresh_interpreter():
-    """A failed interpret run leaves global simulator state behind; start each test clean."""
-    pltpu.reset_tpu_interpret_mode_state()
-    yield
-    pltpu.reset_tpu_interpret_mode_state()
-
-
-def races_found() -> bool:
-    """The interpreter's race verdict for the last kernel (jax keeps it in a module global)."""
-    assert tpu_interpret.races is not None, "no kernel ran in TPU interpret mode"
-    return bool(tpu_interpret.races.races_found)
+from pallas_interpret import RACES, fresh_interpreter, races_found  # noqa: E402,F401 (autouse fixture)
 
 
 def run_and_check(case, kwargs, dtype, **block):

@@ -12,26 +12,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax._src.pallas.mosaic.interpret import interpret_pallas_call as tpu_interpret
-from jax.experimental.pallas import tpu as pltpu
 
 from tpuserve.quant import fp4, fp8
 from tpuserve.quant.pallas_tpu_matmul import (fp4_matmul_ref, fp4_matmul_tpu, fp8_matmul_ref,
                                               fp8_matmul_tpu)
 
-RACES = pltpu.InterpretParams(detect_races=True)
-
-
-@pytest.fixture(autouse=True)
-def _fresh_interpreter():
-    pltpu.reset_tpu_interpret_mode_state()
-    yield
-    pltpu.reset_tpu_interpret_mode_state()
-
-
-def races_found() -> bool:
-    assert tpu_interpret.races is not None, "no kernel ran in TPU interpret mode"
-    return bool(tpu_interpret.races.races_found)
+from pallas_interpret import RACES, fresh_interpreter, races_found  # noqa: E402,F401 (autouse fixture)
 
 
 def data(m, k, n, seed=0):
