@@ -22,6 +22,7 @@ from tpuserve.server.outputs import CompletionOutput, Logprob, RequestOutput
 from tpuserve.server.sampling_params import SamplingParams
 from tpuserve.server.scheduler import ScheduledWork, Scheduler, SchedulerOutput
 from tpuserve.server.sequence import Sequence
+from tpuserve.spec_decode.draft_runner import CatchUpSeq
 from tpuserve.spec_decode.ngram import propose_ngram
 from tpuserve.tpu_platform.config import EngineConfig
 from tpuserve.tpu_platform.model_runner import PendingStep
@@ -80,6 +81,7 @@ class _InFlight:
     prompt_rows: list[int]  # first prompt-logprob row of each item in the step's output
     step: PendingStep
     num_drafts: list[int] = field(default_factory=list)  # drafts each item verifies
+    features: Any = None  # the step's draft-head features [T, A] on the device (EAGLE-3 / MTP)
 
 
 class LLMEngine:
@@ -110,6 +112,8 @@ class LLMEngine:
         self.async_scheduling = sched.async_scheduling and self.speculative is None
         # drafter(token_ids [N], k) -> up to k draft ids (tests swap in replaying / adversarial ones).
         self.drafter: Callable[[np.ndarray, int], list[int]] = self._ngram_drafter
+        # EAGLE-3 / MTP: the draft head beside the runner (None for n-gram).
+        self.draft_runner = self.worker.draft_runner
         self.grammar_factory = grammar_factory
         self.requests: dict[str, RequestState] = {}
         self.stats = EngineStats()
@@ -250,6 +254,8 @@ class LLMEngine:
             self._propose_drafts()
         sched = self.scheduler.schedule()
         self._move_pages(sched)
+        if self.draft_runner is not None:
+            self._run_draft_head(sched.work)
         if not self.async_scheduling:
             return self._process(self._dispatch(sched.work, None)) if sched.work else []
         prev = self._inflight
@@ -277,8 +283,49 @@ class LLMEngine:
                 k = min(k, p.max_tokens - len(seq.output_token_ids) - 1)
             if k <= 0:
                 continue
+            if self.draft_runner is not None:
+                # Placeholders: the scheduler sizes the step (and allocates the drafts' pages) by
+                # them; the head fills them in once it has those pages (_run_draft_head).
+                k = min(k, self.max_model_len - seq.num_tokens)
+                if seq.draft_seed is not None and seq.draft_seed_at == seq.num_computed and k > 0:
+                    seq.draft_token_ids = [-1] * k
+                continue
             tokens = np.asarray(seq.prompt_token_ids + seq.output_token_ids, np.int64)
             seq.draft_token_ids = list(self.drafter(tokens, k))[:k]
+
+    def _run_draft_head(self, work: list[ScheduledWork]) -> None:
+        """Replace the scheduled placeholder drafts with the draft head's proposals."""
+        drafting = [w for w in work if w.draft_token_ids]
+        if not drafting:
+            return
+        # Always the configured k (one compiled program): a sequence near its end drafts fewer,
+        # and the head's extra writes land past its pages (the reserved page) or its length.
+        k = self.speculative.num_speculative_tokens
+        drafts = self.draft_runner.propose([w.seq.draft_seed for w in drafting],
+                                           [w.seq.num_computed for w in drafting],
+                                           [w.seq.page_ids for w in drafting], k)
+        for w, row in zip(drafting, drafts):
+            w.draft_token_ids = [int(t) for t in row[: len(w.draft_token_ids)]]
+            w.seq.draft_token_ids = list(w.draft_token_ids)
+
+    def _catch_up_draft_head(self, inflight: _InFlight) -> None:
+        """After a step: run the draft head over every position the step verified, so its K/V
+        follows the target's and each sequence that goes on has a seed to draft from."""
+        items, seqs, row0 = [], [], 0
+        for w, start in zip(inflight.work, inflight.starts):
+            seq, first_row = w.seq, row0
+            row0 += w.num_tokens
+            seq.draft_seed = None
+            n = seq.num_computed - start  # verified positions (rejected drafts rolled back)
+            if seq.is_finished or n <= 0 or seq.num_tokens < seq.num_computed + 1 or seq.num_pending:
+                continue
+            items.append(CatchUpSeq(first_row, start, seq.tokens(start + 1, seq.num_computed + 1),
+                                    list(seq.page_ids)))
+            seqs.append(seq)
+        if not items:
+            return
+        for seq, seed in zip(seqs, self.draft_runner.catch_up(inflight.features, items)):
+            seq.draft_seed, seq.draft_seed_at = seed, seq.num_computed
 
     @staticmethod
     def _may_draft(seq: Sequence) -> bool:
@@ -342,7 +389,8 @@ class LLMEngine:
             prompt_rows.append(row)
             row += len(item.prompt_logprob_targets or ())
         batch = self.runner.build_batch(items)
-        step = self.runner.sample(self.runner.forward(batch, prev.step if prev is not None else None))
+        fwd = self.runner.forward(batch, prev.step if prev is not None else None)
+        step = self.runner.sample(fwd)
         starts, completes = [], []
         for i, w in enumerate(work):
             starts.append(w.seq.num_computed)
@@ -352,7 +400,7 @@ class LLMEngine:
                 w.seq.feed_slot = i
             w.seq.num_computed += w.num_tokens
         return _InFlight(work, starts, completes, prompt_rows, step,
-                         [len(w.draft_token_ids) for w in work])
+                         [len(w.draft_token_ids) for w in work], fwd.features)
 
     def _process(self, inflight: _InFlight) -> list[RequestOutput]:
         result = self.runner.fetch(inflight.step)
@@ -382,6 +430,8 @@ class LLMEngine:
                     log.exception("request %s failed", seq.request_id)
                     self._fail(state, f"{type(e).__name__}: {e}")
             touched[state.request_id] = state
+        if self.draft_runner is not None and inflight.features is not None:
+            self._catch_up_draft_head(inflight)
         outputs = []
         for state in touched.values():
             outputs.append(self._output(state))

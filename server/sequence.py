@@ -41,8 +41,11 @@ class Sequence:
     # Disaggregated prefill: a prefill engine's pages for this prompt (a ``PageBatch``), used once
     # at admission instead of computing the prompt.
     remote_kv: Any = None
-    # Speculative decoding: the drafts proposed for this sequence's next step.
+    # Speculative decoding: the drafts proposed for this sequence's next step; with a draft head,
+    # where its drafting resumes (a DraftSeed) and the num_computed that seed belongs to.
     draft_token_ids: list[int] = field(default_factory=list)
+    draft_seed: Any = None
+    draft_seed_at: int = -1
     # Prefix cache: the request's salt, hashes of the full pages of the known tokens, how many of
     # page_ids are registered in the cache, and the prompt tokens found cached at first admission.
     cache_salt: str | None = None

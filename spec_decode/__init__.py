@@ -6,5 +6,7 @@ Modules:
   rejection_sampler  device verification of a step's drafts: greedy matching, and rejection sampling
                      with one-hot or given draft distributions (``verify_async``, called by
                      ``ModelRunner.sample``)
-EAGLE-3 and MTP draft heads are still to come.
+  draft_model        EAGLE-3 and MTP draft heads in JAX, and their checkpoint layouts (``load_draft``)
+  draft_runner       a draft head's paged KV and its catch-up / drafting programs (``DraftRunner``),
+                     driven by the engine around each target step
 """

@@ -153,7 +153,10 @@ class QuantizationConfig:
 
 @dataclass
 class SpeculativeConfig:
-    """``--speculative-config '{"method": "ngram", "num_speculative_tokens": 3, ...}'``."""
+    """``--speculative-config '{"method": "ngram", "num_speculative_tokens": 3, ...}'``.
+
+    ngram: prompt lookup (``prompt_lookup_min/max``); eagle3: an EAGLE-3 head from ``model``;
+    mtp: the MTP layer of ``model``, by default the target's own checkpoint."""
 
     method: str
     num_speculative_tokens: int = 1
@@ -166,8 +169,8 @@ class SpeculativeConfig:
               f"must be one of {SPEC_METHODS}")
         _need(1 <= self.num_speculative_tokens <= 16, "speculative_config.num_speculative_tokens",
               self.num_speculative_tokens, "must be in [1, 16]")
-        _need(self.method == "ngram", "speculative_config.method", self.method,
-              "only 'ngram' is supported so far (EAGLE-3 and MTP draft heads are not built yet)")
+        _need(self.method != "eagle3" or bool(self.model), "speculative_config.model", self.model,
+              "method 'eagle3' needs the EAGLE-3 checkpoint directory")
         lo, hi = self.lookup_range()
         _need(1 <= lo <= hi, "speculative_config.prompt_lookup_min", (lo, hi),
               "need 1 <= prompt_lookup_min <= prompt_lookup_max")

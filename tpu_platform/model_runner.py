@@ -59,12 +59,14 @@ def _bucket(n: int, buckets: tuple[int, ...]) -> int:
 
 @dataclass
 class ForwardState:
-    """A dispatched forward pass: device logits [R, V] of the sampled rows and the final hidden
-    states [T, H] of every row (prompt logprobs score them)."""
+    """A dispatched forward pass: device logits [R, V] of the sampled rows, the final hidden
+    states [T, H] of every row (prompt logprobs score them), and the draft head's features [T, A]
+    of every row (``ModelRunner(draft_aux_layers=...)``; the final hidden states when that is ())."""
 
     batch: StepBatch
     logits: jax.Array
     hidden: jax.Array
+    features: jax.Array | None = None
 
 
 @dataclass
@@ -88,7 +90,8 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, arch: ModelArch, params: dict, device: DeviceInfo,
                  dtype, num_pages: int, max_model_len: int, num_speculative_tokens: int | None = None,
                  mesh=None, kv_cache_dtype=None, kv_scales: tuple[float, float] | None = None,
-                 calibration_tokens: np.ndarray | None = None):
+                 calibration_tokens: np.ndarray | None = None,
+                 draft_aux_layers: tuple[int, ...] | None = None):
         """num_speculative_tokens: the most drafts a sequence verifies per step (the draft slots
         ``warmup`` compiles); None takes the speculative config's, 0 when there is none.
         mesh: the ("data", "model") mesh to run on (``tpu_platform/mesh.py``); None: the default
@@ -96,13 +99,17 @@ class ModelRunner:
         sampler runs on every device of the mesh alike.
         kv_cache_dtype: the KV cache's dtype (None: ``dtype``). An FP8 cache needs its
         (k_scale, v_scale): ``kv_scales``, or ``calibration_tokens`` to measure them from
-        (``calibrate_kv_scales``; tpu_platform/kv_scales.py)."""
+        (``calibrate_kv_scales``; tpu_platform/kv_scales.py).
+        draft_aux_layers: what a draft head reads (spec_decode/draft_model.py): None, nothing;
+        () the final hidden states (MTP); layer ids, the residual streams entering those layers,
+        concatenated (EAGLE-3). ``ForwardState.features`` carries them."""
         self.config = config
         self.mesh = mesh
         if num_speculative_tokens is None:
             spec = config.speculative
             num_speculative_tokens = spec.num_speculative_tokens if spec is not None else 0
         self.num_speculative_tokens = int(num_speculative_tokens)
+        self.draft_aux_layers = None if draft_aux_layers is None else tuple(int(i) for i in draft_aux_layers)
         self.arch = arch
         self.layer_loop = config.compilation.layer_loop
         if self.layer_loop == "auto":
@@ -162,19 +169,22 @@ class ModelRunner:
 
     def _traced_forward(self, params, kv_cache, token_ids, positions, md, logits_indices, *, inv_freq):
         """Model + LM head on the sampled rows. Returns (logits [R, V] f32, hidden [T, H] after the
-        final norm (prompt logprobs score its rows later), kv_cache)."""
+        final norm (prompt logprobs score its rows later), draft features [T, A] or None, kv_cache)."""
         self._traces += 1  # runs only while tracing, i.e. once per compiled program
         out = forward(params, kv_cache, token_ids, positions, md, arch=self.arch,
                       attn_impl=self.attn_impl, inv_freq=inv_freq, mesh=self.mesh,
-                      kv_scales=self.kv_scales)
+                      kv_scales=self.kv_scales, aux_layer_ids=self.draft_aux_layers or ())
         logits = compute_logits(params, out.hidden[logits_indices], arch=self.arch)
         hidden, kv_cache = out.hidden, out.kv_cache
+        features = None
+        if self.draft_aux_layers is not None:
+            features = jnp.concatenate(out.aux_hidden, axis=-1) if out.aux_hidden else hidden
         if self.mesh is not None:
             # Pin the cache's sharding so the donated buffer comes back as it went in.
             logits = self._gather_logits(logits)
             hidden = jax.lax.with_sharding_constraint(hidden, self._replicated)
             kv_cache = jax.lax.with_sharding_constraint(kv_cache, self._kv_sharding)
-        return logits, hidden, kv_cache
+        return logits, hidden, features, kv_cache
 
     def calibrate_kv_scales(self, token_ids, margin: float | None = None) -> tuple[float, float]:
         """(k_scale, v_scale) of an FP8 KV cache, measured: one prefill of ``token_ids`` (cut to
@@ -327,6 +337,10 @@ class ModelRunner:
             prompt_logprob_targets=np.asarray(pl_targets, np.int32) if pl_rows else None,
             num_prompt_logprobs=pl_k)
 
+    def page_bucket(self, num_pages: int) -> int:
+        """The page-table width a sequence of ``num_pages`` pages is padded to."""
+        return _bucket(num_pages, self.page_buckets)
+
     def _draft_slots(self, max_drafts: int) -> int:
         """K of a batch whose longest draft list has ``max_drafts`` tokens (0: nothing speculated)."""
         if max_drafts == 0:
@@ -358,10 +372,10 @@ class ModelRunner:
         feed = batch.feed_rows if batch.feed_rows is not None else np.full(len(batch.token_ids), -1, np.int32)
         prev_tokens = prev.last_tokens if prev is not None else self._no_feed
         put = self._put
-        logits, hidden, self.kv_cache = self._step(
+        logits, hidden, features, self.kv_cache = self._step(
             self.params, self.kv_cache, put(batch.token_ids), put(feed), prev_tokens,
             put(batch.positions), self._metadata(batch), put(batch.logits_indices))
-        return ForwardState(batch, logits, hidden)
+        return ForwardState(batch, logits, hidden, features)
 
     def step_hlo(self, batch: StepBatch) -> str:
         """The optimized HLO text of the forward program ``batch`` runs (compiles it if needed):

@@ -97,6 +97,11 @@ class Worker:
         self._params = None
         self.quantization: str | None = None  # the weights' format once loaded (None: dense)
         self.quant_report = None  # quant.params.QuantReport after online quantization
+        # A model-based drafter (EAGLE-3 / MTP): its DraftHead and params once loaded, then its
+        # DraftRunner beside the ModelRunner (spec_decode/).
+        self.draft_head = None
+        self._draft_params = None
+        self.draft_runner = None
 
     # ---- weights ----
 
@@ -130,6 +135,25 @@ class Worker:
         self.max_model_len = want
         log.info("loaded %s (%s, %d layers) in %.1f s", loaded.source, self.arch.architecture,
                  self.arch.num_layers, time.perf_counter() - t0)
+        spec = self.config.speculative
+        if spec is not None and spec.method in ("eagle3", "mtp"):
+            self._load_draft(spec, loaded.source)
+
+    def _load_draft(self, spec, target_source: str) -> None:
+        from tpuserve.spec_decode.draft_model import load_draft
+
+        if self.mesh is not None:
+            raise ConfigError(f"speculative_config.method={spec.method!r} runs its draft head on one "
+                              f"device; it is not supported with tensor or data parallelism yet")
+        if self.quantization is not None:
+            raise ConfigError(f"speculative_config.method={spec.method!r}: the draft head shares the "
+                              f"target's embedding, which a quantized target ({self.quantization}) "
+                              f"does not keep dense; not supported yet")
+        self.draft_head, self._draft_params = load_draft(spec.method, spec.model, target_source,
+                                                         self.arch, self._params, self.dtype)
+        log.info("draft head: %s (%d-token vocabulary, features %s)", spec.method,
+                 self.draft_head.draft_vocab_size,
+                 self.draft_head.aux_layer_ids or "final hidden state")
 
     def _shard_heads(self, params: dict, checkpoint_method: str | None) -> dict:
         """Check the model splits over the TP devices; replicate KV heads when there are fewer
@@ -206,7 +230,12 @@ class Worker:
         impl = resolve_impl(self.config.compilation.attention_impl, self.device.backend)
         spec = KVCacheSpec(a.num_layers, 1, self.config.cache.block_size, a.num_kv_heads, a.head_dim,
                            self.kv_cache_dtype, num_shards=self.tensor_parallel_size)
-        return spec.page_bytes(impl), spec.bytes_per_page
+        padded, plain = spec.page_bytes(impl), spec.bytes_per_page
+        if self.draft_head is not None:  # the draft head's one layer shares the page geometry
+            d = self.draft_head.arch
+            draft = KVCacheSpec(1, 1, self.config.cache.block_size, d.num_kv_heads, d.head_dim, self.dtype)
+            padded, plain = padded + draft.page_bytes(impl), plain + draft.bytes_per_page
+        return padded, plain
 
     def kv_cache_budget(self) -> int:
         """Bytes for the whole (all devices') KV cache: weights and pages are counted whole, so
@@ -254,9 +283,15 @@ class Worker:
         self.runner = ModelRunner(self.config, self.arch, self._params, self.device, self.dtype,
                                   num_pages, self.max_model_len, mesh=self.mesh,
                                   kv_cache_dtype=self.kv_cache_dtype, kv_scales=self.kv_scales,
-                                  calibration_tokens=calibration)
+                                  calibration_tokens=calibration,
+                                  draft_aux_layers=(None if self.draft_head is None
+                                                    else self.draft_head.aux_layer_ids))
         self.kv_scales = self.runner.kv_scales
         self._params = None
+        if self.draft_head is not None:
+            from tpuserve.spec_decode.draft_runner import DraftRunner
+            self.draft_runner = DraftRunner(self.draft_head, self._draft_params, self.runner)
+            self._draft_params = None
         log.info("KV cache: %d pages of %d tokens (%.2f GiB, %s), token buckets %s, page buckets %s",
                  num_pages, self.config.cache.block_size,
                  self.runner.kv_spec.page_bytes(self.runner.attn_impl) * num_pages / (1 << 30),
@@ -266,9 +301,12 @@ class Worker:
     def warmup(self) -> int:
         t0 = time.perf_counter()
         n = self.runner.warmup()
+        if self.draft_runner is not None:
+            n += self.draft_runner.warmup(self.dtype, self.config.speculative.num_speculative_tokens)
         log.info("warm-up compiled %d programs in %.1f s", n, time.perf_counter() - t0)
         return n
 
     def shutdown(self) -> None:
         self.runner = None
+        self.draft_runner = None
         self._params = None

@@ -91,11 +91,20 @@ def embed_tokens(table, token_ids, mesh=None):
 def _layer(arch: ModelArch, attn_params: AttentionParams, attn_impl: str, md: AttentionMetadata,
            cos, sin, h, kv_cache, w, layer_idx, mesh=None):
     """One transformer block. h [T, H] residual stream in; returns (h [T, H] out, kv_cache)."""
+    x = rms_norm(h, w["input_norm"], arch.rms_norm_eps)
+    return block_from_normed(arch, attn_params, attn_impl, md, cos, sin, x, h, kv_cache, w,
+                             layer_idx, mesh)
+
+
+def block_from_normed(arch: ModelArch, attn_params: AttentionParams, attn_impl: str,
+                      md: AttentionMetadata, cos, sin, x, h, kv_cache, w, layer_idx, mesh=None):
+    """A transformer block past its input norm: x [T, Hin] is the attention input (Hin = H, or
+    2H for an EAGLE-3 draft layer, whose qkv reads [embedding, hidden]), h [T, H] the residual
+    stream. Returns (h [T, H] out, kv_cache)."""
     t = h.shape[0]
     hq, hkv, d = arch.num_heads, arch.num_kv_heads, arch.head_dim
     g = hq // hkv
 
-    x = rms_norm(h, w["input_norm"], arch.rms_norm_eps)
     qkv = linear(x, w["qkv"], w.get("qkv_bias"))  # [T, Hkv, G+2, D]
     q = qkv[:, :, :g].reshape(t, hq, d)  # query head kv*G + g: the GQA order attention expects
     k, v = qkv[:, :, g], qkv[:, :, g + 1]  # [T, Hkv, D] each
