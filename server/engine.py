@@ -330,10 +330,10 @@ class LLMEngine:
     @staticmethod
     def _may_draft(seq: Sequence) -> bool:
         """Drafts are verified with the sequence's plain sampling row repeated per position; what
-        would need per-draft host state (a grammar's next mask, penalties counting the drafts, the
-        min_tokens ban, per-token logprobs) does not draft."""
+        would need per-draft host state beyond the grammar's masks (penalties counting the drafts,
+        the min_tokens ban, per-token logprobs) does not draft."""
         p = seq.params
-        return (seq.grammar is None and p.logprobs is None and p.repetition_penalty == 1.0
+        return (p.logprobs is None and p.repetition_penalty == 1.0
                 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
                 and len(seq.output_token_ids) >= p.min_tokens)
 
@@ -451,6 +451,9 @@ class LLMEngine:
             min_tokens=p.min_tokens if w.completes else 0,
             min_tokens_stop_ids=set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids),
             token_bitmask=grammar_mask, num_logprobs=p.logprobs)
+        draft_masks = None
+        if w.draft_token_ids and seq.grammar is not None:
+            draft_masks = self._draft_masks(seq, w.draft_token_ids, grammar_mask)
         targets = None
         if p.prompt_logprobs is not None and seq.index == 0:
             # Position j predicts prompt token j + 1; only prompt positions have targets.
@@ -462,7 +465,25 @@ class LLMEngine:
         tokens = seq.tokens(start, min(end, known)) + [0] * max(0, end - max(start, known))
         return ScheduledSeq(token_ids=tokens, num_computed=start, draft_token_ids=list(w.draft_token_ids),
                             page_ids=list(seq.page_ids), sampling=row,
-                            prompt_logprob_targets=targets, num_prompt_logprobs=p.prompt_logprobs or 0)
+                            prompt_logprob_targets=targets, num_prompt_logprobs=p.prompt_logprobs or 0,
+                            draft_bitmasks=draft_masks)
+
+    @staticmethod
+    def _draft_masks(seq: Sequence, drafts: list[int], first: np.ndarray) -> np.ndarray:
+        """[1 + k, W]: the grammar's mask at each verification row. The matcher walks the drafts
+        and is rolled back. A draft the grammar refuses ends the walk: its row's mask excludes it,
+        so it is rejected there and the rows after it are never reached (they reuse the mask)."""
+        g, masks = seq.grammar, [first]
+        walked = 0
+        for d in drafts:
+            if not g.accept(int(d)):
+                break
+            walked += 1
+            masks.append(g.fill_bitmask())
+        if walked:
+            g.rollback(walked)
+        masks += [masks[-1]] * (len(drafts) + 1 - len(masks))
+        return np.stack(masks)
 
     def _take_prompt_logprobs(self, state: RequestState, w: ScheduledWork, start: int,
                               lp: Logprobs | None, row: int) -> None:

@@ -106,6 +106,10 @@ class GrammarMatcher:
     def accept(self, token_id: int) -> bool:
         return bool(self._matcher.accept_token(int(token_id)))
 
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last ``num_tokens`` accepts (speculation: the masks of draft positions)."""
+        self._matcher.rollback(int(num_tokens))
+
     def is_terminated(self) -> bool:
         return bool(self._matcher.is_terminated())
 

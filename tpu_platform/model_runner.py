@@ -21,6 +21,7 @@ step i's tokens to step i+1 on the device (``StepBatch.feed_rows``).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import math
@@ -301,9 +302,12 @@ class ModelRunner:
             n, k = len(s.token_ids), len(s.draft_token_ids)
             if n == 0:
                 raise ValueError("a scheduled sequence must compute at least one token")
-            if k and s.sampling.token_bitmask is not None:
-                raise ValueError("drafts cannot be verified under a grammar yet (each draft row "
-                                 "needs the mask of the state after the drafts before it)")
+            if k and s.sampling.token_bitmask is not None and s.draft_bitmasks is None:
+                raise ValueError("drafts under a grammar need draft_bitmasks: each verification row "
+                                 "has the mask of the grammar state after the drafts before it")
+            if s.draft_bitmasks is not None and len(s.draft_bitmasks) != k + 1:
+                raise ValueError(f"sequence {i}: {len(s.draft_bitmasks)} draft_bitmasks rows for "
+                                 f"{k} drafts (want {k + 1})")
             kv_len = s.num_computed + n + k
             if len(s.page_ids) * self.page_size < kv_len:
                 raise ValueError(f"sequence {i}: {len(s.page_ids)} pages cannot hold {kv_len} tokens")
@@ -328,6 +332,14 @@ class ModelRunner:
         cu[len(seqs) + 1:] = off
         cu_logits[len(seqs) + 1:] = row
         sampling = pack_sampling_rows([s.sampling for s in seqs], s_slots, self.arch.vocab_size)
+        row_bitmask = None
+        if any(s.draft_bitmasks is not None for s in seqs):
+            row_bitmask = np.full((r_slots, (self.arch.vocab_size + 31) // 32), -1, np.int32)
+            for i, s in enumerate(seqs):
+                if s.draft_bitmasks is not None:
+                    row_bitmask[cu_logits[i]: cu_logits[i + 1]] = s.draft_bitmasks
+                elif s.sampling.token_bitmask is not None:
+                    row_bitmask[cu_logits[i]: cu_logits[i + 1]] = s.sampling.token_bitmask
         return StepBatch(
             token_ids=token_ids, positions=positions, cu_q_lens=cu, kv_lens=kv_lens,
             page_table=page_table, num_seqs=len(seqs), num_tokens=num_tokens,
@@ -335,7 +347,7 @@ class ModelRunner:
             sampling=sampling, feed_rows=feed_rows if (feed_rows >= 0).any() else None,
             prompt_logprob_rows=np.asarray(pl_rows, np.int32) if pl_rows else None,
             prompt_logprob_targets=np.asarray(pl_targets, np.int32) if pl_rows else None,
-            num_prompt_logprobs=pl_k)
+            num_prompt_logprobs=pl_k, row_bitmask=row_bitmask)
 
     def page_bucket(self, num_pages: int) -> int:
         """The page-table width a sequence of ``num_pages`` pages is padded to."""
@@ -398,6 +410,8 @@ class ModelRunner:
         batch = fwd.batch
         sampling = sampling if sampling is not None else batch.sampling
         rows = _expand_rows(sampling, batch.cu_logits, fwd.logits.shape[0], batch.draft_token_ids)
+        if batch.row_bitmask is not None and sampling is batch.sampling:
+            rows = dataclasses.replace(rows, token_bitmask=batch.row_bitmask)
         if batch.draft_token_ids.shape[1] == 0:
             tokens, lp_parts = sampler.sample_async(fwd.logits, rows, self.max_logprobs)
             token_ids, accepted = tokens[:, None], jnp.zeros(tokens.shape[0], jnp.int32)

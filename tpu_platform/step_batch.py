@@ -98,6 +98,9 @@ class StepBatch:
       the host has not seen it yet; -1 keeps token_ids[r].
     prompt_logprob_rows: rows whose logprobs of ``prompt_logprob_targets`` (the next prompt token)
     are wanted, with ``num_prompt_logprobs`` top entries; None when no sequence asks for them.
+    row_bitmask [R, ceil(V/32)] i32 or None: a grammar mask per logits row, when a sequence under a
+      grammar verifies drafts (row j: the grammar's state after drafts 0..j-1); it replaces the
+      per-sequence ``sampling.token_bitmask`` for that step.
     """
 
     token_ids: np.ndarray
@@ -115,6 +118,7 @@ class StepBatch:
     prompt_logprob_rows: np.ndarray | None = None
     prompt_logprob_targets: np.ndarray | None = None
     num_prompt_logprobs: int = 0
+    row_bitmask: np.ndarray | None = None
 
     @property
     def num_drafts(self) -> np.ndarray:
@@ -248,6 +252,8 @@ class ScheduledSeq:
     draft_token_ids: proposed continuations to verify after token_ids (speculative decoding).
     feed_from: >= 0 when token_ids[0] is a placeholder for the token the previous (still running)
     step samples for its sequence slot ``feed_from``; the runner substitutes it on the device.
+    draft_bitmasks [1 + len(draft_token_ids), ceil(V/32)] i32: under a grammar, the mask of each
+    verification row (the state after the drafts before it); required when drafts meet a grammar.
     """
 
     token_ids: list[int]
@@ -258,3 +264,4 @@ class ScheduledSeq:
     num_prompt_logprobs: int = 0
     draft_token_ids: list[int] = field(default_factory=list)
     feed_from: int = -1  # async scheduling: token_ids[0] is the previous step's output of this slot
+    draft_bitmasks: np.ndarray | None = None

@@ -165,3 +165,42 @@ def test_steady_state_compiles_nothing_new(random_checkpoints):
     _tokens(llm)
     _tokens(llm, params=SamplingParams(temperature=0.7, max_tokens=20, seed=3, ignore_eos=True))
     assert runner.compile_count == before
+
+
+def test_drafts_under_a_grammar(spec_llm, random_checkpoints):
+    """Grammar requests draft too: each verification row carries the grammar's mask after the
+    drafts before it. Greedy output equals the plain engine's with n-gram, replayed (accepted) and
+    grammar-violating (rejected) drafts."""
+    from tpuserve.server.sampling_params import StructuredOutputParams
+
+    so = StructuredOutputParams(regex="(red|green|blue)(, (red|green|blue)){8,40}\\.")
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, structured_outputs=so)
+    prompts = _prompts()[:4]
+    want = [o.outputs[0].token_ids
+            for o in _llm(random_checkpoints["llama"]).generate(prompts, params, use_tqdm=False)]
+    e = spec_llm.engine
+    full = [p["prompt_token_ids"] + w for p, w in zip(prompts, want)]
+
+    def replay(tokens, k):
+        cont = next(f for f in full if f[: len(tokens)] == list(tokens))
+        return cont[len(tokens): len(tokens) + k]
+
+    def violating(tokens, k):  # the right token's neighbours: outside the grammar or wrong
+        cont = next(f for f in full if f[: len(tokens)] == list(tokens))
+        return [cont[len(tokens)] + 1] * k
+
+    st = e.stats
+    for drafter, all_accepted in ((e._ngram_drafter, False), (replay, True), (violating, False)):
+        e.drafter = drafter
+        d0, a0 = st.spec_num_draft_tokens, st.spec_num_accepted_tokens
+        try:
+            got = [o.outputs[0].token_ids for o in spec_llm.generate(prompts, params, use_tqdm=False)]
+        finally:
+            e.drafter = e._ngram_drafter
+        assert got == want, drafter
+        assert st.spec_num_draft_tokens > d0
+        if all_accepted:
+            assert st.spec_num_accepted_tokens - a0 == st.spec_num_draft_tokens - d0
+        if drafter is violating:
+            assert st.spec_num_accepted_tokens == a0
+    assert e.pool.num_free == e.pool.num_usable
