@@ -90,7 +90,7 @@ print("WORKER", cfg.parallel_config.worker_cls)
 print("EXECUTOR", cfg.parallel_config.distributed_executor_backend)
 print("BLOCK", cfg.cache_config.block_size)
 print("ASYNC", cfg.scheduler_config.async_scheduling)
-for bad in (dict(kv_cache_dtype="fp8"), dict(enable_lora=True),
+for bad in (dict(kv_cache_dtype="fp8_e5m2"), dict(enable_lora=True),
             dict(additional_config={{"attention_impl": "nope"}}),
             dict(additional_config={{"typo": 1}})):
     try:
@@ -105,5 +105,5 @@ for bad in (dict(kv_cache_dtype="fp8"), dict(enable_lora=True),
     refused = [line for line in out.splitlines() if line.startswith("REFUSED")]
     assert "ACCEPTED" not in out, out
     assert len(refused) == 4, out
-    assert "kv_cache_dtype='fp8'" in refused[0] and "LoRA" in refused[1]
+    assert "kv_cache_dtype='fp8_e5m2'" in refused[0] and "LoRA" in refused[1]  # fp8 (e4m3) is served
     assert "attention_impl" in refused[2] and "typo" in refused[3]

@@ -28,6 +28,8 @@ from vllm.platforms.interface import Platform, PlatformEnum
 
 from tpuserve.tpu_platform.vllm_plugin.activation import DEVICE_CHOICES, DEVICE_FLAG, ENV_VAR, decide, tpu_attached
 from tpuserve.tpu_platform.vllm_plugin.options import PluginOptions
+from tpuserve.tpu_platform.vllm_plugin.quantization import (SERVED_METHODS, refuse_method, register_quant_configs,
+                                                            unsupported_kv_cache, unsupported_quantization)
 from tpuserve.tpu_platform.vllm_plugin.sampling import unsupported_features
 from tpuserve.tpu_platform.vllm_plugin.spec_decode import unsupported_speculative
 
@@ -75,7 +77,9 @@ class TpuservePlatform(Platform):
     ray_device_key: str = ""  # no Ray placement: one engine core drives the JAX devices
     dist_backend: str = "gloo"
     simple_compile_backend: str = "eager"  # vLLM's torch.compile is never used for our model
-    supported_quantization: list[str] = []
+    # --quantization names we serve (quantization.py): fp8 / mxfp4 / nvfp4 online on a dense
+    # checkpoint, and the pre-quantized checkpoint formats our loader reads.
+    supported_quantization: list[str] = list(SERVED_METHODS)
 
     @property
     def supported_dtypes(self) -> list[torch.dtype]:
@@ -120,12 +124,14 @@ class TpuservePlatform(Platform):
 
     @classmethod
     def verify_quantization(cls, quant: str) -> None:
-        raise ValueError(f"quantization {quant!r} is not supported on the tpuserve platform yet "
-                         f"(serve an unquantized checkpoint)")
+        refuse_method(quant)  # by name; the checkpoint's own format is checked in check_and_update_config
 
     @classmethod
     def pre_register_and_update(cls, parser=None) -> None:
-        """Add ``--device`` to vLLM's CLI (vLLM 0.32 has none) so ``vllm serve M --device tpu`` parses."""
+        """Register our quantization config for the methods we serve (vLLM calls this before it
+        builds the ModelConfig, with ``parser=None`` from ``create_engine_config``), and add
+        ``--device`` to vLLM's CLI (vLLM 0.32 has none) so ``vllm serve M --device tpu`` parses."""
+        register_quant_configs()
         if parser is None:
             return
         if DEVICE_FLAG in getattr(parser, "_option_string_actions", {}):
@@ -306,8 +312,7 @@ def _unsupported_config(cfg: "VllmConfig") -> list[str]:
     if m is not None:
         if m.runner_type != "generate":
             out.append(f"runner {m.runner_type!r} (only text generation)")
-        if m.quantization is not None:
-            out.append(f"quantization={m.quantization!r}")
+        out.extend(unsupported_quantization(m))  # quantization.py
         if getattr(m, "is_multimodal_model", False):
             out.append("multimodal models")
         if m.logprobs_mode != "raw_logprobs":
@@ -325,9 +330,13 @@ def _unsupported_config(cfg: "VllmConfig") -> list[str]:
                    f"for a host-memory KV tier use --kv-offloading-size, which selects tpuserve's "
                    f"{OFFLOAD_CONNECTOR}; for prefill/decode disaggregation use {PD_CONNECTOR} with "
                    f"kv_connector_module_path {PD_CONNECTOR_MODULE})")
-    c = cfg.cache_config
-    if c.cache_dtype not in ("auto", None):
-        out.append(f"kv_cache_dtype={c.cache_dtype!r} (the KV cache uses the model dtype)")
+    kv = unsupported_kv_cache(cfg)  # quantization.py: auto, fp8, fp8_e4m3
+    out.extend(kv)
+    if (not kv and cfg.cache_config.cache_dtype not in ("auto", None) and ktc is not None
+            and _is_pd_connector(ktc)):
+        out.append(f"kv_cache_dtype={cfg.cache_config.cache_dtype!r} with {PD_CONNECTOR} (the pages "
+                   f"travel without the k/v scales they were written with, and each server "
+                   f"calibrates its own; drop one of the two)")
     return out
 
 

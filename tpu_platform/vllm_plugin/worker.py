@@ -3,7 +3,8 @@
 vLLM calls, in order: ``init_device`` (our Worker: JAX backend, compilation cache, dtype, and with
 ``--tensor-parallel-size N`` a mesh over the first N local devices; its EngineConfig built from
 vLLM's), ``load_model`` (weights to device), ``get_kv_cache_spec`` (one full-attention spec per
-layer: our page size, KV heads, head_dim, dtype),
+layer: our page size, KV heads, head_dim, and the cache's dtype: the model's, or float8_e4m3fn under
+``--kv-cache-dtype fp8``),
 ``determine_available_memory`` (the Worker's one KV budget formula), ``initialize_from_config``
 (vLLM's num_blocks become our KV pages, one for one, page 0 being vLLM's null block),
 ``compile_or_warm_up_model`` (every shape bucket, on accelerators), then each step
@@ -54,6 +55,8 @@ from tpuserve.tpu_platform.step_batch import pack_sampling_rows
 from tpuserve.tpu_platform.vllm_plugin.offload_connector import TpuserveHostOffloadConnector
 from tpuserve.tpu_platform.vllm_plugin.options import PluginOptions
 from tpuserve.tpu_platform.vllm_plugin.pd_connector import TpuservePDConnector
+from tpuserve.tpu_platform.vllm_plugin.quantization import (engine_quantization, register_quant_configs,
+                                                            spec_dtype_and_mode)
 from tpuserve.tpu_platform.vllm_plugin.request_state import RequestTable, StepPlan, StepResult
 from tpuserve.tpu_platform.vllm_plugin.spec_decode import DraftPlanner, NgramSettings
 
@@ -66,6 +69,7 @@ class TpuserveWorker(WorkerBase):
     def __init__(self, vllm_config: VllmConfig, local_rank: int, rank: int,
                  distributed_init_method: str, is_driver_worker: bool = False):
         super().__init__(vllm_config, local_rank, rank, distributed_init_method, is_driver_worker)
+        register_quant_configs()  # this process may build configs naming "nvfp4" too (idempotent)
         self.options = PluginOptions.from_vllm(vllm_config)
         self.worker = None  # tpuserve.tpu_platform.worker.Worker
         self.arch = None
@@ -90,6 +94,8 @@ class TpuserveWorker(WorkerBase):
                              f"float32, bfloat16 or float16")
         sched, cache = self.scheduler_config, self.cache_config
         spec = self.speculation
+        # --kv-cache-dtype: auto or fp8 / fp8_e4m3 (platform.py refused the rest).
+        kv_dtype = cache.cache_dtype if cache.cache_dtype not in (None, "auto") else "auto"
         return EngineConfig.from_kwargs(
             model=self.model_config.model, dtype=name, max_model_len=int(self.model_config.max_model_len),
             max_num_seqs=sched.max_num_seqs, max_num_batched_tokens=sched.max_num_batched_tokens,
@@ -102,6 +108,10 @@ class TpuserveWorker(WorkerBase):
             compilation_cache_dir=self.options.compilation_cache_dir,
             max_logprobs=min(max(int(self.model_config.max_logprobs), 0), 1024),
             async_scheduling=False,  # vLLM's scheduler drives the steps
+            # --quantization on a dense checkpoint quantizes at load; a pre-quantized checkpoint's
+            # format is the loader's to read (vLLM's name for it is the producer's).
+            quantization=engine_quantization(self.model_config.model, self.model_config.quantization),
+            kv_cache_dtype=kv_dtype,
             # One worker drives all N devices as SPMD; a ConfigError names the flag and the device
             # count when there are fewer (raised in init_device, so vLLM's start-up fails with it).
             tensor_parallel_size=int(self.parallel_config.tensor_parallel_size),
@@ -129,6 +139,9 @@ class TpuserveWorker(WorkerBase):
             raise ValueError(f"load_format={fmt!r}: the tpuserve platform loads safetensors or GGUF")
         self.worker.load()
         self.arch = self.worker.arch
+        w = self.worker
+        log.info("weights: %s (%.1f MiB); KV cache dtype %s", w.quantization or "dense",
+                 w.weight_bytes / 2 ** 20, w.kv_cache_dtype.name)
         vocab = self.model_config.get_vocab_size()
         if vocab != self.arch.vocab_size:
             raise ValueError(f"vocab size mismatch: vLLM's config says {vocab}, the checkpoint "
@@ -145,10 +158,20 @@ class TpuserveWorker(WorkerBase):
         """
         a = self.arch
         padded, plain = (b // a.num_layers for b in self.worker.page_bytes_padded_and_plain())
-        extra = {"page_size_padded": padded} if padded != plain else {}
+        # The element type vLLM sizes blocks by is our cache's: float8_e4m3fn (per-tensor scales)
+        # under --kv-cache-dtype fp8, else the model dtype.
+        dtype, mode = spec_dtype_and_mode(self.cache_config.cache_dtype, self.model_config.dtype,
+                                          self.worker.kv_cache_dtype.itemsize)
         spec = FullAttentionSpec(block_size=self.cache_config.block_size, num_kv_heads=a.num_kv_heads,
-                                 head_size=a.head_dim, dtype=self.model_config.dtype,
-                                 sliding_window=a.sliding_window, **extra)
+                                 head_size=a.head_dim, dtype=dtype, kv_quant_mode=mode,
+                                 sliding_window=a.sliding_window)
+        if spec.page_size_bytes != plain:
+            raise RuntimeError(f"vLLM's KV page ({spec.page_size_bytes} B per layer, {dtype}) differs "
+                               f"from the worker's ({plain} B, {self.worker.kv_cache_dtype.name})")
+        if padded != plain:
+            spec = FullAttentionSpec(block_size=spec.block_size, num_kv_heads=a.num_kv_heads,
+                                     head_size=a.head_dim, dtype=dtype, kv_quant_mode=mode,
+                                     sliding_window=a.sliding_window, page_size_padded=padded)
         return {f"model.layers.{i}.self_attn.attn": spec for i in range(a.num_layers)}
 
     def get_supported_kv_cache_layouts(self) -> list[str]:
@@ -163,7 +186,8 @@ class TpuserveWorker(WorkerBase):
         return self.worker.kv_cache_budget()
 
     def initialize_from_config(self, kv_cache_config: KVCacheConfig) -> None:
-        """Allocate our KV pages: vLLM's block ids index them directly."""
+        """Allocate our KV pages: vLLM's block ids index them directly (an FP8 cache calibrates
+        its k/v scales here when the checkpoint carries none)."""
         groups = kv_cache_config.kv_cache_groups
         if len(groups) != 1:
             raise ValueError(f"expected one KV cache group, vLLM built {len(groups)}")
@@ -175,6 +199,10 @@ class TpuserveWorker(WorkerBase):
         # whose cache it reads and replaces, once it does.
         self.connector = _make_connector(self.vllm_config, kv_cache_config)
         self.runner = self.worker.init_kv_cache(int(kv_cache_config.num_blocks))
+        scales = self.worker.kv_scales
+        log.info("KV cache: %d pages of %d tokens, %s%s", int(kv_cache_config.num_blocks), block_size,
+                 self.worker.kv_cache_dtype.name,
+                 "" if scales is None else " (k_scale %.6g, v_scale %.6g)" % tuple(scales))
         if self.connector is not None:
             self.connector.register_runner(self.runner)
         self.table = RequestTable(block_size, self.arch.vocab_size, seed=self.worker.config.model.seed)
