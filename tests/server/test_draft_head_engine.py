@@ -119,8 +119,9 @@ def test_wrong_drafts_are_rejected_at_position_zero(spec_llm, reference, monkeyp
     assert e.stats.spec_num_accepted_tokens == a0 and e.stats.spec_num_draft_tokens > d0
 
 
-def test_preemption_and_abort(heads, reference):
-    path, spec = heads["eagle3"]
+@pytest.mark.parametrize("method", ["eagle3", "mtp"])
+def test_preemption_and_abort(heads, reference, method):
+    path, spec = heads[method]
     small = LLM(path, speculative_config=spec, **{**BASE, "num_gpu_blocks": 9, "max_num_seqs": 5,
                                                    "max_model_len": 128})
     assert _tokens(small) == reference
