@@ -32,6 +32,10 @@ class ExecutorConfig:
     max_num_batched_tokens: int = 256
     gpu_memory_utilization: float = 0.5
     attention_impl: str = "auto"
+    # Weight quantization: None (the checkpoint as it is), "fp8" / "mxfp4" / "nvfp4" (quantize at
+    # load, or a pre-quantized checkpoint's own method: sglang_plugin/quantization.py resolves it).
+    quantization: str | None = None
+    kv_cache_dtype: str = "auto"  # "auto" (model dtype) or "fp8_e4m3"
     warmup: bool | None = None  # None: compile every bucket up front on accelerators only
 
 
@@ -90,6 +94,7 @@ class JaxExecutor:
             model=cfg.model_path, dtype=cfg.dtype, max_model_len=cfg.max_model_len,
             max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
             block_size=cfg.page_size, attention_impl=cfg.attention_impl,
+            quantization=cfg.quantization, kv_cache_dtype=cfg.kv_cache_dtype,
             gpu_memory_utilization=cfg.gpu_memory_utilization,
             # +1: page 0 is reserved by both SGLang (padding) and us; SGLang's pages are 1..usable.
             num_gpu_blocks=(max(1, cfg.max_total_tokens // cfg.page_size) + 1
@@ -99,6 +104,7 @@ class JaxExecutor:
         self.worker = Worker(self.config)
         self.worker.load(clamp_max_model_len=True)
         self.device, self.dtype, self.arch = self.worker.device, self.worker.dtype, self.worker.arch
+        self.quantization = self.worker.quantization  # the weights' format (None: dense)
         self.max_model_len = self.worker.max_model_len
         self.num_pages = self.worker.num_pages(need_full_sequence=False)
         self.usable_pages = self.num_pages - 1
@@ -109,16 +115,28 @@ class JaxExecutor:
         if warm:
             self.worker.warmup()
         self.compiles_after_init = self.runner.compile_count
-        log.info("tpuserve JAX executor ready in %.1fs: backend=%s dtype=%s, KV cache %s in JAX "
-                 "(%d pages x %d tokens, %.1f MiB), %d programs compiled",
+        scales = self.kv_scales
+        log.info("tpuserve JAX executor ready in %.1fs: backend=%s dtype=%s, weights=%s, KV cache "
+                 "%s in JAX (%d pages x %d tokens, %.1f MiB, %s%s), %d programs compiled",
                  time.perf_counter() - t0, self.device.backend, np.dtype(self.dtype).name,
-                 tuple(self.runner.kv_cache.shape), self.usable_pages, cfg.page_size,
-                 self.kv_cache_bytes / 2**20, self.compiles_after_init)
+                 self.quantization or "dense", tuple(self.runner.kv_cache.shape), self.usable_pages,
+                 cfg.page_size, self.kv_cache_bytes / 2**20, self.kv_cache_dtype.name,
+                 "" if scales is None else f", k_scale {scales[0]:.6g}, v_scale {scales[1]:.6g}",
+                 self.compiles_after_init)
 
     @property
     def capacity_tokens(self) -> int:
         """Tokens SGLang may place: its pool size (pages 1..usable_pages)."""
         return self.usable_pages * self.cfg.page_size
+
+    @property
+    def kv_cache_dtype(self) -> np.dtype:
+        return np.dtype(self.runner.kv_cache.dtype)
+
+    @property
+    def kv_scales(self) -> tuple[float, float] | None:
+        """(k_scale, v_scale) of an FP8 KV cache (checkpoint's or calibrated); None otherwise."""
+        return self.runner.kv_scales
 
     @property
     def kv_cache_bytes(self) -> int:

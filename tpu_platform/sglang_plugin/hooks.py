@@ -12,6 +12,10 @@ hook body first asks which platform SGLang resolved.
   * ``arg_groups.pipeline.run_resolution_pipeline`` (BEFORE): ``--device tpu`` while our platform is
     not active gets a clear error instead of SGLang's crash on a torch device named "tpu". (When
     it is active, platform.py serves the flag.)
+  * ``ModelConfig._verify_quantization`` (AROUND): SGLang's check asks its torch quantization
+    registry; ours asks our loader and keeps only what tpuserve serves (quantization.py).
+  * ``--quantization`` choices: "nvfp4" is added through SGLang's extension point for out-of-tree
+    platforms (``add_quantization_method_choices``) when our platform is active.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ log = logging.getLogger(__name__)
 SCHEDULER_INIT_WORKER = "sglang.srt.managers.scheduler.Scheduler.init_tp_model_worker"
 RESOLUTION_PIPELINE = "sglang.srt.arg_groups.pipeline.run_resolution_pipeline"
 VALIDATE_REQUEST = "sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request"
+VERIFY_QUANTIZATION = "sglang.srt.configs.model_config.ModelConfig._verify_quantization"
 
 # Request features our worker does not serve yet; refused at admission (HTTP 400), not mid-batch.
 _UNSUPPORTED_SAMPLING_KEYS = ("json_schema", "regex", "ebnf", "structural_tag", "logit_bias")
@@ -102,9 +107,35 @@ def refuse_unsupported_request(tokenizer_manager, obj, *args, **kwargs):
     return None
 
 
+def verify_quantization(original, model_config, *args, **kwargs):
+    """AROUND hook on ``ModelConfig._verify_quantization``: ours when our platform is active.
+
+    SGLang's version maps the checkpoint's ``quantization_config`` through its torch quantization
+    classes and requires one of them to exist for the result; ours asks our loader what it reads
+    and sets ``model_config.quantization`` to the method our worker serves (or refuses clearly).
+    """
+    if not our_platform_active():
+        return original(model_config, *args, **kwargs)
+    from tpuserve.tpu_platform.sglang_plugin.quantization import verify_model_config_quantization
+    verify_model_config_quantization(model_config)
+    return None
+
+
+def add_quantization_choices() -> None:
+    """Let argparse accept every ``--quantization`` method we serve (SGLang lacks "nvfp4")."""
+    if not our_platform_active():
+        return
+    from sglang.srt.arg_groups.choices import QUANTIZATION_CHOICES, add_quantization_method_choices
+
+    from tpuserve.tpu_platform.sglang_plugin.quantization import ONLINE_METHODS
+    add_quantization_method_choices([m for m in ONLINE_METHODS if m not in QUANTIZATION_CHOICES])
+
+
 def register_all() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     HookRegistry.register(SCHEDULER_INIT_WORKER, init_tp_model_worker, HookType.AROUND)
     HookRegistry.register(RESOLUTION_PIPELINE, explain_device_tpu, HookType.BEFORE)
     HookRegistry.register(VALIDATE_REQUEST, refuse_unsupported_request, HookType.BEFORE)
+    HookRegistry.register(VERIFY_QUANTIZATION, verify_quantization, HookType.AROUND)
+    add_quantization_choices()

@@ -18,6 +18,9 @@ What the platform declares, and why:
     platform the pages live in a JAX array those kernels cannot reach. tpuserve's own host tier
     (``tpuserve serve --kv-offloading-size GiB``, or vLLM with ``--device tpu
     --kv-offloading-size GiB``) is the supported way to keep evicted prefixes in host memory.
+  * ``--quantization`` fp8 / mxfp4 / nvfp4 (and pre-quantized checkpoints our loader reads) and
+    ``--kv-cache-dtype fp8_e4m3`` are served by our worker in JAX; any other value is refused here,
+    naming the flag (quantization.py; SGLang's own ModelConfig check is replaced by a hook).
 """
 
 from __future__ import annotations
@@ -61,6 +64,8 @@ class TpuServeSRTPlatform(SRTPlatform):
             log.info("tpuserve: --device tpu -> the model runs on JAX's TPU; SGLang's scheduler "
                      "tensors (int metadata) stay on torch device 'cpu'")
         server_args.device = "cpu"
+        from tpuserve.tpu_platform.sglang_plugin.quantization import refuse_unsupported_flags
+        refuse_unsupported_flags(server_args)
         for flag, attr in (("--enable-hierarchical-cache", "enable_hierarchical_cache"),
                            ("--enable-lmcache", "enable_lmcache")):
             if getattr(server_args, attr, False):
@@ -94,8 +99,9 @@ class TpuServeSRTPlatform(SRTPlatform):
             server_args.sampling_backend = "pytorch"  # never called: our runner samples in JAX
         log.info("tpuserve SGLang platform active: the model runs in JAX (tpuserve executor); "
                  "page_size=%s, chunked_prefill_size=%s, max_running_requests=%s, overlap "
-                 "schedule off", server_args.page_size, server_args.chunked_prefill_size,
-                 server_args.max_running_requests)
+                 "schedule off, quantization=%s, kv_cache_dtype=%s", server_args.page_size,
+                 server_args.chunked_prefill_size, server_args.max_running_requests,
+                 server_args.quantization, server_args.kv_cache_dtype)
 
     def get_default_attention_backend(self) -> str:
         return ATTENTION_BACKEND_NAME

@@ -34,7 +34,8 @@ class NoTorchKVCache(KVCache):
         self.size = size
         self.page_size = page_size
         self.dtype = dtype
-        self.store_dtype = dtype
+        # As SGLang's own pools store FP8 (index_put has no float8 kernel): bytes. Nothing is stored.
+        self.store_dtype = torch.uint8 if dtype.itemsize == 1 else dtype
         self.device = "cpu"
         self.layer_num = layer_num
         self.start_layer = 0
@@ -107,10 +108,12 @@ class TpuServeModelRunnerStub(ModelRunner):
         layers = self.model_config.num_hidden_layers
         self.layer_info = ModelLayerInfo(start_layer=0, end_layer=layers,
                                          num_effective_layers=layers)
-        self.kv_cache_dtype = self.dtype
+        ex = self._executor
+        # What our JAX cache really holds (SGLang's bookkeeping only records it; no torch buffer):
+        # the model dtype, or float8_e4m3fn for --kv-cache-dtype fp8_e4m3.
+        self.kv_cache_dtype = torch.float8_e4m3fn if ex.kv_cache_dtype.itemsize == 1 else self.dtype
         self.is_hybrid_swa = False
 
-        ex = self._executor
         if ex.cfg.page_size != self.page_size:
             raise RuntimeError(f"SGLang page_size {self.page_size} != executor page size "
                                f"{ex.cfg.page_size}")
@@ -136,9 +139,9 @@ class TpuServeModelRunnerStub(ModelRunner):
         self.attn_backend = None
         self.init_ngram_embedding_manager()
         log.info("tpuserve: SGLang bookkeeping only (max_total_num_tokens=%d, page_size=%d, "
-                 "max_running_requests=%d); torch KV pool bytes: 0; JAX KV cache %.1f MiB",
-                 self.max_total_num_tokens, self.page_size, self.max_running_requests,
-                 ex.kv_cache_bytes / 2**20)
+                 "max_running_requests=%d, kv_cache_dtype=%s); torch KV pool bytes: 0; JAX KV "
+                 "cache %.1f MiB", self.max_total_num_tokens, self.page_size,
+                 self.max_running_requests, self.kv_cache_dtype, ex.kv_cache_bytes / 2**20)
 
     def alloc_memory_pool(self, memory_pool_config=None, *, draft_parallel_layout=None):
         pass  # pools were made in initialize(); the KV itself is in JAX

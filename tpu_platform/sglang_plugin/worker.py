@@ -52,9 +52,17 @@ def executor_config(model_path: str, context_len: int) -> ExecutorConfig:
     device's memory minus the weights on an accelerator, 1 GiB on a CPU host). SGLang's
     ``--mem-fraction-static`` is not used: SGLang resolves it for its torch device (the host here),
     so its default says nothing about the accelerator JAX owns.
+
+    ``--quantization`` / ``--kv-cache-dtype`` become our worker's ``quantization`` (quantize at load,
+    or the pre-quantized checkpoint's own method) and ``kv_cache_dtype``. Unsupported values were
+    refused at start-up already (quantization.py); this resolves them the same way again.
     """
+    from tpuserve.tpu_platform.sglang_plugin.quantization import (engine_kv_cache_dtype,
+                                                                 resolve_quantization)
+
     sched = get_schedule()
-    dtype = str(get_model().dtype)
+    model = get_model()
+    dtype = str(model.dtype)
     if dtype not in _DTYPES:
         raise UnsupportedOnTpuServe(f"--dtype {dtype} is not supported by tpuserve; use one of "
                                     f"{sorted(_DTYPES)}")
@@ -64,7 +72,9 @@ def executor_config(model_path: str, context_len: int) -> ExecutorConfig:
         dtype=_DTYPES[dtype], max_total_tokens=sched.max_total_tokens,
         max_num_seqs=sched.max_running_requests or 32,
         # One runner step per SGLang prefill chunk when chunking is on; bigger batches are split.
-        max_num_batched_tokens=chunk if chunk and chunk > 0 else 256)
+        max_num_batched_tokens=chunk if chunk and chunk > 0 else 256,
+        quantization=resolve_quantization(model.quantization, model_path),
+        kv_cache_dtype=engine_kv_cache_dtype(model.kv_cache_dtype))
 
 
 def request_sampling_row(req, vocab_size: int, eos_token_ids=()) -> SamplingRow:
@@ -148,8 +158,9 @@ class TpuServeTpModelWorker(TpModelWorker):
             token_to_kv_pool_allocator=self.token_to_kv_pool_allocator,
             memory_pool_config=self.memory_pool_config, executor=self._executor)
         self._vocab_size = self._executor.arch.vocab_size
-        log.info("tpuserve executor active: SGLang scheduler -> %s (JAX %s backend)",
-                 type(self).__name__, self._executor.device.backend)
+        log.info("tpuserve executor active: SGLang scheduler -> %s (JAX %s backend, weights %s, "
+                 "KV cache %s)", type(self).__name__, self._executor.device.backend,
+                 self._executor.quantization or "dense", self._executor.kv_cache_dtype.name)
 
     @property
     def executor(self) -> JaxExecutor:
