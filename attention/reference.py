@@ -54,7 +54,19 @@ def write_kv_ref(kv_pages, new_kv, kv_lens, page_indices, cu_q_lens, num_seqs, *
     page = page_indices[seq, pos // page_size]
     page = jnp.where(valid, page, num_pages)  # out of range -> dropped by the scatter
     index = (page, pos % page_size) if layer is None else (layer, page, pos % page_size)
-    return kv_pages.at[index].set(new_kv.astype(kv_pages.dtype), mode="drop")
+    new_kv = new_kv.astype(kv_pages.dtype)
+    if _is_fp8(kv_pages.dtype):
+        # XLA:CPU has no 8-bit float scatter: it widens the whole cache to scatter into it (a copy
+        # of every page, every layer, every step). The same bytes scattered as uint8 stay in place;
+        # the bitcasts around it are free.
+        raw = jax.lax.bitcast_convert_type(kv_pages, jnp.uint8)
+        raw = raw.at[index].set(jax.lax.bitcast_convert_type(new_kv, jnp.uint8), mode="drop")
+        return jax.lax.bitcast_convert_type(raw, kv_pages.dtype)
+    return kv_pages.at[index].set(new_kv, mode="drop")
+
+
+def _is_fp8(dtype) -> bool:
+    return jnp.issubdtype(dtype, jnp.floating) and jnp.dtype(dtype).itemsize == 1
 
 
 def ragged_paged_attention_ref(
