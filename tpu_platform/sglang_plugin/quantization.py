@@ -29,10 +29,9 @@ No SGLang import at module level: platform.py and the hooks import this in every
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 
+from tpuserve.tpu_platform.checkpoint_probe import checkpoint_quant
 from tpuserve.tpu_platform.config import QUANTIZATION_METHODS
 
 log = logging.getLogger(__name__)
@@ -56,25 +55,6 @@ def supported_quantization_text() -> str:
     return (f"supported: {', '.join(ONLINE_METHODS)} (an unquantized checkpoint, quantized at load "
             f"in JAX), or unset for a pre-quantized checkpoint in a format tpuserve's loader reads: "
             f"{'; '.join(CHECKPOINT_FORMATS)}")
-
-
-def checkpoint_quant(model_path: str | None):
-    """What our loader reads off the checkpoint: a ``CheckpointQuant``, or None for a dense one (or
-    a GGUF file / a path without config.json). Raises ModelConfigError for a format it does not read.
-    Our loader reads local paths only, so only the local config.json is consulted."""
-    if not model_path:
-        return None
-    path = os.path.expanduser(str(model_path))
-    cfg_path = os.path.join(path, "config.json")
-    if not os.path.isfile(cfg_path):
-        return None
-    with open(cfg_path) as f:
-        config = json.load(f)
-    if config.get("quantization_config") is None and not os.path.isfile(
-            os.path.join(path, "hf_quant_config.json")):
-        return None  # dense: no need to import the loader (numpy, jax) to say so
-    from tpuserve.tpu_platform.loader.quantized import detect
-    return detect(config, path)
 
 
 def resolve_quantization(flag: str | None, model_path: str | None) -> str | None:

@@ -30,12 +30,11 @@ JAX, without starting a backend) to ask ``detect``.
 
 from __future__ import annotations
 
-import json
-import os
 from typing import Any
 
 import torch
 
+from tpuserve.tpu_platform.checkpoint_probe import checkpoint_quant
 from tpuserve.tpu_platform.config import FP8_KV_CACHE_DTYPES, QUANTIZATION_METHODS
 
 # vLLM's names for what our loader reads off a pre-quantized checkpoint (loader/quantized.py):
@@ -75,23 +74,6 @@ def refuse_method(quant: str) -> None:
             f"{', '.join(QUANTIZATION_METHODS)} (an unquantized checkpoint, quantized at load) and "
             f"pre-quantized checkpoints in the fp8, compressed-tensors (FP8, NVFP4, MXFP4) and "
             f"ModelOpt (FP8, NVFP4) formats")
-
-
-def checkpoint_quant(model: str):
-    """What our loader reads off the checkpoint at ``model``: a ``CheckpointQuant``, or None for a
-    dense checkpoint (or a GGUF file, which has no quantization_config). Raises ModelConfigError
-    for a format the loader does not read."""
-    path = os.path.expanduser(str(model))
-    cfg_path = os.path.join(path, "config.json")
-    if not os.path.isfile(cfg_path):
-        return None
-    with open(cfg_path) as f:
-        config = json.load(f)
-    if config.get("quantization_config") is None and not os.path.isfile(
-            os.path.join(path, "hf_quant_config.json")):
-        return None  # dense: no need to import the loader (and JAX) to say so
-    from tpuserve.tpu_platform.loader.quantized import detect
-    return detect(config, path)
 
 
 def engine_quantization(model: str, method: str | None) -> str | None:
