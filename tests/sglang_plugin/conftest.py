@@ -10,6 +10,7 @@ environment the test controls.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import signal
@@ -82,18 +83,16 @@ def _wait_ready(server: Server, timeout: float) -> None:
     raise TimeoutError(f"SGLang server not ready after {timeout}s:\n{server.log()[-6000:]}")
 
 
-@pytest.fixture(scope="session")
-def sglang_server(hf_dir, tmp_path_factory):
-    """``python -m sglang.launch_server`` with the tpuserve platform selected, on the default model."""
-    if not HAS_SGLANG:
-        pytest.skip("sglang is not installed in this venv")
+@contextlib.contextmanager
+def launch_sglang(hf_dir: str, log_path: str, *extra: str):
+    """``python -m sglang.launch_server`` with the tpuserve platform selected (a ready ``Server``),
+    stopped with every process it spawned on exit. ``extra``: more launcher flags."""
     port = _free_port()
-    log_path = str(tmp_path_factory.mktemp("sglang") / "server.log")
     env = dict(os.environ, SGLANG_PLATFORM="tpuserve")
     env.setdefault("JAX_PLATFORMS", "cpu")
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", hf_dir,
            "--max-total-tokens", "4096", "--skip-server-warmup", "--host", "127.0.0.1",
-           "--port", str(port)]
+           "--port", str(port), *extra]
     with open(log_path, "w") as log:
         # A session of its own, so teardown can stop the launcher and the processes it spawned.
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
@@ -110,6 +109,15 @@ def sglang_server(hf_dir, tmp_path_factory):
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="session")
+def sglang_server(hf_dir, tmp_path_factory):
+    """The SGLang launcher with the tpuserve platform selected, on the default model."""
+    if not HAS_SGLANG:
+        pytest.skip("sglang is not installed in this venv")
+    with launch_sglang(hf_dir, str(tmp_path_factory.mktemp("sglang") / "server.log")) as server:
+        yield server
 
 
 @pytest.fixture(scope="session")

@@ -18,14 +18,14 @@ import importlib.util
 import json
 import os
 import re
-import signal
 import socket
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
+
+from conftest import launch_sglang
 
 pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("sglang") is None,
@@ -35,10 +35,8 @@ pytestmark = [
 
 MAX_NEW = 24
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, there was a"]
-START_TIMEOUT_S = 420
 SUPPORTED_METHODS = "supported: fp8, mxfp4, nvfp4"
-# An FP8 KV cache runs ~12 s per decode step for this model on 2 busy CPU cores (our runtime's FP8
-# KV path on XLA:CPU, with or without SGLang): one short request keeps that test to minutes.
+# One short request for the FP8 KV test: its launch is the expensive part.
 KV_PROMPTS, KV_MAX_NEW = PROMPTS[:1], 8
 
 
@@ -62,40 +60,9 @@ def _launch_cmd(hf_dir: str, port: int, *extra: str) -> list[str]:
 
 @contextlib.contextmanager
 def _server(hf_dir: str, log_path: str, *extra: str):
-    """A launched SGLang server (URL), stopped with every process it spawned on exit."""
-    import requests
-
-    port = _free_port()
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(_launch_cmd(hf_dir, port, *extra), stdout=log,
-                                stderr=subprocess.STDOUT, env=_env(), start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-
-    def tail() -> str:
-        with open(log_path, errors="replace") as f:
-            return f.read()[-6000:]
-    try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"SGLang server exited with {proc.returncode}:\n{tail()}")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"SGLang server not ready after {START_TIMEOUT_S}s:\n{tail()}")
-            try:
-                if requests.get(url + "/model_info", timeout=2).status_code == 200:
-                    break
-            except requests.RequestException:
-                pass
-            time.sleep(2)
-        yield url
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=30)
+    """A launched SGLang server's URL (conftest.launch_sglang), stopped on exit."""
+    with launch_sglang(hf_dir, log_path, *extra) as server:
+        yield server.url
 
 
 def _serve_and_generate(hf_dir: str, log_path: str, *extra: str, prompts=PROMPTS,
