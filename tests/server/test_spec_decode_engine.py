@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from spec_checks import check_preemption_then_abort  # tests/spec_checks.py
 from tpuserve.server.llm import LLM
 from tpuserve.server.sampling_params import SamplingParams
 
@@ -141,14 +142,7 @@ def test_preemption_and_abort_during_speculation(random_checkpoints, reference):
     small = _llm(random_checkpoints["llama"], NGRAM, num_gpu_blocks=9, max_num_seqs=6,
                  max_model_len=128)
     assert _tokens(small) == reference
-    e = small.engine
-    assert e.scheduler.num_preemptions > 0 and e.stats.spec_num_draft_tokens > 0
-    assert e.pool.num_free == e.pool.num_usable
-    e.add_request("x", _prompts()[0]["prompt_token_ids"], SamplingParams(temperature=0, max_tokens=60))
-    for _ in range(4):
-        e.step()
-    e.abort_request("x")
-    assert e.pool.num_free == e.pool.num_usable and not e.has_unfinished_requests()
+    check_preemption_then_abort(small.engine, _prompts()[0]["prompt_token_ids"])
 
 
 def test_random_sampling_with_drafts_runs_and_is_seeded(spec_llm):
