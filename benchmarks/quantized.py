@@ -2,6 +2,7 @@
 
     python benchmarks/quantized.py                       # default model, all formats
     python benchmarks/quantized.py --methods fp8 nvfp4 --decode-tokens 64
+    python benchmarks/quantized.py --methods mxfp4 mxfp4:rtn nvfp4 nvfp4:rtn  # GPTQ vs round-to-nearest
 
 For the unquantized model and each ``--quantization`` method (online quantization at load):
 * quality: perplexity over ``tests/quant/data/prose.txt`` from the engine's prompt logprobs;
@@ -9,7 +10,8 @@ For the unquantized model and each ``--quantization`` method (online quantizatio
   (the tied embedding stays dense) vs all of them at bf16;
 * speed: decode tokens/s on this host's backend (CPU here) for ``--batch`` greedy sequences of
   ``--decode-tokens`` tokens each, after one untimed run that compiles the shapes.
-Ratios are against the unquantized row of the same run.
+A method may carry ``:gptq`` (the FP4 default) or ``:rtn`` (``--quantization-calibration``); the
+load time column includes the calibration. Ratios are against the unquantized row of the same run.
 """
 
 from __future__ import annotations
@@ -80,17 +82,21 @@ def main() -> None:
     with open(TEXT) as f:
         text = f.read()
     rows = []
-    for method in [None, *args.methods]:
+    for spec in [None, *args.methods]:
+        method, _, calibration = (spec or "").partition(":")
+        kw = dict(quantization=method or None)
+        if calibration:
+            kw["quantization_calibration"] = calibration
         t0 = time.perf_counter()
-        llm = LLM(args.model, quantization=method, max_model_len=2048, max_num_batched_tokens=2048,
-                  max_num_seqs=max(4, args.batch))
+        llm = LLM(args.model, max_model_len=2048, max_num_batched_tokens=2048,
+                  max_num_seqs=max(4, args.batch), **kw)
         load_s = time.perf_counter() - t0
         ppl = perplexity(llm, text)
         tps = decode_tok_s(llm, args.batch, args.decode_tokens)
         qb, qbf, tb, tbf = weight_bytes(llm)
-        rows.append(dict(method=method or "none", ppl=ppl, tps=tps, qb=qb, qbf=qbf, tb=tb, tbf=tbf,
+        rows.append(dict(method=spec or "none", ppl=ppl, tps=tps, qb=qb, qbf=qbf, tb=tb, tbf=tbf,
                          load_s=load_s))
-        print(f"done {method or 'none'}: ppl {ppl:.3f}, {tps:.1f} tok/s, load {load_s:.0f} s", flush=True)
+        print(f"done {spec or 'none'}: ppl {ppl:.3f}, {tps:.1f} tok/s, load {load_s:.0f} s", flush=True)
         del llm
         gc.collect()
 
@@ -98,12 +104,12 @@ def main() -> None:
     mib = 1 / 2 ** 20
     print(f"\nbackend {jax.default_backend()}, model {args.model or 'SmolLM2-135M-Instruct'}, "
           f"text {os.path.relpath(TEXT)}, decode {args.batch} x {args.decode_tokens} tokens")
-    print(f"{'method':8} {'ppl':>8} {'ppl/base':>9} {'linear MiB':>11} {'lin/bf16':>9} "
-          f"{'all MiB':>9} {'all/bf16':>9} {'tok/s':>8} {'tok/s ratio':>12}")
+    print(f"{'method':10} {'ppl':>8} {'ppl/base':>9} {'linear MiB':>11} {'lin/bf16':>9} "
+          f"{'all MiB':>9} {'all/bf16':>9} {'tok/s':>8} {'tok/s ratio':>12} {'load s':>7}")
     for r in rows:
-        print(f"{r['method']:8} {r['ppl']:8.3f} {r['ppl'] / base['ppl']:9.3f} {r['qb'] * mib:11.1f} "
+        print(f"{r['method']:10} {r['ppl']:8.3f} {r['ppl'] / base['ppl']:9.3f} {r['qb'] * mib:11.1f} "
               f"{r['qb'] / r['qbf']:9.3f} {r['tb'] * mib:9.1f} {r['tb'] / r['tbf']:9.3f} "
-              f"{r['tps']:8.1f} {r['tps'] / base['tps']:12.2f}")
+              f"{r['tps']:8.1f} {r['tps'] / base['tps']:12.2f} {r['load_s']:7.0f}")
     print("(unquantized row: linear and all bytes at bf16, the yardstick; the engine holds them in "
           f"{'f32' if jax.default_backend() == 'cpu' else 'bf16'} on this backend)")
 

@@ -7,11 +7,12 @@ engine (or ``quantize_params``, or a test) calls it; calling it again replaces t
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 
-from tpuserve.quant.fp4 import Mxfp4Weight, Nvfp4Weight
+from tpuserve.quant.fp4 import Mxfp4Weight, Nvfp4Weight, hadamard_blocks
 from tpuserve.quant.fp8 import Fp8Weight
 from tpuserve.quant.linear_xla import XLA_IMPLS
 from tpuserve.quant.pallas_tpu_matmul import quant_linear_tpu
@@ -29,6 +30,9 @@ def quant_linear(x, w, bias=None, out_dtype=None, *, impl: str = "auto", interpr
     """
     if impl == "auto":
         impl = "pallas_tpu" if jax.default_backend() == "tpu" else "xla"
+    if isinstance(w, Mxfp4Weight) and w.rotated:  # (x R) @ (R W): rotate x, then a plain MXFP4 matmul
+        x = hadamard_blocks(x)
+        w = dataclasses.replace(w, rotated=False)
     if impl == "pallas_tpu" and w_is_2d(w):
         return quant_linear_tpu(x, w, bias, out_dtype, interpret=interpret)
     return XLA_IMPLS[type(w)](x, w, bias, out_dtype)

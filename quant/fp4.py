@@ -46,7 +46,7 @@ class _PackedFp4:
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=("packed", "scale"),
-                   meta_fields=("out_shape",))
+                   meta_fields=("out_shape", "rotated"))
 @dataclasses.dataclass(frozen=True)
 class Mxfp4Weight(_PackedFp4):
     """OCP MXFP4 weight ``[*L, K, *out_shape]``.
@@ -54,11 +54,16 @@ class Mxfp4Weight(_PackedFp4):
     packed: u8 ``[*L, K/2, N]`` (two e2m1 codes per byte, low nibble = even k).
     scale: u8 ``[*L, K/32, N]``, raw e8m0 bytes (value ``2**(b-127)``).
     out_shape: the output axes (prod = N), static.
+    rotated: static. True: the codes hold ``R W`` for the block-diagonal Hadamard rotation R of
+      ``hadamard_blocks`` (one orthonormal 32 x 32 block per scale block), and a matmul reads
+      ``(x R) @ (R W) = x W``. Rotating spreads a block's outliers over its 32 values, which suits
+      a power-of-two scale (our calibrated quantizer's choice; checkpoints are never rotated).
     """
 
     packed: jax.Array
     scale: jax.Array
     out_shape: tuple[int, ...]
+    rotated: bool = False
 
     block = MXFP4_BLOCK
 
@@ -149,7 +154,32 @@ def dequantize_mxfp4(w: Mxfp4Weight, dtype=jnp.float32) -> jax.Array:
     """
     vals = e2m1_lut_decode(unpack_codes(w.packed))
     y = vals * _repeat_rows(e8m0_decode(w.scale), MXFP4_BLOCK)
+    if w.rotated:  # back from R W to W (R is its own inverse)
+        y = hadamard_blocks(y, axis=-2)
     return y.reshape(*y.shape[:-1], *w.out_shape).astype(dtype)
+
+
+def hadamard32() -> np.ndarray:
+    """The orthonormal Sylvester Hadamard matrix of order 32 (symmetric, its own inverse)."""
+    h = np.ones((1, 1))
+    while h.shape[0] < MXFP4_BLOCK:
+        h = np.block([[h, h], [h, -h]])
+    return h / np.sqrt(MXFP4_BLOCK)
+
+
+def hadamard_blocks(x: jax.Array, axis: int = -1) -> jax.Array:
+    """Multiply each run of 32 consecutive elements along ``axis`` by the orthonormal Hadamard
+    matrix: ``x R`` for activations (axis -1), ``R W`` for weights ``[K, N]`` (axis -2)."""
+    axis = axis % x.ndim
+    k = x.shape[axis]
+    if k % MXFP4_BLOCK:
+        raise ValueError(f"block Hadamard needs a multiple of {MXFP4_BLOCK} elements, got {k}")
+    h = jnp.asarray(hadamard32(), jnp.float32)
+    xb = x.reshape(*x.shape[:axis], k // MXFP4_BLOCK, MXFP4_BLOCK, *x.shape[axis + 1:])
+    y = jnp.tensordot(xb.astype(jnp.float32), h, axes=((axis + 1,), (0,)),
+                      precision=jax.lax.Precision.HIGHEST)  # the 32-axis moves last
+    y = jnp.moveaxis(y, -1, axis + 1)
+    return y.reshape(x.shape).astype(x.dtype)
 
 
 def quantize_mxfp4(w, *, num_lead: int = 0) -> Mxfp4Weight:

@@ -66,7 +66,9 @@ def concat_out(ws: list, out_shape: tuple[int, ...] | None = None):
     packed = jnp.concatenate([w.packed for w in ws], axis=-1)
     scale = jnp.concatenate([w.scale for w in ws], axis=-1)
     if isinstance(first, Mxfp4Weight):
-        return Mxfp4Weight(packed, scale, out_shape)
+        if len({w.rotated for w in ws}) != 1:
+            raise ValueError("cannot fuse rotated and plain MXFP4 records")
+        return Mxfp4Weight(packed, scale, out_shape, first.rotated)
     if len({w.global_divides for w in ws}) != 1:
         raise ValueError("cannot fuse NVFP4 records of both global-scale conventions")
     gs = [np.asarray(w.global_scale, np.float32) for w in ws]

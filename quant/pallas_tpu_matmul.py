@@ -229,6 +229,9 @@ def fp4_matmul_tpu(x: jax.Array, w: Mxfp4Weight | Nvfp4Weight, *, out_dtype=None
     n = w.out_features
     if w.packed.ndim != 2 or w.in_features != k:
         raise ValueError(f"fp4_matmul_tpu: x {x.shape} does not fit a 2-D weight {w.packed.shape}")
+    if getattr(w, "rotated", False):
+        raise ValueError("fp4_matmul_tpu: a rotated MXFP4 record needs x rotated first "
+                         "(quant.dispatch.quant_linear does both)")
     out_dtype = out_dtype or x.dtype
     blk = w.block
     tk = block_k or (k if k <= 2 * _MAX_TK else _pick_tile(k, 2 * _MAX_TK, 256))

@@ -8,7 +8,8 @@ after ``unstack_layers``). Those four become records; norms, biases and the embe
 only on request: it is where low-bit error shows most.
 
 Recipes: "fp8" per output channel (compressed-tensors' FP8_DYNAMIC weights, bit for bit), W8A16;
-"mxfp4" / "nvfp4" with a per-block scale search (``quant/search.py``), W4A16.
+"mxfp4" / "nvfp4" W4A16, either GPTQ over calibration tokens (``quant/calibrate.py``) or
+round-to-nearest with a per-block scale search (``quant/search.py``).
 """
 
 from __future__ import annotations
@@ -75,30 +76,44 @@ def tree_nbytes(tree) -> int:
 
 
 def quantize_params(params: dict, method: str, *, keys=MATMUL_KEYS, lm_head: bool = False,
-                    register: bool = True) -> tuple[dict, QuantReport]:
+                    register: bool = True, calibration=None) -> tuple[dict, QuantReport]:
     """Replace the matmul weights of ``params`` by ``method`` records; returns (tree, report).
 
     register: also route ``linear`` for the record types (``register_quant_linears()``), since a
     tree of records is useless without it.
+    calibration: ``(arch, token_ids)`` to quantize the layers' FP4 weights by GPTQ over those
+    tokens (``quant/calibrate.py``) instead of round-to-nearest; None: round-to-nearest.
     """
     _quantizer(method, 0)  # validate early
     dense = bf16 = quant = 0
+    calibrated = None  # the GPTQ layers, in the form of params["layers"]
+    if calibration is not None:
+        from tpuserve.quant.calibrate import GPTQ_METHODS, quantize_layers_gptq
+        if method not in GPTQ_METHODS:
+            raise ValueError(f"calibrated quantization is for {GPTQ_METHODS}, not {method!r}")
+        register_quant_linears()  # the calibration pass runs the quantized layers
+        arch, token_ids = calibration
+        calibrated = quantize_layers_gptq(params, arch, token_ids, method, keys=keys)["layers"]
 
-    def convert(arr, num_lead):
+    def convert(arr, num_lead, rec=None):
         nonlocal dense, bf16, quant
-        rec = jax.jit(_quantizer(method, num_lead))(arr)
+        if rec is None:
+            rec = jax.jit(_quantizer(method, num_lead))(arr)
         dense += int(arr.size) * arr.dtype.itemsize
         bf16 += int(arr.size) * 2
         quant += rec.nbytes
         return rec
 
+    def convert_layer(layer: dict, num_lead: int, done: dict | None) -> dict:
+        return {k: (convert(v, num_lead, done and done[k]) if k in keys else v) for k, v in layer.items()}
+
     out = dict(params)
     layers = params["layers"]
     if isinstance(layers, dict):  # stacked [L, ...]
-        out["layers"] = {k: (convert(v, 1) if k in keys else v) for k, v in layers.items()}
+        out["layers"] = convert_layer(layers, 1, calibrated)
     else:                          # unrolled: a list of per-layer dicts
-        out["layers"] = [{k: (convert(v, 0) if k in keys else v) for k, v in layer.items()}
-                         for layer in layers]
+        out["layers"] = [convert_layer(layer, 0, calibrated and calibrated[i])
+                         for i, layer in enumerate(layers)]
     if lm_head and "lm_head" in params:
         out["lm_head"] = convert(params["lm_head"], 0)
     if register:

@@ -32,6 +32,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3")
 QUANTIZATION_METHODS = ("fp8", "mxfp4", "nvfp4")
+QUANTIZATION_CALIBRATIONS = ("gptq", "rtn")
 LAYER_LOOPS = ("auto", "scan", "unroll")
 SPEC_METHODS = ("ngram", "eagle3", "mtp")
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
@@ -142,13 +143,21 @@ class QuantizationConfig:
     ``quantization_config`` is detected by the loader); a method quantizes an unquantized
     checkpoint's linear weights once, at load (``quant/params.py``): "fp8" (e4m3, per output
     channel, W8A16), "mxfp4" (e2m1 in 32-blocks, e8m0 scales), "nvfp4" (e2m1 in 16-blocks, e4m3
-    scales, f32 global). On a pre-quantized checkpoint the flag must name its format or be unset."""
+    scales, f32 global). On a pre-quantized checkpoint the flag must name its format or be unset.
+
+    ``--quantization-calibration``: how the FP4 methods choose codes and scales. "gptq" (default)
+    runs GPTQ over a calibration text shipped with the package (``quant/calibrate.py``), which
+    costs load time (seconds per layer on a CPU) and buys quality; "rtn" rounds each block to
+    nearest (with a per-block scale search), data-free and fast. FP8 always rounds to nearest."""
 
     method: str | None = None  # the --quantization flag
+    calibration: str = "gptq"  # the --quantization-calibration flag
 
     def validate(self) -> None:
         _need(self.method is None or self.method in QUANTIZATION_METHODS, "quantization",
               self.method, f"must be one of {QUANTIZATION_METHODS} (or unset)")
+        _need(self.calibration in QUANTIZATION_CALIBRATIONS, "quantization_calibration",
+              self.calibration, f"must be one of {QUANTIZATION_CALIBRATIONS}")
 
 
 @dataclass
@@ -233,7 +242,8 @@ class CompilationConfig:
 
 
 # Flat flags whose name differs from their section's field, and flags that take a whole section.
-_RENAMED = {"quantization": ("quantization", "method")}
+_RENAMED = {"quantization": ("quantization", "method"),
+            "quantization_calibration": ("quantization", "calibration")}
 _SECTION_FLAGS = {"speculative_config": ("speculative", SpeculativeConfig),
                   "kv_transfer_config": ("kv_transfer", KVTransferConfig)}
 _SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,

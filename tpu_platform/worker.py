@@ -204,12 +204,17 @@ class Worker:
             log.info("checkpoint is pre-quantized (%s): weights %.1f MiB", checkpoint_method,
                      _tree_nbytes(params) / 2 ** 20)
             return params
+        from tpuserve.quant.calibrate import GPTQ_METHODS, calibration_token_ids
         from tpuserve.quant.params import quantize_params
 
         t0 = time.perf_counter()
-        params, report = quantize_params(params, method, register=False)
+        calibration = None
+        if method in GPTQ_METHODS and self.config.quantization.calibration == "gptq":
+            calibration = (self.arch, calibration_token_ids(self.tokenizer))
+        params, report = quantize_params(params, method, register=False, calibration=calibration)
         self.quant_report = report
-        log.info("quantized online in %.1f s: %s", time.perf_counter() - t0, report.summary())
+        log.info("quantized online (%s) in %.1f s: %s", "GPTQ" if calibration else "round-to-nearest",
+                 time.perf_counter() - t0, report.summary())
         return params
 
     @property

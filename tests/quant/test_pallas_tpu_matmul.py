@@ -102,6 +102,22 @@ def test_nvfp4_kernel_compressed_tensors_convention():
 
 
 @pytest.mark.timeout(300)
+def test_rotated_mxfp4_through_quant_linear_matches_reference():
+    # the calibrated quantizer's rotated records: quant_linear rotates x, then the same kernel runs
+    import dataclasses
+
+    from tpuserve.quant.dispatch import quant_linear
+    x, w = data(8, 256, 128, seed=11)
+    rec = dataclasses.replace(fp4.quantize_mxfp4(fp4.hadamard_blocks(w, axis=-2)), rotated=True)
+    y = quant_linear(x, rec, impl="pallas_tpu", interpret=RACES)
+    jax.block_until_ready(y)
+    assert not races_found()
+    check(y, fp4_matmul_ref(x, rec))
+    with pytest.raises(ValueError, match="rotated"):
+        fp4_matmul_tpu(x, rec, interpret=RACES)
+
+
+@pytest.mark.timeout(300)
 def test_fp4_kernel_bf16_activations():
     x, w = data(16, 256, 128, seed=9)
     rec = fp4.quantize_mxfp4(w)

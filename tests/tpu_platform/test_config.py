@@ -37,7 +37,8 @@ def test_every_section_field_is_a_cli_flag_once():
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
     names = {f.name for cls in _SECTIONS.values() for f in dataclasses.fields(cls)}
-    names = (names - {"method", "model"}) | {"quantization", "speculative_config", "kv_transfer_config"}
+    names = ((names - {"method", "model", "calibration"})
+             | {"quantization", "quantization_calibration", "speculative_config", "kv_transfer_config"})
     flags = set(EngineConfig.flag_fields())
     assert names <= flags
     args = parser.parse_args(["--max-num-seqs", "7", "--no-enable-chunked-prefill",
@@ -59,6 +60,8 @@ def test_every_section_field_is_a_cli_flag_once():
     (dict(tensor_parallel_size=2, kv_offloading_size=1.0), "kv_offloading_size"),
     (dict(data_parallel_size=0), "data_parallel_size"),
     (dict(quantization="int4"), r"quantization: must be one of \('fp8', 'mxfp4', 'nvfp4'\)"),
+    (dict(quantization="mxfp4", quantization_calibration="awq"),
+     r"quantization_calibration: must be one of \('gptq', 'rtn'\)"),
     (dict(speculative_config='{"method": "eagle3", "num_speculative_tokens": 3}'), "eagle3"),
     (dict(speculative_config='{"method": "ngram", "prompt_lookup_min": 4, "prompt_lookup_max": 2}'),
      "prompt_lookup_min"),

@@ -1,0 +1,172 @@
+"""Calibrated FP4 quantization of a decoder's parameter tree: GPTQ, one layer at a time.
+
+For each decoder layer in order: run the layer on the calibration tokens with its dense weights,
+recording every matmul's input statistics ``H = X^T X`` (qkv, o, gate_up, down); replace the four
+weights by GPTQ records (``quant/gptq.py``); run the layer again with the records to get the next
+layer's input. Later layers are thus calibrated on the inputs the quantized model will really feed
+them, so their corrections absorb part of the earlier layers' error.
+
+The calibration text ships with the package (``quant/data/calibration.txt``: a mix of prose,
+dialogue, a recipe, a letter, a little code), and is not the text the quality tests measure.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tpuserve.quant.fp4 import MXFP4_BLOCK, Mxfp4Weight, Nvfp4Weight, hadamard32, pack_codes
+from tpuserve.quant.gptq import gptq_fp4
+
+CALIBRATION_TEXT = os.path.join(os.path.dirname(__file__), "data", "calibration.txt")
+GPTQ_METHODS = ("mxfp4", "nvfp4")
+MATMUL_KEYS = ("qkv", "o", "gate_up", "down")
+# Per format, what measured best on the default model (benchmarks/RESULTS.md, "Quantized weights"):
+# MXFP4's power-of-two scales gain from rotated blocks and from rounding the most-used inputs
+# first; NVFP4's finer e4m3 scales do best chosen block by block as GPTQ goes (no act order).
+ROTATE_DEFAULT = {"mxfp4": True, "nvfp4": False}
+ACT_ORDER = {"mxfp4": True, "nvfp4": False}
+DAMP = {"mxfp4": 0.05, "nvfp4": 0.1}  # x mean(diag H), added to H
+_SEQ_LEN = 512     # calibration tokens are cut into sequences of at most this many
+_PAGE = 16
+
+
+def calibration_token_ids(tokenizer, path: str = CALIBRATION_TEXT) -> np.ndarray:
+    with open(path, encoding="utf-8") as f:
+        ids = tokenizer.encode(f.read())
+    if len(ids) < 64:
+        raise ValueError(f"calibration text {path} has only {len(ids)} tokens")
+    return np.asarray(ids, np.int32)
+
+
+class _Probe:
+    """A dense weight that, used through ``linear`` inside a trace, records its input's
+    ``X^T X`` (f32) in a dict the traced function returns."""
+
+    def __init__(self, w, sink: dict, key: str):
+        self.w, self.sink, self.key = w, sink, key
+
+
+def _probe_linear(x, probe: _Probe, bias, out_dtype):
+    from tpuserve.tpu_platform.models.linear import linear
+    xf = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
+    probe.sink[probe.key] = jnp.dot(xf.T, xf, precision=jax.lax.Precision.HIGHEST)
+    return linear(x, probe.w, bias, out_dtype=out_dtype)
+
+
+@dataclasses.dataclass
+class _Batch:
+    """The calibration tokens as one ragged prefill step over sequences of <= _SEQ_LEN tokens."""
+
+    token_ids: jax.Array
+    cos: jax.Array
+    sin: jax.Array
+    md: object
+
+    @classmethod
+    def build(cls, token_ids: np.ndarray, arch):
+        from tpuserve.attention.metadata import AttentionMetadata
+        lens = [min(_SEQ_LEN, len(token_ids) - s) for s in range(0, len(token_ids), _SEQ_LEN)]
+        pages_per_seq = -(-_SEQ_LEN // _PAGE)
+        positions = np.concatenate([np.arange(n) for n in lens]).astype(np.float32)
+        freqs = positions[:, None] * arch.inv_freq()[None, :]
+        pages = 1 + np.arange(len(lens) * pages_per_seq, dtype=np.int32).reshape(len(lens), -1)
+        md = AttentionMetadata(kv_lens=jnp.asarray(lens, jnp.int32), page_indices=jnp.asarray(pages),
+                               cu_q_lens=jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32),
+                               num_seqs=jnp.asarray([len(lens)], jnp.int32))
+        return cls(jnp.asarray(token_ids), jnp.asarray(np.cos(freqs)), jnp.asarray(np.sin(freqs)), md)
+
+
+def _run_layer(arch, md, cos, sin, h, w):
+    """One decoder layer over the calibration batch (its own one-layer KV cache) -> h out."""
+    from tpuserve.attention.dispatch import AttentionParams
+    from tpuserve.tpu_platform.models.decoder import block_from_normed, rms_norm
+    num_pages = 1 + md.page_indices.size
+    cache = jnp.zeros((1, num_pages, _PAGE, 2 * arch.num_kv_heads, arch.head_dim), h.dtype)
+    params = AttentionParams(sm_scale=arch.head_dim ** -0.5, sliding_window=arch.sliding_window)
+    x = rms_norm(h, w["input_norm"], arch.rms_norm_eps)
+    h, _ = block_from_normed(arch, params, "reference", md, cos, sin, x, h, cache, w, jnp.int32(0))
+    return h
+
+
+def _layer_hessians(arch, keys, md, cos, sin, h, w):
+    """{key: X^T X [K, K] f32} of the layer's matmuls ``keys``, with its dense weights."""
+    sink: dict = {}
+    _run_layer(arch, md, cos, sin, h, {k: (_Probe(v, sink, k) if k in keys else v) for k, v in w.items()})
+    return sink
+
+
+def _rotate_rows(a: np.ndarray) -> np.ndarray:
+    """``R a`` in float64 for ``a [K, N]``: each run of 32 rows times the orthonormal Hadamard
+    matrix (``fp4.hadamard_blocks(a, axis=-2)``, kept in float64 for the Hessian's sake)."""
+    k, n = a.shape
+    return np.einsum("ij,bjn->bin", hadamard32(), a.reshape(k // MXFP4_BLOCK, MXFP4_BLOCK, n)).reshape(k, n)
+
+
+def gptq_record(w, hessian: np.ndarray, method: str, *, rotate: bool = False):
+    """One 2-D-contracted weight ``[K, *out]`` -> an FP4 record, by GPTQ over ``hessian [K, K]``.
+
+    rotate (MXFP4 only): quantize ``R W`` against ``R H R`` (the inputs ``x R`` the rotated record
+    will meet; ``Mxfp4Weight.rotated``)."""
+    w = np.asarray(w, np.float32)
+    out = tuple(w.shape[1:])
+    w2 = w.reshape(w.shape[0], -1)
+    if rotate:
+        if method != "mxfp4":
+            raise ValueError(f"rotation is for MXFP4 records, not {method!r}")
+        w2 = _rotate_rows(np.asarray(w2, np.float64))
+        hessian = _rotate_rows(_rotate_rows(np.asarray(hessian, np.float64)).T).T  # R H R
+    codes, scales, g = gptq_fp4(w2, hessian, method, damp=DAMP[method], act_order=ACT_ORDER[method])
+    packed = pack_codes(jnp.asarray(codes))
+    if method == "mxfp4":
+        return Mxfp4Weight(packed, jnp.asarray(scales), out, rotate)
+    return Nvfp4Weight(packed, jnp.asarray(scales), jnp.full((1, 1), g, jnp.float32), out, False)
+
+
+def quantize_layers_gptq(params: dict, arch, token_ids: np.ndarray, method: str, *,
+                         keys=MATMUL_KEYS, rotate: bool | None = None) -> dict:
+    """Return ``params`` with each layer's ``keys`` replaced by GPTQ ``method`` records.
+
+    ``layers`` may be stacked ([L, ...] arrays) or a list of per-layer dicts; the result keeps the
+    form (records stacked along L again for the stacked form). Needs ``linear`` routed for the FP4
+    records (``quant.dispatch.register_quant_linears``).
+    """
+    if method not in GPTQ_METHODS:
+        raise ValueError(f"GPTQ quantizes {GPTQ_METHODS}, got {method!r}")
+    if rotate is None:
+        rotate = ROTATE_DEFAULT[method]
+    from tpuserve.tpu_platform.models.decoder import embed_tokens
+    from tpuserve.tpu_platform.models.linear import register_linear
+    register_linear(_Probe, _probe_linear)
+    token_ids = np.asarray(token_ids, np.int32)
+    if token_ids.size == 0 or token_ids.min() < 0 or token_ids.max() >= arch.vocab_size:
+        raise ValueError(f"calibration token ids must be non-empty and in [0, {arch.vocab_size}) "
+                         f"(the model's vocabulary); does the tokenizer belong to the model?")
+    stacked = isinstance(params["layers"], dict)
+    num_layers = arch.num_layers
+    layers = ([{k: v[i] for k, v in params["layers"].items()} for i in range(num_layers)]
+              if stacked else list(params["layers"]))
+    batch = _Batch.build(token_ids, arch)
+    data = (batch.md, batch.cos, batch.sin)
+    hessians = jax.jit(functools.partial(_layer_hessians, arch, tuple(keys)))
+    run = jax.jit(functools.partial(_run_layer, arch))
+    h = embed_tokens(params["embed"], batch.token_ids).astype(jnp.float32)
+    done = []
+    for w in layers:
+        stats = hessians(*data, h, w)
+        q = dict(w)
+        for k in keys:
+            q[k] = gptq_record(w[k], np.asarray(stats[k], np.float64), method, rotate=rotate)
+        h = run(*data, h, q)
+        done.append(q)
+    if stacked:
+        out_layers = {k: jax.tree_util.tree_map(lambda *a: jnp.stack(a), *[d[k] for d in done])
+                      for k in done[0]}
+    else:
+        out_layers = done
+    return {**params, "layers": out_layers}
