@@ -31,7 +31,7 @@ MATMUL_KEYS = ("qkv", "o", "gate_up", "down")
 # first; NVFP4's finer e4m3 scales do best chosen block by block as GPTQ goes (no act order).
 ROTATE_DEFAULT = {"mxfp4": True, "nvfp4": False}
 ACT_ORDER = {"mxfp4": True, "nvfp4": False}
-DAMP = {"mxfp4": 0.05, "nvfp4": 0.1}  # x mean(diag H), added to H
+DAMP = {"mxfp4": 0.05, "nvfp4": 0.2}  # x mean(diag H), added to H
 _SEQ_LEN = 512     # calibration tokens are cut into sequences of at most this many
 _PAGE = 16
 
