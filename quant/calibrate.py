@@ -38,7 +38,9 @@ _PAGE = 16
 
 def calibration_token_ids(tokenizer, path: str = CALIBRATION_TEXT) -> np.ndarray:
     with open(path, encoding="utf-8") as f:
-        ids = tokenizer.encode(f.read())
+        text = f.read()
+    # longer than some models' context, which is fine (it is cut into sequences): no warning
+    ids = tokenizer.encode(text, verbose=False)
     if len(ids) < 64:
         raise ValueError(f"calibration text {path} has only {len(ids)} tokens")
     return np.asarray(ids, np.int32)
