@@ -213,8 +213,8 @@ class Worker:
             calibration = (self.arch, calibration_token_ids(self.tokenizer))
         params, report = quantize_params(params, method, register=False, calibration=calibration)
         self.quant_report = report
-        log.info("quantized online (%s) in %.1f s: %s", "GPTQ" if calibration else "round-to-nearest",
-                 time.perf_counter() - t0, report.summary())
+        log.info("quantized online in %.1f s (%s): %s", time.perf_counter() - t0,
+                 "GPTQ" if calibration else "round-to-nearest", report.summary())
         return params
 
     @property
