@@ -17,6 +17,7 @@ Runs in NumPy on the host (float64 Cholesky; the row loop is sequential by natur
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 
 from tpuserve.quant.codecs import E2M1_MAX, E4M3_MAX, E2M1_VALUES
@@ -88,7 +89,7 @@ class _BlockScaler:
             base = (amax.astype(np.float32) / np.float32(E2M1_MAX)) / g
             for c in NVFP4_SHRINK:
                 s8 = np.clip(base * np.float32(c), _E4M3_SMALLEST_NORMAL, E4M3_MAX).astype(
-                    np.float32).astype(_e4m3())
+                    np.float32).astype(jnp.float8_e4m3fn)
                 yield s8, s8.astype(np.float32).astype(np.float64) * float(g)
 
     def choose(self, rows: np.ndarray, weight: np.ndarray):
@@ -106,11 +107,6 @@ class _BlockScaler:
                 best[1] = np.where(better, step, best[1])
                 best[2] = np.where(better, err, best[2])
         return best[0], best[1]
-
-
-def _e4m3():
-    import ml_dtypes
-    return ml_dtypes.float8_e4m3fn
 
 
 def gptq_fp4(w: np.ndarray, hessian: np.ndarray, fmt: str, *, damp: float = 0.1,
