@@ -21,11 +21,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from tpuserve.quant.codecs import E2M1_MAX, E4M3_MAX, E2M1_VALUES
+from tpuserve.quant.fp4 import _E4M3_SMALLEST_NORMAL, MXFP4_BLOCK, NVFP4_BLOCK
 from tpuserve.quant.search import NVFP4_SHRINK
 
 _E2M1_MAG = E2M1_VALUES[:8].astype(np.float64)        # 0, .5, 1, 1.5, 2, 3, 4, 6
 _E2M1_MID = (_E2M1_MAG[1:] + _E2M1_MAG[:-1]) / 2       # decision points between magnitudes
-_E4M3_SMALLEST_NORMAL = 2.0 ** -6
 
 
 def e2m1_round(x: np.ndarray, step: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -67,9 +67,9 @@ class _BlockScaler:
     def __init__(self, fmt: str, w: np.ndarray):
         self.fmt = fmt
         if fmt == "mxfp4":
-            self.block, self.global_scale = 32, None
+            self.block, self.global_scale = MXFP4_BLOCK, None
         elif fmt == "nvfp4":
-            self.block = 16
+            self.block = NVFP4_BLOCK
             amax = float(np.max(np.abs(w)))
             # ModelOpt convention (global multiplies): the largest block scale lands on e4m3's max.
             self.global_scale = np.float32(amax / (E4M3_MAX * E2M1_MAX)) if amax > 0 else np.float32(1)
