@@ -16,17 +16,18 @@ is shaped for XLA:CPU:
 
 Two ways to feed a block to the queries:
 
-* per row: every query row gathers its own sequence's pages ([T, block, 2*Hkv, D]) - what a run of
-  decodes needs (each row is its own sequence), used for steps of fewer than QUERY_TILE tokens;
-* per tile, for steps of QUERY_TILE tokens or more: the rows go in tiles of QUERY_TILE; a tile whose
-  rows come from at most two sequences (the inside of prefill chunks) gathers those two sequences'
-  block once and scores all its rows with one batched matmul per KV head, masking rows against the
-  other sequence's keys. Other tiles fall back to per-row gathers (``lax.cond`` per tile). Gathering a
-  250-token prefill's KV once per row cost ~60% of that step.
+* per row, for sequences of at most SHORT_QUERY_LEN query rows (decodes, short verifications): their
+  rows are packed into min(T, S * SHORT_QUERY_LEN) slots and each gathers its own sequence's pages
+  ([rows, block, 2*Hkv, D]);
+* per tile, for longer sequences (prefill chunks): the rows go in tiles of QUERY_TILES rows that never
+  cross a sequence; a tile gathers its sequence's KV block once and scores all its rows with one
+  batched matmul per KV head, in a loop over the live tiles only. Gathering a 250-token prefill's KV
+  once per row cost ~60% of that step; tiles that could span several short chunks fell back to that.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import jax
@@ -38,10 +39,15 @@ from tpuserve.attention.reference import token_sequence_info
 _BLOCK_BUDGET = 512 * 1024
 
 
-# Query rows per tile on the prefill path (steps of at least this many tokens are tiled).
-QUERY_TILE = 64
-# KV tokens per block on the prefill path (its gather is two sequences' blocks, not one per row).
-TILE_KV_TOKENS = 64
+# Sequences with more query rows than this go in tiles (prefill chunks); the others per row.
+SHORT_QUERY_LEN = 4
+# Query rows per tile (a tile never spans two sequences), largest first. Big tiles run the score
+# matmuls more efficiently; small ones waste less on a chunk's remainder (a 30-token chunk in a
+# 64-row tile cost ~1.7x its 32-row tile). Each size is one more loop per layer to compile: the
+# attention of a 30-layer program compiles in ~15 s with three sizes, ~11 s with two.
+QUERY_TILES = (64, 32, 16)
+# KV tokens per loop iteration of a tile (one sequence's pages, gathered once for the tile's rows).
+TILE_KV_TOKENS = 512
 
 
 @dataclass(frozen=True)
@@ -91,11 +97,11 @@ class _Ctx:
 def _online_softmax_loop(ctx: _Ctx, q, start, stop, block_scores):
     """Run the flash-attention recurrence over KV blocks start..stop-1.
 
-    q [R, Hkv, G, D]; block_scores(j) -> (scores [R, Hkv, G, C] with -inf where hidden, pv) where
-    pv(probs [R, Hkv, G, C]) -> [R, Hkv, G, D] is that block's probs @ V. Returns out [R, Hkv, G, D]
-    (0 for rows that saw nothing).
+    q [..., D] (any leading query dims N); block_scores(j) -> (scores [N..., C] with -inf where hidden,
+    pv) where pv(probs [N..., C]) -> [N..., D] is that block's probs @ V. Returns out [N..., D] (0 for
+    queries that saw nothing).
     """
-    rows, hkv, group, d = q.shape
+    lead, d = q.shape[:-1], q.shape[-1]
 
     def step(j, carry):
         run_max, denom, acc = carry
@@ -109,9 +115,8 @@ def _online_softmax_loop(ctx: _Ctx, q, start, stop, block_scores):
         acc = acc * rescale[..., None] + pv(probs)
         return new_max, denom, acc
 
-    init = (jnp.full((rows, hkv, group), -jnp.inf, jnp.float32),
-            jnp.zeros((rows, hkv, group), jnp.float32),
-            jnp.zeros((rows, hkv, group, d), jnp.float32))
+    init = (jnp.full(lead, -jnp.inf, jnp.float32), jnp.zeros(lead, jnp.float32),
+            jnp.zeros((*lead, d), jnp.float32))
     _, denom, acc = jax.lax.fori_loop(start, stop, step, init)
     return acc / jnp.where(denom > 0, denom, 1.0)[..., None]
 
@@ -138,61 +143,81 @@ def _attend_rows(ctx: _Ctx, q, seq, q_pos, valid, pages_per_block: int):
     return _online_softmax_loop(ctx, q, start, stop, block_scores)
 
 
-def _attend_two_sequences(ctx: _Ctx, q, seq, q_pos, valid, first, last):
-    """Rows drawn from at most two sequences (first, last = first or first + 1): the KV blocks of
-    both are gathered once for all rows and scored by one batched matmul per head."""
-    pages_per_block = max(1, TILE_KV_TOKENS // ctx.page_size)
-    pages_per_block = min(pages_per_block, ctx.table.shape[1])
-    while ctx.table.shape[1] % pages_per_block:
-        pages_per_block -= 1
-    block = pages_per_block * ctx.page_size
-    pair = jnp.stack([first, last])
-    pair_pages = ctx.table[pair]  # [2, padded pages]
+def _attend_sequence_tiles(ctx: _Ctx, q, out, kv_lens, cu_q_lens, tiled, kv_pages_per_block: int,
+                           tile_sizes: tuple[int, ...]):
+    """Queries of the ``tiled`` sequences, in tiles that never cross a sequence, written into ``out``.
+
+    Each tile gathers its sequence's KV blocks once and scores all its rows with one batched matmul
+    per KV head. A sequence's rows go in tiles of tile_sizes[0] (descending) while more than half a
+    tile is left, then likewise down to the smallest size, which takes the rest. Each size is one
+    loop over the live tiles only (a dynamic trip count). q, out [T, Hkv, G, D]; tiled [S] bool.
+    """
+    num_tokens, hkv, group, d = q.shape
+    block = kv_pages_per_block * ctx.page_size
+    biggest = max(tile_sizes)
+    # Room for a tile starting at the last row: slices never clamp (a clamped start would shift rows).
+    pad = [(0, biggest)] + [(0, 0)] * 3
+    q_pad, out = jnp.pad(q, pad), jnp.pad(out, pad)
+    q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
     offsets = jnp.arange(block, dtype=jnp.int32)
-    # Keys of `last` duplicate `first`'s when both are the same sequence: count them once.
-    key_seq = jnp.concatenate([jnp.full((block,), first, jnp.int32),
-                               jnp.full((block,), jnp.where(last == first, -1, last), jnp.int32)])
-    start, stop = ctx.block_range(q_pos, valid, block)
+    covered = jnp.zeros_like(q_lens)  # rows of each sequence already given to bigger tiles
+    for n, size in enumerate(tile_sizes):
+        # Tiles of this size while more than half of one is left (a partial one wastes under half
+        # its rows); the smallest size takes all the rest.
+        keep = size // 2 if n + 1 < len(tile_sizes) else 0
+        tiles_per_seq = jnp.where(tiled, jnp.maximum(0, -(-(q_lens - covered - keep) // size)), 0)
+        tile_ends = jnp.cumsum(tiles_per_seq)
+        rows = jnp.arange(size, dtype=jnp.int32)
 
-    def block_scores(j):
-        pages = jax.lax.dynamic_slice_in_dim(pair_pages, j * pages_per_block, pages_per_block, axis=1)
-        k, v = ctx.gather(pages)  # [2, C, Hkv, D]
-        k = k.reshape(2 * block, ctx.num_kv_heads, ctx.head_dim)
-        v = v.reshape(2 * block, ctx.num_kv_heads, ctx.head_dim)
-        kv_pos = jnp.concatenate([j * block + offsets, j * block + offsets])
-        scores = _cap(ctx, jnp.einsum("rhgd,chd->rhgc", q, k))
-        visible = ctx.mask(kv_pos, q_pos) & (key_seq[None, :] == seq[:, None]) & valid[:, None]
-        scores = jnp.where(visible[:, None, None, :], scores, -jnp.inf)
-        return scores, lambda probs: jnp.einsum("rhgc,chd->rhgd", probs, v)
+        def one_tile(i, out, size=size, rows=rows, tile_ends=tile_ends, tiles_per_seq=tiles_per_seq,
+                     covered=covered):
+            s = jnp.searchsorted(tile_ends, i, side="right").astype(jnp.int32)
+            first = covered[s] + (i - (tile_ends[s] - tiles_per_seq[s])) * size  # within the sequence
+            row0 = cu_q_lens[s] + first
+            live = rows < q_lens[s] - first
+            q_pos = kv_lens[s] - q_lens[s] + first + rows
+            tq = jax.lax.dynamic_slice_in_dim(q_pad, row0, size)
+            # Head-major [Hkv, size * G, D]: both matmuls become plain batched GEMMs per KV head
+            # (the row-major einsum of probs @ V ran ~2x slower on XLA:CPU).
+            tq = tq.transpose(1, 0, 2, 3).reshape(hkv, size * group, d)
+            seq_pages = ctx.table[s]
+            start, stop = ctx.block_range(q_pos, live, block)
 
-    return _online_softmax_loop(ctx, q, start, stop, block_scores)
+            def block_scores(j):
+                pages = jax.lax.dynamic_slice_in_dim(seq_pages, j * kv_pages_per_block,
+                                                     kv_pages_per_block)
+                k_blk, v_blk = ctx.gather(pages)  # [C, Hkv, D]
+                k_blk, v_blk = k_blk.transpose(1, 0, 2), v_blk.transpose(1, 0, 2)
+                scores = _cap(ctx, jnp.einsum("hmd,hcd->hmc", tq, k_blk))
+                visible = ctx.mask(j * block + offsets, q_pos) & live[:, None]  # [size, C]
+                visible = jnp.repeat(visible, group, axis=0)
+                scores = jnp.where(visible[None], scores, -jnp.inf)
+                return scores, lambda probs: jnp.einsum("hmc,hcd->hmd", probs, v_blk)
+
+            res = _online_softmax_loop(ctx, tq, start, stop, block_scores)
+            res = res.reshape(hkv, size, group, d).transpose(1, 0, 2, 3)
+            # A partial tile's spare rows belong to the next sequence (any path, any loop): keep them.
+            res = jnp.where(live[:, None, None, None], res, jax.lax.dynamic_slice_in_dim(out, row0, size))
+            return jax.lax.dynamic_update_slice_in_dim(out, res, row0, axis=0)
+
+        out = jax.lax.fori_loop(0, tile_ends[-1], one_tile, out)
+        covered = covered + tiles_per_seq * size
+    return out[:num_tokens]
 
 
-def _attend_tiles(ctx: _Ctx, q, seq, q_pos, valid, pages_per_block: int):
-    """Long steps in tiles of QUERY_TILE rows. A tile whose rows come from at most two sequences
-    (inside a prefill chunk, or where one chunk ends and the next begins) shares one gather of the
-    two sequences' KV; any other tile (runs of decodes) falls back to per-row gathers."""
+def _attend_short_rows(ctx: _Ctx, q, seq, q_pos, short, max_rows: int, pages_per_block: int | None):
+    """Rows flagged ``short`` (decodes and other few-token queries), gathered into ``max_rows``
+    slots, each attending through its own sequence's pages. Returns [T, Hkv, G, D] (others 0)."""
     num_tokens = q.shape[0]
-    pad = -num_tokens % QUERY_TILE
-    n = (num_tokens + pad) // QUERY_TILE
-
-    def tiles(x, fill):
-        x = jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1), constant_values=fill)
-        return x.reshape(n, QUERY_TILE, *x.shape[1:])
-
-    def one_tile(args):
-        tq, tseq, tpos, tvalid = args
-        big = jnp.iinfo(jnp.int32).max
-        first = jnp.min(jnp.where(tvalid, tseq, big))
-        last = jnp.max(jnp.where(tvalid, tseq, -1))
-        two = (last >= first) & (last - first <= 1)
-        return jax.lax.cond(
-            two,
-            lambda: _attend_two_sequences(ctx, tq, tseq, tpos, tvalid, first, last),
-            lambda: _attend_rows(ctx, tq, tseq, tpos, tvalid, pages_per_block))
-
-    out = jax.lax.map(one_tile, (tiles(q, 0.0), tiles(seq, 0), tiles(q_pos, 0), tiles(valid, False)))
-    return out.reshape(n * QUERY_TILE, *q.shape[1:])[:num_tokens]
+    if pages_per_block is None:
+        pages_per_block = default_pages_per_block(max_rows, ctx.page_size, 2 * ctx.num_kv_heads,
+                                                  ctx.head_dim, ctx.table.shape[1])
+    # Slot num_tokens is a padding row (index past the real ones; dropped on the way back).
+    idx = jnp.nonzero(short, size=max_rows, fill_value=num_tokens)[0]
+    pad = lambda x, fill: jnp.concatenate([x, jnp.full((1,) + x.shape[1:], fill, x.dtype)])
+    res = _attend_rows(ctx, pad(q, 0.0)[idx], pad(seq, 0)[idx], pad(q_pos, 0)[idx],
+                       pad(short, False)[idx], pages_per_block)
+    return jnp.zeros_like(q).at[idx].set(res, mode="drop")
 
 
 def default_pages_per_block(num_tokens: int, page_size: int, num_combined: int, head_dim: int,
@@ -217,6 +242,7 @@ def ragged_paged_attention_blocked(
     v_scale: float | None = None,
     layer=None,
     pages_per_block: int | None = None,
+    tile_kv_pages: int | None = None,
 ):
     """Causal attention of ragged queries over paged KV. Returns [T, Hq, D] in queries.dtype.
 
@@ -229,22 +255,30 @@ def ragged_paged_attention_blocked(
     if num_q_heads % num_kv_heads:
         raise ValueError(f"num_q_heads={num_q_heads} is not a multiple of num_kv_heads={num_kv_heads}")
     group = num_q_heads // num_kv_heads
-    pages_per_seq = page_indices.shape[1]
+    num_slots = kv_lens.shape[0]
+    # Few-token sequences go per row; their rows fit in this many slots.
+    max_short_rows = min(num_tokens, num_slots * SHORT_QUERY_LEN)
     if pages_per_block is None:
-        pages_per_block = default_pages_per_block(num_tokens, page_size, num_combined, head_dim,
-                                                  pages_per_seq)
-    block = pages_per_block * page_size
-    num_blocks_static = -(-pages_per_seq // pages_per_block)
-    # Pad the table to whole blocks; the extra columns point at page 0 and are masked by position.
-    table = jnp.pad(page_indices, ((0, 0), (0, num_blocks_static * pages_per_block - pages_per_seq)))
+        pages_per_block = default_pages_per_block(max_short_rows, page_size, num_combined, head_dim,
+                                                  page_indices.shape[1])
+    if tile_kv_pages is None:
+        tile_kv_pages = max(1, TILE_KV_TOKENS // page_size)
+
+    def padded_table(pages: int):
+        # Whole blocks; the extra columns point at page 0 and are masked by position.
+        return jnp.pad(page_indices, ((0, 0), (0, -page_indices.shape[1] % pages)))
 
     seq, q_pos, valid = token_sequence_info(kv_lens, cu_q_lens, num_seqs, num_tokens)
     q = queries.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, head_dim) * sm_scale
-    ctx = _Ctx(kv_pages=kv_pages, layer=layer, table=table, page_size=page_size,
-               num_kv_heads=num_kv_heads, head_dim=head_dim, sliding_window=sliding_window,
-               soft_cap=soft_cap, k_scale=k_scale, v_scale=v_scale)
-    if num_tokens < QUERY_TILE:
-        out = _attend_rows(ctx, q, seq, q_pos, valid, pages_per_block)
-    else:
-        out = _attend_tiles(ctx, q, seq, q_pos, valid, pages_per_block)
+    ctx = _Ctx(kv_pages=kv_pages, layer=layer, table=padded_table(pages_per_block),
+               page_size=page_size, num_kv_heads=num_kv_heads, head_dim=head_dim,
+               sliding_window=sliding_window, soft_cap=soft_cap, k_scale=k_scale, v_scale=v_scale)
+    q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
+    live_slot = jnp.arange(num_slots) < num_seqs[0]
+    tiled = live_slot & (q_lens > SHORT_QUERY_LEN)
+    out = _attend_short_rows(ctx, q, seq, q_pos, valid & ~tiled[seq], max_short_rows, pages_per_block)
+    if num_tokens > SHORT_QUERY_LEN:  # else no sequence can be long enough to tile
+        tile_ctx = dataclasses.replace(ctx, table=padded_table(tile_kv_pages))
+        sizes = tuple(t for t in QUERY_TILES if t <= num_tokens) or (min(QUERY_TILES),)
+        out = _attend_sequence_tiles(tile_ctx, q, out, kv_lens, cu_q_lens, tiled, tile_kv_pages, sizes)
     return out.reshape(num_tokens, num_q_heads, head_dim).astype(queries.dtype)

@@ -20,10 +20,11 @@ from tpuserve.kv_cache.layout import split_kv
 import attention_cases as cases  # tests/attention/attention_cases.py
 
 
-def check(case, kwargs, dtype, pages_per_block):
+def check(case, kwargs, dtype, pages_per_block, tile_kv_pages=None):
     want, kv = cases.expected(case, **kwargs)
     run = jax.jit(lambda q, kv: ragged_paged_attention_blocked(
-        q, kv, *case.metadata, pages_per_block=pages_per_block, **kwargs))
+        q, kv, *case.metadata, pages_per_block=pages_per_block, tile_kv_pages=tile_kv_pages,
+        **kwargs))
     out = run(case.queries, kv)
     n = case.num_real_tokens
     np.testing.assert_allclose(cases.f32(out), cases.f32(want), **cases.tolerance(dtype))
@@ -93,29 +94,37 @@ def test_dispatch_blocked_stacked_cache():
     np.testing.assert_allclose(cases.f32(out), cases.f32(want_out), atol=1e-5, rtol=1e-5)
 
 
-# Long steps go through the tiled path (QUERY_TILE tokens or more): tiles inside one prefill
-# chunk, tiles spanning two chunks, tiles of decodes (per-row fallback) and padding tiles.
+# Sequences of more than SHORT_QUERY_LEN query rows go in per-sequence tiles of QUERY_TILES rows (a
+# partial tile's spare rows overlap the next sequence's); the others go per row. Cases: one chunk over
+# tiles of several sizes, a chunk after cached context, decodes before and after prefills, lengths at
+# the boundaries (SHORT_QUERY_LEN, +1, tile sizes, +1), a partial 32-row tile spilling into the next
+# sequence's partial 64-row tile, and more tiles than T / 16.
 LONG_STEPS = {
     "one_long_prefill": [(70, 70)],
     "chunk_after_context": [(45, 61), (1, 9)],
     "decodes_then_prefills": [(1, 5)] * 12 + [(20, 30), (17, 17), (6, 40)],
     "prefills_then_decodes": [(33, 33), (1, 12), (1, 1), (1, 7), (1, 26), (2, 50)],
+    "boundary_lengths": [(4, 20), (5, 5), (32, 47), (33, 33), (16, 16), (3, 9), (1, 60)],
+    "spill_into_big_tile": [(20, 20), (40, 80)],  # 20 of a 32-row tile, 40 of a 64-row tile
+    "many_short_chunks": [(6, 30)] * 7 + [(9, 9), (7, 50)],
 }
 
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("name", list(LONG_STEPS))
 def test_blocked_long_steps_tiled(name):
-    from tpuserve.attention.blocked import QUERY_TILE
+    from tpuserve.attention.blocked import QUERY_TILES, SHORT_QUERY_LEN
 
+    assert (SHORT_QUERY_LEN, QUERY_TILES) == (4, (64, 32, 16))  # the cases above are written for these
     seqs = LONG_STEPS[name]
-    total = sum(q for q, _ in seqs)
-    num_tokens = 96
-    assert total <= num_tokens and QUERY_TILE <= num_tokens < 2 * QUERY_TILE
+    assert sum(q for q, _ in seqs) <= 96
     case = cases.make_case(11, seqs, num_slots=20, page_size=4, pages_per_seq=24, num_q_heads=6,
-                           num_kv_heads=2, head_dim=64, num_tokens=num_tokens)
+                           num_kv_heads=2, head_dim=64, num_tokens=96)
     check(case, dict(sm_scale=0.125), jnp.float32, pages_per_block=2)
     check(case, dict(sm_scale=0.2, sliding_window=9, soft_cap=5.0), jnp.float32, pages_per_block=1)
+    # KV blocks of one page: the tiles' online softmax runs over many blocks.
+    check(case, dict(sm_scale=0.125), jnp.float32, pages_per_block=2, tile_kv_pages=1)
+    check(case, dict(sm_scale=0.2, sliding_window=9), jnp.float32, pages_per_block=3, tile_kv_pages=3)
 
 
 @pytest.mark.timeout(240)
