@@ -31,6 +31,18 @@ def test_flat_flags_route_to_their_sections():
     assert c.token_buckets[-1] == c.scheduler.max_num_batched_tokens
 
 
+def test_token_buckets_double_then_grow_by_the_factor():
+    """Doubling up to 32 rows (weight-bound matmuls: padding is nearly free), then x1.5 rounded up
+    to multiples of 16, then the budget; factor 2 keeps the plain powers of two."""
+    buckets = EngineConfig.from_kwargs(max_num_batched_tokens=512).token_buckets
+    assert buckets == (1, 2, 4, 8, 16, 32, 48, 80, 128, 192, 288, 432, 512)
+    assert all(b / a <= 2 for a, b in zip(buckets[5:], buckets[6:]))
+    assert EngineConfig.from_kwargs(max_num_batched_tokens=512, token_bucket_factor=2).token_buckets \
+        == (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+    assert EngineConfig.from_kwargs(max_num_batched_tokens=100, min_token_bucket=16).token_buckets \
+        == (16, 32, 48, 80, 100)
+
+
 def test_every_section_field_is_a_cli_flag_once():
     from tpuserve.cli import add_engine_args, engine_kwargs
 
@@ -72,6 +84,7 @@ def test_every_section_field_is_a_cli_flag_once():
      "kv_load_failure_policy"),
     (dict(kv_transfer_config='{"kv_role": "kv_both", "kv_connector": "NixlConnector"}'), "kv_connector"),
     (dict(attention_impl="flash"), "attention_impl"),
+    (dict(token_bucket_factor=1.1), r"token_bucket_factor: .*>= 1.25"),
     (dict(enable_chunked_prefill=False, max_model_len=512, max_num_batched_tokens=256),
      "max_num_batched_tokens"),
 ])
