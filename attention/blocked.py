@@ -205,13 +205,10 @@ def _attend_sequence_tiles(ctx: _Ctx, q, out, kv_lens, cu_q_lens, tiled, kv_page
     return out[:num_tokens]
 
 
-def _attend_short_rows(ctx: _Ctx, q, seq, q_pos, short, max_rows: int, pages_per_block: int | None):
+def _attend_short_rows(ctx: _Ctx, q, seq, q_pos, short, max_rows: int, pages_per_block: int):
     """Rows flagged ``short`` (decodes and other few-token queries), gathered into ``max_rows``
     slots, each attending through its own sequence's pages. Returns [T, Hkv, G, D] (others 0)."""
     num_tokens = q.shape[0]
-    if pages_per_block is None:
-        pages_per_block = default_pages_per_block(max_rows, ctx.page_size, 2 * ctx.num_kv_heads,
-                                                  ctx.head_dim, ctx.table.shape[1])
     # Slot num_tokens is a padding row (index past the real ones; dropped on the way back).
     idx = jnp.nonzero(short, size=max_rows, fill_value=num_tokens)[0]
     pad = lambda x, fill: jnp.concatenate([x, jnp.full((1,) + x.shape[1:], fill, x.dtype)])
