@@ -143,14 +143,15 @@ def _attend_rows(ctx: _Ctx, q, seq, q_pos, valid, pages_per_block: int):
     return _online_softmax_loop(ctx, q, start, stop, block_scores)
 
 
-def _attend_sequence_tiles(ctx: _Ctx, q, out, kv_lens, cu_q_lens, tiled, kv_pages_per_block: int,
-                           tile_sizes: tuple[int, ...]):
+def _attend_sequence_tiles(ctx: _Ctx, q, out, kv_lens, cu_q_lens, q_lens, tiled,
+                           kv_pages_per_block: int, tile_sizes: tuple[int, ...]):
     """Queries of the ``tiled`` sequences, in tiles that never cross a sequence, written into ``out``.
 
     Each tile gathers its sequence's KV blocks once and scores all its rows with one batched matmul
     per KV head. A sequence's rows go in tiles of tile_sizes[0] (descending) while more than half a
     tile is left, then likewise down to the smallest size, which takes the rest. Each size is one
-    loop over the live tiles only (a dynamic trip count). q, out [T, Hkv, G, D]; tiled [S] bool.
+    loop over the live tiles only (a dynamic trip count). q, out [T, Hkv, G, D]; q_lens [S];
+    tiled [S] bool.
     """
     num_tokens, hkv, group, d = q.shape
     block = kv_pages_per_block * ctx.page_size
@@ -158,7 +159,6 @@ def _attend_sequence_tiles(ctx: _Ctx, q, out, kv_lens, cu_q_lens, tiled, kv_page
     # Room for a tile starting at the last row: slices never clamp (a clamped start would shift rows).
     pad = [(0, biggest)] + [(0, 0)] * 3
     q_pad, out = jnp.pad(q, pad), jnp.pad(out, pad)
-    q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
     offsets = jnp.arange(block, dtype=jnp.int32)
     covered = jnp.zeros_like(q_lens)  # rows of each sequence already given to bigger tiles
     for n, size in enumerate(tile_sizes):
@@ -169,8 +169,8 @@ def _attend_sequence_tiles(ctx: _Ctx, q, out, kv_lens, cu_q_lens, tiled, kv_page
         tile_ends = jnp.cumsum(tiles_per_seq)
         rows = jnp.arange(size, dtype=jnp.int32)
 
-        def one_tile(i, out, size=size, rows=rows, tile_ends=tile_ends, tiles_per_seq=tiles_per_seq,
-                     covered=covered):
+        # fori_loop traces one_tile right here, so it sees this iteration's size and counts.
+        def one_tile(i, out):
             s = jnp.searchsorted(tile_ends, i, side="right").astype(jnp.int32)
             first = covered[s] + (i - (tile_ends[s] - tiles_per_seq[s])) * size  # within the sequence
             row0 = cu_q_lens[s] + first
@@ -277,5 +277,6 @@ def ragged_paged_attention_blocked(
     if num_tokens > SHORT_QUERY_LEN:  # else no sequence can be long enough to tile
         tile_ctx = dataclasses.replace(ctx, table=padded_table(tile_kv_pages))
         sizes = tuple(t for t in QUERY_TILES if t <= num_tokens) or (min(QUERY_TILES),)
-        out = _attend_sequence_tiles(tile_ctx, q, out, kv_lens, cu_q_lens, tiled, tile_kv_pages, sizes)
+        out = _attend_sequence_tiles(tile_ctx, q, out, kv_lens, cu_q_lens, q_lens, tiled,
+                                     tile_kv_pages, sizes)
     return out.reshape(num_tokens, num_q_heads, head_dim).astype(queries.dtype)
