@@ -7,12 +7,15 @@ long-context case where most page-table columns are padding and a stacked-cache 
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tpuserve.attention.blocked import default_pages_per_block, ragged_paged_attention_blocked
+from tpuserve.attention.blocked import (common_prefix_pages, default_pages_per_block,
+                                        ragged_paged_attention_blocked)
 from tpuserve.attention.dispatch import AttentionParams, ragged_paged_attention, resolve_impl
 from tpuserve.attention.metadata import AttentionMetadata
 from tpuserve.kv_cache.layout import split_kv
@@ -133,3 +136,42 @@ def test_blocked_long_step_fp8_scales():
     case = cases.make_case(12, seqs, num_slots=20, page_size=4, pages_per_seq=24, num_q_heads=6,
                            num_kv_heads=2, head_dim=64, num_tokens=64, kv_dtype=jnp.float8_e4m3fn)
     check(case, dict(sm_scale=0.125, k_scale=0.5, v_scale=1.5), jnp.float32, pages_per_block=None)
+
+
+# Sequences whose page tables start with the same pages (a cached system prompt): the shared pages
+# that lie wholly before every sequence's first query are attended once for all rows (cascade) and
+# merged with each sequence's own rest. (seqs, pages the live rows share, the prefix that must be
+# found): decodes; chunks and a decode; the prefix cut where a chunk's queries start inside the
+# shared pages (its new tokens land in pages the other sequence reads); decodes after padding slots.
+SHARED_PREFIX = {
+    "decodes": ([(1, 70)] * 4, 16, 16),
+    "chunks_and_decode": ([(20, 60), (9, 50), (1, 45), (33, 80)], 10, 10),
+    "cut_at_first_query": ([(12, 30), (1, 41)], 8, 4),
+    "one_sequence_chunk": ([(40, 90)], 0, 12),  # its own earlier pages are a prefix too
+}
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("name", list(SHARED_PREFIX))
+def test_blocked_shared_prefix_cascade(name):
+    seqs, shared, want_prefix = SHARED_PREFIX[name]
+    case = cases.make_case(13, seqs, num_slots=6, page_size=4, pages_per_seq=24, num_q_heads=6,
+                           num_kv_heads=2, head_dim=64, num_tokens=96)
+    table = np.asarray(case.page_indices).copy()
+    table[1:len(seqs), :shared] = table[0, :shared]
+    case = dataclasses.replace(case, page_indices=jnp.asarray(table))
+    found = common_prefix_pages(*case.metadata, page_size=4)
+    assert int(found) == want_prefix  # the cascade path really runs (and stops where it must)
+    check(case, dict(sm_scale=0.125), jnp.float32, pages_per_block=2)
+    check(case, dict(sm_scale=0.2, soft_cap=5.0), jnp.float32, pages_per_block=3, tile_kv_pages=1)
+    check(case, dict(sm_scale=0.2, sliding_window=9), jnp.float32, pages_per_block=1)
+
+
+def test_common_prefix_pages_needs_every_live_row():
+    """A padding slot's row does not count; one live row that differs ends the prefix."""
+    table = jnp.asarray([[5, 6, 7, 8], [5, 6, 9, 9], [0, 0, 0, 0]], jnp.int32)
+    kv_lens = jnp.asarray([16, 16, 0], jnp.int32)
+    cu = jnp.asarray([0, 1, 2, 2], jnp.int32)
+    assert int(common_prefix_pages(kv_lens, table, cu, jnp.asarray([2], jnp.int32), 4)) == 2
+    assert int(common_prefix_pages(kv_lens, table, cu, jnp.asarray([1], jnp.int32), 4)) == 3
+    assert int(common_prefix_pages(kv_lens, table, cu, jnp.asarray([0], jnp.int32), 4)) == 0
