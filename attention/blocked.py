@@ -354,9 +354,9 @@ def ragged_paged_attention_blocked(
         # per-sequence passes below then see only what follows, through tables and lengths shifted
         # past the prefix (positions become relative to its end; causality is unchanged).
         shared = common_prefix_pages(kv_lens, page_indices, cu_q_lens, num_seqs, page_size)
-        _, _, valid = token_sequence_info(kv_lens, cu_q_lens, num_seqs, num_tokens)
         block = prefix_pages_per_block(num_tokens, num_q_heads, page_size, page_indices.shape[1])
-        prefix = _attend_common_prefix(dataclasses.replace(ctx, table=padded_table(block)), q, valid,
+        real = jnp.arange(num_tokens) < cu_q_lens[num_seqs[0]]
+        prefix = _attend_common_prefix(dataclasses.replace(ctx, table=padded_table(block)), q, real,
                                        shared, block)
         width = page_indices.shape[1]
         page_indices = jax.lax.dynamic_slice_in_dim(jnp.pad(page_indices, ((0, 0), (0, width))),
