@@ -8,6 +8,7 @@ long-context case where most page-table columns are padding and a stacked-cache 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -23,12 +24,18 @@ from tpuserve.kv_cache.layout import split_kv
 import attention_cases as cases  # tests/attention/attention_cases.py
 
 
+# One program per shape and option set, shared by every case of that shape (the metadata is an
+# argument, not a constant): compiling per case cost most of this file's run time.
+@functools.partial(jax.jit, static_argnames=("options",))
+def _blocked(queries, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, options):
+    return ragged_paged_attention_blocked(queries, kv_pages, kv_lens, page_indices, cu_q_lens,
+                                          num_seqs, **dict(options))
+
+
 def check(case, kwargs, dtype, pages_per_block, tile_kv_pages=None):
     want, kv = cases.expected(case, **kwargs)
-    run = jax.jit(lambda q, kv: ragged_paged_attention_blocked(
-        q, kv, *case.metadata, pages_per_block=pages_per_block, tile_kv_pages=tile_kv_pages,
-        **kwargs))
-    out = run(case.queries, kv)
+    options = dict(kwargs, pages_per_block=pages_per_block, tile_kv_pages=tile_kv_pages)
+    out = _blocked(case.queries, kv, *case.metadata, tuple(sorted(options.items())))
     n = case.num_real_tokens
     np.testing.assert_allclose(cases.f32(out), cases.f32(want), **cases.tolerance(dtype))
     np.testing.assert_allclose(cases.f32(out[:n]), cases.f32(cases.oracle(case, kv, **kwargs)),
