@@ -58,6 +58,11 @@ SHORT_QUERY_LEN = 4
 QUERY_TILES = (64, 32, 16)
 # KV tokens per loop iteration of a tile (one sequence's pages, gathered once for the tile's rows).
 TILE_KV_TOKENS = 512
+# KV tokens per iteration over the last, partial stretch of a row's or tile's keys. After a cached
+# shared prefix a sequence's own keys are often ~100 tokens; scoring them in one 512-key block wasted
+# most of a chunk's tile work (4 x 72-token chunks after a shared 1.4k prompt: ~610 -> ~430 ms of
+# attention over 30 layers), while long contexts still go in the wide blocks.
+TAIL_KV_TOKENS = 128
 
 
 @dataclass(frozen=True)
@@ -94,41 +99,62 @@ class _Ctx:
             visible &= kv_pos[None, :] > q_pos[:, None] - self.sliding_window
         return visible
 
-    def block_range(self, q_pos, valid, block: int):
-        """[start, stop) of the KV blocks any valid row can see (a row sees keys up to its own position)."""
-        stop = (jnp.max(jnp.where(valid, q_pos + 1, 0)) + block - 1) // block
-        start = jnp.int32(0)
+    def key_span(self, q_pos, valid):
+        """[first, end) of the key positions any valid row can see (a row sees keys up to its own
+        position; with a window, not before it)."""
+        end = jnp.max(jnp.where(valid, q_pos + 1, 0))
+        first = jnp.int32(0)
         if self.sliding_window is not None:
             first = jnp.min(jnp.where(valid, q_pos - self.sliding_window + 1, jnp.iinfo(jnp.int32).max))
-            start = jnp.clip(first, 0, None) // block
-        return start, stop
+            first = jnp.clip(first, 0, end)
+        return first, end
 
 
-def _online_softmax_loop(ctx: _Ctx, q, start, stop, block_scores):
-    """Run the flash-attention recurrence over KV blocks start..stop-1.
+def _stages(first, end, wide_pages: int, tail_pages: int, page_size: int, block_scores_for):
+    """Loops covering keys [first, end): blocks of ``wide_pages`` pages while whole ones fit before
+    ``end``, then blocks of ``tail_pages`` (which divides wide_pages) for the rest, unless the rest
+    fills over half a wide block (one more wide block wastes less than the narrow ones cost: their
+    smaller matmuls run slower per key). block_scores_for(n) -> block_scores(j) for blocks of n pages
+    (keys j * n * page_size onward). Returns [(start, stop, block_scores)] for ``_online_softmax_loop``."""
+    wide, tail = wide_pages * page_size, tail_pages * page_size
+    if tail_pages >= wide_pages:
+        return [(first // wide, (end + wide - 1) // wide, block_scores_for(wide_pages))]
+    wide_stop = (end + wide // 2) // wide
+    tail_start = jnp.maximum(wide_stop * wide, first // tail * tail) // tail
+    return [(first // wide, wide_stop, block_scores_for(wide_pages)),
+            (tail_start, (end + tail - 1) // tail, block_scores_for(tail_pages))]
 
-    q [..., D] (any leading query dims N); block_scores(j) -> (scores [N..., C] with -inf where hidden,
-    pv) where pv(probs [N..., C]) -> [N..., D] is that block's probs @ V. Returns (out [N..., D] (0 for
-    queries that saw nothing), lse [N...]: log of the softmax denominator, -inf where nothing was seen),
-    so that attention over two disjoint key sets can be merged (``_merge``).
+
+def _online_softmax_loop(q, stages):
+    """Run the flash-attention recurrence over KV blocks, one loop per stage.
+
+    q [..., D] (any leading query dims N); stages [(start, stop, block_scores)], each looping j over
+    start..stop-1, with block_scores(j) -> (scores [N..., C] with -inf where hidden, pv) where
+    pv(probs [N..., C]) -> [N..., D] is that block's probs @ V (C may differ between stages). Returns
+    (out [N..., D] (0 for queries that saw nothing), lse [N...]: log of the softmax denominator, -inf
+    where nothing was seen), so that attention over two disjoint key sets can be merged (``_merge``).
     """
     lead, d = q.shape[:-1], q.shape[-1]
 
-    def step(j, carry):
-        run_max, denom, acc = carry
-        scores, pv = block_scores(j)
-        new_max = jnp.maximum(run_max, scores.max(axis=-1))
-        # A row with nothing visible yet keeps max -inf; shift by 0 there so exp() gives 0, not NaN.
-        shift = jnp.where(jnp.isfinite(new_max), new_max, 0.0)
-        probs = jnp.exp(scores - shift[..., None])
-        rescale = jnp.exp(run_max - shift)
-        denom = denom * rescale + probs.sum(axis=-1)
-        acc = acc * rescale[..., None] + pv(probs)
-        return new_max, denom, acc
+    def step_with(block_scores):
+        def step(j, carry):
+            run_max, denom, acc = carry
+            scores, pv = block_scores(j)
+            new_max = jnp.maximum(run_max, scores.max(axis=-1))
+            # A row with nothing visible yet keeps max -inf; shift by 0 there so exp() gives 0, not NaN.
+            shift = jnp.where(jnp.isfinite(new_max), new_max, 0.0)
+            probs = jnp.exp(scores - shift[..., None])
+            rescale = jnp.exp(run_max - shift)
+            denom = denom * rescale + probs.sum(axis=-1)
+            acc = acc * rescale[..., None] + pv(probs)
+            return new_max, denom, acc
+        return step
 
-    init = (jnp.full(lead, -jnp.inf, jnp.float32), jnp.zeros(lead, jnp.float32),
-            jnp.zeros((*lead, d), jnp.float32))
-    run_max, denom, acc = jax.lax.fori_loop(start, stop, step, init)
+    carry = (jnp.full(lead, -jnp.inf, jnp.float32), jnp.zeros(lead, jnp.float32),
+             jnp.zeros((*lead, d), jnp.float32))
+    for start, stop, block_scores in stages:
+        carry = jax.lax.fori_loop(start, stop, step_with(block_scores), carry)
+    run_max, denom, acc = carry
     seen = denom > 0
     lse = jnp.where(seen, run_max + jnp.log(jnp.where(seen, denom, 1.0)), -jnp.inf)
     return acc / jnp.where(seen, denom, 1.0)[..., None], lse
@@ -147,26 +173,30 @@ def _cap(ctx: _Ctx, scores):
     return scores if ctx.soft_cap is None else ctx.soft_cap * jnp.tanh(scores / ctx.soft_cap)
 
 
-def _attend_rows(ctx: _Ctx, q, seq, q_pos, valid, pages_per_block: int):
+def _attend_rows(ctx: _Ctx, q, seq, q_pos, valid, pages_per_block: int, tail_pages: int):
     """Every row gathers its own sequence's KV blocks (any mix of sequences). q [R, Hkv, G, D]."""
-    block = pages_per_block * ctx.page_size
     row_pages = ctx.table[seq]  # [R, padded pages]
-    offsets = jnp.arange(block, dtype=jnp.int32)
-    start, stop = ctx.block_range(q_pos, valid, block)
 
-    def block_scores(j):
-        pages = jax.lax.dynamic_slice_in_dim(row_pages, j * pages_per_block, pages_per_block, axis=1)
-        k, v = ctx.gather(pages)  # [R, C, Hkv, D]
-        scores = _cap(ctx, jnp.einsum("rhgd,rchd->rhgc", q, k))
-        visible = ctx.mask(j * block + offsets, q_pos) & valid[:, None]
-        scores = jnp.where(visible[:, None, None, :], scores, -jnp.inf)
-        return scores, lambda probs: jnp.einsum("rhgc,rchd->rhgd", probs, v)
+    def block_scores_for(n: int):
+        block = n * ctx.page_size
+        offsets = jnp.arange(block, dtype=jnp.int32)
 
-    return _online_softmax_loop(ctx, q, start, stop, block_scores)
+        def block_scores(j):
+            pages = jax.lax.dynamic_slice_in_dim(row_pages, j * n, n, axis=1)
+            k, v = ctx.gather(pages)  # [R, C, Hkv, D]
+            scores = _cap(ctx, jnp.einsum("rhgd,rchd->rhgc", q, k))
+            visible = ctx.mask(j * block + offsets, q_pos) & valid[:, None]
+            scores = jnp.where(visible[:, None, None, :], scores, -jnp.inf)
+            return scores, lambda probs: jnp.einsum("rhgc,rchd->rhgd", probs, v)
+        return block_scores
+
+    first, end = ctx.key_span(q_pos, valid)
+    return _online_softmax_loop(q, _stages(first, end, pages_per_block, tail_pages, ctx.page_size,
+                                           block_scores_for))
 
 
 def _attend_sequence_tiles(ctx: _Ctx, q, out, lse, kv_lens, cu_q_lens, q_lens, tiled,
-                           kv_pages_per_block: int, tile_sizes: tuple[int, ...]):
+                           kv_pages_per_block: int, tail_pages: int, tile_sizes: tuple[int, ...]):
     """Queries of the ``tiled`` sequences, in tiles that never cross a sequence, written into ``out``
     and ``lse`` [T, Hkv, G] (returned).
 
@@ -177,12 +207,10 @@ def _attend_sequence_tiles(ctx: _Ctx, q, out, lse, kv_lens, cu_q_lens, q_lens, t
     tiled [S] bool.
     """
     num_tokens, hkv, group, d = q.shape
-    block = kv_pages_per_block * ctx.page_size
     biggest = max(tile_sizes)
     # Room for a tile starting at the last row: slices never clamp (a clamped start would shift rows).
     pad = [(0, biggest)] + [(0, 0)] * 3
     q_pad, out, lse = jnp.pad(q, pad), jnp.pad(out, pad), jnp.pad(lse, pad[:3])
-    offsets = jnp.arange(block, dtype=jnp.int32)
     covered = jnp.zeros_like(q_lens)  # rows of each sequence already given to bigger tiles
     for n, size in enumerate(tile_sizes):
         # Tiles of this size while more than half of one is left (a partial one wastes under half
@@ -205,20 +233,25 @@ def _attend_sequence_tiles(ctx: _Ctx, q, out, lse, kv_lens, cu_q_lens, q_lens, t
             # (the row-major einsum of probs @ V ran ~2x slower on XLA:CPU).
             tq = tq.transpose(1, 0, 2, 3).reshape(hkv, size * group, d)
             seq_pages = ctx.table[s]
-            start, stop = ctx.block_range(q_pos, live, block)
 
-            def block_scores(j):
-                pages = jax.lax.dynamic_slice_in_dim(seq_pages, j * kv_pages_per_block,
-                                                     kv_pages_per_block)
-                k_blk, v_blk = ctx.gather(pages)  # [C, Hkv, D]
-                k_blk, v_blk = k_blk.transpose(1, 0, 2), v_blk.transpose(1, 0, 2)
-                scores = _cap(ctx, jnp.einsum("hmd,hcd->hmc", tq, k_blk))
-                visible = ctx.mask(j * block + offsets, q_pos) & live[:, None]  # [size, C]
-                visible = jnp.repeat(visible, group, axis=0)
-                scores = jnp.where(visible[None], scores, -jnp.inf)
-                return scores, lambda probs: jnp.einsum("hmc,hcd->hmd", probs, v_blk)
+            def block_scores_for(n: int):
+                block = n * ctx.page_size
+                offsets = jnp.arange(block, dtype=jnp.int32)
 
-            res, res_lse = _online_softmax_loop(ctx, tq, start, stop, block_scores)
+                def block_scores(j):
+                    pages = jax.lax.dynamic_slice_in_dim(seq_pages, j * n, n)
+                    k_blk, v_blk = ctx.gather(pages)  # [C, Hkv, D]
+                    k_blk, v_blk = k_blk.transpose(1, 0, 2), v_blk.transpose(1, 0, 2)
+                    scores = _cap(ctx, jnp.einsum("hmd,hcd->hmc", tq, k_blk))
+                    visible = ctx.mask(j * block + offsets, q_pos) & live[:, None]  # [size, C]
+                    visible = jnp.repeat(visible, group, axis=0)
+                    scores = jnp.where(visible[None], scores, -jnp.inf)
+                    return scores, lambda probs: jnp.einsum("hmc,hcd->hmd", probs, v_blk)
+                return block_scores
+
+            first, end = ctx.key_span(q_pos, live)
+            res, res_lse = _online_softmax_loop(tq, _stages(first, end, kv_pages_per_block, tail_pages,
+                                                            ctx.page_size, block_scores_for))
             res = res.reshape(hkv, size, group, d).transpose(1, 0, 2, 3)
             res_lse = res_lse.reshape(hkv, size, group).transpose(1, 0, 2)
             # A partial tile's spare rows belong to the next sequence (any path, any loop): keep them.
@@ -267,12 +300,13 @@ def _attend_common_prefix(ctx: _Ctx, q, valid, num_pages, pages_per_block: int):
         return scores, lambda probs: jnp.einsum("hmc,hcd->hmd", probs, v)
 
     stop = (num_pages + pages_per_block - 1) // pages_per_block
-    out, lse = _online_softmax_loop(ctx, qh, jnp.int32(0), stop, block_scores)
+    out, lse = _online_softmax_loop(qh, [(jnp.int32(0), stop, block_scores)])
     return (out.reshape(hkv, num_tokens, group, d).transpose(1, 0, 2, 3),
             lse.reshape(hkv, num_tokens, group).transpose(1, 0, 2))
 
 
-def _attend_short_rows(ctx: _Ctx, q, seq, q_pos, short, max_rows: int, pages_per_block: int):
+def _attend_short_rows(ctx: _Ctx, q, seq, q_pos, short, max_rows: int, pages_per_block: int,
+                       tail_pages: int):
     """Rows flagged ``short`` (decodes and other few-token queries), gathered into ``max_rows``
     slots, each attending through its own sequence's pages. Returns out [T, Hkv, G, D] and
     lse [T, Hkv, G] (others 0 and -inf)."""
@@ -281,7 +315,7 @@ def _attend_short_rows(ctx: _Ctx, q, seq, q_pos, short, max_rows: int, pages_per
     idx = jnp.nonzero(short, size=max_rows, fill_value=num_tokens)[0]
     pad = lambda x, fill: jnp.concatenate([x, jnp.full((1,) + x.shape[1:], fill, x.dtype)])
     res, res_lse = _attend_rows(ctx, pad(q, 0.0)[idx], pad(seq, 0)[idx], pad(q_pos, 0)[idx],
-                                pad(short, False)[idx], pages_per_block)
+                                pad(short, False)[idx], pages_per_block, tail_pages)
     return (jnp.zeros_like(q).at[idx].set(res, mode="drop"),
             jnp.full(q.shape[:-1], -jnp.inf, jnp.float32).at[idx].set(res_lse, mode="drop"))
 
@@ -316,6 +350,7 @@ def ragged_paged_attention_blocked(
     layer=None,
     pages_per_block: int | None = None,
     tile_kv_pages: int | None = None,
+    tail_kv_pages: int | None = None,
     cascade: bool = True,
 ):
     """Causal attention of ragged queries over paged KV. Returns [T, Hq, D] in queries.dtype.
@@ -324,6 +359,9 @@ def ragged_paged_attention_blocked(
     [L, P, page_size, 2*Hkv, D] cache. Padding tokens (past cu_q_lens[num_seqs]) produce zeros.
     ``cascade``: attend the leading pages every sequence shares in one pass for all rows
     (``common_prefix_pages``; found at run time, so a step without one pays only an empty loop).
+    Blocks (pages per loop iteration): ``pages_per_block`` for the per-row path, ``tile_kv_pages`` for
+    tiles, each used while whole blocks fit below the keys a row or tile sees, then blocks of
+    ``tail_kv_pages`` for the rest (the wide sizes round down to multiples of it).
     """
     num_tokens, num_q_heads, head_dim = queries.shape
     page_size, num_combined = kv_pages.shape[-3:-1]
@@ -339,6 +377,16 @@ def ragged_paged_attention_blocked(
                                                   page_indices.shape[1])
     if tile_kv_pages is None:
         tile_kv_pages = max(1, TILE_KV_TOKENS // page_size)
+    if tail_kv_pages is None:
+        tail_kv_pages = max(1, TAIL_KV_TOKENS // page_size)
+
+    def with_tail(wide: int):
+        # (wide, tail) with tail dividing wide (both stages index the same padded table).
+        tail = min(wide, tail_kv_pages)
+        return wide // tail * tail, tail
+
+    pages_per_block, row_tail = with_tail(pages_per_block)
+    tile_kv_pages, tile_tail = with_tail(tile_kv_pages)
 
     def padded_table(pages: int):
         # Whole blocks; the extra columns point at page 0 and are masked by position.
@@ -368,12 +416,12 @@ def ragged_paged_attention_blocked(
     live_slot = jnp.arange(num_slots) < num_seqs[0]
     tiled = live_slot & (q_lens > SHORT_QUERY_LEN)
     out, lse = _attend_short_rows(ctx, q, seq, q_pos, valid & ~tiled[seq], max_short_rows,
-                                  pages_per_block)
+                                  pages_per_block, row_tail)
     if num_tokens > SHORT_QUERY_LEN:  # else no sequence can be long enough to tile
         tile_ctx = dataclasses.replace(ctx, table=padded_table(tile_kv_pages))
         sizes = tuple(t for t in QUERY_TILES if t <= num_tokens) or (min(QUERY_TILES),)
         out, lse = _attend_sequence_tiles(tile_ctx, q, out, lse, kv_lens, cu_q_lens, q_lens, tiled,
-                                          tile_kv_pages, sizes)
+                                          tile_kv_pages, tile_tail, sizes)
     if prefix is not None:
         out = _merge(out, lse, *prefix)
     return out.reshape(num_tokens, num_q_heads, head_dim).astype(queries.dtype)

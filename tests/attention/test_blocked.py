@@ -32,9 +32,10 @@ def _blocked(queries, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, opti
                                           num_seqs, **dict(options))
 
 
-def check(case, kwargs, dtype, pages_per_block, tile_kv_pages=None):
+def check(case, kwargs, dtype, pages_per_block, tile_kv_pages=None, tail_kv_pages=None):
     want, kv = cases.expected(case, **kwargs)
-    options = dict(kwargs, pages_per_block=pages_per_block, tile_kv_pages=tile_kv_pages)
+    options = dict(kwargs, pages_per_block=pages_per_block, tile_kv_pages=tile_kv_pages,
+                   tail_kv_pages=tail_kv_pages)
     out = _blocked(case.queries, kv, *case.metadata, tuple(sorted(options.items())))
     n = case.num_real_tokens
     np.testing.assert_allclose(cases.f32(out), cases.f32(want), **cases.tolerance(dtype))
@@ -43,12 +44,15 @@ def check(case, kwargs, dtype, pages_per_block, tile_kv_pages=None):
     assert not np.any(cases.f32(out[n:]))  # padding tokens are zeros
 
 
+# (pages_per_block, tail_kv_pages): one page per block; two; wider than the table; blocks of four
+# pages while over half of one remains, then one-page blocks (both loops of a row's keys run).
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("pages_per_block", [1, 2, 8])
+@pytest.mark.parametrize("blocks", [(1, None), (2, None), (8, None), (4, 1)],
+                         ids=lambda b: f"{b[0]}pages" + (f"-tail{b[1]}" if b[1] else ""))
 @pytest.mark.parametrize("name", list(cases.CASES))
-def test_blocked_matches_reference_and_oracle(name, pages_per_block):
+def test_blocked_matches_reference_and_oracle(name, blocks):
     case, kwargs, dtype = cases.build(name)
-    check(case, kwargs, dtype, pages_per_block)
+    check(case, kwargs, dtype, *blocks[:1], tail_kv_pages=blocks[1])
 
 
 @pytest.mark.timeout(180)
@@ -135,6 +139,9 @@ def test_blocked_long_steps_tiled(name):
     # KV blocks of one page: the tiles' online softmax runs over many blocks.
     check(case, dict(sm_scale=0.125), jnp.float32, pages_per_block=2, tile_kv_pages=1)
     check(case, dict(sm_scale=0.2, sliding_window=9), jnp.float32, pages_per_block=3, tile_kv_pages=3)
+    # Wide blocks, then two-page ones for the rest of each row's and tile's keys, under a window.
+    check(case, dict(sm_scale=0.2, sliding_window=9), jnp.float32, pages_per_block=4, tile_kv_pages=6,
+          tail_kv_pages=2)
 
 
 @pytest.mark.timeout(240)
@@ -172,6 +179,8 @@ def test_blocked_shared_prefix_cascade(name):
     check(case, dict(sm_scale=0.125), jnp.float32, pages_per_block=2)
     check(case, dict(sm_scale=0.2, soft_cap=5.0), jnp.float32, pages_per_block=3, tile_kv_pages=1)
     check(case, dict(sm_scale=0.2, sliding_window=9), jnp.float32, pages_per_block=1)
+    # What follows the prefix in wide blocks and then one-page ones.
+    check(case, dict(sm_scale=0.125), jnp.float32, pages_per_block=4, tile_kv_pages=4, tail_kv_pages=1)
 
 
 def test_common_prefix_pages_needs_every_live_row():
