@@ -5,9 +5,11 @@
 Each case is one ragged step of SmolLM2-135M's attention shapes (9 query heads, 3 KV heads, head dim
 64, 16-token pages) run over ``--layers`` layers of a stacked cache, the sequences' page tables
 sharing their first ``--shared-pages`` pages (what prefix caching hands requests with one system
-prompt). Timed in the same run: the cascade pass on (the default) and off, and the KV-read roofline
-(the distinct KV bytes the step reads, the shared pages once, at the bandwidth a plain ``sum`` over
-a large array reaches here). Prints medians and ratios; checks that both paths agree.
+prompt). Timed in the same run, interleaved rep by rep (this shared host's speed drifts by tens of
+percent between runs): the defaults; without the narrow blocks for the last stretch of each row's
+keys (``tail_kv_pages`` as wide as the widest block); without the cascade pass; and the KV-read
+roofline (the distinct KV bytes the step reads, the shared pages once, at the bandwidth a plain
+``sum`` over a large array reaches here). Prints medians and ratios; checks that the paths agree.
 """
 
 from __future__ import annotations
@@ -36,13 +38,20 @@ CASES = {
 
 
 def median_time(fn, *args, reps: int) -> float:
-    fn(*args).block_until_ready()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
+    return interleaved_medians({"": fn}, args, reps=reps)[""]
+
+
+def interleaved_medians(fns: dict, args, *, reps: int) -> dict:
+    """Median seconds of each fn(*args), the fns taking turns within every rep (after one warm call)."""
+    for fn in fns.values():
         fn(*args).block_until_ready()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    times = {name: [] for name in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn(*args).block_until_ready()
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def stream_bandwidth(reps: int) -> float:
@@ -68,19 +77,20 @@ def main(argv: list[str] | None = None) -> int:
     print(f"jax {jax.__version__} on {jax.devices()[0].platform}; {args.layers} layers; "
           f"stream bandwidth {bandwidth / 1e9:.1f} GB/s; {args.shared_pages} shared pages")
 
-    def run_fn(cascade: bool):
+    def run_fn(**options):
         @jax.jit
         def run(q, kv, kv_lens, table, cu, num_seqs):
             def layer(i, acc):
                 return acc + ragged_paged_attention_blocked(q, kv, kv_lens, table, cu, num_seqs,
-                                                            sm_scale=d ** -0.5, layer=i,
-                                                            cascade=cascade)
+                                                            sm_scale=d ** -0.5, layer=i, **options)
             return jax.lax.fori_loop(0, args.layers, layer, jnp.zeros_like(q))
         return run
 
-    runs = {True: run_fn(True), False: run_fn(False)}
-    print("| step | cascade ms | no cascade ms | speed-up | KV roofline ms | cascade / roofline |")
-    print("|---|---:|---:|---:|---:|---:|")
+    runs = {"default": run_fn(), "no tail": run_fn(tail_kv_pages=width),
+            "no cascade": run_fn(cascade=False)}
+    print("| step | default ms | no tail blocks ms | no cascade ms | tail speed-up | cascade speed-up "
+          "| KV roofline ms | default / roofline |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for name in args.cases or list(CASES):
         q_lens, kv_lens, tokens = CASES[name]
         n = len(q_lens)
@@ -100,15 +110,17 @@ def main(argv: list[str] | None = None) -> int:
         q = jnp.asarray(rng.standard_normal((tokens, hq, d), dtype=np.float32))
         inputs = (q, kv, jnp.asarray(lens), jnp.asarray(table), jnp.asarray(cu),
                   jnp.asarray([n], jnp.int32))
-        on = median_time(runs[True], *inputs, reps=args.reps)
-        off = median_time(runs[False], *inputs, reps=args.reps)
-        np.testing.assert_allclose(np.asarray(runs[True](*inputs)), np.asarray(runs[False](*inputs)),
-                                   rtol=2e-4, atol=2e-4)
+        want = np.asarray(runs["default"](*inputs))
+        for other in ("no tail", "no cascade"):
+            np.testing.assert_allclose(np.asarray(runs[other](*inputs)), want, rtol=2e-4, atol=2e-4)
+        t = interleaved_medians(runs, inputs, reps=args.reps)
         distinct_tokens = sum(kv_lens) - (n - 1) * args.shared_pages * page
         kv_bytes = args.layers * distinct_tokens * 2 * hkv * d * 4
         roof = kv_bytes / bandwidth
-        print(f"| {name} | {on * 1e3:.1f} | {off * 1e3:.1f} | {off / on:.2f}x | {roof * 1e3:.1f} | "
-              f"{on / roof:.1f}x |", flush=True)
+        print(f"| {name} | {t['default'] * 1e3:.1f} | {t['no tail'] * 1e3:.1f} | "
+              f"{t['no cascade'] * 1e3:.1f} | {t['no tail'] / t['default']:.2f}x | "
+              f"{t['no cascade'] / t['default']:.2f}x | {roof * 1e3:.1f} | {t['default'] / roof:.1f}x |",
+              flush=True)
     return 0
 
 
