@@ -102,7 +102,11 @@ def test_smollm2_logits_and_greedy_match_transformers(smollm2_hf):
     from tpuserve.server.llm import LLM
     from tpuserve.server.sampling_params import SamplingParams
 
-    llm = LLM(None, max_model_len=256, max_num_batched_tokens=16, max_num_seqs=4, num_gpu_blocks=20)
+    # Layers in a scan: unrolled, each of this test's ~7 programs compiled 30 layer copies (~3 min
+    # in all). The unrolled CPU default runs the same model below (the capital-of-France test), and
+    # scan == unroll is checked on tiny models (tests/tpu_platform/tp_child.py).
+    llm = LLM(None, max_model_len=256, max_num_batched_tokens=16, max_num_seqs=4, num_gpu_blocks=20,
+              layer_loop="scan")
     tok = llm.get_tokenizer()
     prompts = [tok.encode(p) for p in PROMPTS]
     runner = llm.engine.runner
