@@ -16,7 +16,7 @@ pytest.importorskip("vllm")  # runs in the vLLM venv; test_vllm_venv_suite.py ru
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
-from vllm_helpers import PROMPTS, hf_greedy, run_driver  # noqa: E402
+from vllm_helpers import PROMPTS, SCAN, hf_greedy, run_driver  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
@@ -66,7 +66,7 @@ def smol(default_hf_dir, tmp_path_factory):
         "engine": dict(model=default_hf_dir, dtype="float32", max_model_len=160, max_num_seqs=4,
                        max_num_batched_tokens=32, num_gpu_blocks_override=13, seed=0,
                        enable_prefix_caching=True, disable_log_stats=False,
-                       additional_config={"warmup": True}),  # off by default on CPU; test it here
+                       additional_config={"warmup": True, **SCAN}),  # warm-up is off by default on CPU
         "jobs": [
             {"kind": "generate", "prompts": PROMPTS, "params": dict(greedy, logprobs=2)},
             {"kind": "generate", "prompts": [PROMPTS[2]],
@@ -95,7 +95,7 @@ def smol_ours(smol, default_hf_dir):
     """Our standalone engine on the vLLM run's prompt ids (greedy) and its chat prompt."""
     prompt_ids = [r["prompt_token_ids"] for r in smol["jobs"][0]["out"]]
     return ours(default_hf_dir, [{"prompt_token_ids": p} for p in prompt_ids], 32, chat=CHAT,
-                max_model_len=160, max_num_batched_tokens=32, max_num_seqs=4)
+                max_model_len=160, max_num_batched_tokens=32, max_num_seqs=4, layer_loop="scan")
 
 
 def test_plugin_was_the_platform(smol):
@@ -103,6 +103,7 @@ def test_plugin_was_the_platform(smol):
     assert "tpuserve vLLM platform active" in smol["log"]
     assert "tpuserve worker on JAX cpu" in smol["log"]
     assert "warm-up compiled" in smol["log"]
+    assert "decoder layers: scan" in smol["log"]  # --additional-config reached the runner
 
 
 def test_smollm2_greedy_equals_ours_and_transformers_through_preemption(smol, smol_ours, smol_hf):

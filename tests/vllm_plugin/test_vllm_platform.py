@@ -92,7 +92,8 @@ print("BLOCK", cfg.cache_config.block_size)
 print("ASYNC", cfg.scheduler_config.async_scheduling)
 for bad in (dict(kv_cache_dtype="fp8_e5m2"), dict(enable_lora=True),
             dict(additional_config={{"attention_impl": "nope"}}),
-            dict(additional_config={{"typo": 1}})):
+            dict(additional_config={{"typo": 1}}),
+            dict(additional_config={{"layer_loop": "loop"}})):
     try:
         EngineArgs(model={default_hf_dir!r}, dtype="float32", max_model_len=256, **bad).create_engine_config()
         print("ACCEPTED", bad)
@@ -104,6 +105,7 @@ for bad in (dict(kv_cache_dtype="fp8_e5m2"), dict(enable_lora=True),
     assert "EXECUTOR uni" in out and "BLOCK 16" in out and "ASYNC False" in out
     refused = [line for line in out.splitlines() if line.startswith("REFUSED")]
     assert "ACCEPTED" not in out, out
-    assert len(refused) == 4, out
+    assert len(refused) == 5, out
     assert "kv_cache_dtype='fp8_e5m2'" in refused[0] and "LoRA" in refused[1]  # fp8 (e4m3) is served
     assert "attention_impl" in refused[2] and "typo" in refused[3]
+    assert "layer_loop='loop'" in refused[4] and "unroll" in refused[4]

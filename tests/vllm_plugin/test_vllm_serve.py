@@ -19,7 +19,7 @@ import pytest
 pytest.importorskip("vllm")  # runs in the vLLM venv; test_vllm_venv_suite.py runs it from the main one
 openai = pytest.importorskip("openai")
 
-from vllm_helpers import child_env  # noqa: E402
+from vllm_helpers import SCAN_ARGS, child_env  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -45,7 +45,7 @@ def server(default_hf_dir, tmp_path_factory):
     cmd = [VLLM_CLI, "serve", default_hf_dir, "--device", "tpu", "--host", "127.0.0.1",
            "--port", str(port), "--dtype", "float32", "--max-model-len", "512", "--max-num-seqs", "8",
            "--max-num-batched-tokens", "64", "--enable-prompt-tokens-details",
-           "--served-model-name", "smollm2"]
+           "--served-model-name", "smollm2", *SCAN_ARGS]
     with open(log_path, "w") as log:
         # Its own session, so teardown can stop the server and the engine core it spawned.
         proc = subprocess.Popen(cmd, env=child_env(plugin=False), stdout=log, stderr=subprocess.STDOUT,
@@ -89,7 +89,7 @@ def ours():
     from tpuserve.server.llm import LLM
     from tpuserve.server.sampling_params import SamplingParams
 
-    llm = LLM(None, max_model_len=512)
+    llm = LLM(None, max_model_len=512, layer_loop="scan")
     greedy = SamplingParams(temperature=0.0, max_tokens=16)
     return {
         "completion": llm.generate(PROMPT, greedy, use_tqdm=False)[0].outputs[0].text,

@@ -24,7 +24,7 @@ pytest.importorskip("vllm")  # runs in the vLLM venv; test_vllm_venv_suite.py ru
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
-from vllm_helpers import child_env  # noqa: E402
+from vllm_helpers import SCAN_ARGS, child_env  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -58,7 +58,7 @@ def server(default_hf_dir, tmp_path_factory):
     cmd = [VLLM_CLI, "serve", default_hf_dir, "--device", "tpu", "--host", "127.0.0.1",
            "--port", str(port), "--dtype", "float32", "--max-model-len", "512", "--max-num-seqs", "4",
            "--max-num-batched-tokens", "128", "--num-gpu-blocks-override", str(DEVICE_BLOCKS),
-           "--kv-offloading-size", "1", "--enable-prompt-tokens-details", "--served-model-name", "m"]
+           "--kv-offloading-size", "1", "--enable-prompt-tokens-details", "--served-model-name", "m", *SCAN_ARGS]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, env=child_env(plugin=False), stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)

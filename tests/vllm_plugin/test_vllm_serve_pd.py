@@ -19,13 +19,13 @@ pytest.importorskip("vllm")  # runs in the vLLM venv; test_vllm_venv_suite.py ru
 pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
-from vllm_helpers import child_env  # noqa: E402
+from vllm_helpers import SCAN_ARGS, child_env  # noqa: E402
 from vllm_server import VllmServer, free_port, vllm_servers  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
 COMMON = ["--dtype", "float32", "--max-model-len", "512", "--max-num-seqs", "8",
-          "--max-num-batched-tokens", "64"]
+          "--max-num-batched-tokens", "64", *SCAN_ARGS]
 SECRET = {"TPUSERVE_KV_SECRET": "pd-test-secret-0123456789abcdef"}
 PROMPTS = [
     "The capital of France is",

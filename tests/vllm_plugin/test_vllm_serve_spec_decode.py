@@ -18,14 +18,14 @@ pytest.importorskip("vllm")  # runs in the vLLM venv; test_vllm_venv_suite.py ru
 pytest.importorskip("openai")
 pytest.importorskip("httpx")
 
-from vllm_helpers import child_env  # noqa: E402
+from vllm_helpers import SCAN_ARGS, child_env  # noqa: E402
 from vllm_server import serve_cmd, vllm_servers  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
 SPEC = '{"method":"ngram","num_speculative_tokens":3,"prompt_lookup_min":2,"prompt_lookup_max":4}'
 COMMON = ["--dtype", "float32", "--max-model-len", "512", "--max-num-seqs", "8",
-          "--max-num-batched-tokens", "64"]
+          "--max-num-batched-tokens", "64", *SCAN_ARGS]
 # Input-grounded prompts: the continuation repeats what the prompt holds, so n-grams match.
 REPETITIVE = [
     "Repeat the list exactly.\nList: apple, banana, cherry, grape, lemon, mango, peach, plum.\n"

@@ -10,6 +10,10 @@ platform untouched; unknown keys are rejected here so a typo does not pass silen
                             each program compiles on first use and persists in the XLA cache) and
                             no under --enforce-eager, vLLM's "no ahead-of-time compilation"
     compilation_cache_dir   where XLA executables persist (default ~/.cache/tpuserve/xla)
+    layer_loop              how the decoder runs its layers (config.LAYER_LOOPS): "scan" compiles
+                            one layer body (fast start-up), "unroll" one straight-line program
+                            (faster steps on CPU, ~7x the compile time); "auto": unroll on CPU,
+                            scan elsewhere
 """
 
 from __future__ import annotations
@@ -23,10 +27,12 @@ class PluginOptions:
     attention_impl: str = "auto"
     warmup: bool | None = None  # None: decided by the worker from the JAX backend
     compilation_cache_dir: str | None = None
+    layer_loop: str = "auto"
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any] | None, enforce_eager: bool = False) -> "PluginOptions":
         from tpuserve.attention.dispatch import ATTENTION_IMPLS
+        from tpuserve.tpu_platform.config import LAYER_LOOPS
 
         raw = dict(raw or {})
         known = {f.name for f in fields(cls)}
@@ -40,6 +46,9 @@ class PluginOptions:
         if opts.attention_impl not in ATTENTION_IMPLS:
             raise ValueError(f"--additional-config attention_impl={opts.attention_impl!r}: must be one "
                              f"of {ATTENTION_IMPLS}")
+        if opts.layer_loop not in LAYER_LOOPS:
+            raise ValueError(f"--additional-config layer_loop={opts.layer_loop!r}: must be one of "
+                             f"{LAYER_LOOPS}")
         if opts.warmup is not None and not isinstance(opts.warmup, bool):
             raise ValueError(f"--additional-config warmup={opts.warmup!r}: must be true or false")
         return opts

@@ -103,7 +103,7 @@ class TpuserveWorker(WorkerBase):
             gpu_memory_utilization=float(cache.gpu_memory_utilization),
             kv_cache_memory_bytes=(int(cache.kv_cache_memory_bytes)
                                    if cache.kv_cache_memory_bytes is not None else None),
-            attention_impl=self.options.attention_impl,
+            attention_impl=self.options.attention_impl, layer_loop=self.options.layer_loop,
             enable_chunked_prefill=bool(sched.enable_chunked_prefill),
             compilation_cache_dir=self.options.compilation_cache_dir,
             max_logprobs=min(max(int(self.model_config.max_logprobs), 0), 1024),
@@ -200,9 +200,10 @@ class TpuserveWorker(WorkerBase):
         self.connector = _make_connector(self.vllm_config, kv_cache_config)
         self.runner = self.worker.init_kv_cache(int(kv_cache_config.num_blocks))
         scales = self.worker.kv_scales
-        log.info("KV cache: %d pages of %d tokens, %s%s", int(kv_cache_config.num_blocks), block_size,
-                 self.worker.kv_cache_dtype.name,
-                 "" if scales is None else " (k_scale %.6g, v_scale %.6g)" % tuple(scales))
+        log.info("KV cache: %d pages of %d tokens, %s%s; decoder layers: %s", int(kv_cache_config.num_blocks),
+                 block_size, self.worker.kv_cache_dtype.name,
+                 "" if scales is None else " (k_scale %.6g, v_scale %.6g)" % tuple(scales),
+                 self.runner.layer_loop)
         if self.connector is not None:
             self.connector.register_runner(self.runner)
         self.table = RequestTable(block_size, self.arch.vocab_size, seed=self.worker.config.model.seed)
