@@ -23,7 +23,7 @@ def executor(hf_dir):
     # 16-token steps: every prompt below spans several steps, as a long SGLang chunk would.
     return JaxExecutor(ExecutorConfig(model_path=hf_dir, page_size=PAGE, max_model_len=8192,
                                       dtype="float32", max_total_tokens=1024, max_num_seqs=4,
-                                      max_num_batched_tokens=16))
+                                      max_num_batched_tokens=16, layer_loop="scan"))
 
 
 def _greedy(executor, prompts: list[list[int]], pages: list[list[int]], steps: int):

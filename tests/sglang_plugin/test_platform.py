@@ -70,7 +70,9 @@ _RESOLVE = textwrap.dedent("""
            "oot": platforms.current_platform.is_out_of_tree(),
            "default": resolve(), "device_tpu": resolve("--device", "tpu"),
            "hicache": resolve("--enable-hierarchical-cache"), "hicache_alias": resolve("--enable-hicache"),
-           "tp2": resolve("--tp-size", "2")}
+           "tp2": resolve("--tp-size", "2"),
+           "loader_typo": resolve("--model-loader-extra-config", '{"layer_lop": "scan"}'),
+           "loader_bad": resolve("--model-loader-extra-config", '{"layer_loop": "loop"}')}
     activation.tpu_visible = lambda: True  # as on a TPU host (no torch device is involved)
     out["device_tpu_on_tpu_host"] = resolve("--device", "tpu")
     print("RESULT" + json.dumps(out))
@@ -107,6 +109,9 @@ def test_sglang_resolves_our_defaults(run_py, hf_dir):
         err = res[key]["error"]
         assert "--enable-hierarchical-cache is not supported" in err, err
         assert "--kv-offloading-size" in err, err
+    # Our loader options: a typo or a bad value is refused at start-up, naming it.
+    assert "unknown key(s) layer_lop" in res["loader_typo"]["error"], res["loader_typo"]
+    assert "layer_loop='loop'" in res["loader_bad"]["error"], res["loader_bad"]
     # SGLang's tensor parallelism is process groups of torch ranks: refused, naming ours.
     err = res["tp2"]["error"]
     assert "--tp-size > 1 is not supported" in err and "--tensor-parallel-size N" in err, err

@@ -44,6 +44,7 @@ def test_log_shows_platform_and_executor(sglang_server):
     assert "tpuserve platform active: building TpuServeTpModelWorker" in log  # the scheduler did
     assert "tpuserve executor active: SGLang scheduler -> TpuServeTpModelWorker" in log
     assert "tpuserve JAX executor ready" in log and "KV cache (30, 257, 16, 6, 64) in JAX" in log
+    assert "decoder layers: scan" in log  # --model-loader-extra-config reached the executor
 
 
 def test_no_torch_kv_pool_of_model_size(sglang_server):

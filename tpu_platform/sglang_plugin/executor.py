@@ -10,6 +10,7 @@ already assigned, so splitting changes nothing but the number of model calls.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from dataclasses import dataclass, replace
@@ -19,6 +20,34 @@ import numpy as np
 from tpuserve.tpu_platform.step_batch import ScheduledSeq
 
 log = logging.getLogger(__name__)
+
+
+# Our loader's settings SGLang has no flag for, from ``--model-loader-extra-config '{"...": ...}'``
+# (SGLang hands that JSON to the loader of the chosen load format; ours is the platform's).
+LOADER_OPTIONS = ("layer_loop",)
+
+
+def loader_options(raw) -> dict:
+    """``--model-loader-extra-config`` (a JSON string or a dict) as our options; unknown keys and
+    bad values raise ValueError naming them (checked at start-up by platform.py, read again by the
+    scheduler process's worker)."""
+    from tpuserve.tpu_platform.config import LAYER_LOOPS
+
+    if isinstance(raw, str):
+        try:
+            raw = json.loads(raw or "{}")
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--model-loader-extra-config is not valid JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise ValueError("--model-loader-extra-config must be a JSON object")
+    unknown = sorted(set(raw) - set(LOADER_OPTIONS))
+    if unknown:
+        raise ValueError(f"--model-loader-extra-config: unknown key(s) {', '.join(unknown)} "
+                         f"for the tpuserve platform; known: {', '.join(LOADER_OPTIONS)}")
+    if raw.get("layer_loop", "auto") not in LAYER_LOOPS:
+        raise ValueError(f"--model-loader-extra-config layer_loop={raw['layer_loop']!r}: "
+                         f"must be one of {LAYER_LOOPS}")
+    return raw
 
 
 @dataclass(frozen=True)
@@ -32,6 +61,7 @@ class ExecutorConfig:
     max_num_batched_tokens: int = 256
     gpu_memory_utilization: float = 0.5
     attention_impl: str = "auto"
+    layer_loop: str = "auto"  # config.LAYER_LOOPS: "scan" (fast compiles) / "unroll" (CPU default)
     # Weight quantization: None (the checkpoint as it is), "fp8" / "mxfp4" / "nvfp4" (quantize at
     # load, or a pre-quantized checkpoint's own method: sglang_plugin/quantization.py resolves it).
     quantization: str | None = None
@@ -93,7 +123,7 @@ class JaxExecutor:
         self.config = EngineConfig.from_kwargs(
             model=cfg.model_path, dtype=cfg.dtype, max_model_len=cfg.max_model_len,
             max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
-            block_size=cfg.page_size, attention_impl=cfg.attention_impl,
+            block_size=cfg.page_size, attention_impl=cfg.attention_impl, layer_loop=cfg.layer_loop,
             quantization=cfg.quantization, kv_cache_dtype=cfg.kv_cache_dtype,
             gpu_memory_utilization=cfg.gpu_memory_utilization,
             # +1: page 0 is reserved by both SGLang (padding) and us; SGLang's pages are 1..usable.
@@ -117,12 +147,12 @@ class JaxExecutor:
         self.compiles_after_init = self.runner.compile_count
         scales = self.kv_scales
         log.info("tpuserve JAX executor ready in %.1fs: backend=%s dtype=%s, weights=%s, KV cache "
-                 "%s in JAX (%d pages x %d tokens, %.1f MiB, %s%s), %d programs compiled",
+                 "%s in JAX (%d pages x %d tokens, %.1f MiB, %s%s), decoder layers: %s, %d programs compiled",
                  time.perf_counter() - t0, self.device.backend, np.dtype(self.dtype).name,
                  self.quantization or "dense", tuple(self.runner.kv_cache.shape), self.usable_pages,
                  cfg.page_size, self.kv_cache_bytes / 2**20, self.kv_cache_dtype.name,
                  "" if scales is None else f", k_scale {scales[0]:.6g}, v_scale {scales[1]:.6g}",
-                 self.compiles_after_init)
+                 self.runner.layer_loop, self.compiles_after_init)
 
     @property
     def capacity_tokens(self) -> int:

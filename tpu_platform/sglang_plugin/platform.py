@@ -18,6 +18,8 @@ What the platform declares, and why:
     platform the pages live in a JAX array those kernels cannot reach. tpuserve's own host tier
     (``tpuserve serve --kv-offloading-size GiB``, or vLLM with ``--device tpu
     --kv-offloading-size GiB``) is the supported way to keep evicted prefixes in host memory.
+  * ``--model-loader-extra-config '{"layer_loop": "scan"}'`` chooses how our decoder runs its layers
+    (executor.loader_options); unknown keys are refused here, at start-up.
   * ``--quantization`` fp8 / mxfp4 / nvfp4 (and pre-quantized checkpoints our loader reads) and
     ``--kv-cache-dtype fp8_e4m3`` are served by our worker in JAX; any other value is refused here,
     naming the flag (quantization.py; SGLang's own ModelConfig check is replaced by a hook).
@@ -66,6 +68,8 @@ class TpuServeSRTPlatform(SRTPlatform):
         server_args.device = "cpu"
         from tpuserve.tpu_platform.sglang_plugin.quantization import refuse_unsupported_flags
         refuse_unsupported_flags(server_args)
+        from tpuserve.tpu_platform.sglang_plugin.executor import loader_options
+        loader_options(getattr(server_args, "model_loader_extra_config", None) or {})
         for flag, attr in (("--enable-hierarchical-cache", "enable_hierarchical_cache"),
                            ("--enable-lmcache", "enable_lmcache")):
             if getattr(server_args, attr, False):

@@ -30,7 +30,7 @@ from sglang.srt.managers.tp_worker import TpModelWorker
 from sglang.srt.managers.utils import GenerationBatchResult
 from sglang.srt.runtime_context import get_model, get_schedule
 
-from tpuserve.tpu_platform.sglang_plugin.executor import ExecutorConfig, JaxExecutor
+from tpuserve.tpu_platform.sglang_plugin.executor import ExecutorConfig, JaxExecutor, loader_options
 from tpuserve.tpu_platform.sglang_plugin.slots import check_new_slots, page_table
 from tpuserve.tpu_platform.step_batch import SamplingRow, ScheduledSeq, sampling_row
 
@@ -67,7 +67,9 @@ def executor_config(model_path: str, context_len: int) -> ExecutorConfig:
         raise UnsupportedOnTpuServe(f"--dtype {dtype} is not supported by tpuserve; use one of "
                                     f"{sorted(_DTYPES)}")
     chunk = sched.chunked_prefill_size
+    options = loader_options(getattr(model, "model_loader_extra_config", None) or {})
     return ExecutorConfig(
+        layer_loop=options.get("layer_loop", "auto"),
         model_path=model_path, page_size=sched.page_size, max_model_len=context_len,
         dtype=_DTYPES[dtype], max_total_tokens=sched.max_total_tokens,
         max_num_seqs=sched.max_running_requests or 32,
