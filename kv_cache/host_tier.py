@@ -138,7 +138,6 @@ class HostPagePool:
             log.warning("device %s has no host memory kind: saved pages land in device memory "
                         "first and are copied out when drained", device)
         out = SingleDeviceSharding(device, memory_kind=self.memory_kind) if self.memory_kind else None
-        self._device_sharding = SingleDeviceSharding(device)
 
         def gather(kv, idx):
             self._traces += 1  # runs once per compiled shape
@@ -216,8 +215,8 @@ class HostPagePool:
 
         ``kv`` is donated: use the returned array instead. Pages must be distinct.
         """
-        import jax
         import jax.numpy as jnp
+        from tpuserve.kv_cache.layout import stage_for
 
         slots_a, pages_a = np.asarray(slots, np.int64), np.asarray(pages, np.int64)
         self._check(kv, slots_a, pages_a, unique_slots=False)  # one slot may fill several pages
@@ -231,7 +230,7 @@ class HostPagePool:
         staging[: slots_a.size] = self.slots[slots_a]  # fresh array: never written again
         idx = np.full(n_pad, kv.shape[1], np.int32)  # out of range -> dropped by the scatter
         idx[: pages_a.size] = pages_a
-        staged = jax.device_put(staging, self._device_sharding)
+        staged = stage_for(kv, staging)
         return self._scatter(kv, staged, jnp.asarray(idx))
 
     def warmup(self, kv, max_pages: int):
@@ -240,14 +239,14 @@ class HostPagePool:
         Touches no page (the gathers are discarded, the scatters' indices all dropped); ``kv`` is
         donated, use the returned cache.
         """
-        import jax
         import jax.numpy as jnp
+        from tpuserve.kv_cache.layout import stage_for
 
         self._check_cache(kv)
         b = 1
         while True:
             self._gather(kv, jnp.zeros(b, jnp.int32))
-            staged = jax.device_put(np.zeros((b, *self.page_shape), self.dtype), self._device_sharding)
+            staged = stage_for(kv, np.zeros((b, *self.page_shape), self.dtype))
             kv = self._scatter(kv, staged, jnp.full(b, kv.shape[1], jnp.int32))
             if b >= max_pages:
                 return kv
@@ -451,6 +450,11 @@ class HostKVTier:
         self.stats.loaded_pages += len(slots)
         self.stats.bytes_loaded += len(slots) * self.page_bytes
         return out
+
+    def warmup(self, kv_cache, max_pages: int):
+        """Compile the transfers for every index bucket up to ``max_pages``; touches no page.
+        ``kv_cache`` is donated: use the returned cache."""
+        return self.pool.warmup(kv_cache, max_pages)
 
     def wait(self) -> None:
         """Finish in-flight saves (tests, shutdown)."""

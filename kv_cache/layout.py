@@ -30,11 +30,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import jax
 import jax.numpy as jnp
 
 from tpuserve.attention.kv_cache_shape import kv_cache_shape
 
 RESERVED_PAGE = 0
+
+
+def stage_for(kv, host_array):
+    """``host_array`` on ``kv``'s device, committed exactly when ``kv`` is.
+
+    For the pages a program scatters into ``kv`` (host-tier loads, transferred prefills). A jitted
+    program's output is committed when any input is, and the model step compiles once per
+    committedness of its cache argument: a committed staging array would hand the step a committed
+    cache after every load and recompile every (tokens, pages) shape it meets afterwards.
+    """
+    return jax.device_put(host_array, kv.sharding) if kv.committed else jax.device_put(host_array)
 
 
 @dataclass(frozen=True)

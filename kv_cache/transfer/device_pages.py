@@ -79,7 +79,6 @@ class DevicePageMover:
                              f"{len(devices)} devices")
         self._device = next(iter(devices))
         kind = host_memory_kind(self._device)
-        self._device_sharding = SingleDeviceSharding(self._device)
 
         # Only 16-bit floats need the bit path (their scatter runs in f32 on XLA:CPU and would
         # canonicalize NaN payloads); bitcasting the whole donated cache makes XLA:CPU copy all of
@@ -124,8 +123,8 @@ class DevicePageMover:
 
     def scatter(self, kv, pages: np.ndarray, page_ids: Sequence[int]):
         """Write ``pages [L, n, page_size, C, D]`` into device pages ``page_ids``; ``kv`` is donated."""
-        import jax
         import jax.numpy as jnp
+        from tpuserve.kv_cache.layout import stage_for
 
         ids = self._ids(kv, page_ids)
         pages = np.asarray(pages)
@@ -144,21 +143,21 @@ class DevicePageMover:
         staging[:, :ids.size] = pages
         idx = np.full(n_pad, kv.shape[1], np.int32)  # out of range: dropped
         idx[:ids.size] = ids
-        return self._scatter(kv, jax.device_put(staging, self._device_sharding), jnp.asarray(idx))
+        return self._scatter(kv, stage_for(kv, staging), jnp.asarray(idx))
 
     def warmup(self, kv, max_pages: int):
         """Compile the gather and scatter for every bucket up to ``max_pages``; touches no page.
 
         ``kv`` is donated; use the returned cache.
         """
-        import jax
         import jax.numpy as jnp
+        from tpuserve.kv_cache.layout import stage_for
 
         self._ids(kv, [])
         b = 1
         while True:
             self._gather(kv, jnp.zeros(b, jnp.int32))
-            staged = jax.device_put(np.zeros((kv.shape[0], b, *kv.shape[2:]), kv.dtype), self._device_sharding)
+            staged = stage_for(kv, np.zeros((kv.shape[0], b, *kv.shape[2:]), kv.dtype))
             kv = self._scatter(kv, staged, jnp.full(b, kv.shape[1], jnp.int32))
             if b >= max_pages:
                 return kv

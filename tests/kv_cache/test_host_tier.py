@@ -219,3 +219,19 @@ def test_warmup_compiles_every_bucket_and_touches_nothing():
     pool.save(kv, list(range(7)), list(range(1, 8)))
     kv = pool.load(kv, [0, 1, 2], [9, 10, 11])
     assert pool.compile_count == 8  # nothing new after warm-up
+
+
+@pytest.mark.parametrize("committed", [False, True])
+def test_load_keeps_the_caches_commitment(committed):
+    # The model step compiles once per commitment of its cache argument: a load that handed back a
+    # committed cache for an uncommitted one recompiled every step shape after it.
+    kv = _cache(seed=10)
+    if committed:
+        kv = jax.device_put(kv, jax.devices()[0])
+    assert kv.committed is committed
+    pool = HostPagePool(4, (L, PS, 4, D), kv.dtype)
+    kv = pool.warmup(kv, 2)
+    assert kv.committed is committed
+    pool.save(kv, [0, 1], [3, 4])
+    kv = pool.load(kv, [0, 1], [5, 6])
+    assert kv.committed is committed

@@ -98,3 +98,17 @@ def test_device_to_device_through_the_tcp_transport(dtype, c):
         out = np.asarray(DevicePageMover().scatter(dst, batch.pages, dest))
         assert [e.reason for e in sender.drain_finished()] == ["pulled"]
     assert out[:, dest].tobytes() == want.tobytes()
+
+
+@pytest.mark.parametrize("committed", [False, True])
+def test_scatter_keeps_the_caches_commitment(committed):
+    # A transferred prefill must not hand the model step a cache of another commitment (a recompile).
+    kv = _cache(jnp.float32, 4)
+    if committed:
+        kv = jax.device_put(kv, jax.devices()[0])
+    assert kv.committed is committed
+    mover = DevicePageMover()
+    kv = mover.warmup(kv, 2)
+    assert kv.committed is committed
+    kv = mover.scatter(kv, mover.gather(kv, [1, 2]).numpy(), [5, 6])
+    assert kv.committed is committed
