@@ -18,11 +18,13 @@ multiple: heads ``2*Hkv .. C-1`` are padding, zero from allocation. The padded `
 page takes the same HBM tiles the unpadded one would, since a TPU tiles the last two dims anyway.
 An unpadded cache (C = 2*Hkv) still works: correct, but below the tile XLA relayouts the cache
 around every call. The real head count comes from ``new_kv`` (or ``num_kv_heads``), never from C.
-Padding heads are never written (each token's write covers rows ``r*C .. r*C + 2*Hkv - 1``) and
-never enter the math: they ride along in the page DMA (one contiguous copy per page) but the
-strided loads below only touch real heads. In the 2-D view K of head h for a KV block is one
-sublane-strided load (``pl.ds(2*h, kv_block, stride=C)``), the pattern jax's own TPU kernel
-uses; no ``ref.reshape``/``bitcast`` is needed, so TPU interpret mode runs the same code.
+Padding heads never enter the math: they ride along in the page DMA (one contiguous copy per
+page) but the strided loads below only touch real heads. A token's write covers its whole row
+``r*C .. r*C + C - 1``, padding heads written as zero: Mosaic slices HBM only in whole sublane
+tiles, so a write of just the 2*Hkv real heads (6 for a 3-KV-head model) does not compile on a TPU.
+In the 2-D view K of head h for a KV block is one sublane-strided load
+(``pl.ds(2*h, kv_block, stride=C)``), the pattern jax's own TPU kernel uses; for bf16 the compiled
+kernel strides a uint32 view instead (``_load_kv_head``).
 
 Queries are re-laid out outside the kernel (cheap next to the KV traffic) from ``[T, Hq, D]`` to
 ``[NB, Hkv, bq*G, D]`` (NB query blocks of ``bq`` tokens, G = Hq/Hkv): row ``t*G + g`` of KV head
@@ -63,11 +65,12 @@ Block sizes
 -----------
 ``num_queries_per_block`` (bq) trades MXU rows (bq*G) against wasted rows when a block holds
 several short sequences; ``num_kv_pages_per_block`` sets the DMA/compute granularity and VMEM use
-(2 * kv_tokens * C * D * itemsize). Defaults (``default_block_sizes``) aim at ~256-1024 KV
-tokens per block and 32-64 queries per block per generation - v5e: 16 MiB scoped VMEM, 128x128
-MXU -> (32 queries, 256 KV tokens); v4 / v5p: (32, 512); v6e: 256x256 MXU, 32 MiB -> (64, 512);
-v7x: (64, 1024). They are reasoned from VMEM and MXU sizes, not tuned on hardware (no TPU has
-been available to this project yet).
+(2 * kv_tokens * C * D * itemsize). Defaults (``default_block_sizes``), for 16-bit caches (a
+32-bit cache gets half the KV tokens, the same VMEM bytes): v5e, measured on one
+(benchmarks/attention_tpu.py --sweep; benchmarks/RESULTS.md), 64 queries x 512 KV tokens, and
+1024 KV tokens for decode steps, where smaller blocks left half the HBM bandwidth unused; v4 /
+v5p: (32, 512); v6e: 256x256 MXU, 32 MiB -> (64, 512); v7x: (64, 1024). The generations other
+than v5e are reasoned from VMEM and MXU sizes, not measured.
 
 Decode path: when the step has no more tokens than sequence slots (a decode or near-decode batch)
 the default is bq = 1, so each grid step is one sequence with exactly G MXU rows instead of bq*G
@@ -105,12 +108,16 @@ class BlockSizes:
 
     num_queries_per_block: int
     kv_tokens_per_block: int
+    decode_kv_tokens_per_block: int | None = None  # decode-only steps (None: kv_tokens_per_block)
 
 
 # Keys are matched as substrings of ``jax.devices()[0].device_kind`` (lower-cased).
 _BLOCK_SIZES_BY_GENERATION = {
-    "v5 lite": BlockSizes(32, 256),  # v5e: 16 MiB scoped VMEM, 4x 128x128 MXU
-    "v5e": BlockSizes(32, 256),
+    # v5e: 16 MiB scoped VMEM, 4x 128x128 MXU. Measured on one (benchmarks/attention_tpu.py
+    # --sweep, 32 q / 8 KV heads, d 128, bf16): decode reads KV at the copy bandwidth with 1024-token
+    # blocks (375 GB/s at 256); a 4x512 prefill takes 2.2 ms at 64 x 512 against 3.5 at 32 x 256.
+    "v5 lite": BlockSizes(64, 512, decode_kv_tokens_per_block=1024),
+    "v5e": BlockSizes(64, 512, decode_kv_tokens_per_block=1024),
     "v5p": BlockSizes(32, 512),
     "v5": BlockSizes(32, 512),
     "v4": BlockSizes(32, 512),
@@ -128,8 +135,9 @@ def _device_kind() -> str:
 
 
 def default_block_sizes(page_size: int, num_tokens: int, num_seq_slots: int,
-                        device_kind: str | None = None) -> tuple[int, int]:
-    """(num_queries_per_block, num_kv_pages_per_block) for a step's static shapes."""
+                        device_kind: str | None = None, kv_itemsize: int = 2) -> tuple[int, int]:
+    """(num_queries_per_block, num_kv_pages_per_block) for a step's static shapes. The KV token
+    counts are for 16-bit caches; a 32-bit cache gets half as many (same VMEM bytes)."""
     kind = _device_kind() if device_kind is None else device_kind.lower()
     sizes = _FALLBACK_BLOCK_SIZES
     if "tpu" in kind:
@@ -137,9 +145,13 @@ def default_block_sizes(page_size: int, num_tokens: int, num_seq_slots: int,
             if key in kind:
                 sizes = value
                 break
-    bq = 1 if num_tokens <= num_seq_slots else min(sizes.num_queries_per_block, num_tokens)
-    pages = max(1, sizes.kv_tokens_per_block // page_size)
-    return bq, pages
+    decode = num_tokens <= num_seq_slots
+    bq = 1 if decode else min(sizes.num_queries_per_block, num_tokens)
+    tokens = sizes.kv_tokens_per_block
+    if decode and sizes.decode_kv_tokens_per_block is not None:
+        tokens = sizes.decode_kv_tokens_per_block
+    tokens = tokens * 2 // max(kv_itemsize, 2)
+    return bq, max(1, tokens // page_size)
 
 
 def _kernel(
@@ -152,7 +164,7 @@ def _kernel(
     first_seq_ref,  # i32[NB]
     # inputs
     q_ref,  # VMEM [1, Hkv, bq*G, D]
-    new_kv_hbm,  # ANY [T, 2*Hkv, D] (cache dtype), or None
+    new_kv_hbm,  # ANY [T, C, D] (cache dtype, padding heads zero), or None
     kv_in_hbm,  # ANY [L, P, page_size*C, D], aliased to kv_hbm
     # outputs
     o_ref,  # VMEM [1, Hkv, bq*G, D]
@@ -179,6 +191,7 @@ def _kernel(
     mask_value: float,
     k_scale: float | None,
     v_scale: float | None,
+    packed_loads: bool,
 ):
     del kv_in_hbm  # same buffer as kv_hbm; every read and write goes through the output ref
     blk = pl.program_id(0)
@@ -258,8 +271,8 @@ def _kernel(
     # ---- KV write prologue ----
     def write_new_kv():
         def row_copy(t, page, row):
-            # Only the real combined heads: the padding heads of the row stay as allocated (zero).
-            dst = kv_hbm.at[layer, page, pl.ds(row * cache_heads, num_combined)]
+            # The whole row, padding heads included (zero-padded outside): tile-aligned slices.
+            dst = kv_hbm.at[layer, page, pl.ds(row * cache_heads, cache_heads)]
             return pltpu.make_async_copy(new_kv_hbm.at[t], dst, write_sem)
 
         any_row = row_copy(0, 0, 0)  # a wait only needs the semaphore and the byte count
@@ -303,10 +316,8 @@ def _kernel(
         score_scale = sm_scale * (1.0 if k_scale is None else k_scale)
         for h in range(num_kv_heads):
             q = q_ref[0, h]  # [rows, D]
-            # Sublane-strided loads pick one combined head out of every token's C rows; padding
-            # heads (>= 2*Hkv) are fetched with their page but never loaded from the buffer.
-            k = kv_buf[slot, pl.ds(2 * h, kv_block, stride=cache_heads), :].astype(q.dtype)
-            v = kv_buf[slot, pl.ds(2 * h + 1, kv_block, stride=cache_heads), :].astype(q.dtype)
+            k, v = _load_kv_head(kv_buf.at[slot], h, kv_block, cache_heads, packed_loads)
+            k, v = k.astype(q.dtype), v.astype(q.dtype)
             v = jnp.where(v_ok, v, jnp.zeros_like(v))  # stale / NaN rows past kv_len
             precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
             scores = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
@@ -374,6 +385,38 @@ def _kernel(
         o_ref[0, h] = out.astype(o_ref.dtype)
 
 
+def _load_kv_head(buf, h: int, kv_block: int, cache_heads: int, packed_loads: bool):
+    """K and V ``[kv_block, D]`` of KV head ``h`` from one block buffer ``[kv_block*C, D]``.
+
+    Sublane-strided loads pick one combined head out of every token's C rows; padding heads
+    (>= 2*Hkv) are fetched with their page but never loaded from the buffer. Mosaic strides 32-bit
+    data only, so with ``packed_loads`` (compiled kernels) a bf16 buffer is read as uint32 rows,
+    each packing two bf16 rows (the even one in the low half): K_h and V_h (rows 2h, 2h+1) share
+    row h of a token's C/2, and moving each half to the top of a 32-bit word gives its exact value
+    as f32. TPU interpret mode cannot index a bitcast ref, so it loads bf16 rows directly (same
+    values); the compiled unpacking is checked on a TPU by benchmarks/attention_tpu.py.
+    """
+    if jnp.dtype(buf.dtype).itemsize == 4 or not packed_loads:
+        k = buf[pl.ds(2 * h, kv_block, stride=cache_heads), :]
+        v = buf[pl.ds(2 * h + 1, kv_block, stride=cache_heads), :]
+        return k, v
+    if buf.dtype == jnp.bfloat16:
+        packed = buf.bitcast(jnp.uint32)[pl.ds(h, kv_block, stride=cache_heads // 2), :]
+        k = pltpu.bitcast(packed << 16, jnp.float32)
+        v = pltpu.bitcast(packed & jnp.uint32(0xFFFF0000), jnp.float32)
+        return k, v
+    raise NotImplementedError(f"no packed loads for a {buf.dtype} cache")  # check_compiled_cache_dtype
+
+
+def check_compiled_cache_dtype(dtype) -> None:
+    """NotImplementedError unless the compiled (Mosaic) kernel can read a ``dtype`` KV cache."""
+    if jnp.dtype(dtype).itemsize != 4 and jnp.dtype(dtype) != jnp.bfloat16:
+        raise NotImplementedError(
+            f"the compiled TPU attention kernel reads float32 or bfloat16 KV caches, not "
+            f"{jnp.dtype(dtype).name}: Mosaic strides 32-bit words only, and unpacking is written "
+            f"for bf16 alone (kv_cache_dtype=auto, or attention_impl=reference, avoid it)")
+
+
 def _first_seq_per_block(cu_q_lens, num_blocks: int, bq: int):
     """i32[NB]: the sequence owning each query block's first token (0 for padding blocks)."""
     starts = jnp.arange(num_blocks, dtype=jnp.int32) * bq
@@ -413,7 +456,7 @@ def ragged_paged_attention_tpu_stacked(
 
     queries [T, Hq, D]; new_kv [T, 2*Hkv, D] interleaved (or None: attend without writing);
     kv_cache [L, P, page_size, C, D] with C >= 2*Hkv: combined heads past 2*Hkv are padding
-    (``kv_cache_shape``), never written or attended to; layer: int32 scalar (traced is fine);
+    (``kv_cache_shape``), written as zero with each new token and never attended to; layer: int32 scalar (traced is fine);
     kv_lens [S], page_indices [S, pages_per_seq], cu_q_lens [S+1], num_seqs [1] (all int32).
     ``num_kv_heads``: Hkv; taken from new_kv when it is given, else C // 2 - so pass it when
     attending to a padded cache without writing. Returns (out [T, Hq, D] in queries.dtype,
@@ -431,6 +474,8 @@ def ragged_paged_attention_tpu_stacked(
     elif num_kv_heads is None:
         num_kv_heads = cache_heads // 2
     num_combined = 2 * num_kv_heads
+    if interpret is None:
+        check_compiled_cache_dtype(kv_cache.dtype)
     num_slots, pages_per_seq = page_indices.shape
     if (head_dim_kv != head_dim or num_kv_heads < 1 or num_combined > cache_heads
             or num_q_heads % num_kv_heads):
@@ -440,7 +485,8 @@ def ragged_paged_attention_tpu_stacked(
         raise ValueError(f"new_kv must be {(num_tokens, num_combined, head_dim)}, "
                          f"got {new_kv.shape}")
     group = num_q_heads // num_kv_heads
-    bq, ppb = default_block_sizes(page_size, num_tokens, num_slots)
+    bq, ppb = default_block_sizes(page_size, num_tokens, num_slots,
+                                  kv_itemsize=jnp.dtype(kv_cache.dtype).itemsize)
     bq = num_queries_per_block or bq
     ppb = min(num_kv_pages_per_block or ppb, pages_per_seq)
     num_blocks = pl.cdiv(num_tokens, bq)
@@ -452,6 +498,8 @@ def ragged_paged_attention_tpu_stacked(
     q = q.reshape(num_blocks, num_kv_heads, bq * group, head_dim)
     if new_kv is not None:
         new_kv = new_kv.astype(kv_cache.dtype)
+        if cache_heads > num_combined:
+            new_kv = jnp.pad(new_kv, ((0, 0), (0, cache_heads - num_combined), (0, 0)))
 
     scalars = (
         jnp.asarray(layer, jnp.int32).reshape(1),
@@ -467,7 +515,8 @@ def ragged_paged_attention_tpu_stacked(
         _kernel, bq=bq, group=group, page_size=page_size, num_combined=num_combined,
         cache_heads=cache_heads, pages_per_seq=pages_per_seq,
         pages_per_block=ppb, sm_scale=sm_scale, sliding_window=sliding_window,
-        soft_cap=soft_cap, mask_value=mask_value, k_scale=k_scale, v_scale=v_scale)
+        soft_cap=soft_cap, mask_value=mask_value, k_scale=k_scale, v_scale=v_scale,
+        packed_loads=interpret is None)
     if new_kv is None:
         kernel = functools.partial(_drop_new_kv, kernel)
     grid_spec = pltpu.PrefetchScalarGridSpec(
