@@ -102,7 +102,7 @@ def ragged_paged_attention(
 def _attend(queries, new_k, new_v, kv_cache, layer, md: AttentionMetadata, params: AttentionParams,
             impl: str):
     if impl == "auto":
-        impl = resolve_impl(impl, jax.default_backend())
+        impl = resolve_impl(impl, jax.default_backend(), kv_cache.dtype)
     num_combined = 2 * new_k.shape[1]
     cache_heads = kv_cache.shape[-2]
     # Only the TPU kernel knows padding heads; the others read C as 2*Hkv and would misplace heads.

@@ -27,12 +27,23 @@ from tpuserve.attention.names import ATTENTION_IMPLS
 PADDED_HEAD_IMPLS = ("pallas_tpu", "pallas_tpu_interpret")
 
 
-def resolve_impl(impl: str, backend: str) -> str:
-    """Turn ``auto`` into a concrete implementation for a JAX backend ('tpu', 'gpu', 'cpu')."""
+def resolve_impl(impl: str, backend: str, kv_cache_dtype=None) -> str:
+    """Turn ``auto`` into a concrete implementation for a JAX backend ('tpu', 'gpu', 'cpu').
+
+    The compiled TPU kernel reads 32- and 16-bit caches only (Mosaic strides 32-bit words), so an
+    8-bit (fp8) ``kv_cache_dtype`` on a TPU takes the jnp reference, and asking for ``pallas_tpu``
+    with one is refused."""
     if impl not in ATTENTION_IMPLS:
         raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {impl!r}")
+    byte_cache = kv_cache_dtype is not None and np.dtype(kv_cache_dtype).itemsize == 1
+    if impl == "pallas_tpu" and byte_cache:
+        raise ValueError(f"attention_impl=pallas_tpu cannot read a {np.dtype(kv_cache_dtype).name} "
+                         f"KV cache (the compiled TPU kernel reads float32 and bfloat16 caches); "
+                         f"use kv_cache_dtype=auto, or attention_impl=reference")
     if impl != "auto":
         return impl
+    if backend == "tpu" and byte_cache:
+        return "reference"
     # CPU (and anything else) runs the blocked jnp path: the reference's whole-row gather costs
     # 2-7x more there (attention/blocked.py says why).
     return {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}.get(backend, "blocked")

@@ -127,8 +127,9 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.max_num_seqs = config.scheduler.max_num_seqs
         self.max_logprobs = config.model.max_logprobs
-        self.attn_impl = resolve_impl(config.compilation.attention_impl, device.backend)
         self.kv_cache_dtype = jnp.dtype(dtype if kv_cache_dtype is None else kv_cache_dtype)
+        self.attn_impl = resolve_impl(config.compilation.attention_impl, device.backend,
+                                      self.kv_cache_dtype)
         self.kv_scales = None if kv_scales is None else tuple(float(x) for x in kv_scales)
         if jnp.dtype(self.kv_cache_dtype).itemsize == 1 and self.kv_scales is None:
             if calibration_tokens is None:

@@ -232,7 +232,8 @@ class Worker:
         from tpuserve.attention.kv_cache_shape import resolve_impl
         from tpuserve.kv_cache.layout import KVCacheSpec
         a = self.arch
-        impl = resolve_impl(self.config.compilation.attention_impl, self.device.backend)
+        impl = resolve_impl(self.config.compilation.attention_impl, self.device.backend,
+                            self.kv_cache_dtype)
         spec = KVCacheSpec(a.num_layers, 1, self.config.cache.block_size, a.num_kv_heads, a.head_dim,
                            self.kv_cache_dtype, num_shards=self.tensor_parallel_size)
         padded, plain = spec.page_bytes(impl), spec.bytes_per_page

@@ -85,6 +85,16 @@ def test_auto_is_blocked_on_cpu():
     assert resolve_impl("auto", "gpu") == "pallas_gpu"
 
 
+def test_a_byte_cache_on_tpu_takes_the_reference_and_refuses_the_compiled_kernel():
+    # Mosaic strides 32-bit words only; the kernel unpacks bf16 but not fp8 (attention/pallas_tpu.py).
+    assert resolve_impl("auto", "tpu", jnp.float8_e4m3fn) == "reference"
+    assert resolve_impl("auto", "tpu", jnp.bfloat16) == "pallas_tpu"
+    assert resolve_impl("auto", "cpu", jnp.float8_e4m3fn) == "blocked"
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        resolve_impl("pallas_tpu", "tpu", jnp.float8_e4m3fn)
+    assert resolve_impl("pallas_tpu_interpret", "cpu", jnp.float8_e4m3fn) == "pallas_tpu_interpret"
+
+
 @pytest.mark.timeout(180)
 def test_dispatch_blocked_stacked_cache():
     """dispatch 'blocked' on a 2-layer cache under jit == 'reference'; the other layer untouched."""
