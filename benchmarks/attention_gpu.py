@@ -31,11 +31,13 @@ import statistics
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from device_timing import time_calls, copy_bandwidth  # noqa: E402
 from jax.experimental.pallas.ops.gpu import paged_attention as jax_paged  # noqa: E402
 
 from tpuserve.attention.pallas_gpu import ragged_paged_attention_gpu_stacked  # noqa: E402
@@ -63,29 +65,8 @@ def parse_args(argv=None):
     return args
 
 
-def time_calls(fn, *args, iters: int, repeats: int = 3) -> float:
-    """Seconds per call: ``iters`` back-to-back async calls, blocked once; best of ``repeats``."""
-    jax.block_until_ready(fn(*args))  # compile + warm up
-    jax.block_until_ready(fn(*args))
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(iters):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        best = min(best, (time.perf_counter() - start) / iters)
-    return best
 
 
-def copy_bandwidth(gib: float, iters: int) -> float:
-    """Bytes/s of a device copy (read + write counted), best of a plain copy and x + 1."""
-    n = int(gib * 2**30) // 2
-    x = jnp.ones((n,), jnp.bfloat16)
-    copy = jax.jit(lambda a: jnp.copy(a))
-    add = jax.jit(lambda a: a + jnp.asarray(1, a.dtype))
-    t = min(time_calls(copy, x, iters=iters), time_calls(add, x, iters=iters))
-    del x
-    return 2 * n * 2 / t
 
 
 def random_pages(rng, num_seqs: int, pages_per_seq: int):

@@ -28,11 +28,13 @@ import platform
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from device_timing import time_calls, time_donating, copy_bandwidth  # noqa: E402
 from jax.experimental.pallas import tpu as pltpu  # noqa: E402
 from jax.experimental.pallas.ops.tpu import ragged_paged_attention as jax_rpa  # noqa: E402
 
@@ -75,42 +77,10 @@ def interpret_params():
     return None if on_tpu() else pltpu.InterpretParams(detect_races=False)
 
 
-def time_calls(fn, *args, iters: int, repeats: int = 3) -> float:
-    """Seconds per call: ``iters`` back-to-back async calls, blocked once; best of ``repeats``."""
-    jax.block_until_ready(fn(*args))  # compile + warm up
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(iters):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        best = min(best, (time.perf_counter() - start) / iters)
-    return best
 
 
-def time_donating(fn, cache, *args, iters: int, repeats: int = 3) -> tuple[float, jax.Array]:
-    """Like ``time_calls`` for ``fn(cache, *args) -> (out, cache)`` that donates its cache."""
-    out, cache = fn(cache, *args)
-    jax.block_until_ready(out)
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(iters):
-            out, cache = fn(cache, *args)
-        jax.block_until_ready((out, cache))
-        best = min(best, (time.perf_counter() - start) / iters)
-    return best, cache
 
 
-def copy_bandwidth(gib: float, iters: int) -> float:
-    """Bytes/s of a device copy (read + written counted), best of a plain copy and x + 1."""
-    n = int(gib * 2**30) // 2
-    x = jnp.ones((n,), jnp.bfloat16)
-    copy = jax.jit(lambda a: jnp.copy(a))
-    add = jax.jit(lambda a: a + jnp.asarray(1, a.dtype))
-    t = min(time_calls(copy, x, iters=iters), time_calls(add, x, iters=iters))
-    del x
-    return 2 * n * 2 / t
 
 
 def step_metadata(seqs: list[tuple[int, int]], page_size: int, slots: int, rng):
