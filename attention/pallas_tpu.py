@@ -405,7 +405,8 @@ def _load_kv_head(buf, h: int, kv_block: int, cache_heads: int, packed_loads: bo
         k = pltpu.bitcast(packed << 16, jnp.float32)
         v = pltpu.bitcast(packed & jnp.uint32(0xFFFF0000), jnp.float32)
         return k, v
-    raise NotImplementedError(f"no packed loads for a {buf.dtype} cache")  # check_compiled_cache_dtype
+    # Unreachable: check_compiled_cache_dtype refuses other caches before tracing.
+    raise NotImplementedError(f"no packed loads for a {buf.dtype} cache")
 
 
 def check_compiled_cache_dtype(dtype) -> None:
@@ -456,8 +457,9 @@ def ragged_paged_attention_tpu_stacked(
 
     queries [T, Hq, D]; new_kv [T, 2*Hkv, D] interleaved (or None: attend without writing);
     kv_cache [L, P, page_size, C, D] with C >= 2*Hkv: combined heads past 2*Hkv are padding
-    (``kv_cache_shape``), written as zero with each new token and never attended to; layer: int32 scalar (traced is fine);
-    kv_lens [S], page_indices [S, pages_per_seq], cu_q_lens [S+1], num_seqs [1] (all int32).
+    (``kv_cache_shape``), written as zero with each new token and never attended to;
+    layer: int32 scalar (traced is fine); kv_lens [S], page_indices [S, pages_per_seq],
+    cu_q_lens [S+1], num_seqs [1] (all int32).
     ``num_kv_heads``: Hkv; taken from new_kv when it is given, else C // 2 - so pass it when
     attending to a padded cache without writing. Returns (out [T, Hq, D] in queries.dtype,
     kv_cache). ``interpret``: None to compile for TPU, or a ``pltpu.InterpretParams`` to run in

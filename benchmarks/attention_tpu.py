@@ -159,7 +159,8 @@ def check_against_oracle(args) -> list[dict]:
                     got = np.asarray(out[:real].astype(jnp.float32))
                     err = float(np.max(np.abs(got - want[:real])))
                     got_kv = np.asarray(got_cache[0, :, :, :2 * hkv].astype(jnp.float32))
-                    kv_exact = bool(np.array_equal(got_kv, np.asarray(jnp.asarray(want_kv, dtype).astype(jnp.float32))))
+                    want_kv_d = np.asarray(jnp.asarray(want_kv, dtype).astype(jnp.float32))
+                    kv_exact = bool(np.array_equal(got_kv, want_kv_d))
                     pad_untouched = bool(not np.asarray(got_cache[0, :, :, 2 * hkv:].astype(jnp.float32)).any())
                     peer_err = None
                     if on_tpu() and c == 2 * hkv:  # jax's kernel wants the unpadded layout
