@@ -245,9 +245,11 @@ class HostPagePool:
         self._check_cache(kv)
         b = 1
         while True:
-            self._gather(kv, jnp.zeros(b, jnp.int32))
+            # Indices go up the way a transfer sends them (jnp.asarray of numpy), which jax
+            # compiles a small program for per shape too.
+            self._gather(kv, jnp.asarray(np.zeros(b, np.int32)))
             staged = stage_for(kv, np.zeros((b, *self.page_shape), self.dtype))
-            kv = self._scatter(kv, staged, jnp.full(b, kv.shape[1], jnp.int32))
+            kv = self._scatter(kv, staged, jnp.asarray(np.full(b, kv.shape[1], np.int32)))
             if b >= max_pages:
                 return kv
             b *= 2

@@ -156,9 +156,11 @@ class DevicePageMover:
         self._ids(kv, [])
         b = 1
         while True:
-            self._gather(kv, jnp.zeros(b, jnp.int32))
+            # Indices go up the way a transfer sends them (jnp.asarray of numpy), which jax
+            # compiles a small program for per shape too.
+            self._gather(kv, jnp.asarray(np.zeros(b, np.int32)))
             staged = stage_for(kv, np.zeros((kv.shape[0], b, *kv.shape[2:]), kv.dtype))
-            kv = self._scatter(kv, staged, jnp.full(b, kv.shape[1], jnp.int32))
+            kv = self._scatter(kv, staged, jnp.asarray(np.full(b, kv.shape[1], np.int32)))
             if b >= max_pages:
                 return kv
             b *= 2

@@ -98,8 +98,9 @@ def test_host_tier_recovers_evicted_pages_with_identical_output(random_checkpoin
     assert e.stats.host_cache_hits > 0 and e.host_tier.stats.loaded_pages > 0
     # Loads leave the cache as the warmed-up steps expect it, so nothing compiles again (a load
     # once returned a committed cache and recompiled every step shape: seconds per step on a real
-    # model). The host tier's own transfers may meet a bigger bucket than warm-up's.
-    assert [n for n in compiled if n not in ("jit(gather)", "jit(scatter)")] == []
+    # model). The host tier's own transfers may meet a bigger bucket than warm-up's (its gather,
+    # scatter, and jax's upload of the index array).
+    assert [n for n in compiled if n not in ("jit(gather)", "jit(scatter)", "jit(stage)")] == []
     assert e.stats.host_bytes_loaded == e.host_tier.stats.loaded_pages * e.host_tier.page_bytes
     assert e.pool.num_free == e.pool.num_usable
     # Without the host tier the same small pool recomputes what was evicted.
