@@ -400,13 +400,11 @@ def _load_kv_head(buf, h: int, kv_block: int, cache_heads: int, packed_loads: bo
         k = buf[pl.ds(2 * h, kv_block, stride=cache_heads), :]
         v = buf[pl.ds(2 * h + 1, kv_block, stride=cache_heads), :]
         return k, v
-    if buf.dtype == jnp.bfloat16:
-        packed = buf.bitcast(jnp.uint32)[pl.ds(h, kv_block, stride=cache_heads // 2), :]
-        k = pltpu.bitcast(packed << 16, jnp.float32)
-        v = pltpu.bitcast(packed & jnp.uint32(0xFFFF0000), jnp.float32)
-        return k, v
-    # Unreachable: check_compiled_cache_dtype refuses other caches before tracing.
-    raise NotImplementedError(f"no packed loads for a {buf.dtype} cache")
+    # bf16: check_compiled_cache_dtype refused every other width before tracing.
+    packed = buf.bitcast(jnp.uint32)[pl.ds(h, kv_block, stride=cache_heads // 2), :]
+    k = pltpu.bitcast(packed << 16, jnp.float32)
+    v = pltpu.bitcast(packed & jnp.uint32(0xFFFF0000), jnp.float32)
+    return k, v
 
 
 def check_compiled_cache_dtype(dtype) -> None:

@@ -85,6 +85,12 @@ def slots_for_bytes(capacity_bytes: int, bytes_per_page: int, flag: str = "--kv-
     return n
 
 
+def warmup_pages(max_model_len: int, page_size: int, max_num_batched_tokens: int) -> int:
+    """The most pages the warm-ups compile transfers for: a full-length request's worth, or one
+    step's chunk plus a partial page, whichever is more (bigger batches compile on first use)."""
+    return max(-(-int(max_model_len) // page_size), int(max_num_batched_tokens) // page_size + 1)
+
+
 def _bucket(n: int) -> int:
     """The power of two >= n: index counts are padded to these so few programs compile."""
     return 1 << max(0, math.ceil(math.log2(max(n, 1))))

@@ -144,10 +144,9 @@ class LLMEngine:
         """Compile every program a step can need; returns how many."""
         n = self.worker.warmup()
         if self.host_tier is not None:
-            # The host tier's gather and scatter, for up to a full-length request's worth of pages.
-            page = self.config.cache.block_size
-            most = max(-(-self.max_model_len // page),
-                       self.config.scheduler.max_num_batched_tokens // page + 1)
+            from tpuserve.kv_cache.host_tier import warmup_pages
+            most = warmup_pages(self.max_model_len, self.config.cache.block_size,
+                                self.config.scheduler.max_num_batched_tokens)
             before = self.host_tier.compile_count
             self.runner.kv_cache = self.host_tier.warmup(self.runner.kv_cache, most)
             n += self.host_tier.compile_count - before

@@ -221,10 +221,10 @@ class TpuserveWorker(WorkerBase):
         t0 = time.perf_counter()
         n = self.worker.warmup()
         if self.connector is not None:
-            # The host tier's gather and scatter, for up to a full-length request's worth of blocks.
-            bs = self.worker.config.cache.block_size
-            n += self.connector.warmup(max(-(-int(self.model_config.max_model_len) // bs),
-                                           self.scheduler_config.max_num_batched_tokens // bs + 1))
+            from tpuserve.kv_cache.host_tier import warmup_pages
+            n += self.connector.warmup(warmup_pages(self.model_config.max_model_len,
+                                                    self.worker.config.cache.block_size,
+                                                    self.scheduler_config.max_num_batched_tokens))
         self._compiled_after_warmup = self.runner.compile_count
         secs = time.perf_counter() - t0
         log.info("warm-up compiled %d programs in %.1f s", n, secs)  # in vLLM's log
