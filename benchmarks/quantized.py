@@ -5,7 +5,9 @@
     python benchmarks/quantized.py --methods mxfp4 mxfp4:rtn nvfp4 nvfp4:rtn  # GPTQ vs round-to-nearest
 
 For the unquantized model and each ``--quantization`` method (online quantization at load):
-* quality: perplexity over ``tests/quant/data/prose.txt`` from the engine's prompt logprobs;
+* quality: perplexity from the engine's prompt logprobs over the quality test's texts, read the way
+  tests/quant/test_quantized_quality.py reads them: ``prose.txt`` alone (~1.6k tokens, the text of
+  the test's budgets) and with ``prose_more.txt`` (~7.5k tokens, steadier to compare recipes by);
 * memory: bytes of the quantized linear weights vs the same elements at bf16, and of all weights
   (the tied embedding stays dense) vs all of them at bf16;
 * speed: decode tokens/s on this host's backend (CPU here) for ``--batch`` greedy sequences of
@@ -18,23 +20,15 @@ from __future__ import annotations
 
 import argparse
 import gc
-import math
 import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, _ROOT)
+sys.path.insert(0, os.path.join(_ROOT, "tests", "quant"))  # the quality test's text and perplexity
 
-TEXT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                    "tests", "quant", "data", "prose.txt")
-
-
-def perplexity(llm, text: str) -> float:
-    from tpuserve.server.sampling_params import SamplingParams
-    out = llm.generate([text], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
-    ids = out.prompt_token_ids
-    nll = [-out.prompt_logprobs[j + 1][t].logprob for j, t in enumerate(ids[1:])]
-    return math.exp(sum(nll) / len(nll))
+from test_quantized_quality import perplexity, prompt_nlls, quality_prompts  # noqa: E402
 
 
 def decode_tok_s(llm, batch: int, tokens: int) -> float:
@@ -79,8 +73,7 @@ def main() -> None:
 
     from tpuserve.server.llm import LLM
 
-    with open(TEXT) as f:
-        text = f.read()
+    prompts = quality_prompts()
     rows = []
     for spec in [None, *args.methods]:
         method, _, calibration = (spec or "").partition(":")
@@ -91,23 +84,28 @@ def main() -> None:
         llm = LLM(args.model, max_model_len=2048, max_num_batched_tokens=2048,
                   max_num_seqs=max(4, args.batch), **kw)
         load_s = time.perf_counter() - t0
-        ppl = perplexity(llm, text)
+        nlls = prompt_nlls(llm, prompts)
+        ppl, ppl_all = perplexity(nlls[:1]), perplexity(nlls)
         tps = decode_tok_s(llm, args.batch, args.decode_tokens)
         qb, qbf, tb, tbf = weight_bytes(llm)
-        rows.append(dict(method=spec or "none", ppl=ppl, tps=tps, qb=qb, qbf=qbf, tb=tb, tbf=tbf,
-                         load_s=load_s))
-        print(f"done {spec or 'none'}: ppl {ppl:.3f}, {tps:.1f} tok/s, load {load_s:.0f} s", flush=True)
+        rows.append(dict(method=spec or "none", ppl=ppl, ppl_all=ppl_all, tps=tps, qb=qb, qbf=qbf,
+                         tb=tb, tbf=tbf, load_s=load_s))
+        print(f"done {spec or 'none'}: ppl {ppl:.3f} (both texts {ppl_all:.3f}), {tps:.1f} tok/s, "
+              f"load {load_s:.0f} s", flush=True)
         del llm
         gc.collect()
 
     base = rows[0]
     mib = 1 / 2 ** 20
     print(f"\nbackend {jax.default_backend()}, model {args.model or 'SmolLM2-135M-Instruct'}, "
-          f"text {os.path.relpath(TEXT)}, decode {args.batch} x {args.decode_tokens} tokens")
-    print(f"{'method':10} {'ppl':>8} {'ppl/base':>9} {'linear MiB':>11} {'lin/bf16':>9} "
-          f"{'all MiB':>9} {'all/bf16':>9} {'tok/s':>8} {'tok/s ratio':>12} {'load s':>7}")
+          f"decode {args.batch} x {args.decode_tokens} tokens; "
+          f"ppl: prose.txt, all: with prose_more.txt")
+    print(f"{'method':10} {'ppl':>8} {'ppl/base':>9} {'all ppl':>8} {'all/base':>9} "
+          f"{'linear MiB':>11} {'lin/bf16':>9} {'all MiB':>9} {'all/bf16':>9} {'tok/s':>8} "
+          f"{'tok/s ratio':>12} {'load s':>7}")
     for r in rows:
-        print(f"{r['method']:10} {r['ppl']:8.3f} {r['ppl'] / base['ppl']:9.3f} {r['qb'] * mib:11.1f} "
+        print(f"{r['method']:10} {r['ppl']:8.3f} {r['ppl'] / base['ppl']:9.3f} {r['ppl_all']:8.3f} "
+              f"{r['ppl_all'] / base['ppl_all']:9.3f} {r['qb'] * mib:11.1f} "
               f"{r['qb'] / r['qbf']:9.3f} {r['tb'] * mib:9.1f} {r['tb'] / r['tbf']:9.3f} "
               f"{r['tps']:8.1f} {r['tps'] / base['tps']:12.2f} {r['load_s']:7.0f}")
     print("(unquantized row: linear and all bytes at bf16, the yardstick; the engine holds them in "
