@@ -245,20 +245,11 @@ class HostPagePool:
         Touches no page (the gathers are discarded, the scatters' indices all dropped); ``kv`` is
         donated, use the returned cache.
         """
-        import jax.numpy as jnp
-        from tpuserve.kv_cache.layout import stage_for
+        from tpuserve.kv_cache.layout import warm_page_transfers
 
         self._check_cache(kv)
-        b = 1
-        while True:
-            # Indices go up the way a transfer sends them (jnp.asarray of numpy), which jax
-            # compiles a small program for per shape too.
-            self._gather(kv, jnp.asarray(np.zeros(b, np.int32)))
-            staged = stage_for(kv, np.zeros((b, *self.page_shape), self.dtype))
-            kv = self._scatter(kv, staged, jnp.asarray(np.full(b, kv.shape[1], np.int32)))
-            if b >= max_pages:
-                return kv
-            b *= 2
+        return warm_page_transfers(kv, self._gather, self._scatter,
+                                   lambda b: (b, *self.page_shape), max_pages)
 
     def wait(self) -> None:
         """Finish every in-flight save (its pages are then in the slot array)."""

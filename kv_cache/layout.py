@@ -49,6 +49,24 @@ def stage_for(kv, host_array):
     return jax.device_put(host_array, kv.sharding) if kv.committed else jax.device_put(host_array)
 
 
+def warm_page_transfers(kv, gather, scatter, staged_shape, max_pages: int):
+    """Compile a page mover's ``gather(kv, idx)`` and donating ``scatter(kv, staged, idx)`` for
+    every power-of-two page count up to ``max_pages``; touches no page (gathers are discarded,
+    scatter indices all out of range, so dropped). ``staged_shape(b)`` is the staging array's
+    shape for b pages. Returns the cache (``kv`` is donated)."""
+    import numpy as np
+    b = 1
+    while True:
+        # Indices go up the way a transfer sends them (jnp.asarray of numpy), which jax compiles
+        # a small program for per shape too.
+        gather(kv, jnp.asarray(np.zeros(b, np.int32)))
+        staged = stage_for(kv, np.zeros(staged_shape(b), kv.dtype))
+        kv = scatter(kv, staged, jnp.asarray(np.full(b, kv.shape[1], np.int32)))
+        if b >= max_pages:
+            return kv
+        b *= 2
+
+
 @dataclass(frozen=True)
 class KVCacheSpec:
     num_layers: int
