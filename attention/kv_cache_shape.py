@@ -25,6 +25,8 @@ from tpuserve.attention.names import ATTENTION_IMPLS
 
 # Implementations whose cache pads the combined-head axis to the sublane tile.
 PADDED_HEAD_IMPLS = ("pallas_tpu", "pallas_tpu_interpret")
+# Lanes of a TPU tile: the minor dim of an array in TPU memory is stored in multiples of this.
+TPU_LANES = 128
 
 
 def resolve_impl(impl: str, backend: str, kv_cache_dtype=None) -> str:
@@ -69,6 +71,23 @@ def combined_heads(impl: str, num_kv_heads: int, dtype) -> int:
     if impl in PADDED_HEAD_IMPLS:
         return padded_combined_heads(num_kv_heads, dtype)
     return 2 * num_kv_heads
+
+
+def device_head_dim(impl: str, head_dim: int) -> int:
+    """Elements one cache row of ``head_dim`` really takes in device memory. The compiled TPU kernel
+    needs the cache row-major (``kv_cache_format``), where a TPU stores the minor dim in whole
+    128-lane tiles: head_dim 64 takes 128. Other implementations store rows as they are."""
+    if impl == "pallas_tpu":
+        return -(-head_dim // TPU_LANES) * TPU_LANES
+    return head_dim
+
+
+def tpu_tiling(dtype) -> tuple[tuple[int, int], ...]:
+    """XLA's tiling of an array of ``dtype`` in TPU memory: (8, 128) tiles of 32-bit words, and
+    narrower types packed 32 // bits rows to a word (bf16 ((8, 128), (2, 1)), as read from
+    ``jax.Array.format`` on a v5e)."""
+    bits = np.dtype(dtype).itemsize * 8
+    return ((8, TPU_LANES),) if bits >= 32 else ((8, TPU_LANES), (32 // bits, 1))
 
 
 def kv_cache_shape(impl: str, spec) -> tuple[int, int, int, int, int]:

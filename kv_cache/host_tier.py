@@ -154,8 +154,19 @@ class HostPagePool:
             # Padding indices are P (out of range): dropped, so they never touch a real page.
             return kv.at[:, idx].set(jax.numpy.moveaxis(pages, 0, 1), mode="drop")
 
+        self._scatter_fn = scatter
+
         self._gather = jax.jit(gather, out_shardings=out)
-        self._scatter = jax.jit(scatter, donate_argnums=(0,))
+        self._scatter = None  # bound with the first cache it sees: its output keeps that format
+
+    def _scatter_for(self, kv):
+        if self._scatter is None:
+            import jax
+
+            from tpuserve.kv_cache.layout import cache_out_format
+            self._scatter = jax.jit(self._scatter_fn, donate_argnums=(0,),
+                                    out_shardings=cache_out_format(kv))
+        return self._scatter
 
     def _check_cache(self, kv) -> None:
         if kv.ndim != 5 or (kv.shape[0], *kv.shape[2:]) != self.page_shape:
@@ -237,7 +248,7 @@ class HostPagePool:
         idx = np.full(n_pad, kv.shape[1], np.int32)  # out of range -> dropped by the scatter
         idx[: pages_a.size] = pages_a
         staged = stage_for(kv, staging)
-        return self._scatter(kv, staged, jnp.asarray(idx))
+        return self._scatter_for(kv)(kv, staged, jnp.asarray(idx))
 
     def warmup(self, kv, max_pages: int):
         """Compile the gather and the scatter for every index bucket up to ``max_pages``.
@@ -248,7 +259,7 @@ class HostPagePool:
         from tpuserve.kv_cache.layout import warm_page_transfers
 
         self._check_cache(kv)
-        return warm_page_transfers(kv, self._gather, self._scatter,
+        return warm_page_transfers(kv, self._gather, self._scatter_for(kv),
                                    lambda b: (b, *self.page_shape), max_pages)
 
     def wait(self) -> None:

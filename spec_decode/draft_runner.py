@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tpuserve.attention.metadata import AttentionMetadata
-from tpuserve.kv_cache.layout import RESERVED_PAGE, KVCacheSpec
+from tpuserve.kv_cache.layout import RESERVED_PAGE, KVCacheSpec, cache_out_format
 from tpuserve.spec_decode.draft_model import DraftHead, draft_forward, greedy_draft
 
 
@@ -58,10 +58,15 @@ class DraftRunner:
         self.kv_cache = self.spec.allocate(r.attn_impl)
         self._traces = 0
         inv_freq = jnp.asarray(head.arch.inv_freq())
+        # Outputs keep the cache's format, so its donated buffer is updated in place
+        # (kv_cache/layout.py: cache_out_format).
+        fmt = cache_out_format(self.kv_cache)
         self._catch_up = jax.jit(functools.partial(self._traced_catch_up, inv_freq=inv_freq),
-                                 donate_argnums=(1,))
+                                 donate_argnums=(1,),
+                                 **({} if fmt is None else dict(out_shardings=(None, None, fmt))))
         self._propose = jax.jit(functools.partial(self._traced_propose, inv_freq=inv_freq),
-                                donate_argnums=(1,), static_argnames=("k",))
+                                donate_argnums=(1,), static_argnames=("k",),
+                                **({} if fmt is None else dict(out_shardings=(None, fmt))))
 
     @property
     def compile_count(self) -> int:

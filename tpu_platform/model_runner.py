@@ -35,7 +35,7 @@ from jax.sharding import PartitionSpec as P
 
 from tpuserve.attention.dispatch import resolve_impl
 from tpuserve.attention.metadata import AttentionMetadata
-from tpuserve.kv_cache.layout import RESERVED_PAGE, KVCacheSpec
+from tpuserve.kv_cache.layout import RESERVED_PAGE, KVCacheSpec, kv_cache_format
 from tpuserve.spec_decode import rejection_sampler
 from tpuserve.tpu_platform import sampler
 from tpuserve.tpu_platform.config import EngineConfig
@@ -89,11 +89,13 @@ class PendingStep:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, arch: ModelArch, params: dict, device: DeviceInfo,
-                 dtype, num_pages: int, max_model_len: int, num_speculative_tokens: int | None = None,
+                 dtype, num_pages: int | None, max_model_len: int, num_speculative_tokens: int | None = None,
                  mesh=None, kv_cache_dtype=None, kv_scales: tuple[float, float] | None = None,
                  calibration_tokens: np.ndarray | None = None,
                  draft_aux_layers: tuple[int, ...] | None = None):
-        """num_speculative_tokens: the most drafts a sequence verifies per step (the draft slots
+        """num_pages: KV pages to allocate; None defers the cache to ``allocate_kv_cache`` (so that
+        ``step_memory`` can size it first).
+        num_speculative_tokens: the most drafts a sequence verifies per step (the draft slots
         ``warmup`` compiles); None takes the speculative config's, 0 when there is none.
         mesh: the ("data", "model") mesh to run on (``tpu_platform/mesh.py``); None: the default
         device. Weights and KV heads split over "model"; logits come back replicated, so the
@@ -137,15 +139,11 @@ class ModelRunner:
                                  f"calibration_tokens to measure them from")
             # Before the real cache exists: the calibration cache is small, but not free.
             self.kv_scales = self.calibrate_kv_scales(calibration_tokens)
-        self.kv_spec = KVCacheSpec(arch.num_layers, num_pages, self.page_size, arch.num_kv_heads,
-                                   arch.head_dim, self.kv_cache_dtype,
-                                   num_shards=model_axis_size(mesh))
-        # The attention backend picks the physical shape (TPU pads the combined-head axis).
-        if mesh is None:
-            self.kv_cache = self.kv_spec.allocate(self.attn_impl)
-        else:  # allocated in place, each device its own slice of heads
-            self.kv_cache = jax.jit(functools.partial(self.kv_spec.allocate, self.attn_impl),
-                                    out_shardings=self._kv_sharding)()
+        # The cache's device format: row-major for the compiled TPU kernel (kv_cache/layout.py says
+        # why), else the compiler's choice (None).
+        self.kv_format = kv_cache_format(
+            self.attn_impl, self.kv_cache_dtype,
+            self._kv_sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0]))
         self.max_pages_per_seq = math.ceil(max_model_len / self.page_size)
         # The blocked path's work follows the live context, not the table width: one page bucket.
         self.page_buckets = ((self.max_pages_per_seq,) if self.attn_impl == "blocked"
@@ -154,11 +152,64 @@ class ModelRunner:
         self.seq_buckets = tuple(sorted({min(t, self.max_num_seqs) for t in self.token_buckets}))
         self.max_seq_slots = self.seq_buckets[-1]
         self._traces = 0
+        pin = {}
+        if self.kv_format is not None:
+            # In and out in the cache's format, so the donated buffer is updated in place.
+            pin = dict(in_shardings=(None, self.kv_format) + (None,) * 6,
+                       out_shardings=(None, None, None, self.kv_format))
         self._step = jax.jit(
             functools.partial(self._traced_step, inv_freq=jnp.asarray(arch.inv_freq())),
-            donate_argnums=(1,))
+            donate_argnums=(1,), **pin)
+        self.kv_spec: KVCacheSpec | None = None
+        self.kv_cache = None
+        if num_pages is not None:
+            self.allocate_kv_cache(num_pages)
         self._prompt_logits = jax.jit(self._traced_prompt_logits)
         self._no_feed = self._put(np.zeros(self.max_seq_slots, np.int32))
+
+    def _cache_spec(self, num_pages: int) -> KVCacheSpec:
+        return KVCacheSpec(self.arch.num_layers, num_pages, self.page_size, self.arch.num_kv_heads,
+                           self.arch.head_dim, self.kv_cache_dtype,
+                           num_shards=model_axis_size(self.mesh))
+
+    def allocate_kv_cache(self, num_pages: int) -> None:
+        """Allocate the KV cache (once): ``num_pages`` pages in the attention backend's shape
+        (the TPU kernel pads the combined-head axis) and device format."""
+        if self.kv_cache is not None:
+            raise RuntimeError("the KV cache is already allocated")
+        self.kv_spec = self._cache_spec(num_pages)
+        self.kv_cache = self.kv_spec.allocate(self.attn_impl, self._kv_sharding)
+
+    def step_memory(self) -> dict[str, int]:
+        """Device bytes the largest programs of a step need besides weights and cache, from XLA's
+        ``memory_analysis()`` of the compiled programs (compiled here on abstract inputs; the
+        persistent compilation cache hands them to warm-up). Needs no cache allocated.
+
+        Returns {"forward": temporaries + non-cache outputs of the widest forward (largest token
+        and page buckets, drafted when speculating), "prompt_logits": the same for the LM head
+        over every row of the widest step}."""
+        t, p = self.token_buckets[-1], self.page_buckets[-1]
+        batch = self._empty_batch(t, p, self.num_speculative_tokens if t >= 2 else 0)
+        spec = self._cache_spec(p + 1)
+        cache = jax.ShapeDtypeStruct(spec.shape_for(self.attn_impl), self.kv_cache_dtype,
+                                     sharding=self._kv_sharding)
+        put = self._put
+        fwd = self._step.lower(self.params, cache, put(batch.token_ids),
+                               put(np.full(t, -1, np.int32)), self._no_feed, put(batch.positions),
+                               self._metadata(batch), put(batch.logits_indices)).compile()
+        hidden = jax.ShapeDtypeStruct((t, self.arch.hidden_size), self.dtype,
+                                      sharding=self._replicated)
+        head = self._prompt_logits.lower(self.params, hidden).compile()
+
+        def need(compiled, exclude: int) -> int:
+            ma = compiled.memory_analysis()
+            if ma is None:  # a backend that cannot say
+                return 0
+            return int(ma.temp_size_in_bytes) + int(ma.output_size_in_bytes) - exclude
+
+        cache_bytes = int(np.prod(cache.shape)) * jnp.dtype(cache.dtype).itemsize
+        # The forward's outputs include the cache it updated in place (aliased, not extra).
+        return {"forward": need(fwd, cache_bytes), "prompt_logits": need(head, 0)}
 
     @staticmethod
     def _page_buckets(max_pages: int) -> tuple[int, ...]:
@@ -203,11 +254,7 @@ class ModelRunner:
         t_slots = -(-n // 16) * 16
         spec = KVCacheSpec(self.arch.num_layers, pages + 1, self.page_size, self.arch.num_kv_heads,
                            self.arch.head_dim, self.dtype, num_shards=model_axis_size(self.mesh))
-        if self.mesh is None:
-            cache = spec.allocate(self.attn_impl)
-        else:
-            cache = jax.jit(functools.partial(spec.allocate, self.attn_impl),
-                            out_shardings=self._kv_sharding)()
+        cache = spec.allocate(self.attn_impl, self._kv_sharding)
         tokens, positions = np.zeros(t_slots, np.int32), np.zeros(t_slots, np.int32)
         tokens[:n], positions[:n] = ids, np.arange(n, dtype=np.int32)
         put = self._put

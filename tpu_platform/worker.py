@@ -6,7 +6,8 @@ reports, SGLang from ``--max-total-tokens``). Steps, in the order vLLM calls the
 
     w = Worker(config)            device discovery, XLA cache, dtype
     w.load()                      weights (HF safetensors or GGUF), tokenizer, context length
-    w.kv_cache_budget()           bytes the KV cache may take  (the one sizing formula)
+    w.kv_cache_budget()           bytes the KV cache may take  (the one sizing formula; on an
+                                  accelerator the memory plan measures the step programs first)
     w.num_pages()                 pages that budget holds, capped by what the scheduler can use
     w.init_kv_cache(num_pages)    the ModelRunner: weights + KV pages on the device
     w.warmup()                    compile every shape bucket
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 from tpuserve.tpu_platform.config import ConfigError, EngineConfig
 
@@ -23,30 +25,68 @@ log = logging.getLogger(__name__)
 
 # Default KV budget on a CPU host: its RAM is shared with everything else on the machine.
 CPU_KV_CACHE_BYTES = 1 << 30
-# Activation headroom kept free on an accelerator: per scheduled token, a generous bound on the
-# hidden/MLP intermediates of one step; per sequence slot, the f32 logits and sampler temporaries.
-_ACT_BYTES_PER_TOKEN_FACTOR = 16
+# Kept free on an accelerator besides what the profiled step programs need: the sampler's
+# temporaries (a few f32 copies of the [S, V] logits) and a slack for the allocator and small
+# programs, as a fraction of device memory.
 _LOGITS_COPIES = 4
+_MARGIN_FRACTION = 0.02
+_GIB = float(1 << 30)
 
 
-def kv_cache_budget(config: EngineConfig, *, memory_bytes: int | None, is_accelerator: bool,
-                    weight_bytes: int, hidden_size: int, intermediate_size: int, vocab_size: int) -> int:
-    """Bytes for KV pages: the explicit ``kv_cache_memory_bytes``; else on an accelerator
-    ``gpu_memory_utilization`` of its memory less the weights and the activation headroom; else
-    (CPU) a fixed 1 GiB. Raises ConfigError when nothing is left."""
+@dataclass(frozen=True)
+class MemoryPlan:
+    """How an accelerator's memory is split (bytes); ``kv_cache`` is what is left for pages."""
+
+    device: int
+    usable: int  # gpu_memory_utilization x device
+    weights: int
+    forward: int  # temporaries + non-cache outputs of the widest forward program (measured)
+    lm_head: int  # the same for the prompt-logprobs LM head program (measured)
+    sampler: int  # sampler allowance: _LOGITS_COPIES x [max_num_seqs, V] f32
+    margin: int
+
+    @property
+    def activations(self) -> int:
+        return max(self.forward, self.lm_head) + self.sampler + self.margin
+
+    @property
+    def kv_cache(self) -> int:
+        return self.usable - self.weights - self.activations
+
+    def describe(self) -> str:
+        return (f"{self.usable / _GIB:.2f} GiB usable of {self.device / _GIB:.2f}: weights "
+                f"{self.weights / _GIB:.2f}, activations {self.activations / _GIB:.2f} (forward "
+                f"{self.forward / _GIB:.2f}, LM head {self.lm_head / _GIB:.2f}, sampler "
+                f"{self.sampler / _GIB:.2f}, margin {self.margin / _GIB:.2f}), KV cache "
+                f"{self.kv_cache / _GIB:.2f}")
+
+
+def plan_memory(config: EngineConfig, *, memory_bytes: int, weight_bytes: int,
+                step_bytes: dict[str, int], vocab_size: int) -> MemoryPlan:
+    """The accelerator memory plan: ``gpu_memory_utilization`` of ``memory_bytes``, less the
+    weights, less what the step programs measured (``ModelRunner.step_memory``) plus the sampler
+    allowance and a margin, is the KV cache's. ConfigError naming the numbers and the flags to
+    change when the weights alone, or weights and activations, do not fit."""
     cache, sched = config.cache, config.scheduler
-    if cache.kv_cache_memory_bytes is not None:
-        return int(cache.kv_cache_memory_bytes)
-    if not is_accelerator or not memory_bytes:
-        return CPU_KV_CACHE_BYTES
-    act = (sched.max_num_batched_tokens * max(hidden_size, intermediate_size) * 4
-           * _ACT_BYTES_PER_TOKEN_FACTOR + sched.max_num_seqs * vocab_size * 4 * _LOGITS_COPIES)
-    budget = int(cache.gpu_memory_utilization * memory_bytes) - weight_bytes - act
-    if budget <= 0:
-        raise ConfigError(f"gpu_memory_utilization: no device memory left for the KV cache "
-                          f"(weights {weight_bytes} B + activations {act} B of "
-                          f"{cache.gpu_memory_utilization} x {memory_bytes} B); raise it or shrink the model")
-    return budget
+    util = cache.gpu_memory_utilization
+    usable = int(util * memory_bytes)
+    if weight_bytes >= usable:
+        raise ConfigError(
+            f"gpu_memory_utilization: the weights alone take {weight_bytes / _GIB:.2f} GiB, more "
+            f"than {util} x {memory_bytes / _GIB:.2f} GiB = {usable / _GIB:.2f} GiB of device "
+            f"memory; raise --gpu-memory-utilization, quantize the weights (--quantization fp8), "
+            f"or split them over devices (--tensor-parallel-size)")
+    plan = MemoryPlan(device=memory_bytes, usable=usable, weights=weight_bytes,
+                      forward=int(step_bytes.get("forward", 0)),
+                      lm_head=int(step_bytes.get("prompt_logits", 0)),
+                      sampler=sched.max_num_seqs * vocab_size * 4 * _LOGITS_COPIES,
+                      margin=int(_MARGIN_FRACTION * memory_bytes))
+    if plan.kv_cache <= 0:
+        raise ConfigError(
+            f"gpu_memory_utilization: no device memory left for the KV cache ({plan.describe()}); "
+            f"raise --gpu-memory-utilization, or lower --max-num-batched-tokens "
+            f"({sched.max_num_batched_tokens}) or --max-num-seqs ({sched.max_num_seqs})")
+    return plan
 
 
 def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype):
@@ -102,6 +142,7 @@ class Worker:
         self.draft_head = None
         self._draft_params = None
         self.draft_runner = None
+        self._plan: MemoryPlan | None = None  # the accelerator memory plan, once measured
 
     # ---- weights ----
 
@@ -244,16 +285,31 @@ class Worker:
         return padded, plain
 
     def kv_cache_budget(self) -> int:
-        """Bytes for the whole (all devices') KV cache: weights and pages are counted whole, so
-        the memory is the mesh's (TP devices x one device's)."""
-        a = self.arch
-        memory = self.device.memory_bytes
-        if memory and self.device.is_accelerator:
-            memory *= self.tensor_parallel_size
-        return kv_cache_budget(self.config, memory_bytes=memory,
-                               is_accelerator=self.device.is_accelerator, weight_bytes=self.weight_bytes,
-                               hidden_size=a.hidden_size, intermediate_size=a.intermediate_size,
-                               vocab_size=a.vocab_size)
+        """Bytes for the whole (all devices') KV cache: ``kv_cache_memory_bytes`` when given; on an
+        accelerator what ``memory_plan`` leaves; on a CPU host a fixed 1 GiB. Weights and pages
+        are counted whole, so an accelerator's memory is the mesh's (TP devices x one device's)."""
+        cache = self.config.cache
+        if cache.kv_cache_memory_bytes is not None:
+            return int(cache.kv_cache_memory_bytes)
+        if not (self.device.is_accelerator and self.device.memory_bytes):
+            return CPU_KV_CACHE_BYTES
+        return self.memory_plan().kv_cache
+
+    def memory_plan(self) -> MemoryPlan:
+        """The accelerator's memory plan (computed once): builds the ModelRunner without its
+        cache and measures the step programs it will run (vLLM's profile run, from the compiler's
+        memory analysis instead of a run)."""
+        if self._plan is None:
+            runner = self._build_runner(None)
+            t0 = time.perf_counter()
+            step = runner.step_memory()
+            memory = self.device.memory_bytes * self.tensor_parallel_size
+            self._plan = plan_memory(self.config, memory_bytes=memory,
+                                     weight_bytes=self.weight_bytes, step_bytes=step,
+                                     vocab_size=self.arch.vocab_size)
+            log.info("memory plan (step programs measured in %.1f s): %s",
+                     time.perf_counter() - t0, self._plan.describe())
+        return self._plan
 
     def num_pages(self, *, need_full_sequence: bool = True) -> int:
         """KV pages (page 0 reserved included): ``num_gpu_blocks`` if set, else what the budget
@@ -276,10 +332,15 @@ class Worker:
 
     # ---- runner ----
 
-    def init_kv_cache(self, num_pages: int):
-        """Build the ModelRunner over ``num_pages`` KV pages; the runner owns the weights from here."""
+    def _build_runner(self, num_pages: int | None):
+        """The ModelRunner (built once; it owns the weights from here), with ``num_pages`` KV
+        pages, or without a cache yet (None)."""
         from tpuserve.tpu_platform.model_runner import ModelRunner
 
+        if self.runner is not None:
+            if num_pages is not None:
+                self.runner.allocate_kv_cache(num_pages)
+            return self.runner
         if self._params is None:
             raise RuntimeError("Worker.load() must run before init_kv_cache()")
         calibration = None
@@ -292,8 +353,13 @@ class Worker:
                                   calibration_tokens=calibration,
                                   draft_aux_layers=(None if self.draft_head is None
                                                     else self.draft_head.aux_layer_ids))
-        self.kv_scales = self.runner.kv_scales
         self._params = None
+        return self.runner
+
+    def init_kv_cache(self, num_pages: int):
+        """Build the ModelRunner over ``num_pages`` KV pages; the runner owns the weights from here."""
+        self._build_runner(num_pages)
+        self.kv_scales = self.runner.kv_scales
         if self.draft_head is not None:
             from tpuserve.spec_decode.draft_runner import DraftRunner
             self.draft_runner = DraftRunner(self.draft_head, self._draft_params, self.runner)

@@ -72,6 +72,7 @@ class DevicePageMover:
         from jax.sharding import SingleDeviceSharding
 
         from tpuserve.kv_cache.host_tier import host_memory_kind
+        from tpuserve.kv_cache.layout import cache_out_format
 
         devices = kv.devices()
         if len(devices) != 1:
@@ -100,7 +101,8 @@ class DevicePageMover:
 
         out = SingleDeviceSharding(self._device, memory_kind=kind) if kind else None
         self._gather = jax.jit(gather, out_shardings=out)
-        self._scatter = jax.jit(scatter, donate_argnums=(0,))
+        # The updated cache keeps the format it came in (kv_cache/layout.py: cache_out_format).
+        self._scatter = jax.jit(scatter, donate_argnums=(0,), out_shardings=cache_out_format(kv))
 
     def _ids(self, kv, page_ids: Sequence[int]) -> np.ndarray:
         if kv.ndim != 5:

@@ -1,0 +1,171 @@
+"""The KV cache stays in one device format and is updated in place; the memory plan is measured.
+
+On a TPU v5e the compiled kernel needs the cache row-major, while XLA, left to itself, laid a
+head_dim-64 cache out with the page axis minor-most: every step copied the whole cache into the
+kernel's layout and back (benchmarks/RESULTS.md, "KV cache in place on a TPU v5e"). The chip is
+where that shows; these tests guard the mechanism on CPU:
+
+* the step program lowered for TPU takes the cache donated and pinned row-major, and returns it
+  pinned the same way (``mhlo.layout_mode`` on the argument and the result);
+* programs that return an updated cache (host-tier and P/D page movers) keep the format the cache
+  came in. A CPU cache can be placed in a non-default layout, which an unpinned program does not
+  keep - the TPU failure in miniature;
+* the memory plan subtracts what the compiled step programs need, and refuses clearly.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.layout import Format, Layout
+
+from tiny_models import tiny_model
+from tpuserve.kv_cache.host_tier import HostPagePool
+from tpuserve.kv_cache.layout import KVCacheSpec, cache_out_format, kv_cache_format
+from tpuserve.kv_cache.transfer.device_pages import DevicePageMover
+from tpuserve.tpu_platform.config import ConfigError, EngineConfig
+from tpuserve.tpu_platform.device import DeviceInfo
+from tpuserve.tpu_platform.model_runner import ModelRunner
+from tpuserve.tpu_platform.worker import plan_memory
+
+pytestmark = pytest.mark.timeout(300)
+
+TPU = DeviceInfo("tpu", 1, "TPU v5 lite", 16 << 30)
+GIB = 1 << 30
+
+
+def _runner(impl: str, loop: str = "scan", device=TPU, num_pages=None, **kw):
+    arch, _, params = tiny_model("llama", layers=2, hidden=128, heads=4, kv_heads=2, head_dim=64,
+                                 ffn=256, vocab=512)
+    params = jax.tree.map(lambda a: a.astype(jnp.bfloat16), params)
+    cfg = EngineConfig.from_kwargs(attention_impl=impl, layer_loop=loop, max_num_seqs=8,
+                                   max_num_batched_tokens=64, max_model_len=256, **kw)
+    return ModelRunner(cfg, arch, params, device, jnp.bfloat16, num_pages, 256)
+
+
+def test_kv_cache_format_is_row_major_for_the_compiled_tpu_kernel_only():
+    cpu = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    fmt = kv_cache_format("pallas_tpu", jnp.bfloat16, cpu)
+    assert fmt.layout.major_to_minor == (0, 1, 2, 3, 4)
+    assert fmt.layout.tiling == ((8, 128), (2, 1))  # as a v5e reports a bf16 array's format
+    assert kv_cache_format("pallas_tpu", jnp.float32, cpu).layout.tiling == ((8, 128),)
+    for impl in ("reference", "blocked", "pallas_gpu", "pallas_tpu_interpret"):
+        assert kv_cache_format(impl, jnp.bfloat16, cpu) is None
+
+
+@pytest.mark.parametrize("loop", ["scan", "unroll"])
+def test_tpu_step_takes_and_returns_the_cache_row_major_and_donated(loop):
+    r = _runner("pallas_tpu", loop)  # no cache allocated: a TPU-format array cannot live on CPU
+    assert r.kv_cache is None and r.kv_format is not None
+    b = r._empty_batch(8, r.page_buckets[0])
+    put = r._put
+    shape = r._cache_spec(64).shape_for(r.attn_impl)
+    cache = jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+    text = r._step.trace(r.params, cache, put(b.token_ids), put(np.full(8, -1, np.int32)),
+                         r._no_feed, put(b.positions), r._metadata(b),
+                         put(b.logits_indices)).lower(lowering_platforms=("tpu",)).as_text()
+    main = next(line for line in text.splitlines() if "func.func public @main" in line)
+    cache_type = "tensor<" + "x".join(map(str, shape)) + "xbf16>"
+    row_major = 'mhlo.layout_mode = "{4,3,2,1,0:T(8,128)(2,1)}"'
+    args, results = main.split("->", 1)
+    # The cache argument's attributes run to the next argument.
+    arg = re.search(re.escape(cache_type) + r" \{(.*?)(?:, %arg\d+:|\)$)", args)
+    assert arg and row_major in arg.group(1) and "tf.aliasing_output" in arg.group(1), args
+    assert re.search(re.escape(cache_type) + r" \{[^{]*" + re.escape(row_major), results), results
+    assert "tpu_custom_call" in text  # the kernel is what updates it
+
+
+def _moved_format_case(mover: str):
+    """A committed CPU cache in a non-default layout through one load / import."""
+    shape = (2, 16, 4, 4, 8)
+    fmt = Format(Layout(major_to_minor=(1, 0, 2, 3, 4)),
+                 jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+    kv = jax.jit(lambda: jnp.zeros(shape, jnp.float32), out_shardings=fmt)()
+    assert kv.committed and cache_out_format(kv) == kv.format
+    pages = np.arange(2 * 2 * 4 * 4 * 8, dtype=np.float32).reshape(2, 2, 4, 4, 8)
+    if mover == "host_tier":
+        pool = HostPagePool(4, (2, 4, 4, 8), kv.dtype)
+        pool.save(jnp.zeros(shape, jnp.float32).at[:, 3:5].set(pages), [0, 1], [3, 4])
+        pool.wait()
+        out = pool.load(kv, [0, 1], [5, 6])
+    else:
+        out = DevicePageMover().scatter(kv, pages, [5, 6])
+    return kv, out, fmt, pages
+
+
+@pytest.mark.parametrize("mover", ["host_tier", "device_pages"])
+def test_page_movers_keep_the_caches_format_and_update_it_in_place(mover):
+    kv, out, fmt, pages = _moved_format_case(mover)
+    assert kv.is_deleted()  # donated
+    # An unpinned scatter would return it row-major here.
+    assert out.format.layout.major_to_minor == fmt.layout.major_to_minor and out.committed
+    np.testing.assert_array_equal(np.asarray(out)[:, 5:7], pages)
+
+
+def test_uncommitted_cache_keeps_the_compilers_choice():
+    kv = jnp.zeros((2, 16, 4, 4, 8))
+    assert not kv.committed and cache_out_format(kv) is None
+
+
+def test_step_memory_is_measured_without_a_cache_then_allocated_once():
+    r = _runner("blocked", "unroll", device=DeviceInfo("cpu", 1, "cpu", None))
+    step = r.step_memory()
+    assert step["forward"] > 0 and step["prompt_logits"] > 0
+    # The LM head over the widest step holds its [T, V] f32 logits at least.
+    assert step["prompt_logits"] >= 64 * 512 * 4
+    r.allocate_kv_cache(16)
+    assert r.kv_cache.shape == r.kv_spec.shape_for("blocked") and r.kv_spec.num_pages == 16
+    with pytest.raises(RuntimeError, match="already allocated"):
+        r.allocate_kv_cache(16)
+
+
+def _cfg(**kw):
+    return EngineConfig.from_kwargs(max_num_seqs=128, **kw)
+
+
+def test_memory_plan_subtracts_measured_step_needs():
+    plan = plan_memory(_cfg(gpu_memory_utilization=0.9), memory_bytes=16 * GIB,
+                       weight_bytes=2 * GIB, step_bytes={"forward": GIB, "prompt_logits": GIB // 2},
+                       vocab_size=49152)
+    sampler = 128 * 49152 * 4 * 4
+    assert plan.usable == int(0.9 * 16 * GIB)
+    assert plan.activations == GIB + sampler + int(0.02 * 16 * GIB)
+    assert plan.kv_cache == plan.usable - 2 * GIB - plan.activations
+    assert "KV cache" in plan.describe() and "weights 2.00" in plan.describe()
+
+
+def test_memory_plan_refuses_weights_that_do_not_fit_naming_numbers_and_flags():
+    with pytest.raises(ConfigError, match=r"weights alone take 15\.00 GiB.*0\.5 x 16\.00 GiB"
+                                          r".*--gpu-memory-utilization.*--quantization"):
+        plan_memory(_cfg(gpu_memory_utilization=0.5), memory_bytes=16 * GIB,
+                    weight_bytes=15 * GIB, step_bytes={}, vocab_size=1000)
+    with pytest.raises(ConfigError, match=r"no device memory left.*--max-num-batched-tokens"):
+        plan_memory(_cfg(gpu_memory_utilization=0.5), memory_bytes=16 * GIB,
+                    weight_bytes=7 * GIB, step_bytes={"forward": 2 * GIB}, vocab_size=1000)
+
+
+def test_worker_sizes_the_cache_from_the_measured_plan(random_checkpoints, monkeypatch):
+    from tpuserve.tpu_platform import worker as worker_mod
+
+    monkeypatch.setattr(worker_mod, "_MARGIN_FRACTION", 0.0)  # activations then fixed in bytes
+    cfg = EngineConfig.from_kwargs(model=random_checkpoints["llama"], attention_impl="blocked",
+                                   gpu_memory_utilization=0.9, max_num_seqs=4,
+                                   max_num_batched_tokens=32, max_model_len=256)
+    w = worker_mod.Worker(cfg)
+    w.load()
+    w.device = DeviceInfo("tpu", 1, "fake", 64 * GIB)  # an accelerator: the plan decides
+    first = w.memory_plan()
+    assert first.weights == w.weight_bytes and first.forward > 0 and first.lm_head > 0
+    runner = w.runner
+    assert runner is not None and runner.kv_cache is None  # measured before any cache exists
+    # A device whose 0.9 leaves room for exactly 40 pages after weights and measured activations.
+    want = 40
+    w.device = DeviceInfo("tpu", 1, "fake",
+                          int((first.weights + first.activations + want * w.page_bytes()) / 0.9) + 2)
+    w._plan = None
+    assert w.num_pages(need_full_sequence=False) == want
+    assert w.init_kv_cache(want) is runner and runner.kv_spec.num_pages == want  # built once
