@@ -70,7 +70,9 @@ several short sequences; ``num_kv_pages_per_block`` sets the DMA/compute granula
 (benchmarks/attention_tpu.py --sweep; benchmarks/RESULTS.md), 64 queries x 512 KV tokens, and
 1024 KV tokens for decode steps, where smaller blocks left half the HBM bandwidth unused; v4 /
 v5p: (32, 512); v6e: 256x256 MXU, 32 MiB -> (64, 512); v7x: (64, 1024). The generations other
-than v5e are reasoned from VMEM and MXU sizes, not measured.
+than v5e are reasoned from VMEM and MXU sizes, not measured. Those token counts are for rows of
+16 combined heads x 128 lanes; wider rows (many KV heads; head_dim 64 also takes 128 lanes in
+VMEM) get fewer tokens, so the two KV buffers stay within 8 MiB (``_KV_BUFFER_BYTES``).
 
 Decode path: when the step has no more tokens than sequence slots (a decode or near-decode batch)
 the default is bq = 1, so each grid step is one sequence with exactly G MXU rows instead of bq*G
@@ -95,6 +97,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+
+from tpuserve.attention.kv_cache_shape import device_head_dim
 
 DEFAULT_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
@@ -125,6 +129,11 @@ _BLOCK_SIZES_BY_GENERATION = {
     "7": BlockSizes(64, 1024),  # v7x: 64 MiB VMEM per TensorCore
 }
 _FALLBACK_BLOCK_SIZES = BlockSizes(32, 512)
+# VMEM for the two KV block buffers (both slots). The measured v5e decode block (1024 tokens of
+# 16 bf16 heads x 128) takes this much; with the query / output blocks and the f32 softmax state
+# it stays inside the 16 MiB of scoped VMEM, where a 32-KV-head, head_dim-64 model (rows of 64
+# heads x 128 lanes) at 512 tokens a block needed 19 MiB and did not compile on a v5e.
+_KV_BUFFER_BYTES = 8 << 20
 
 
 def _device_kind() -> str:
@@ -135,9 +144,12 @@ def _device_kind() -> str:
 
 
 def default_block_sizes(page_size: int, num_tokens: int, num_seq_slots: int,
-                        device_kind: str | None = None, kv_itemsize: int = 2) -> tuple[int, int]:
+                        device_kind: str | None = None, kv_itemsize: int = 2,
+                        cache_heads: int = 16, head_dim: int = 128) -> tuple[int, int]:
     """(num_queries_per_block, num_kv_pages_per_block) for a step's static shapes. The KV token
-    counts are for 16-bit caches; a 32-bit cache gets half as many (same VMEM bytes)."""
+    counts are for 16-bit caches; a 32-bit cache gets half as many (same VMEM bytes), and a cache
+    with wider token rows (``cache_heads`` x ``head_dim``, the head dim in whole 128-lane tiles)
+    as many as keep the two KV buffers within ``_KV_BUFFER_BYTES``."""
     kind = _device_kind() if device_kind is None else device_kind.lower()
     sizes = _FALLBACK_BLOCK_SIZES
     if "tpu" in kind:
@@ -151,6 +163,8 @@ def default_block_sizes(page_size: int, num_tokens: int, num_seq_slots: int,
     if decode and sizes.decode_kv_tokens_per_block is not None:
         tokens = sizes.decode_kv_tokens_per_block
     tokens = tokens * 2 // max(kv_itemsize, 2)
+    row_bytes = cache_heads * device_head_dim("pallas_tpu", head_dim) * kv_itemsize
+    tokens = min(tokens, _KV_BUFFER_BYTES // (2 * row_bytes))
     return bq, max(1, tokens // page_size)
 
 
@@ -486,7 +500,8 @@ def ragged_paged_attention_tpu_stacked(
                          f"got {new_kv.shape}")
     group = num_q_heads // num_kv_heads
     bq, ppb = default_block_sizes(page_size, num_tokens, num_slots,
-                                  kv_itemsize=jnp.dtype(kv_cache.dtype).itemsize)
+                                  kv_itemsize=jnp.dtype(kv_cache.dtype).itemsize,
+                                  cache_heads=cache_heads, head_dim=head_dim)
     bq = num_queries_per_block or bq
     ppb = min(num_kv_pages_per_block or ppb, pages_per_seq)
     num_blocks = pl.cdiv(num_tokens, bq)

@@ -124,6 +124,11 @@ def test_default_block_sizes_per_generation():
     assert default_block_sizes(16, 512, 8, "TPU v6 lite") == (64, 32)
     assert default_block_sizes(128, 512, 8, "TPU7x") == (64, 8)
     assert default_block_sizes(16, 20, 8, "cpu") == (20, 32)
+    # Wide token rows get fewer tokens a block: 64 combined heads of head_dim 64 (a lane-padded
+    # 128) overflowed the v5e's 16 MiB scoped VMEM at 512 tokens (SmolLM2-1.7B's shape).
+    assert default_block_sizes(16, 512, 8, "TPU v5 lite", cache_heads=64, head_dim=64) == (64, 16)
+    assert default_block_sizes(16, 8, 8, "TPU v5 lite", cache_heads=64, head_dim=64) == (1, 16)
+    assert default_block_sizes(16, 8, 8, "TPU v5 lite", kv_itemsize=4) == (1, 32)
 
 
 @pytest.mark.timeout(240)
