@@ -19,6 +19,8 @@ completed stop string, holding back text that might still become one.
 
 from __future__ import annotations
 
+import functools
+
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -170,6 +172,21 @@ def decode_token(tokenizer: Tokenizer, token_id: int) -> str:
     return text if text is not None else ""
 
 
+@functools.lru_cache(maxsize=1024)
+def _failure_table(pattern: str) -> tuple[int, ...]:
+    """KMP failure function: [i] = length of the longest proper prefix of pattern[:i+1] that is
+    also its suffix. Shared by every sequence that stops on ``pattern``."""
+    fail = [0] * len(pattern)
+    k = 0
+    for i in range(1, len(pattern)):
+        while k and pattern[i] != pattern[k]:
+            k = fail[k - 1]
+        if pattern[i] == pattern[k]:
+            k += 1
+        fail[i] = k
+    return tuple(fail)
+
+
 class StopStringMatcher:
     """Cuts streamed text at the first stop string to complete.
 
@@ -180,16 +197,20 @@ class StopStringMatcher:
     Text that could be the start of a stop string is held back until the
     following text rules the stop string in or out. With no stop strings the
     matcher passes every delta through unchanged.
+
+    Each stop string runs as a KMP automaton over the text, one step per new
+    character: time and memory are linear in the stop strings' total length and
+    the text's, whatever their content (a held-back tail is exactly the longest
+    automaton state, the longest suffix of the text that begins a stop string).
     """
 
     def __init__(self, stop: Sequence[str], include_stop_str_in_output: bool) -> None:
         if any(not s for s in stop):
             raise ValueError("stop strings must be non-empty")
         self._stops: list[str] = list(dict.fromkeys(stop))  # dedupe, keep order
+        self._fails = [_failure_table(s) for s in self._stops]
+        self._states = [0] * len(self._stops)  # matched prefix length of each stop string
         self._include = include_stop_str_in_output
-        # Every proper prefix of a stop string: a held-back tail must be one.
-        self._prefixes: set[str] = {s[:k] for s in self._stops for k in range(1, len(s))}
-        self._max_hold = max((len(s) - 1 for s in self._stops), default=0)
         self._held = ""
         self.matched: str | None = None  # the stop string that ended the output
 
@@ -205,42 +226,31 @@ class StopStringMatcher:
         if not self._stops:
             return delta, None
         buf = self._held + delta
-        match = self._earliest_match(buf)
-        if match is not None:
-            start, stop = match
-            self.matched = stop
-            self._held = ""
-            end = start + len(stop) if self._include else start
-            return buf[:end], stop
-        hold = self._held_suffix_len(buf)
-        self._held = buf[len(buf) - hold:]
+        states = self._states
+        for i, ch in enumerate(delta):
+            done = None
+            for j, stop in enumerate(self._stops):
+                k, fail = states[j], self._fails[j]
+                while k and stop[k] != ch:
+                    k = fail[k - 1]
+                if stop[k] == ch:
+                    k += 1
+                if k == len(stop):  # ends here; of those ending here the longest starts first
+                    if done is None or len(stop) > len(done):
+                        done = stop
+                    k = fail[k - 1]
+                states[j] = k
+            if done is not None:
+                self.matched = done
+                self._held = ""
+                end = len(buf) - len(delta) + i + 1  # just past this character
+                start = end - len(done)
+                return buf[:end if self._include else start], done
+        hold = max(states)
+        self._held = buf[len(buf) - hold:] if hold else ""
         return buf[:len(buf) - hold], None
 
     def flush(self) -> str:
         """Release held text when generation ends without a stop string."""
         held, self._held = self._held, ""
         return held
-
-    def _earliest_match(self, buf: str) -> tuple[int, str] | None:
-        """(start, stop string) of the match that ends first, or None."""
-        best: tuple[int, int, str] | None = None  # (end, start, stop)
-        for stop in self._stops:
-            # For one stop string the earliest start is also the earliest end.
-            start = buf.find(stop)
-            if start < 0:
-                continue
-            candidate = (start + len(stop), start, stop)
-            if best is None or candidate[:2] < best[:2]:
-                best = candidate
-        return None if best is None else (best[1], best[2])
-
-    def _held_suffix_len(self, buf: str) -> int:
-        """Length of the longest suffix of ``buf`` that begins a stop string.
-
-        No earlier position needs holding: a stop string starting there would
-        make a longer suffix of ``buf`` one of its prefixes.
-        """
-        for k in range(min(self._max_hold, len(buf)), 0, -1):
-            if buf[len(buf) - k:] in self._prefixes:
-                return k
-        return 0

@@ -180,12 +180,18 @@ class LLMEngine:
                 prompt_token_ids = list(prompt)
             else:
                 raise ValueError("prompt: give a string or a list of token ids")
+        if any(isinstance(t, bool) or not isinstance(t, (int, np.integer)) for t in prompt_token_ids):
+            raise ValueError("prompt: token ids must be integers")
         ids = [int(t) for t in prompt_token_ids]
         if not ids:
             raise ValueError("prompt: must not be empty")
         bad = [t for t in ids if not 0 <= t < self.arch.vocab_size]
         if bad:
             raise ValueError(f"prompt: token id {bad[0]} is outside the vocabulary [0, {self.arch.vocab_size})")
+        bad = [t for t in params.stop_token_ids if t >= self.arch.vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids: token id {bad[0]} is outside the vocabulary "
+                             f"[0, {self.arch.vocab_size})")
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt: {len(ids)} tokens leave no room to generate within "
                              f"max_model_len={self.max_model_len}")

@@ -10,13 +10,15 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 from pydantic_core import PydanticCustomError
+
+from tpuserve.server.sampling_params import MAX_STOP_STRINGS
 
 # Floats in requests must be finite: Python's JSON parser accepts NaN and Infinity.
 Float = Annotated[float, Field(allow_inf_nan=False)]
 MAX_N = 128
-MAX_STOP = 64
+MAX_STOP = MAX_STOP_STRINGS  # stop strings, and stop token ids
 MAX_TOKENS_LIMIT = 1 << 31
 
 
@@ -134,7 +136,7 @@ class SamplingFields(Request):
     repetition_penalty: Float | None = Field(default=None, gt=0.0, le=2.0)
     min_tokens: int = Field(default=0, ge=0, lt=MAX_TOKENS_LIMIT)
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP)
+    stop_token_ids: list[StrictInt] | None = Field(default=None, max_length=MAX_STOP)
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -152,7 +154,8 @@ class SamplingFields(Request):
 
 # ---- /v1/completions ----
 
-PromptInput = str | list[str] | list[int] | list[list[int]]
+# Token ids are strict: JSON true / false are no token ids (lax pydantic reads them as 1 / 0).
+PromptInput = str | list[str] | list[StrictInt] | list[list[StrictInt]]
 
 
 class CompletionRequest(SamplingFields):
@@ -399,7 +402,7 @@ class TokenizeResponse(Response):
 
 class DetokenizeRequest(Request):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[StrictInt]
 
 
 class DetokenizeResponse(Response):

@@ -5,6 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+# Bounds on stop strings (vLLM sets none): a request's stop strings cost the engine time and memory
+# in proportion to their total length, so one request must not bring megabytes of them.
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 4096
+MAX_STOP_TOTAL_CHARS = 16384
+
 
 @dataclass
 class StructuredOutputParams:
@@ -78,8 +84,22 @@ class SamplingParams:
         need(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]")
         need(0.0 < self.repetition_penalty <= 2.0, "repetition_penalty", "must be in (0, 2]")
         need(self.seed is None or isinstance(self.seed, int), "seed", "must be an integer")
-        need(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
-        need(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+        # Checked before anything echoes the value: an error message must not carry megabytes.
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop: at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
+        if not all(isinstance(s, str) for s in self.stop):
+            raise ValueError("stop: must be non-empty strings")
+        longest = max((len(s) for s in self.stop), default=0)
+        if longest > MAX_STOP_STRING_CHARS:
+            raise ValueError(f"stop: each stop string may have at most {MAX_STOP_STRING_CHARS} "
+                             f"characters, got one of {longest}")
+        total = sum(len(s) for s in self.stop)
+        if total > MAX_STOP_TOTAL_CHARS:
+            raise ValueError(f"stop: the stop strings may have at most {MAX_STOP_TOTAL_CHARS} "
+                             f"characters in all, got {total}")
+        need(all(self.stop), "stop", "must be non-empty strings")
+        need(all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                 for t in self.stop_token_ids), "stop_token_ids",
              "must be non-negative integers")
         limit = 1024 if max_logprobs is None else max_logprobs
         need(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= limit),

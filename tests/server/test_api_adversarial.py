@@ -165,6 +165,35 @@ def test_concurrent_huge_prompts_leave_small_ones_alone(server, client):
             assert small_at < big_at  # the small request waited for neither
 
 
+def test_megabyte_stop_string_is_a_quick_400_and_the_server_lives_on(server, client):
+    """A 1 MB stop string once took the server 65 s and 20 GB before the OOM killer ended it
+    (every prefix of every stop string was stored)."""
+    for stop in (["x" * 1_000_000], ["y" * 4000] * 5):
+        t0 = time.monotonic()
+        r = httpx.post(server.base_url + "/v1/completions", timeout=60,
+                       json={"model": MODEL, "prompt": "hi", "max_tokens": 2, "stop": stop})
+        err = _error(r, 400)
+        assert time.monotonic() - t0 < 10
+        assert err["param"] == "stop" and "characters" in err["message"]
+        assert len(err["message"]) < 300  # the value is not echoed back
+    # The longest stop strings allowed still work, and the server still answers.
+    out = client.completions.create(model=MODEL, prompt="hi", max_tokens=3, stop=["z" * 4096] * 4)
+    assert out.choices[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"prompt": [True, False]}, "prompt"),  # lax parsing read these as token ids 1 and 0
+    ({"prompt": [[1, True]]}, "prompt"),
+    ({"prompt": "hi", "stop_token_ids": [10 ** 9]}, "stop_token_ids"),
+    ({"prompt": "hi", "stop_token_ids": [True]}, "stop_token_ids"),
+])
+def test_token_ids_are_integers_inside_the_vocabulary(server, body, param):
+    r = httpx.post(server.base_url + "/v1/completions", timeout=60,
+                   json={"model": MODEL, "max_tokens": 2, **body})
+    # A union field's param carries the member that failed first ("prompt.str").
+    assert _error(r, 400)["param"].split(".")[0] == param
+
+
 # ---- a 503 from an engine whose loop died: in-process server, fake engine ----
 
 class _DyingEngine:

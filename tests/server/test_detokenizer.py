@@ -368,3 +368,32 @@ def test_detokenizer_and_matcher_together(tok):
         if matched:
             break
     assert ("".join(out), matched) == ("Party time ", "🎉")
+
+
+def test_long_self_similar_stop_strings_cost_linear_time():
+    """Stop strings of the longest allowed length, made to be prefixes of the text all the time
+    ("aaa...a" then a mismatch): the old matcher stored every prefix (quadratic memory) and
+    re-checked every suffix per delta; the automata take each character once."""
+    import time
+
+    stops = ["a" * 4095 + "b", "ab" * 2048]
+    text = "a" * 200_000 + "b"
+    matcher = StopStringMatcher(stops, include_stop_str_in_output=False)
+    t0 = time.perf_counter()
+    out = "".join(matcher.feed(text[i: i + 3])[0] for i in range(0, len(text), 3))
+    assert time.perf_counter() - t0 < 10
+    assert matcher.matched == stops[0] and out == "a" * (200_000 - 4095)
+
+
+def test_stop_string_bounds_are_clear_errors():
+    from tpuserve.server.sampling_params import SamplingParams
+
+    with pytest.raises(ValueError, match=r"^stop: each stop string may have at most 4096 "
+                                         r"characters, got one of 1000000$"):
+        SamplingParams(stop=["x" * 1_000_000])
+    with pytest.raises(ValueError, match=r"at most 16384 characters in all, got 20000"):
+        SamplingParams(stop=["y" * 4000] * 5)
+    with pytest.raises(ValueError, match=r"at most 64 stop strings, got 65"):
+        SamplingParams(stop=["s"] * 65)
+    assert SamplingParams(stop=["z" * 4096] * 4).stop == ["z" * 4096] * 4
+
