@@ -32,6 +32,10 @@ from tpuserve.tpu_platform.worker import Worker
 log = logging.getLogger(__name__)
 
 
+class GrammarDeadEndError(ValueError):
+    """A request's grammar admits no token where decoding stands (it matches no complete text)."""
+
+
 @dataclass
 class EngineStats:
     prompt_tokens: int = 0
@@ -60,6 +64,7 @@ class RequestState:
     seqs: list[Sequence]
     arrival: float
     error: str | None = None
+    error_status: int = 500
     first_token_time: float | None = None
     prompt_logprobs: list | None = None
     extra: dict[str, Any] = field(default_factory=dict)
@@ -443,7 +448,10 @@ class LLMEngine:
                         self._append_token(state, seq, result, int(first_row[i]) + j, token)
                 except Exception as e:  # one request's failure must not take down the batch
                     log.exception("request %s failed", seq.request_id)
-                    self._fail(state, f"{type(e).__name__}: {e}")
+                    if isinstance(e, GrammarDeadEndError):
+                        self._fail(state, str(e), status=400)
+                    else:
+                        self._fail(state, f"{type(e).__name__}: {e}")
             touched[state.request_id] = state
         if self.draft_runner is not None and inflight.features is not None:
             self._catch_up_draft_head(inflight)
@@ -545,7 +553,10 @@ class LLMEngine:
             seq.logprobs.append(self._position_logprobs(result.logprobs, row, token, p.logprobs or 0))
             seq.cumulative_logprob += float(result.logprobs.token_logprobs[row])
         if seq.grammar is not None and not seq.grammar.accept(token):
-            raise ValueError(f"token {token} was rejected by the request's grammar")
+            raise GrammarDeadEndError(
+                f"structured_outputs: the grammar admits no token after {len(seq.output_token_ids) - 1} "
+                f"generated tokens (token {token} was sampled from an empty mask): it matches no "
+                f"complete text")
         n_out = len(seq.output_token_ids)
         reason, stop_reason = None, None
         if token in self.eos_token_ids and not p.ignore_eos:
@@ -580,8 +591,8 @@ class LLMEngine:
         pages = seq.page_ids[: -(-n // self.config.cache.block_size)]
         state.kv_transfer_params = self.kv_role.export(state.request_id, self.runner.kv_cache, pages, n)
 
-    def _fail(self, state: RequestState, message: str) -> None:
-        state.error = message
+    def _fail(self, state: RequestState, message: str, status: int = 500) -> None:
+        state.error, state.error_status = message, status
         for seq in state.seqs:
             if not seq.is_finished:
                 self.scheduler.finish(seq)
@@ -597,4 +608,5 @@ class LLMEngine:
                              prompt_token_ids=state.prompt_token_ids, outputs=outs,
                              finished=state.finished, prompt_logprobs=state.prompt_logprobs,
                              num_cached_tokens=state.seqs[0].num_cached_tokens, error=state.error,
+                             error_status=state.error_status,
                              kv_transfer_params=state.kv_transfer_params)

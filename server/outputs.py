@@ -42,4 +42,7 @@ class RequestOutput:
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     num_cached_tokens: int = 0
     error: str | None = None  # set when the request failed on its own (others continue)
+    # The HTTP status that failure answers: 400 when the request itself could not be served
+    # (a grammar that admits no complete text), 500 for a failure of ours.
+    error_status: int = 500
     kv_transfer_params: dict | None = None  # a prefill for a remote decode: how to pull its KV

@@ -228,7 +228,7 @@ class ChatHandler:
     def _response(self, req: ChatCompletionRequest, request_id: str, created: int,
                   out: RequestOutput, parse_tools: bool) -> ChatCompletionResponse:
         if out.error:
-            raise APIError(500, f"request failed: {out.error}")
+            raise APIError(out.error_status, f"request failed: {out.error}")
         choices = []
         for c in out.outputs:
             content, calls = (parse_tool_calls(c.text) if parse_tools else (c.text, []))

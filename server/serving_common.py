@@ -340,7 +340,8 @@ async def outputs_or_error(merged: AsyncIterator[tuple[int, RequestOutput]]
     try:
         async for i, out in merged:
             if out.error:
-                yield i, sse({"error": error_body(500, f"request failed: {out.error}")["error"]})
+                yield i, sse({"error": error_body(out.error_status,
+                                                  f"request failed: {out.error}")["error"]})
                 return
             yield i, out
     except (EngineUnavailableError, QueueFullError) as e:

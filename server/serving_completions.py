@@ -127,7 +127,7 @@ class CompletionHandler:
         completion_tokens = 0
         for i, out in enumerate(finals):
             if out.error:
-                raise APIError(500, f"request failed: {out.error}")
+                raise APIError(out.error_status, f"request failed: {out.error}")
             for c in out.outputs:
                 text = c.text
                 lps = None

@@ -61,22 +61,39 @@ def compile_structured_output(params: StructuredOutputParams, tokenizer, vocab_s
     bad field when the schema, regex or grammar does not compile."""
     params.validate()
     compiler = _compiler(tokenizer, vocab_size)
+    field = ("json" if params.json is not None else "json_object" if params.json_object
+             else "regex" if params.regex is not None else "grammar")
     try:
         if params.json is not None:
             # Compact JSON (no free whitespace between tokens): small models otherwise tend to loop
             # on whitespace until max_tokens, leaving unparseable output.
-            return compiler.compile_json_schema(_schema_text(params.json), any_whitespace=False)
-        if params.json_object:
-            return compiler.compile_builtin_json_grammar()
-        if params.regex is not None:
-            return compiler.compile_regex(params.regex)
-        return compiler.compile_grammar(params.grammar)
+            compiled = compiler.compile_json_schema(_schema_text(params.json), any_whitespace=False)
+        elif params.json_object:
+            compiled = compiler.compile_builtin_json_grammar()
+        elif params.regex is not None:
+            compiled = compiler.compile_regex(params.regex)
+        else:
+            compiled = compiler.compile_grammar(params.grammar)
     except ValueError:
         raise
     except Exception as e:  # xgrammar reports parse errors as RuntimeError with a C++ prefix
-        field = ("json" if params.json is not None else "json_object" if params.json_object
-                 else "regex" if params.regex is not None else "grammar")
         raise ValueError(f"structured_outputs.{field}: does not compile: {_short_error(e)}") from e
+    if not _admits_a_first_token(compiled, vocab_size):
+        # e.g. the regex [^\s\S], a schema that is only a $ref to itself: decoding would sample
+        # from an empty mask, so refuse before any token is generated.
+        raise ValueError(f"structured_outputs.{field}: matches no text (the grammar admits no "
+                         f"first token)")
+    return compiled
+
+
+def _admits_a_first_token(compiled, vocab_size: int) -> bool:
+    """Whether a fresh matcher of ``compiled`` allows any token (end of text included)."""
+    import xgrammar as xgr
+
+    matcher = xgr.GrammarMatcher(compiled)
+    mask = np.full((1, bitmask_words(vocab_size)), -1, dtype=np.int32)
+    matcher.fill_next_token_bitmask(mask, 0)
+    return bool(mask.any()) or bool(matcher.is_terminated())
 
 
 def _short_error(e: Exception) -> str:

@@ -194,6 +194,35 @@ def test_token_ids_are_integers_inside_the_vocabulary(server, body, param):
     assert _error(r, 400)["param"].split(".")[0] == param
 
 
+NO_TEXT = [{"regex": "[^\\s\\S]"}, {"json": {"$ref": "#"}},
+           {"grammar": "root ::= [^\\x00-\\U0010FFFF]"}]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("so", NO_TEXT, ids=["regex", "ref-loop", "ebnf"])
+def test_grammar_that_matches_nothing_is_400_before_any_token(server, so, stream):
+    r = httpx.post(server.base_url + "/v1/completions", timeout=60,
+                   json={"model": MODEL, "prompt": "hi", "max_tokens": 4, "stream": stream,
+                         "structured_outputs": so})
+    assert "matches no text" in _error(r, 400)["message"]
+
+
+def test_grammar_dead_end_while_decoding_ends_the_request_with_a_400(server, client):
+    """'a' is admitted, then nothing: found only while decoding; the request ends with a clear
+    error (not a 500), streamed as an error event, and the server serves the next request."""
+    so = {"grammar": "root ::= \"a\" [^\\x00-\\U0010FFFF]"}
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 4, "temperature": 0,
+            "structured_outputs": so}
+    r = httpx.post(server.base_url + "/v1/completions", json=body, timeout=60)
+    assert "matches no complete text" in _error(r, 400)["message"]
+    with httpx.stream("POST", server.base_url + "/v1/completions", json={**body, "stream": True},
+                      timeout=60) as s:
+        events = [line for line in s.iter_lines() if line.startswith("data: {")]
+    errors = [json.loads(e[6:])["error"] for e in events if '"error"' in e]
+    assert errors and errors[0]["code"] == 400 and "matches no complete text" in errors[0]["message"]
+    assert client.completions.create(model=MODEL, prompt="hi", max_tokens=2).choices[0].text is not None
+
+
 # ---- a 503 from an engine whose loop died: in-process server, fake engine ----
 
 class _DyingEngine:
