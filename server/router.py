@@ -106,6 +106,12 @@ def _prefill_body(body: dict, path: str) -> dict:
     return out
 
 
+def _json_bytes(body: dict) -> bytes:
+    """JSON as forwarded: ASCII, so text the client sent as escapes (a lone surrogate, which UTF-8
+    cannot encode) reaches the server as the same escapes, for it to judge."""
+    return json.dumps(body, ensure_ascii=True).encode("ascii")
+
+
 def _decode_body(body: dict, kv_params: dict | None) -> dict:
     out = dict(body)
     out.pop("kv_transfer_params", None)  # never a client's own: only what the prefill handed out
@@ -119,6 +125,7 @@ def build_router_app(config: RouterConfig, transport=None):
     import httpx
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, Response, StreamingResponse
+    from starlette.exceptions import HTTPException as StarletteHTTPException
 
     from tpuserve.server.api_errors import error_response
 
@@ -166,6 +173,14 @@ def build_router_app(config: RouterConfig, transport=None):
     app = FastAPI(title="tpuserve router", lifespan=lifespan)
     app.state.pools = pools
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        # Unknown routes and methods in the OpenAI error shape, as the server answers them.
+        message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+        if exc.status_code == 404 and message == "Not Found":
+            message = f"Not Found: no route {request.method} {request.url.path}"
+        return error_response(exc.status_code, message)
+
     async def send(role: str, path: str, body: dict, headers: dict, stream: bool,
                    read_timeout: float) -> httpx.Response:
         """POST to the first reachable healthy backend of ``role``; UpstreamError if none is."""
@@ -173,7 +188,8 @@ def build_router_app(config: RouterConfig, transport=None):
         pool = pools[role]
         tried: list[str] = []
         for b in pool.candidates():
-            req = client.build_request("POST", b.url + path, json=body, headers=headers,
+            req = client.build_request("POST", b.url + path, content=_json_bytes(body),
+                                       headers={**headers, "content-type": "application/json"},
                                        timeout=httpx.Timeout(read_timeout, connect=config.connect_timeout_s))
             try:
                 resp = await client.send(req, stream=stream)
@@ -196,14 +212,10 @@ def build_router_app(config: RouterConfig, transport=None):
         raise UpstreamError(502, f"no {role} server reachable ({'; '.join(tried)})")
 
     async def proxy(request: Request, path: str):
-        raw = await request.body()
-        try:
-            body = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            return error_response(400, f"request body is not valid JSON: {e}")
-        if not isinstance(body, dict):
-            return error_response(400, "request body must be a JSON object")
-        headers = {k: v for k, v in request.headers.items() if k.lower() in _FORWARD_HEADERS}
+        body = await _json_object(request)
+        if isinstance(body, Response):
+            return body
+        headers = _forward_headers(request)
         try:
             p = await send("prefill", path, _prefill_body(body, path), headers, stream=False,
                            read_timeout=config.prefill_timeout_s)
@@ -249,18 +261,70 @@ def build_router_app(config: RouterConfig, transport=None):
     async def chat_completions(request: Request):
         return await proxy(request, "/v1/chat/completions")
 
-    @app.get("/v1/models")
-    async def models(request: Request):
-        headers = {k: v for k, v in request.headers.items() if k.lower() in _FORWARD_HEADERS}
+    async def _json_object(request: Request):
+        """The request's JSON object, or the 400 response (the server's error shape) to answer."""
+        raw = await request.body()
+        try:
+            body = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            return error_response(400, f"request body is not valid JSON: {e}")
+        except RecursionError:
+            return error_response(400, "request body is not valid JSON: nested too deeply")
+        if not isinstance(body, dict):
+            return error_response(400, "request body must be a JSON object")
+        return body
+
+    def _forward_headers(request: Request) -> dict:
+        return {k: v for k, v in request.headers.items() if k.lower() in _FORWARD_HEADERS}
+
+    async def to_decode(request: Request, method: str, path: str):
+        """One request to the first reachable decode server, answered as it answered."""
+        kwargs = {}
+        if method == "POST":
+            body = await _json_object(request)
+            if isinstance(body, Response):
+                return body
+            kwargs = dict(content=_json_bytes(body), headers={**_forward_headers(request),
+                                                               "content-type": "application/json"})
+        else:
+            kwargs = dict(headers=_forward_headers(request))
         client: httpx.AsyncClient = state["client"]
         for b in pools["decode"].candidates():
             try:
-                r = await client.get(b.url + "/v1/models", headers=headers)
+                r = await client.request(method, b.url + path, **kwargs)
             except httpx.HTTPError as e:
                 pools["decode"].mark(b, f"{type(e).__name__}: {e}")
                 continue
+            b.requests += 1
             return Response(r.content, r.status_code, media_type=r.headers.get("content-type"))
         return error_response(503, "no healthy decode server")
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        return await to_decode(request, "GET", "/v1/models")
+
+    # The servers' utility routes: token ids are the same on every server of one model.
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        return await to_decode(request, "POST", "/tokenize")
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        return await to_decode(request, "POST", "/detokenize")
+
+    @app.get("/metrics")
+    async def metrics():
+        """The router's own: each backend's health and the requests sent to it."""
+        lines = ["# HELP tpuserve_router_backend_healthy Whether the router routes to the backend.",
+                 "# TYPE tpuserve_router_backend_healthy gauge",
+                 "# HELP tpuserve_router_backend_requests_total Requests the router sent it.",
+                 "# TYPE tpuserve_router_backend_requests_total counter"]
+        for role, pool in pools.items():
+            for b in pool.backends:
+                labels = f'role="{role}",url="{b.url}"'
+                lines.append(f"tpuserve_router_backend_healthy{{{labels}}} {int(b.healthy)}")
+                lines.append(f"tpuserve_router_backend_requests_total{{{labels}}} {b.requests}")
+        return Response("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
     @app.get("/health")
     async def health():

@@ -130,6 +130,43 @@ def test_prefill_4xx_is_passed_through_and_bad_json_is_400():
         assert c.post("/v1/completions", content=b"{nope").status_code == 400
 
 
+def _openai_error(r, status: int) -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["code"] == status
+    return err
+
+
+def test_client_mistakes_get_the_servers_error_shape_not_a_500():
+    """A lone surrogate (sent as JSON escapes) once made the router 500 (UnicodeEncodeError when it
+    re-encoded the body) and 10,000 nested arrays 500 (RecursionError); unknown routes answered
+    FastAPI's {"detail": ...}."""
+    b = Backends()
+    with _client(b) as c:
+        r = c.post("/v1/completions", content=b'{"prompt": "bad \\ud800 text", "max_tokens": 2}',
+                   headers={"content-type": "application/json"})
+        assert r.status_code == 200  # forwarded for the server to judge (it answers 400)
+        (_, _, p_body), (_, _, d_body) = b.posts()
+        assert p_body["prompt"] == d_body["prompt"] == "bad \ud800 text"
+        deep = b"[" * 10_000 + b"]" * 10_000
+        assert "nested too deeply" in _openai_error(c.post("/v1/completions", content=deep), 400)["message"]
+        assert "no route GET /nope" in _openai_error(c.get("/nope"), 404)["message"]
+        _openai_error(c.get("/v1/completions"), 405)
+
+
+def test_tokenize_and_detokenize_go_to_a_decode_server_and_metrics_are_the_routers():
+    b = Backends()
+    with _client(b, prefill=(P1, P2)) as c:
+        assert c.post("/tokenize", json={"prompt": "hi"}).json()["from"] == "d1"
+        assert c.post("/detokenize", json={"tokens": [1]}).json()["from"] == "d1"
+        assert [(h, p) for h, p, _ in b.posts()] == [("d1", "/tokenize"), ("d1", "/detokenize")]
+        _openai_error(c.post("/tokenize", content=b"{nope"), 400)
+        c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+        text = c.get("/metrics").text
+    assert 'tpuserve_router_backend_healthy{role="prefill",url="http://p2:2"} 1' in text
+    assert 'tpuserve_router_backend_requests_total{role="decode",url="http://d1:3"} 3' in text
+
+
 def test_health_checks_revive_a_backend():
     b = Backends()
     cfg = RouterConfig([P1], [D1], health_interval_s=0.1)
