@@ -9,6 +9,9 @@ Routes: GET /health, /version, /metrics, /v1/models; POST /v1/completions, /v1/c
 /tokenize, /detokenize. Errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``;
 every 503 carries ``Retry-After``. With an API key, every route but /health, /version and the API
 docs needs it.
+
+Slow clients: a request head must arrive within ``--http-header-timeout`` seconds and its body within
+``--http-body-timeout`` (408) or the connection is closed (server/http_deadlines.py).
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from tpuserve.server.api_errors import (APIError, bad_request, error_body, error_headers,
                                         error_response)
 from tpuserve.server.async_engine import AsyncEngine, EngineUnavailableError, QueueFullError
+from tpuserve.server.http_deadlines import (DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S,
+                                            BodyDeadlineMiddleware, deadline_protocol)
 from tpuserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from tpuserve.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                              DetokenizeResponse, ModelCard, ModelList, TokenizeRequest,
@@ -182,7 +187,8 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | 
               model_root: str | None = None, extra_model_names: tuple[str, ...] = (),
               chat_template: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
               shutdown_grace_s: float = 5.0,
-              max_prompt_chars_per_token: float = DEFAULT_MAX_PROMPT_CHARS_PER_TOKEN) -> FastAPI:
+              max_prompt_chars_per_token: float = DEFAULT_MAX_PROMPT_CHARS_PER_TOKEN,
+              body_timeout_s: float | None = DEFAULT_BODY_TIMEOUT_S) -> FastAPI:
     metrics = ServerMetrics(served_model_name, lambda: async_engine.snapshot)
     async_engine.metrics = metrics
     ctx = ServingContext(engine=async_engine, model_name=served_model_name,
@@ -293,6 +299,8 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | 
         return DetokenizeResponse(prompt=text)
 
     # Outermost first on the way in: the API key is checked before the body is read.
+    if body_timeout_s is not None:
+        app.add_middleware(BodyDeadlineMiddleware, timeout_s=body_timeout_s)
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
@@ -329,6 +337,15 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                         help="a prompt (or rendered chat) longer than max_model_len times this many "
                              "characters is refused with 400 before tokenizing (default "
                              f"{DEFAULT_MAX_PROMPT_CHARS_PER_TOKEN:g})")
+    parser.add_argument("--http-header-timeout", type=_positive_float, default=DEFAULT_HEADER_TIMEOUT_S,
+                        help="seconds a client has to send a whole request head, from connecting (or "
+                             "from the first byte of a later keep-alive request); then the connection "
+                             f"is closed (default {DEFAULT_HEADER_TIMEOUT_S:g})")
+    parser.add_argument("--http-body-timeout", type=_positive_float, default=DEFAULT_BODY_TIMEOUT_S,
+                        help="seconds a client has to send a whole request body after its head; then "
+                             "it gets a 408 and the connection is closed. Only reading the request is "
+                             "bounded, never a (streamed) answer "
+                             f"(default {DEFAULT_BODY_TIMEOUT_S:g})")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="seconds in-flight requests may run on after SIGTERM (default 30)")
     parser.add_argument("--no-warmup", action="store_true",
@@ -399,9 +416,11 @@ def run_server(args: argparse.Namespace) -> int:
     app = build_app(async_engine, name, api_key=args.api_key, model_root=engine.model_source,
                     extra_model_names=others, chat_template=_read_chat_template(args.chat_template),
                     max_body_bytes=args.max_body_bytes, shutdown_grace_s=min(5.0, args.shutdown_timeout),
-                    max_prompt_chars_per_token=args.max_prompt_chars_per_token)
+                    max_prompt_chars_per_token=args.max_prompt_chars_per_token,
+                    body_timeout_s=args.http_body_timeout)
     uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                access_log=args.log_level == "debug",
+                               http=deadline_protocol(args.http_header_timeout, args.http_body_timeout),
                                timeout_graceful_shutdown=int(max(1, args.shutdown_timeout)))
     server = uvicorn.Server(uv_config)
     # uvicorn handles SIGTERM/SIGINT while it runs (graceful shutdown), then restores these handlers

@@ -11,6 +11,8 @@ backend's ``/health``; a backend that cannot be reached while serving is marked 
 (and the request tries the pool's next healthy one: nothing was sent to it yet). No healthy
 backend: 503. Every upstream failure: 502 with an OpenAI-shaped JSON error. All upstream waits
 have timeouts, so a hung backend costs at most the timeout, never a hang.
+Clients' requests have the server's read deadlines (``--http-header-timeout``,
+``--http-body-timeout``).
 """
 
 # No ``from __future__ import annotations``: FastAPI reads the handlers' ``Request`` annotations, and
@@ -23,6 +25,10 @@ import logging
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
+
+from tpuserve.server.http_deadlines import (DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S,
+                                            BodyDeadlineMiddleware, check_timeouts,
+                                            deadline_protocol)
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +46,8 @@ class RouterConfig:
     connect_timeout_s: float = 3.0
     prefill_timeout_s: float = 300.0  # the whole prefill answer
     decode_read_timeout_s: float = 600.0  # between two chunks of a decode answer
+    http_header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S  # a client's request head, from connecting
+    http_body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S  # a client's request body, after its head
 
     def validate(self) -> None:
         for name, urls in (("--prefill", self.prefill_urls), ("--decode", self.decode_urls)):
@@ -52,6 +60,7 @@ class RouterConfig:
                      "decode_read_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        check_timeouts(self.http_header_timeout_s, self.http_body_timeout_s)
 
 
 @dataclass
@@ -172,6 +181,7 @@ def build_router_app(config: RouterConfig, transport=None):
 
     app = FastAPI(title="tpuserve router", lifespan=lifespan)
     app.state.pools = pools
+    app.add_middleware(BodyDeadlineMiddleware, timeout_s=config.http_body_timeout_s)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
@@ -179,7 +189,8 @@ def build_router_app(config: RouterConfig, transport=None):
         message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
         if exc.status_code == 404 and message == "Not Found":
             message = f"Not Found: no route {request.method} {request.url.path}"
-        return error_response(exc.status_code, message)
+        # Its headers too: a 405's Allow, a 408's Connection: close.
+        return error_response(exc.status_code, message, headers=getattr(exc, "headers", None))
 
     async def send(role: str, path: str, body: dict, headers: dict, stream: bool,
                    read_timeout: float) -> httpx.Response:
@@ -358,6 +369,14 @@ def add_router_parser(subparsers) -> argparse.ArgumentParser:
                         help="seconds a prefill answer may take")
     parser.add_argument("--decode-read-timeout", type=float, default=600.0,
                         help="seconds a decode answer may go without sending anything")
+    parser.add_argument("--http-header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT_S,
+                        help="seconds a client has to send a whole request head, from connecting (or "
+                             "from the first byte of a later keep-alive request); then the connection "
+                             f"is closed (default {DEFAULT_HEADER_TIMEOUT_S:g})")
+    parser.add_argument("--http-body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT_S,
+                        help="seconds a client has to send a whole request body after its head; then "
+                             "it gets a 408 and the connection is closed. Only reading the request is "
+                             f"bounded, never a (streamed) answer (default {DEFAULT_BODY_TIMEOUT_S:g})")
     parser.add_argument("--log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug"])
     parser.set_defaults(func=run_router)
@@ -371,9 +390,12 @@ def run_router(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = RouterConfig(args.prefill, args.decode, health_interval_s=args.health_interval,
                           connect_timeout_s=args.connect_timeout, prefill_timeout_s=args.prefill_timeout,
-                          decode_read_timeout_s=args.decode_read_timeout)
+                          decode_read_timeout_s=args.decode_read_timeout,
+                          http_header_timeout_s=args.http_header_timeout,
+                          http_body_timeout_s=args.http_body_timeout)
     app = build_router_app(config)  # ValueError (bad URL, ...) -> the CLI's exit 2
     log.info("routing on http://%s:%d: prefill %s, decode %s", args.host, args.port,
              config.prefill_urls, config.decode_urls)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
+                http=deadline_protocol(config.http_header_timeout_s, config.http_body_timeout_s))
     return 0
