@@ -120,6 +120,7 @@ class TpuserveWorker(WorkerBase):
     def init_device(self) -> None:
         from tpuserve.tpu_platform.worker import Worker
 
+        _no_torch_accelerator_cache_release()  # this is the engine-core process vLLM tears down later
         self.worker = Worker(self._engine_config())
         info = self.worker.device
         # vLLM's own tensors around this worker stay on the host (see platform.py).
@@ -386,6 +387,27 @@ class TpuserveWorker(WorkerBase):
         self.runner = None
         if self.worker is not None:
             self.worker.shutdown()  # drops the KV cache and weights
+
+
+def _no_torch_accelerator_cache_release() -> None:
+    """Make ``torch.accelerator.empty_cache`` / ``empty_host_cache`` no-ops when torch has no accelerator.
+
+    vLLM's engine-core teardown (``cleanup_dist_env_and_memory``) calls both on every platform but
+    its in-tree CPU one, judged by ``is_cpu()``; with a torch build that drives no accelerator they
+    raise "Cannot access accelerator device when none is available" and shutdown ends in a
+    traceback. vLLM offers no platform hook for that release, and answering ``is_cpu()`` True would
+    also switch vLLM's CPU defaults and code paths on (platform.py). Torch caches nothing here (the
+    model's memory is JAX's, freed by ``Worker.shutdown``), so a no-op is the true release; vLLM's
+    own CPU worker installs the same no-ops. A torch with an accelerator is left untouched.
+    """
+    if torch.accelerator.current_accelerator() is not None:
+        return
+    torch.accelerator.empty_cache = _nothing_to_release
+    torch.accelerator.empty_host_cache = _nothing_to_release
+
+
+def _nothing_to_release() -> None:
+    return None
 
 
 def _make_connector(vllm_config: VllmConfig,
