@@ -22,6 +22,27 @@ from tpuserve.tpu_platform.config import KVTransferConfig
 
 log = logging.getLogger(__name__)
 
+# ``kv_connector_extra_config`` keys that tune the producer's listener (``TcpKVSender`` keywords;
+# the defaults there suit one host or a trusted network).
+LISTENER_OPTIONS: dict[str, type] = {"handshake_timeout_s": float, "idle_timeout_s": float,
+                                     "max_connections": int, "max_connections_per_peer": int}
+
+
+def listener_options(extra: dict | None) -> dict[str, Any]:
+    """The listener settings given in ``kv_connector_extra_config``; ValueError naming a bad one."""
+    out: dict[str, Any] = {}
+    for key, kind in LISTENER_OPTIONS.items():
+        if key not in (extra or {}):
+            continue
+        v = extra[key]
+        if (not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 < v < float("inf")
+                or (kind is int and not float(v).is_integer())):
+            what = "number of seconds" if kind is float else "integer"
+            raise ValueError(f"kv_transfer_config.kv_connector_extra_config.{key}={v!r}: must be a "
+                             f"positive {what}")
+        out[key] = kind(v)
+    return out
+
 
 class KVTransferRole:
     def __init__(self, cfg: KVTransferConfig, model_id: str, kv_cache):
@@ -33,7 +54,8 @@ class KVTransferRole:
         self.sender = None
         self.receiver = None
         if cfg.kv_role in ("kv_producer", "kv_both"):
-            self.sender = TcpKVSender(self.layout, host=cfg.kv_ip, port=cfg.kv_port)
+            self.sender = TcpKVSender(self.layout, host=cfg.kv_ip, port=cfg.kv_port,
+                                      **listener_options(cfg.kv_connector_extra_config))
             log.info("KV producer listening on %s:%d", *self.sender.address)
         if cfg.kv_role in ("kv_consumer", "kv_both"):
             self.receiver = TcpKVReceiver(self.layout)

@@ -3,8 +3,10 @@
 Every engine of a P/D deployment holds the same secret: ``TPUSERVE_KV_SECRET`` (the value) or
 ``TPUSERVE_KV_SECRET_FILE`` (a file holding it), or one given explicitly. A connection proves
 knowledge of it without sending it: each side sends a fresh random nonce and answers the other's
-nonce with ``HMAC(secret, label | nonces | layout digest)``. Labels differ per direction so a proof
-cannot be reflected back. No secret, no transfer: an unauthenticated transport is never the default.
+nonce with ``HMAC(secret, label | nonces)`` (the producer's proof also covers its layout digest,
+which it shows only to a consumer that has proven the secret). Labels differ per direction so a
+proof cannot be reflected back. No secret, no transfer: an unauthenticated transport is never the
+default.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from tpuserve.kv_cache.transfer.errors import PeerClosedError, ProtocolError, TransferTimeoutError
 
 MAGIC = b"TPKV"
-VERSION = 1
+VERSION = 2  # 2: the producer shows its layout only after the consumer authenticates
 _PREFIX = struct.Struct(">4sB3xIQ")
 MAX_HEADER_BYTES = 1 << 16
 _CHUNK = 1 << 22  # bytes per send/recv call: progress is checked at least this often
