@@ -118,7 +118,12 @@ def _prefill_body(body: dict, path: str) -> dict:
 def _json_bytes(body: dict) -> bytes:
     """JSON as forwarded: ASCII, so text the client sent as escapes (a lone surrogate, which UTF-8
     cannot encode) reaches the server as the same escapes, for it to judge."""
-    return json.dumps(body, ensure_ascii=True).encode("ascii")
+    try:
+        return json.dumps(body, ensure_ascii=True).encode("ascii")
+    except RecursionError:
+        # Encoding runs a few frames deeper than decoding did: a body nested just under the
+        # decoder's limit can fail here. The client's mistake, answered as a bad body (not a 500).
+        raise UpstreamError(400, "request body is not valid JSON: nested too deeply") from None
 
 
 def _decode_body(body: dict, kv_params: dict | None) -> dict:
@@ -277,7 +282,9 @@ def build_router_app(config: RouterConfig, transport=None):
         raw = await request.body()
         try:
             body = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        except ValueError as e:
+            # Bad JSON, bad UTF-8, or an integer over Python's 4,300-digit conversion limit (a plain
+            # ValueError, which once escaped as a 500).
             return error_response(400, f"request body is not valid JSON: {e}")
         except RecursionError:
             return error_response(400, "request body is not valid JSON: nested too deeply")
@@ -295,8 +302,12 @@ def build_router_app(config: RouterConfig, transport=None):
             body = await _json_object(request)
             if isinstance(body, Response):
                 return body
-            kwargs = dict(content=_json_bytes(body), headers={**_forward_headers(request),
-                                                               "content-type": "application/json"})
+            try:
+                content = _json_bytes(body)
+            except UpstreamError as e:
+                return error_response(e.status, e.message)
+            kwargs = dict(content=content, headers={**_forward_headers(request),
+                                                    "content-type": "application/json"})
         else:
             kwargs = dict(headers=_forward_headers(request))
         client: httpx.AsyncClient = state["client"]
