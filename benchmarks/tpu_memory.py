@@ -137,7 +137,7 @@ def auto_layout_step(runner, args) -> dict:
 
 def runner_case(name: str, num_pages: int, loop: str, impl: str, token_buckets, iters: int,
                 dump_dir: str | None, max_num_seqs: int, auto_layout: bool = False,
-                abstract_pages=()) -> dict:
+                abstract_pages=(), movers: int = 0) -> dict:
     from tpuserve.tpu_platform.config import EngineConfig
     from tpuserve.tpu_platform.device import discover, resolve_dtype
     from tpuserve.tpu_platform.model_runner import ModelRunner
@@ -205,7 +205,53 @@ def runner_case(name: str, num_pages: int, loop: str, impl: str, token_buckets, 
         print(json.dumps({k: v for k, v in step.items() if k != "cache_copies"}), flush=True)
         for line in step["cache_copies"][:6]:
             print("   cache-sized:", line[:240], flush=True)
+    if movers:
+        res["movers"] = mover_case(runner, movers, iters)
+        print(json.dumps(res["movers"]), flush=True)
     del runner
+    return res
+
+
+def mover_case(runner, n: int, iters: int) -> dict:
+    """The page movers on the runner's own cache: the host-tier load and the P/D import of ``n`` pages.
+
+    Each is a donated scatter into the whole cache; on the chip it must stay in place (temporaries
+    far below the cache, the cache's format unchanged), like the step.
+    """
+    from tpuserve.kv_cache.host_tier import HostPagePool
+    from tpuserve.kv_cache.layout import stage_for
+    from tpuserve.kv_cache.transfer.device_pages import DevicePageMover
+
+    kv = runner.kv_cache
+    before = str(getattr(kv, "format", None))
+    L = kv.shape[0]
+    pages = list(range(1, n + 1))
+    idx = jnp.asarray(np.asarray(pages, np.int32))
+    res = dict(pages=n, cache_bytes=int(kv.nbytes))
+    pool = HostPagePool(n, (L, *kv.shape[2:]), kv.dtype)
+    pool.save(kv, list(range(n)), pages)
+    pool.wait()
+    staged = stage_for(kv, np.zeros((n, L, *kv.shape[2:]), np.dtype(kv.dtype)))
+    res["host_load_memory"] = memory_stats(pool._scatter_for(kv).lower(kv, staged, idx).compile())
+
+    def host_load():
+        runner.kv_cache = pool.load(runner.kv_cache, list(range(n)), pages)
+        jax.block_until_ready(runner.kv_cache)
+
+    res["host_load_ms"] = median_ms(host_load, iters)
+    res["format_after_host_load"] = str(getattr(runner.kv_cache, "format", None))
+    mover = DevicePageMover()
+    host = mover.gather(runner.kv_cache, pages).numpy()
+
+    def import_pages():
+        runner.kv_cache = mover.scatter(runner.kv_cache, host, pages)
+        jax.block_until_ready(runner.kv_cache)
+
+    res["pd_import_ms"] = median_ms(import_pages, iters)
+    staged = stage_for(runner.kv_cache, np.zeros_like(host))
+    res["pd_import_memory"] = memory_stats(mover._scatter.lower(runner.kv_cache, staged, idx).compile())
+    res["format_after_pd_import"] = str(getattr(runner.kv_cache, "format", None))
+    res["format_kept"] = res["format_after_host_load"] == before == res["format_after_pd_import"]
     return res
 
 
@@ -316,6 +362,8 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", default="1,128")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--kernel-probe", action="store_true")
+    p.add_argument("--movers", type=int, default=0,
+                   help="also time the host-tier load and P/D import of this many pages")
     p.add_argument("--auto-layout", action="store_true",
                    help="also compile each step with the cache layout left to the compiler")
     p.add_argument("--abstract-pages", default="",
@@ -354,7 +402,7 @@ def main(argv=None) -> int:
             for pages in (int(x) for x in args.pages.split(",")):
                 out["cases"].append(runner_case(
                     name, pages, loop, impl, tokens, args.iters, args.dump_hlo, max_num_seqs=128,
-                    auto_layout=args.auto_layout,
+                    auto_layout=args.auto_layout, movers=args.movers,
                     abstract_pages=[int(x) for x in args.abstract_pages.split(",") if x]))
     # The ratio that says whether a step's cost follows the cache size: largest / smallest cache.
     by_key: dict = {}

@@ -42,6 +42,34 @@ def _from_bits(x, dtype):
     return jax.lax.bitcast_convert_type(x, dtype)
 
 
+def moves_bits(dtype, platform: str) -> bool:
+    """Whether pages of ``dtype`` move as unsigned ints on ``platform``.
+
+    Only 16-bit floats on XLA:CPU need it (see ``_to_bits``). Elsewhere the cache moves as floats:
+    on a TPU a bitcast of the whole cache changes its tiled layout, and the compiler copies the
+    cache on the way in and out (a v5e needed 23.5 GB of temporaries for an 11.7 GB cache). An f32
+    cache moves as floats everywhere: bitcasting it makes XLA:CPU copy all of it on every import.
+    """
+    import jax.numpy as jnp
+
+    return jnp.dtype(dtype).itemsize == 2 and platform == "cpu"
+
+
+def page_gather(kv, idx, as_bits: bool):
+    """``kv [L, P, ...]`` pages ``idx [n]`` -> ``[L, n, ...]``."""
+    if not as_bits:
+        return kv[:, idx]
+    return _from_bits(_to_bits(kv)[:, idx], kv.dtype)
+
+
+def page_scatter(kv, pages, idx, as_bits: bool):
+    """``kv`` with pages ``idx [n]`` set to ``pages [L, n, ...]``; out-of-range ids are dropped."""
+    if not as_bits:
+        return kv.at[:, idx].set(pages, mode="drop")
+    out = _to_bits(kv).at[:, idx].set(_to_bits(pages), mode="drop")
+    return _from_bits(out, kv.dtype)
+
+
 @dataclass
 class HostPages:
     """Pages on their way to host memory: ``array [L, n_pad, ...]``, of which the first ``num_pages``."""
@@ -68,7 +96,6 @@ class DevicePageMover:
 
     def _bind(self, kv) -> None:
         import jax
-        import jax.numpy as jnp
         from jax.sharding import SingleDeviceSharding
 
         from tpuserve.kv_cache.host_tier import host_memory_kind
@@ -81,23 +108,15 @@ class DevicePageMover:
         self._device = next(iter(devices))
         kind = host_memory_kind(self._device)
 
-        # Only 16-bit floats need the bit path (their scatter runs in f32 on XLA:CPU and would
-        # canonicalize NaN payloads); bitcasting the whole donated cache makes XLA:CPU copy all of
-        # it on every import, so f32 caches move as floats.
-        as_bits = jnp.dtype(kv.dtype).itemsize == 2
+        as_bits = moves_bits(kv.dtype, self._device.platform)
 
         def gather(kv, idx):
             self._traces += 1
-            if not as_bits:
-                return kv[:, idx]
-            return _from_bits(_to_bits(kv)[:, idx], kv.dtype)
+            return page_gather(kv, idx, as_bits)
 
         def scatter(kv, pages, idx):
             self._traces += 1
-            if not as_bits:
-                return kv.at[:, idx].set(pages, mode="drop")
-            out = _to_bits(kv).at[:, idx].set(_to_bits(pages), mode="drop")
-            return _from_bits(out, kv.dtype)
+            return page_scatter(kv, pages, idx, as_bits)
 
         out = SingleDeviceSharding(self._device, memory_kind=kind) if kind else None
         self._gather = jax.jit(gather, out_shardings=out)
