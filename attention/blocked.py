@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from tpuserve.attention.reference import token_sequence_info
+from tpuserve.attention.reference import gather_pages, token_sequence_info
 
 # Elements of gathered KV one loop iteration may hold: ~2 MiB of f32, inside a core's L2/L3 share.
 _BLOCK_BUDGET = 512 * 1024
@@ -84,8 +84,7 @@ class _Ctx:
 
     def gather(self, pages):
         """pages [..., n] -> (k, v) [..., n * page_size, Hkv, D] f32, scaled."""
-        kv = self.kv_pages[pages] if self.layer is None else self.kv_pages[self.layer, pages]
-        kv = kv.reshape(*pages.shape[:-1], pages.shape[-1] * self.page_size, self.num_kv_heads, 2,
+        kv = gather_pages(self.kv_pages, pages, self.layer).reshape(*pages.shape[:-1], pages.shape[-1] * self.page_size, self.num_kv_heads, 2,
                         self.head_dim).astype(jnp.float32)
         k, v = kv[..., 0, :], kv[..., 1, :]
         if self.k_scale is not None:

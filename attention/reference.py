@@ -69,6 +69,19 @@ def _is_fp8(dtype) -> bool:
     return jnp.issubdtype(dtype, jnp.floating) and jnp.dtype(dtype).itemsize == 1
 
 
+def gather_pages(kv_pages, pages, layer=None):
+    """``kv_pages[pages]`` (or ``kv_pages[layer, pages]`` of a stacked cache), in the cache dtype.
+
+    An 8-bit float cache is read as uint8: XLA:CPU widens an fp8 gather's whole operand, a copy of
+    the entire cache every layer of every step; the same bytes gathered as uint8 are just the pages.
+    """
+    if not _is_fp8(kv_pages.dtype):
+        return kv_pages[pages] if layer is None else kv_pages[layer, pages]
+    raw = jax.lax.bitcast_convert_type(kv_pages, jnp.uint8)
+    raw = raw[pages] if layer is None else raw[layer, pages]
+    return jax.lax.bitcast_convert_type(raw, kv_pages.dtype)
+
+
 def ragged_paged_attention_ref(
     queries,
     kv_pages,
@@ -107,8 +120,7 @@ def ragged_paged_attention_ref(
         """q [t, Hq, D], seq / q_pos [t] -> [t, Hq, D] f32 for a tile of t tokens."""
         t = q.shape[0]
         pages = page_indices[seq]
-        kv = kv_pages[pages] if layer is None else kv_pages[layer, pages]
-        kv = kv.reshape(t, ctx, num_combined, head_dim)
+        kv = gather_pages(kv_pages, pages, layer).reshape(t, ctx, num_combined, head_dim)
         k = kv[:, :, 0::2, :].astype(jnp.float32)
         v = kv[:, :, 1::2, :].astype(jnp.float32)
         if k_scale is not None:
