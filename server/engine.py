@@ -95,6 +95,9 @@ class LLMEngine:
         """``grammar_factory(structured_output_params, tokenizer, vocab_size)`` builds a matcher with
         ``fill_bitmask() -> int32[ceil(V/32)]``, ``accept(token_id) -> bool``, ``is_terminated()``.
         ``replica``: which data-parallel replica (device subset) this engine runs on."""
+        from tpuserve.tpu_platform.device import discover
+
+        config = config.for_backend(discover().backend)  # the platform's scheduler sizes
         self.config = config
         self.worker = Worker(config, replica)
         self.worker.load()

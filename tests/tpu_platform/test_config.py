@@ -127,3 +127,20 @@ def test_kv_cache_dtypes_are_accepted(name):
 @pytest.mark.parametrize("method", ["fp8", "mxfp4", "nvfp4"])
 def test_online_quantization_methods_are_accepted(method):
     assert EngineConfig.from_kwargs(quantization=method).quantization.method == method
+
+
+def test_a_tpu_gets_wider_scheduler_defaults_unless_the_user_set_them():
+    from tpuserve.tpu_platform.config import TPU_SCHEDULER_DEFAULTS
+
+    cfg = EngineConfig.from_kwargs()
+    assert cfg.for_backend("cpu") is cfg and cfg.for_backend("gpu") is cfg
+    tpu = cfg.for_backend("tpu").scheduler
+    assert (tpu.max_num_batched_tokens, tpu.max_num_seqs) == (
+        TPU_SCHEDULER_DEFAULTS["max_num_batched_tokens"], TPU_SCHEDULER_DEFAULTS["max_num_seqs"])
+    assert tpu.max_num_batched_tokens > cfg.scheduler.max_num_batched_tokens
+    assert max(cfg.for_backend("tpu").token_buckets) == tpu.max_num_batched_tokens
+    # A value the user gave stays, even when it equals the CPU default.
+    mine = EngineConfig.from_kwargs(max_num_batched_tokens=256, max_num_seqs=32).for_backend("tpu")
+    assert (mine.scheduler.max_num_batched_tokens, mine.scheduler.max_num_seqs) == (256, 32)
+    half = EngineConfig.from_kwargs(max_num_seqs=8).for_backend("tpu").scheduler
+    assert (half.max_num_batched_tokens, half.max_num_seqs) == (TPU_SCHEDULER_DEFAULTS["max_num_batched_tokens"], 8)
