@@ -1,0 +1,233 @@
+"""End to end on one accelerator through the public ``LLM`` API: decode TPOT against the HBM roofline,
+prefill throughput against peak FLOPs, time to ready and peak device memory.
+
+Per model directory (random-weight checkpoints built on the machine with ``random_checkpoint.py``):
+
+- ``LLM(model, dtype, gpu_memory_utilization)`` with every other flag at its default; time to ready.
+- Decode at each batch size: ``batch`` greedy requests of ``--prompt-len`` random tokens and
+  ``--new-tokens`` new tokens (ignore_eos), all admitted at once, after one untimed round of the
+  same shape (it compiles what the round uses). TPOT is each request's (last - first token time) /
+  (tokens - 1), the median over requests; tok/s is output tokens over the round's wall time.
+- The roofline TPOT of that batch: (weight bytes read + KV bytes read) / HBM bandwidth, where the KV
+  read is the logical cache rows of the mean context (prompt + half the new tokens) of every
+  sequence, per layer, for K and V; the fraction reached is roofline / measured.
+- The device's own share of a decode step: the runner's step for an empty batch of the same token
+  bucket (it reads every weight, runs every matmul, attends to nothing), against the TPOT; the rest
+  is the host and the gaps between steps (an estimate: attention over short contexts is small).
+- Prefill: ``n x len`` prompts with one new token; tok/s and MFU = 2 x matmul parameters x tokens
+  (+ causal attention FLOPs) / wall time / peak FLOP/s.
+
+    python benchmarks/tpu_e2e.py --models /tmp/m/llama-1b-gqa --out e2e.json      # on the TPU
+    python benchmarks/tpu_e2e.py --models $MODEL --dtype float32 --batches 1,4 \\
+        --prefill 2x64 --peak-tflops 1 --hbm-gbs 50 --util 0.5                     # CPU smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import jax
+import numpy as np
+
+V5E_HBM_GBS = 819.0
+V5E_BF16_TFLOPS = 197.0
+
+
+def model_bytes(runner) -> dict:
+    """Bytes of the weights, and of the weights one decode step reads (an untied input embedding
+    is only gathered: B rows, not the table)."""
+    leaves = jax.tree_util.tree_leaves_with_path(runner.params)
+    total = sum(int(x.nbytes) for _, x in leaves)
+    embed = sum(int(x.nbytes) for p, x in leaves if "embed" in jax.tree_util.keystr(p))
+    tied = bool(getattr(runner.arch, "tie_word_embeddings", True))
+    return dict(weights=total, decode_read=total if tied else total - embed)
+
+
+def matmul_params(arch) -> int:
+    """Parameters that take part in a token's matmuls (layers and the LM head; not the gather)."""
+    h, L = arch.hidden_size, arch.num_layers
+    q = arch.num_heads * arch.head_dim
+    kv = arch.num_kv_heads * arch.head_dim
+    per_layer = h * q + 2 * h * kv + q * h + 3 * h * arch.intermediate_size
+    return L * per_layer + h * arch.vocab_size
+
+
+def kv_bytes_per_token(arch, itemsize: int) -> int:
+    """Logical K and V bytes of one token over all layers (no lane padding)."""
+    return 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * itemsize
+
+
+def decode_round(engine, batch: int, prompt_len: int, new_tokens: int, rng) -> dict:
+    from tpuserve.server.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    vocab = engine.arch.vocab_size
+    first: dict[str, float] = {}
+    last: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    steps = 0
+    start = time.perf_counter()
+    for i in range(batch):
+        ids = rng.integers(100, min(vocab, 30000), prompt_len).tolist()
+        engine.add_request(f"d{batch}-{i}-{start}", None, params, prompt_token_ids=ids)
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+        steps += 1
+        now = time.perf_counter()
+        for out in outs:
+            if out.error:
+                raise RuntimeError(f"request {out.request_id} failed: {out.error}")
+            n = len(out.outputs[0].token_ids) if out.outputs else 0
+            if n and out.request_id not in first:
+                first[out.request_id] = now
+            if out.finished:
+                last[out.request_id], counts[out.request_id] = now, n
+    wall = time.perf_counter() - start
+    tpots = [(last[r] - first[r]) / (counts[r] - 1) for r in last if counts[r] > 1]
+    return dict(tpot_ms=statistics.median(tpots) * 1e3, tokens=sum(counts.values()), wall_s=wall,
+                engine_steps=steps)
+
+
+def prefill_round(llm, n: int, length: int, rng) -> float:
+    from tpuserve.server.sampling_params import SamplingParams
+
+    vocab = llm.engine.arch.vocab_size
+    prompts = [{"prompt_token_ids": rng.integers(100, min(vocab, 30000), length).tolist()}
+               for _ in range(n)]
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    bad = [o.error for o in outs if getattr(o, "error", None)]
+    if bad:
+        raise RuntimeError(f"prefill {n}x{length}: {bad[0]}")
+    return wall
+
+
+def empty_step_ms(runner, tokens: int, iters: int = 20) -> float:
+    """An empty step of this token bucket, ``iters`` dispatched back to back and waited for once:
+    the device's time when the host dispatches faster than the device runs."""
+    bucket = next((b for b in runner.token_buckets if b >= tokens), runner.token_buckets[-1])
+    b = runner._empty_batch(bucket, runner.page_buckets[0])
+    runner.forward(b)
+    jax.block_until_ready(runner.kv_cache)
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            runner.forward(b)
+        jax.block_until_ready(runner.kv_cache)
+        best = min(best, (time.perf_counter() - t0) / iters)
+    return best * 1e3
+
+
+def run_model(model: str, args) -> dict:
+    from tpuserve import LLM
+
+    kw = dict(dtype=args.dtype, gpu_memory_utilization=args.util, **json.loads(args.engine_args))
+    if args.quantization:
+        kw["quantization"] = args.quantization
+    t0 = time.perf_counter()
+    llm = LLM(model, **kw)
+    ready = time.perf_counter() - t0
+    engine = llm.engine
+    runner = engine.runner
+    arch = engine.arch
+    itemsize = np.dtype(runner.kv_cache.dtype).itemsize
+    mb = model_bytes(runner)
+    res = dict(model=model, ready_s=ready, dtype=str(runner.kv_cache.dtype),
+               quantization=args.quantization, engine_args=args.engine_args, num_pages=runner.kv_spec.num_pages,
+               max_num_seqs=engine.config.scheduler.max_num_seqs,
+               max_num_batched_tokens=engine.config.scheduler.max_num_batched_tokens,
+               attention=runner.attn_impl, layer_loop=runner.layer_loop,
+               async_scheduling=engine.async_scheduling, weight_bytes=mb["weights"],
+               plan=None if engine.worker._plan is None else engine.worker._plan.describe(),
+               decode=[], prefill=[])
+    print(f"{model}: ready in {ready:.1f} s; {res['plan']}", flush=True)
+    rng = np.random.default_rng(0)
+    hbm = args.hbm_gbs * 1e9
+    for batch in args.batches:
+        if batch > res["max_num_seqs"]:
+            continue
+        decode_round(engine, batch, args.prompt_len, args.new_tokens, rng)  # compiles its shapes
+        runs = [decode_round(engine, batch, args.prompt_len, args.new_tokens, rng)
+                for _ in range(args.rounds)]
+        tpot = statistics.median(r["tpot_ms"] for r in runs)
+        tok_s = statistics.median(r["tokens"] / r["wall_s"] for r in runs)
+        ctx = args.prompt_len + args.new_tokens / 2
+        read = mb["decode_read"] + batch * ctx * kv_bytes_per_token(arch, itemsize)
+        roof_ms = read / hbm * 1e3
+        dev_ms = empty_step_ms(runner, batch)
+        row = dict(batch=batch, tpot_ms=tpot, tok_s=tok_s, roofline_ms=roof_ms,
+                   roofline_fraction=roof_ms / tpot, empty_step_ms=dev_ms,
+                   host_share_est=max(0.0, 1 - dev_ms / tpot), rounds=runs)
+        res["decode"].append(row)
+        print(f"  decode b={batch:3d}: TPOT {tpot:7.2f} ms, {tok_s:8.1f} tok/s, roofline {roof_ms:.2f} ms "
+              f"-> {roof_ms / tpot:5.1%}; empty step {dev_ms:.2f} ms (host share ~{row['host_share_est']:.0%})",
+              flush=True)
+    flops_per_token = 2 * matmul_params(arch)
+    for spec in args.prefill:
+        n, length = (int(x) for x in spec.split("x"))
+        length = min(length, engine.max_model_len - 1)  # room for the one new token
+        if n > res["max_num_seqs"]:
+            continue
+        prefill_round(llm, n, length, rng)  # compiles its shapes
+        walls = [prefill_round(llm, n, length, rng) for _ in range(args.rounds)]
+        wall = statistics.median(walls)
+        tokens = n * length
+        attn = n * 2 * 2 * arch.num_layers * arch.num_heads * arch.head_dim * length * length / 2
+        mfu = (flops_per_token * tokens + attn) / wall / (args.peak_tflops * 1e12)
+        row = dict(n=n, length=length, wall_s=wall, tok_s=tokens / wall, mfu=mfu, walls=walls)
+        res["prefill"].append(row)
+        print(f"  prefill {n}x{length}: {wall * 1e3:.0f} ms, {tokens / wall:9.0f} tok/s, MFU {mfu:.1%}",
+              flush=True)
+    stats = jax.devices()[0].memory_stats() or {}
+    res["peak_bytes_in_use"] = stats.get("peak_bytes_in_use")
+    res["bytes_limit"] = stats.get("bytes_limit")
+    res["compiled"] = runner.compile_count
+    if stats:
+        print(f"  peak device memory {stats.get('peak_bytes_in_use', 0) / 2**30:.2f} GiB of "
+              f"{stats.get('bytes_limit', 0) / 2**30:.2f} GiB; {runner.compile_count} programs", flush=True)
+    del llm, engine, runner
+    return res
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", required=True, help="comma-separated model directories")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--util", type=float, default=0.9, help="gpu_memory_utilization")
+    p.add_argument("--quantization", default=None)
+    p.add_argument("--engine-args", default="{}", help="more LLM keyword arguments, as JSON")
+    p.add_argument("--batches", default="1,8,32,128")
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--prefill", default="8x1024,1x8192", help="n x length, comma-separated ('' for none)")
+    p.add_argument("--hbm-gbs", type=float, default=V5E_HBM_GBS)
+    p.add_argument("--peak-tflops", type=float, default=V5E_BF16_TFLOPS)
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    args.batches = [int(x) for x in args.batches.split(",") if x]
+    args.prefill = [x for x in args.prefill.split(",") if x]
+    out = dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
+               command=" ".join([sys.executable] + sys.argv),
+               when=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), models=[])
+    for model in args.models.split(","):
+        try:
+            out["models"].append(run_model(model, args))
+        except Exception as e:  # noqa: BLE001 - one model failing must not lose the others' numbers
+            print(f"{model}: FAILED {e!r}"[:2000], flush=True)
+            out["models"].append(dict(model=model, error=repr(e)[:4000]))
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
