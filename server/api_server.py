@@ -40,7 +40,8 @@ from tpuserve.server.protocol import (ChatCompletionRequest, CompletionRequest, 
                              DetokenizeResponse, ModelCard, ModelList, TokenizeRequest,
                              TokenizeResponse, VersionResponse)
 from tpuserve.server.serving_chat import ChatHandler, _message_dict
-from tpuserve.server.serving_common import (DEFAULT_MAX_PROMPT_CHARS_PER_TOKEN, ServingContext,
+from tpuserve.server.serving_common import (DEFAULT_GRAMMAR_TIMEOUT_S, DEFAULT_MAX_PROMPT_CHARS_PER_TOKEN,
+                                            ServingContext,
                                             StreamingResult)
 from tpuserve.server.serving_completions import CompletionHandler
 
@@ -188,13 +189,15 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | 
               chat_template: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
               shutdown_grace_s: float = 5.0,
               max_prompt_chars_per_token: float = DEFAULT_MAX_PROMPT_CHARS_PER_TOKEN,
+              grammar_timeout_s: float = DEFAULT_GRAMMAR_TIMEOUT_S,
               body_timeout_s: float | None = DEFAULT_BODY_TIMEOUT_S) -> FastAPI:
     metrics = ServerMetrics(served_model_name, lambda: async_engine.snapshot)
     async_engine.metrics = metrics
     ctx = ServingContext(engine=async_engine, model_name=served_model_name,
                          model_root=model_root or served_model_name,
                          extra_model_names=tuple(extra_model_names), chat_template=chat_template,
-                         max_prompt_chars_per_token=max_prompt_chars_per_token)
+                         max_prompt_chars_per_token=max_prompt_chars_per_token,
+                         grammar_timeout_s=grammar_timeout_s)
     completions = CompletionHandler(ctx)
     chat = ChatHandler(ctx)
 
@@ -337,6 +340,11 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                         help="a prompt (or rendered chat) longer than max_model_len times this many "
                              "characters is refused with 400 before tokenizing (default "
                              f"{DEFAULT_MAX_PROMPT_CHARS_PER_TOKEN:g})")
+    parser.add_argument("--grammar-compile-timeout", type=_positive_float,
+                        default=DEFAULT_GRAMMAR_TIMEOUT_S,
+                        help="seconds a request's structured-output grammar may take to compile; "
+                             "then the request is refused with 400 (default "
+                             f"{DEFAULT_GRAMMAR_TIMEOUT_S:g})")
     parser.add_argument("--http-header-timeout", type=_positive_float, default=DEFAULT_HEADER_TIMEOUT_S,
                         help="seconds a client has to send a whole request head, from connecting (or "
                              "from the first byte of a later keep-alive request); then the connection "
@@ -417,6 +425,7 @@ def run_server(args: argparse.Namespace) -> int:
                     extra_model_names=others, chat_template=_read_chat_template(args.chat_template),
                     max_body_bytes=args.max_body_bytes, shutdown_grace_s=min(5.0, args.shutdown_timeout),
                     max_prompt_chars_per_token=args.max_prompt_chars_per_token,
+                    grammar_timeout_s=args.grammar_compile_timeout,
                     body_timeout_s=args.http_body_timeout)
     uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                access_log=args.log_level == "debug",

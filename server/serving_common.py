@@ -7,6 +7,7 @@ import asyncio
 import copy
 import json
 import logging
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
@@ -28,8 +29,17 @@ DEFAULT_MAX_PROMPT_CHARS_PER_TOKEN = 32.0
 # Texts longer than this are tokenized on their own worker ("bulk" lane): a long tokenization must
 # not hold up the short ones queued behind it.
 BULK_CHARS = 32 * 1024
+# Grammar compilation: its own lane of this many threads, and a deadline per request.
+GRAMMAR_WORKERS = 2
+DEFAULT_GRAMMAR_TIMEOUT_S = 10.0
 
 log = logging.getLogger(__name__)
+
+
+def _drop_result(job: asyncio.Future) -> None:
+    """Collect a timed-out compile's outcome, so its error (if any) is not logged as unretrieved."""
+    if not job.cancelled():
+        job.exception()
 
 
 @dataclass
@@ -40,10 +50,16 @@ class ServingContext:
     extra_model_names: tuple[str, ...] = ()
     chat_template: str | None = None
     max_prompt_chars_per_token: float = DEFAULT_MAX_PROMPT_CHARS_PER_TOKEN
-    # One worker: short tokenizations and grammar compilation stay off the event loop (and off the
-    # engine thread), and this lane never uses the tokenizer from two threads at once.
+    # Seconds a request's grammar may take to compile (--grammar-compile-timeout).
+    grammar_timeout_s: float = DEFAULT_GRAMMAR_TIMEOUT_S
+    # One worker: short tokenizations stay off the event loop (and off the engine thread), and this
+    # lane never uses the tokenizer from two threads at once.
     executor: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="tpuserve-tok"))
+    # The grammar lane: compiles take from milliseconds to minutes, so they never share a lane with
+    # tokenization (one slow schema held every request's tokenization behind it).
+    grammar_executor: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(GRAMMAR_WORKERS, thread_name_prefix="tpuserve-grammar"))
     # The bulk lane: long texts, one at a time, with a tokenizer copy of its own (a Rust tokenizer
     # object must not be borrowed by two threads while one of them may reconfigure it).
     bulk_executor: ThreadPoolExecutor = field(
@@ -57,6 +73,7 @@ class ServingContext:
 
     def shutdown(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)
+        self.grammar_executor.shutdown(wait=False, cancel_futures=True)
         self.bulk_executor.shutdown(wait=False, cancel_futures=True)
 
     def _bulk_tok(self):
@@ -135,13 +152,35 @@ class ServingContext:
                 raise bad_request(f"{param}: token id {t} is outside the vocabulary [0, {v})", param)
 
     async def compile_grammar(self, so: StructuredOutputParams | None) -> None:
-        """Compile the request's grammar now (off the engine thread; errors answer 400)."""
+        """Compile the request's grammar now, on the grammar lane (off the event loop and the engine
+        thread). A bad grammar answers 400; one that does not compile within the deadline answers
+        400 too, and one that could not even start (every grammar worker busy with others) 503.
+        A compile past its deadline runs on (a compile cannot be interrupted) and lands in the
+        cache, so the same grammar asked again is quick."""
         if so is None:
             return
+        started = threading.Event()
+
+        def compile_now():
+            started.set()
+            return compile_structured_output(so, self.tokenizer, self.engine.vocab_size)
+
+        loop = asyncio.get_running_loop()
+        job = loop.run_in_executor(self.grammar_executor, compile_now)
         try:
-            await self.blocking(compile_structured_output, so, self.tokenizer, self.engine.vocab_size)
+            await asyncio.wait_for(asyncio.shield(job), self.grammar_timeout_s)
         except ValueError as e:
             raise bad_request(str(e), "response_format")
+        except asyncio.TimeoutError:
+            job.add_done_callback(_drop_result)
+            t = f"{self.grammar_timeout_s:g} s"
+            if not started.is_set():
+                job.cancel()  # still queued: nobody is waiting for it any more
+                raise APIError(503, f"structured output: the grammar compiler is busy with other "
+                                          f"requests and did not reach this one within {t}; retry")
+            raise bad_request(f"response_format: the grammar did not compile within {t} "
+                              f"(--grammar-compile-timeout); simplify the schema, regex or grammar",
+                              "response_format")
 
     async def pull_remote_kv(self, kv_transfer_params: dict | None):
         """A decode request's prefill pages, pulled off the engine thread (None when the request

@@ -207,6 +207,38 @@ def test_grammar_that_matches_nothing_is_400_before_any_token(server, so, stream
     assert "matches no text" in _error(r, 400)["message"]
 
 
+def test_deeply_nested_schema_is_a_quick_400_and_small_requests_keep_their_pace(server, client):
+    """A json_schema of 900 nested arrays (~25 KB) once took 27 s to compile, and 8 small
+    completions sent meanwhile (0.1 s each) took 25-27 s: the compile held the one lane their
+    tokenization needed. Now the schema is refused at once and the small ones run at their pace."""
+    def small():
+        t0 = time.monotonic()
+        r = client.completions.create(model=MODEL, prompt="hello", max_tokens=2, temperature=0,
+                                      extra_body={"ignore_eos": True})
+        assert r.usage.completion_tokens == 2
+        return time.monotonic() - t0
+
+    usual = max(small() for _ in range(3))
+    schema: dict = {"type": "string"}
+    for _ in range(900):
+        schema = {"type": "array", "items": schema}
+    body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 4,
+                       "response_format": {"type": "json_schema",
+                                           "json_schema": {"name": "deep", "schema": schema}}})
+    with ThreadPoolExecutor(9) as pool:
+        t0 = time.monotonic()
+        deep = pool.submit(_raw_post, server.base_url, "/v1/completions", body)
+        smalls = [pool.submit(small) for _ in range(8)]
+        r = deep.result()
+        deep_s = time.monotonic() - t0
+        times = [f.result() for f in smalls]
+    err = _error(r, 400)
+    assert "nested 901 levels deep" in err["message"] and err["param"] == "response_format", err
+    assert deep_s < 10, deep_s
+    # 8 at once on a 4-sequence engine: a few rounds of the usual, nowhere near 25 s.
+    assert max(times) < 8 * usual + 5, (times, usual)
+
+
 def test_grammar_dead_end_while_decoding_ends_the_request_with_a_400(server, client):
     """'a' is admitted, then nothing: found only while decoding; the request ends with a clear
     error (not a 500), streamed as an error event, and the server serves the next request."""

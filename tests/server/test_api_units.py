@@ -304,3 +304,111 @@ def test_async_engine_streams_bounds_queue_and_aborts():
         assert not ae.is_healthy
 
     asyncio.run(main())
+
+
+def _nested_arrays(depth: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
+def test_deeply_nested_schemas_are_refused_before_compiling(tokenizer):
+    """900 nested arrays took xgrammar ~35 s of two busy cores; the limit answers at once."""
+    import time
+
+    from tpuserve.server.sampling_params import StructuredOutputParams
+    from tpuserve.server.structured_output import (MAX_SCHEMA_DEPTH, compile_structured_output,
+                                                   tool_call_grammar)
+
+    t0 = time.monotonic()
+    for schema in (_nested_arrays(900), json.dumps(_nested_arrays(900))):
+        with pytest.raises(ValueError, match=f"nested 901 levels deep.*limit of {MAX_SCHEMA_DEPTH}"):
+            compile_structured_output(StructuredOutputParams(json=schema), tokenizer, len(tokenizer))
+    with pytest.raises(ValueError, match="tools: .*nested"):
+        tool_call_grammar([{"name": "f", "parameters": _nested_arrays(900)}])
+    assert time.monotonic() - t0 < 2.0
+    # At the limit it compiles (and quickly).
+    compile_structured_output(StructuredOutputParams(json=_nested_arrays(MAX_SCHEMA_DEPTH - 1)),
+                              tokenizer, len(tokenizer))
+
+
+class _SlowCompiles:
+    """Stands in for compile_structured_output: each call sleeps ``seconds``."""
+
+    def __init__(self, seconds: float):
+        self.seconds, self.calls = seconds, 0
+
+    def __call__(self, so, tokenizer, vocab_size):
+        import time
+        self.calls += 1
+        time.sleep(self.seconds)
+
+
+def _context(timeout_s: float):
+    from types import SimpleNamespace
+
+    from tpuserve.server.serving_common import ServingContext
+    engine = SimpleNamespace(tokenizer=None, vocab_size=100, max_model_len=64)
+    return ServingContext(engine=engine, model_name="m", model_root="m", grammar_timeout_s=timeout_s)
+
+
+def test_grammar_compile_deadline_answers_400_and_a_full_lane_503(monkeypatch):
+    """The deadline mechanism (the real compile is too fast to time out on purpose): a compile past
+    the deadline is a 400 naming the flag; requests that could not start because every grammar
+    worker was busy get a 503; tokenization runs on its own lane meanwhile."""
+    import time
+
+    import tpuserve.server.serving_common as sc
+    from tpuserve.server.api_errors import APIError
+    from tpuserve.server.sampling_params import StructuredOutputParams
+
+    slow = _SlowCompiles(1.5)
+    monkeypatch.setattr(sc, "compile_structured_output", slow)
+    ctx = _context(0.3)
+    so = StructuredOutputParams(regex="a+")
+
+    async def one():
+        try:
+            await ctx.compile_grammar(so)
+        except APIError as e:
+            return e.status, str(e)
+        return 200, ""
+
+    async def scenario():
+        t0 = time.monotonic()
+        results = await asyncio.gather(*(one() for _ in range(sc.GRAMMAR_WORKERS + 2)))
+        waited = time.monotonic() - t0
+        # The tokenizer lane is free while both grammar workers are busy.
+        t1 = time.monotonic()
+        assert await ctx.blocking(lambda: 7) == 7
+        return results, waited, time.monotonic() - t1
+
+    try:
+        results, waited, tok_wait = asyncio.run(scenario())
+    finally:
+        ctx.shutdown()
+    statuses = sorted(s for s, _ in results)
+    assert statuses == [400] * sc.GRAMMAR_WORKERS + [503] * 2, results
+    assert all("--grammar-compile-timeout" in m for s, m in results if s == 400)
+    assert all("busy" in m for s, m in results if s == 503)
+    assert waited < 1.2 and tok_wait < 1.0  # answered at the deadline, not when the compiles end
+    assert slow.calls == sc.GRAMMAR_WORKERS  # the queued ones were cancelled, not compiled
+
+
+def test_grammar_compile_within_the_deadline_passes_and_bad_grammars_stay_400(monkeypatch, tokenizer):
+    from types import SimpleNamespace
+
+    from tpuserve.server.api_errors import APIError
+    from tpuserve.server.sampling_params import StructuredOutputParams
+    from tpuserve.server.serving_common import ServingContext
+
+    engine = SimpleNamespace(tokenizer=tokenizer, vocab_size=len(tokenizer), max_model_len=64)
+    ctx = ServingContext(engine=engine, model_name="m", model_root="m", grammar_timeout_s=60)
+    try:
+        asyncio.run(ctx.compile_grammar(StructuredOutputParams(regex="(yes|no)")))
+        with pytest.raises(APIError) as e:
+            asyncio.run(ctx.compile_grammar(StructuredOutputParams(json=_nested_arrays(500))))
+        assert e.value.status == 400 and "nested" in str(e.value)
+    finally:
+        ctx.shutdown()
