@@ -72,10 +72,12 @@ def _is_fp8(dtype) -> bool:
 def gather_pages(kv_pages, pages, layer=None):
     """``kv_pages[pages]`` (or ``kv_pages[layer, pages]`` of a stacked cache), in the cache dtype.
 
-    An 8-bit float cache is read as uint8: XLA:CPU widens an fp8 gather's whole operand, a copy of
-    the entire cache every layer of every step; the same bytes gathered as uint8 are just the pages.
+    On XLA:CPU an 8-bit float cache is read as uint8: XLA:CPU widens an fp8 gather's whole operand,
+    a copy of the entire cache every layer of every step; the same bytes gathered as uint8 are just
+    the pages. Elsewhere (a TPU runs an fp8 cache on this path) a bitcast of the whole cache may be
+    a copy itself (it was for bf16 -> uint16 on a v5e), so the gather stays as it is.
     """
-    if not _is_fp8(kv_pages.dtype):
+    if not (_is_fp8(kv_pages.dtype) and jax.default_backend() == "cpu"):
         return kv_pages[pages] if layer is None else kv_pages[layer, pages]
     raw = jax.lax.bitcast_convert_type(kv_pages, jnp.uint8)
     raw = raw[pages] if layer is None else raw[layer, pages]
