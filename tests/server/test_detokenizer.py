@@ -385,6 +385,25 @@ def test_long_self_similar_stop_strings_cost_linear_time():
     assert matcher.matched == stops[0] and out == "a" * (200_000 - 4095)
 
 
+def test_stop_string_memory_is_linear_in_their_length():
+    """The old matcher kept every prefix of every stop string: 444 MB for one 30,000-character
+    string. The allowed maximum (16,384 characters in all) now costs well under a megabyte."""
+    import tracemalloc
+
+    from tpuserve.server.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_TOTAL_CHARS
+
+    stops = [chr(ord("a") + i) * MAX_STOP_STRING_CHARS
+             for i in range(MAX_STOP_TOTAL_CHARS // MAX_STOP_STRING_CHARS)]
+    tracemalloc.start()
+    try:
+        matcher = StopStringMatcher(stops, include_stop_str_in_output=False)
+        matcher.feed("a" * 10_000)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 << 20, peak
+
+
 def test_stop_string_bounds_are_clear_errors():
     from tpuserve.server.sampling_params import SamplingParams
 
