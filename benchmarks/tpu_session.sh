@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# One device call that checks and times what the TPU issues need, logs under $OUT.
+#
+# Here, before the call (builds the wheel, tpu-inference's wheel and the shape-only model dirs):
+#   rm -rf build && bash ../shared/tpu/build_carry.sh --rpa
+#   python ../shared/tpu/mkshapes.py "$DEFAULT_MODEL_DIR" .tpu_carry/shapes
+#   git rev-parse HEAD > .tpu_carry/REV     # named in the logs
+# The call (device tool, carry [".whl-tpu", ".tpu_carry"]):
+#   bash benchmarks/tpu_session.sh                       # every stage, within one call's 10 minutes
+#   STAGES="e2e-1b ab-256" bash benchmarks/tpu_session.sh
+# Stages run in the order given; each has its own time limit and is skipped when the call's
+# remaining time (BUDGET_S, default 540 s from the start) cannot hold it.
+set -uo pipefail
+start=$(date +%s)
+budget=${BUDGET_S:-540}
+stages=${STAGES:-"kernels e2e-1b ab-256 e2e-135m movers"}
+out=${OUT:-/tmp/tpu_session}
+mkdir -p "$out" /tmp/m
+source .whl-tpu/on_tpu_setup.sh 2>&1 | tee "$out/setup.log"
+git_rev=$(cat .tpu_carry/REV 2>/dev/null || echo unknown)
+echo "rev $git_rev, stages: $stages" | tee "$out/session.log"
+
+left() { echo $(( budget - ($(date +%s) - start) )); }
+
+checkpoint() {  # random weights for a carried shape dir, once per call
+  [ -d "/tmp/m/$1" ] || python benchmarks/random_checkpoint.py --like ".tpu_carry/shapes/$1" \
+      --out "/tmp/m/$1" > /dev/null
+}
+
+stage() {  # stage NAME LIMIT_S COMMAND...: run with a limit when the remaining time allows it
+  local name=$1 limit=$2; shift 2
+  if [ "$(left)" -lt "$limit" ]; then
+    echo "skip $name: $(left) s left, needs $limit" | tee -a "$out/session.log"
+    return 0
+  fi
+  local t0=$(date +%s)
+  timeout "$limit" "$@" 2>&1 | grep -v "Warning\|warnings.warn" > "$out/$name.log"
+  local rc=${PIPESTATUS[0]}
+  echo "$name: rc $rc in $(( $(date +%s) - t0 )) s" | tee -a "$out/session.log"
+  tail -n 25 "$out/$name.log"
+}
+
+for s in $stages; do
+  case $s in
+    kernels)   # the Pallas kernels compiled by Mosaic against jax's reference on the chip
+      stage kernels 120 python benchmarks/attention_tpu.py --checks-only --out "$out/kernels.json" ;;
+    e2e-1b)
+      checkpoint llama-1b-gqa
+      stage e2e-1b 200 python benchmarks/tpu_e2e.py --models /tmp/m/llama-1b-gqa --rounds 1 \
+          --out "$out/e2e_1b.json" ;;
+    ab-256)    # prefill at the CPU's scheduler sizes, against the TPU defaults of e2e-1b
+      checkpoint llama-1b-gqa
+      stage ab-256 80 python benchmarks/tpu_e2e.py --models /tmp/m/llama-1b-gqa --rounds 1 \
+          --batches "" --engine-args '{"max_num_batched_tokens": 256, "max_num_seqs": 32}' \
+          --out "$out/e2e_1b_t256.json" ;;
+    e2e-135m)
+      checkpoint smollm2-135m
+      stage e2e-135m 140 python benchmarks/tpu_e2e.py --models /tmp/m/smollm2-135m --rounds 1 \
+          --out "$out/e2e_135m.json" ;;
+    movers)    # the planned-max 1B cache: the step and both page movers in place
+      stage movers 130 python benchmarks/tpu_memory.py --models llama-1b --pages 0 --loops scan \
+          --tokens 1 --iters 10 --movers 64 --out "$out/movers_1b.json" ;;
+    *) echo "unknown stage $s" | tee -a "$out/session.log" ;;
+  esac
+done
+echo "done in $(( $(date +%s) - start )) s" | tee -a "$out/session.log"
