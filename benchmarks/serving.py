@@ -5,6 +5,7 @@ prompts.
     python benchmarks/serving.py                                   # ours only (vLLM skipped)
     python benchmarks/serving.py --vllm-python "$(bash scripts/vllm_env.sh)"
     python benchmarks/serving.py --compare-sync      # ours with and without async scheduling
+    python benchmarks/serving.py --client vllm-bench --vllm-python "$(bash scripts/vllm_env.sh)"
 
 Both servers get the same Hugging Face directory (by default SmolLM2-135M-Instruct exported from its
 GGUF, so the weights are identical), the same prompts, greedy decoding with ``ignore_eos`` and a
@@ -21,6 +22,11 @@ request as soon as the previous one finished):
   after the first, per request, median) next to it.
 - output tok/s: completion tokens of all requests over the level's wall time.
 Ratios are ours / vLLM's (TTFT and TPOT: lower is better; tok/s: higher is better).
+
+``--client vllm-bench`` drives every level with vLLM's own client, ``vllm bench serve`` (random
+dataset of ``--input-tokens`` tokens, ``--max-tokens`` out, ``ignore_eos``, greedy, at most
+``concurrency`` requests in flight), instead of the client here, so the numbers come from a client
+neither server wrote; its per-request TTFTs and ITLs feed the same table. It needs ``--vllm-python``.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 
@@ -39,6 +46,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import httpx  # noqa: E402
 
 from tpuserve.server.launcher import ServerProcess, free_port, tpuserve_argv  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import vllm_bench_client  # noqa: E402  (benchmarks/vllm_bench_client.py)
 
 TOPICS = ["the ocean", "a mountain village", "machine learning", "the history of tea", "jazz music",
           "a lighthouse keeper", "the moon landing", "bread baking", "a chess tournament",
@@ -117,6 +127,25 @@ async def run_level(base_url: str, model: str, prompts: list[str], concurrency: 
     return results, wall
 
 
+def run_level_vllm_bench(base_url: str, model: str, n: int, concurrency: int,
+                         args: argparse.Namespace) -> tuple[list[RequestResult], float]:
+    """One level through ``vllm bench serve``; its per-request numbers become RequestResults."""
+    cfg = vllm_bench_client.BenchServeConfig(
+        base_url=base_url, model=model, tokenizer=model_dir(args), num_prompts=n, dataset="random",
+        random_input_len=args.input_tokens, random_output_len=args.max_tokens,
+        max_concurrency=concurrency, ignore_eos=True, temperature=0.0)
+    with tempfile.TemporaryDirectory() as d:
+        res, _ = vllm_bench_client.run_bench_serve(args.vllm_python, cfg, d, "level")
+    results = []
+    for ttft, itls, out_len, err in zip(res["ttfts"], res["itls"], res["output_lens"], res["errors"]):
+        if err:
+            results.append(RequestResult(error=str(err).strip().splitlines()[-1][:200]))
+        else:
+            results.append(RequestResult(ttft=ttft, itls=list(itls), decode_time=sum(itls),
+                                         output_tokens=out_len))
+    return results, float(res["duration"])
+
+
 def _pct(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
@@ -184,7 +213,11 @@ def bench_servers(servers: dict[str, ServerProcess], model: str, args) -> dict[s
             prompts = make_prompts(n, args.prompt_words)
             for name, srv in servers.items():
                 before = _compiled_programs(srv.base_url)
-                results, wall = asyncio.run(run_level(srv.base_url, model, prompts, c, args.max_tokens))
+                if args.client == "vllm-bench":
+                    results, wall = run_level_vllm_bench(srv.base_url, model, n, c, args)
+                else:
+                    results, wall = asyncio.run(run_level(srv.base_url, model, prompts, c,
+                                                          args.max_tokens))
                 runs[name][c].append((results, wall))
                 if before is not None:
                     compiled[name][c] += _compiled_programs(srv.base_url) - before
@@ -254,6 +287,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--min-requests", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=64, help="output tokens per request")
     p.add_argument("--prompt-words", type=int, default=48)
+    p.add_argument("--client", choices=["own", "vllm-bench"], default="own",
+                   help="own: this script's streaming client; vllm-bench: vLLM's `vllm bench serve` "
+                        "from --vllm-python's venv")
+    p.add_argument("--no-vllm-server", action="store_true",
+                   help="do not start `vllm serve` even with --vllm-python (e.g. to measure only ours "
+                        "with --client vllm-bench)")
+    p.add_argument("--input-tokens", type=int, default=64,
+                   help="prompt tokens per request with --client vllm-bench (its random dataset)")
     p.add_argument("--max-model-len", type=int, default=512)
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--max-num-batched-tokens", type=int, default=256)
@@ -266,6 +307,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", help="also write all numbers to this JSON file")
     p.add_argument("--startup-timeout", type=float, default=1200.0)
     args = p.parse_args(argv)
+    if args.client == "vllm-bench" and not (args.vllm_python and os.path.exists(args.vllm_python)):
+        p.error("--client vllm-bench needs --vllm-python (bash scripts/vllm_env.sh prints it)")
 
     path = model_dir(args)
     name = "bench-model"
@@ -286,6 +329,8 @@ def main(argv: list[str] | None = None) -> int:
         print("[vllm] skipped: no --vllm-python given (build one with: bash scripts/vllm_env.sh)")
     elif not os.path.exists(args.vllm_python):
         print(f"[vllm] skipped: {args.vllm_python} does not exist")
+    elif args.no_vllm_server:
+        print("[vllm] server skipped: --no-vllm-server")
     else:
         port = free_port()
         argv = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", path,
@@ -313,6 +358,9 @@ def main(argv: list[str] | None = None) -> int:
 
     sync = results.get("tpuserve-sync")
     print()
+    if args.client == "vllm-bench":
+        print(f"client: vllm bench serve (random dataset, {args.input_tokens} prompt tokens, "
+              f"{args.max_tokens} output tokens, ignore_eos, greedy)")
     print_table(ours, theirs, args.markdown)
     if sync:
         print("\nasync scheduling on (ours) vs off (sync):")
