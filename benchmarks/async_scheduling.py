@@ -28,30 +28,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
 
+from engine_rounds import timed_round  # noqa: E402  (benchmarks/engine_rounds.py)
+
 
 def run_round(engine, concurrency: int, prompt_tokens: int, max_tokens: int, rng) -> dict:
-    from tpuserve.server.sampling_params import SamplingParams
-
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    vocab = engine.arch.vocab_size
-    first: dict[str, float] = {}
-    last: dict[str, float] = {}
-    counts: dict[str, int] = {}
-    start = time.perf_counter()
-    for i in range(concurrency):
-        ids = rng.integers(100, min(vocab, 30000), prompt_tokens).tolist()
-        engine.add_request(f"r{i}-{start}", None, params, prompt_token_ids=ids)
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            now = time.perf_counter()
-            n = len(out.outputs[0].token_ids) if out.outputs else 0
-            if n and out.request_id not in first:
-                first[out.request_id] = now
-            if out.finished:
-                last[out.request_id], counts[out.request_id] = now, n
-    wall = time.perf_counter() - start
-    tpots = [(last[r] - first[r]) / (counts[r] - 1) for r in last if counts[r] > 1]
-    return dict(tpot_ms=[t * 1e3 for t in tpots], tokens=sum(counts.values()), wall_s=wall)
+    return timed_round(engine, concurrency, prompt_tokens, max_tokens, rng)
 
 
 def main(argv=None) -> int:

@@ -32,6 +32,7 @@ import time
 
 import jax
 import numpy as np
+from engine_rounds import timed_round  # benchmarks/engine_rounds.py
 
 V5E_HBM_GBS = 819.0
 V5E_BF16_TFLOPS = 197.0
@@ -62,34 +63,8 @@ def kv_bytes_per_token(arch, itemsize: int) -> int:
 
 
 def decode_round(engine, batch: int, prompt_len: int, new_tokens: int, rng) -> dict:
-    from tpuserve.server.sampling_params import SamplingParams
-
-    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
-    vocab = engine.arch.vocab_size
-    first: dict[str, float] = {}
-    last: dict[str, float] = {}
-    counts: dict[str, int] = {}
-    steps = 0
-    start = time.perf_counter()
-    for i in range(batch):
-        ids = rng.integers(100, min(vocab, 30000), prompt_len).tolist()
-        engine.add_request(f"d{batch}-{i}-{start}", None, params, prompt_token_ids=ids)
-    while engine.has_unfinished_requests():
-        outs = engine.step()
-        steps += 1
-        now = time.perf_counter()
-        for out in outs:
-            if out.error:
-                raise RuntimeError(f"request {out.request_id} failed: {out.error}")
-            n = len(out.outputs[0].token_ids) if out.outputs else 0
-            if n and out.request_id not in first:
-                first[out.request_id] = now
-            if out.finished:
-                last[out.request_id], counts[out.request_id] = now, n
-    wall = time.perf_counter() - start
-    tpots = [(last[r] - first[r]) / (counts[r] - 1) for r in last if counts[r] > 1]
-    return dict(tpot_ms=statistics.median(tpots) * 1e3, tokens=sum(counts.values()), wall_s=wall,
-                engine_steps=steps)
+    r = timed_round(engine, batch, prompt_len, new_tokens, rng)
+    return dict(r, tpot_ms=statistics.median(r["tpot_ms"]))
 
 
 def prefill_round(llm, n: int, length: int, rng) -> float:

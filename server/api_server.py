@@ -33,8 +33,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from tpuserve.server.api_errors import (APIError, bad_request, error_body, error_headers,
                                         error_response)
 from tpuserve.server.async_engine import AsyncEngine, EngineUnavailableError, QueueFullError
-from tpuserve.server.http_deadlines import (DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S,
-                                            BodyDeadlineMiddleware, deadline_protocol)
+from tpuserve.server.http_deadlines import (DEFAULT_BODY_TIMEOUT_S, BodyDeadlineMiddleware,
+                                            add_deadline_args, deadline_protocol)
 from tpuserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from tpuserve.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                              DetokenizeResponse, ModelCard, ModelList, TokenizeRequest,
@@ -345,15 +345,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                         help="seconds a request's structured-output grammar may take to compile; "
                              "then the request is refused with 400 (default "
                              f"{DEFAULT_GRAMMAR_TIMEOUT_S:g})")
-    parser.add_argument("--http-header-timeout", type=_positive_float, default=DEFAULT_HEADER_TIMEOUT_S,
-                        help="seconds a client has to send a whole request head, from connecting (or "
-                             "from the first byte of a later keep-alive request); then the connection "
-                             f"is closed (default {DEFAULT_HEADER_TIMEOUT_S:g})")
-    parser.add_argument("--http-body-timeout", type=_positive_float, default=DEFAULT_BODY_TIMEOUT_S,
-                        help="seconds a client has to send a whole request body after its head; then "
-                             "it gets a 408 and the connection is closed. Only reading the request is "
-                             "bounded, never a (streamed) answer "
-                             f"(default {DEFAULT_BODY_TIMEOUT_S:g})")
+    add_deadline_args(parser, _positive_float)
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="seconds in-flight requests may run on after SIGTERM (default 30)")
     parser.add_argument("--no-warmup", action="store_true",

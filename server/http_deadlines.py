@@ -31,6 +31,18 @@ DEFAULT_BODY_TIMEOUT_S = 30.0
 _BODY_BACKSTOP_GRACE_S = 1.0
 
 
+def add_deadline_args(parser, value_type=float) -> None:
+    """``--http-header-timeout`` and ``--http-body-timeout`` on an argparse parser (serve, router)."""
+    parser.add_argument("--http-header-timeout", type=value_type, default=DEFAULT_HEADER_TIMEOUT_S,
+                        help="seconds a client has to send a whole request head, from connecting (or "
+                             "from the first byte of a later keep-alive request); then the connection "
+                             f"is closed (default {DEFAULT_HEADER_TIMEOUT_S:g})")
+    parser.add_argument("--http-body-timeout", type=value_type, default=DEFAULT_BODY_TIMEOUT_S,
+                        help="seconds a client has to send a whole request body after its head; then "
+                             "it gets a 408 and the connection is closed. Only reading the request is "
+                             f"bounded, never a (streamed) answer (default {DEFAULT_BODY_TIMEOUT_S:g})")
+
+
 def check_timeouts(header_timeout_s: float, body_timeout_s: float) -> None:
     for name, value in (("--http-header-timeout", header_timeout_s),
                         ("--http-body-timeout", body_timeout_s)):

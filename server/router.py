@@ -27,8 +27,8 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 from tpuserve.server.http_deadlines import (DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S,
-                                            BodyDeadlineMiddleware, check_timeouts,
-                                            deadline_protocol)
+                                            BodyDeadlineMiddleware, add_deadline_args,
+                                            check_timeouts, deadline_protocol)
 
 log = logging.getLogger(__name__)
 
@@ -380,14 +380,7 @@ def add_router_parser(subparsers) -> argparse.ArgumentParser:
                         help="seconds a prefill answer may take")
     parser.add_argument("--decode-read-timeout", type=float, default=600.0,
                         help="seconds a decode answer may go without sending anything")
-    parser.add_argument("--http-header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT_S,
-                        help="seconds a client has to send a whole request head, from connecting (or "
-                             "from the first byte of a later keep-alive request); then the connection "
-                             f"is closed (default {DEFAULT_HEADER_TIMEOUT_S:g})")
-    parser.add_argument("--http-body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT_S,
-                        help="seconds a client has to send a whole request body after its head; then "
-                             "it gets a 408 and the connection is closed. Only reading the request is "
-                             f"bounded, never a (streamed) answer (default {DEFAULT_BODY_TIMEOUT_S:g})")
+    add_deadline_args(parser)  # validated with the rest in RouterConfig.validate
     parser.add_argument("--log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug"])
     parser.set_defaults(func=run_router)

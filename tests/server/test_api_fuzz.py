@@ -17,10 +17,10 @@ pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]
 EXAMPLES_PER_OPERATION = 15
 
 
-@pytest.fixture(scope="module")
-def server(random_checkpoints, tmp_path_factory):
+def fuzz_target_server(random_checkpoints, tmp_path_factory, name: str):
+    """A real server for fuzzing (generator: yields it, then checks it outlived the fuzzing)."""
     port = free_port()
-    log = str(tmp_path_factory.mktemp("fuzz-server") / "server.log")
+    log = str(tmp_path_factory.mktemp(name) / "server.log")
     # A short context bounds the work any one generated request can ask for.
     srv = ServerProcess(tpuserve_argv("serve", random_checkpoints["qwen3"], "--port", str(port),
                                       "--no-warmup", "--max-model-len", "48",
@@ -33,6 +33,11 @@ def server(random_checkpoints, tmp_path_factory):
     rc = srv.stop()
     assert alive, f"the server died during fuzzing:\n{srv.log_tail()}"
     assert rc == 0, srv.log_tail()
+
+
+@pytest.fixture(scope="module")
+def server(random_checkpoints, tmp_path_factory):
+    yield from fuzz_target_server(random_checkpoints, tmp_path_factory, "fuzz-server")
 
 
 def _bounded(body):

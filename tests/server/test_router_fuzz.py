@@ -12,7 +12,7 @@ import pytest
 schemathesis = pytest.importorskip("schemathesis")
 from hypothesis import HealthCheck, settings  # noqa: E402  (schemathesis brings hypothesis)
 
-from test_api_fuzz import EXAMPLES_PER_OPERATION, _bounded  # noqa: E402  (tests/server/test_api_fuzz.py)
+from test_api_fuzz import EXAMPLES_PER_OPERATION, _bounded, fuzz_target_server  # noqa: E402  (tests/server/test_api_fuzz.py)
 from tpuserve.server.launcher import ServerProcess, free_port, tpuserve_argv  # noqa: E402
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]
@@ -21,19 +21,7 @@ pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]
 @pytest.fixture(scope="module")
 def backend(random_checkpoints, tmp_path_factory):
     """One server as both the prefill and the decode backend (the router does not care)."""
-    port = free_port()
-    log = str(tmp_path_factory.mktemp("router-fuzz-server") / "server.log")
-    srv = ServerProcess(tpuserve_argv("serve", random_checkpoints["qwen3"], "--port", str(port),
-                                      "--no-warmup", "--max-model-len", "48",
-                                      "--max-num-batched-tokens", "64", "--max-num-seqs", "32",
-                                      "--max-body-bytes", str(256 * 1024)),
-                        port, env={"JAX_PLATFORMS": "cpu"}, log_path=log)
-    srv.start()
-    yield srv
-    alive = srv.proc.poll() is None
-    rc = srv.stop()
-    assert alive, f"the server died during fuzzing:\n{srv.log_tail()}"
-    assert rc == 0, srv.log_tail()
+    yield from fuzz_target_server(random_checkpoints, tmp_path_factory, "router-fuzz-server")
 
 
 @pytest.fixture(scope="module")
