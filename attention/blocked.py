@@ -84,7 +84,8 @@ class _Ctx:
 
     def gather(self, pages):
         """pages [..., n] -> (k, v) [..., n * page_size, Hkv, D] f32, scaled."""
-        kv = gather_pages(self.kv_pages, pages, self.layer).reshape(*pages.shape[:-1], pages.shape[-1] * self.page_size, self.num_kv_heads, 2,
+        kv = gather_pages(self.kv_pages, pages, self.layer)
+        kv = kv.reshape(*pages.shape[:-1], pages.shape[-1] * self.page_size, self.num_kv_heads, 2,
                         self.head_dim).astype(jnp.float32)
         k, v = kv[..., 0, :], kv[..., 1, :]
         if self.k_scale is not None:

@@ -40,8 +40,8 @@ from tpuserve.server.protocol import (ChatCompletionRequest, CompletionRequest, 
                              DetokenizeResponse, ModelCard, ModelList, TokenizeRequest,
                              TokenizeResponse, VersionResponse)
 from tpuserve.server.serving_chat import ChatHandler, _message_dict
-from tpuserve.server.serving_common import (DEFAULT_GRAMMAR_TIMEOUT_S, DEFAULT_MAX_PROMPT_CHARS_PER_TOKEN,
-                                            ServingContext,
+from tpuserve.server.serving_common import (DEFAULT_GRAMMAR_TIMEOUT_S,
+                                            DEFAULT_MAX_PROMPT_CHARS_PER_TOKEN, ServingContext,
                                             StreamingResult)
 from tpuserve.server.serving_completions import CompletionHandler
 

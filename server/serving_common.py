@@ -177,7 +177,7 @@ class ServingContext:
             if not started.is_set():
                 job.cancel()  # still queued: nobody is waiting for it any more
                 raise APIError(503, f"structured output: the grammar compiler is busy with other "
-                                          f"requests and did not reach this one within {t}; retry")
+                                    f"requests and did not reach this one within {t}; retry")
             raise bad_request(f"response_format: the grammar did not compile within {t} "
                               f"(--grammar-compile-timeout); simplify the schema, regex or grammar",
                               "response_format")

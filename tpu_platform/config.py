@@ -362,7 +362,8 @@ class EngineConfig:
                 section, f = where[name]
                 per_section[section][f.name] = value
         sections = {s: _SECTIONS[s](**kw) for s, kw in per_section.items()}
-        return cls(**sections, **extra, explicit=frozenset(k for k, v in kwargs.items() if v is not None))
+        explicit = frozenset(k for k, v in kwargs.items() if v is not None)
+        return cls(**sections, **extra, explicit=explicit)
 
 
 def _flat_fields() -> dict[str, tuple[str, Any]]:
