@@ -85,8 +85,9 @@ class _Ctx:
     def gather(self, pages):
         """pages [..., n] -> (k, v) [..., n * page_size, Hkv, D] f32, scaled."""
         kv = gather_pages(self.kv_pages, pages, self.layer)
-        kv = kv.reshape(*pages.shape[:-1], pages.shape[-1] * self.page_size, self.num_kv_heads, 2,
-                        self.head_dim).astype(jnp.float32)
+        kv = kv.reshape(
+            *pages.shape[:-1], pages.shape[-1] * self.page_size, self.num_kv_heads, 2, self.head_dim
+        ).astype(jnp.float32)
         k, v = kv[..., 0, :], kv[..., 1, :]
         if self.k_scale is not None:
             k = k * self.k_scale
@@ -123,8 +124,10 @@ def _stages(first, end, wide_pages: int, tail_pages: int, page_size: int, block_
         return [(first // wide, (end + wide - 1) // wide, block_scores_for(wide_pages))]
     wide_stop = (end + wide // 2) // wide
     tail_start = jnp.maximum(wide_stop * wide, first // tail * tail) // tail
-    return [(first // wide, wide_stop, block_scores_for(wide_pages)),
-            (tail_start, (end + tail - 1) // tail, block_scores_for(tail_pages))]
+    return [
+        (first // wide, wide_stop, block_scores_for(wide_pages)),
+        (tail_start, (end + tail - 1) // tail, block_scores_for(tail_pages)),
+    ]
 
 
 def _online_softmax_loop(q, stages):
@@ -150,10 +153,14 @@ def _online_softmax_loop(q, stages):
             denom = denom * rescale + probs.sum(axis=-1)
             acc = acc * rescale[..., None] + pv(probs)
             return new_max, denom, acc
+
         return step
 
-    carry = (jnp.full(lead, -jnp.inf, jnp.float32), jnp.zeros(lead, jnp.float32),
-             jnp.zeros((*lead, d), jnp.float32))
+    carry = (
+        jnp.full(lead, -jnp.inf, jnp.float32),
+        jnp.zeros(lead, jnp.float32),
+        jnp.zeros((*lead, d), jnp.float32),
+    )
     for start, stop, block_scores in stages:
         carry = jax.lax.fori_loop(start, stop, step_with(block_scores), carry)
     run_max, denom, acc = carry
@@ -190,15 +197,28 @@ def _attend_rows(ctx: _Ctx, q, seq, q_pos, valid, pages_per_block: int, tail_pag
             visible = ctx.mask(j * block + offsets, q_pos) & valid[:, None]
             scores = jnp.where(visible[:, None, None, :], scores, -jnp.inf)
             return scores, lambda probs: jnp.einsum("rhgc,rchd->rhgd", probs, v)
+
         return block_scores
 
     first, end = ctx.key_span(q_pos, valid)
-    return _online_softmax_loop(q, _stages(first, end, pages_per_block, tail_pages, ctx.page_size,
-                                           block_scores_for))
+    return _online_softmax_loop(
+        q, _stages(first, end, pages_per_block, tail_pages, ctx.page_size, block_scores_for)
+    )
 
 
-def _attend_sequence_tiles(ctx: _Ctx, q, out, lse, kv_lens, cu_q_lens, q_lens, tiled,
-                           kv_pages_per_block: int, tail_pages: int, tile_sizes: tuple[int, ...]):
+def _attend_sequence_tiles(
+    ctx: _Ctx,
+    q,
+    out,
+    lse,
+    kv_lens,
+    cu_q_lens,
+    q_lens,
+    tiled,
+    kv_pages_per_block: int,
+    tail_pages: int,
+    tile_sizes: tuple[int, ...],
+):
     """Queries of the ``tiled`` sequences, in tiles that never cross a sequence, written into ``out``
     and ``lse`` [T, Hkv, G] (returned).
 
@@ -249,19 +269,22 @@ def _attend_sequence_tiles(ctx: _Ctx, q, out, lse, kv_lens, cu_q_lens, q_lens, t
                     visible = jnp.repeat(visible, group, axis=0)
                     scores = jnp.where(visible[None], scores, -jnp.inf)
                     return scores, lambda probs: jnp.einsum("hmc,hcd->hmd", probs, v_blk)
+
                 return block_scores
 
             first, end = ctx.key_span(q_pos, live)
-            res, res_lse = _online_softmax_loop(tq, _stages(first, end, kv_pages_per_block, tail_pages,
-                                                            ctx.page_size, block_scores_for))
+            res, res_lse = _online_softmax_loop(
+                tq, _stages(first, end, kv_pages_per_block, tail_pages, ctx.page_size, block_scores_for)
+            )
             res = res.reshape(hkv, size, group, d).transpose(1, 0, 2, 3)
             res_lse = res_lse.reshape(hkv, size, group).transpose(1, 0, 2)
             # A partial tile's spare rows belong to the next sequence (any path, any loop): keep them.
             res = jnp.where(live[:, None, None, None], res, jax.lax.dynamic_slice_in_dim(out, row0, size))
-            res_lse = jnp.where(live[:, None, None], res_lse,
-                                jax.lax.dynamic_slice_in_dim(lse, row0, size))
-            return (jax.lax.dynamic_update_slice_in_dim(out, res, row0, axis=0),
-                    jax.lax.dynamic_update_slice_in_dim(lse, res_lse, row0, axis=0))
+            res_lse = jnp.where(live[:, None, None], res_lse, jax.lax.dynamic_slice_in_dim(lse, row0, size))
+            return (
+                jax.lax.dynamic_update_slice_in_dim(out, res, row0, axis=0),
+                jax.lax.dynamic_update_slice_in_dim(lse, res_lse, row0, axis=0),
+            )
 
         out, lse = jax.lax.fori_loop(0, tile_ends[-1], one_tile, (out, lse))
         covered = covered + tiles_per_seq * size
@@ -303,23 +326,36 @@ def _attend_common_prefix(ctx: _Ctx, q, valid, num_pages, pages_per_block: int):
 
     stop = (num_pages + pages_per_block - 1) // pages_per_block
     out, lse = _online_softmax_loop(qh, [(jnp.int32(0), stop, block_scores)])
-    return (out.reshape(hkv, num_tokens, group, d).transpose(1, 0, 2, 3),
-            lse.reshape(hkv, num_tokens, group).transpose(1, 0, 2))
+    return (
+        out.reshape(hkv, num_tokens, group, d).transpose(1, 0, 2, 3),
+        lse.reshape(hkv, num_tokens, group).transpose(1, 0, 2),
+    )
 
 
-def _attend_short_rows(ctx: _Ctx, q, seq, q_pos, short, max_rows: int, pages_per_block: int,
-                       tail_pages: int):
+def _attend_short_rows(ctx: _Ctx, q, seq, q_pos, short, max_rows: int, pages_per_block: int, tail_pages: int):
     """Rows flagged ``short`` (decodes and other few-token queries), gathered into ``max_rows``
     slots, each attending through its own sequence's pages. Returns out [T, Hkv, G, D] and
     lse [T, Hkv, G] (others 0 and -inf)."""
     num_tokens = q.shape[0]
     # Slot num_tokens is a padding row (index past the real ones; dropped on the way back).
     idx = jnp.nonzero(short, size=max_rows, fill_value=num_tokens)[0]
-    pad = lambda x, fill: jnp.concatenate([x, jnp.full((1,) + x.shape[1:], fill, x.dtype)])
-    res, res_lse = _attend_rows(ctx, pad(q, 0.0)[idx], pad(seq, 0)[idx], pad(q_pos, 0)[idx],
-                                pad(short, False)[idx], pages_per_block, tail_pages)
-    return (jnp.zeros_like(q).at[idx].set(res, mode="drop"),
-            jnp.full(q.shape[:-1], -jnp.inf, jnp.float32).at[idx].set(res_lse, mode="drop"))
+
+    def pad(x, fill):
+        return jnp.concatenate([x, jnp.full((1,) + x.shape[1:], fill, x.dtype)])
+
+    res, res_lse = _attend_rows(
+        ctx,
+        pad(q, 0.0)[idx],
+        pad(seq, 0)[idx],
+        pad(q_pos, 0)[idx],
+        pad(short, False)[idx],
+        pages_per_block,
+        tail_pages,
+    )
+    return (
+        jnp.zeros_like(q).at[idx].set(res, mode="drop"),
+        jnp.full(q.shape[:-1], -jnp.inf, jnp.float32).at[idx].set(res_lse, mode="drop"),
+    )
 
 
 def prefix_pages_per_block(num_tokens: int, num_q_heads: int, page_size: int, pages_per_seq: int) -> int:
@@ -329,8 +365,9 @@ def prefix_pages_per_block(num_tokens: int, num_q_heads: int, page_size: int, pa
     return max(1, min(pages_per_seq, TILE_KV_TOKENS // page_size, by_scores))
 
 
-def default_pages_per_block(num_tokens: int, page_size: int, num_combined: int, head_dim: int,
-                            pages_per_seq: int) -> int:
+def default_pages_per_block(
+    num_tokens: int, page_size: int, num_combined: int, head_dim: int, pages_per_seq: int
+) -> int:
     """Pages per loop iteration so that one block's gather fits ``_BLOCK_BUDGET`` elements."""
     per_page = num_tokens * page_size * num_combined * head_dim
     return max(1, min(pages_per_seq, _BLOCK_BUDGET // max(1, per_page)))
@@ -375,8 +412,9 @@ def ragged_paged_attention_blocked(
     # Few-token sequences go per row; their rows fit in this many slots.
     max_short_rows = min(num_tokens, num_slots * SHORT_QUERY_LEN)
     if pages_per_block is None:
-        pages_per_block = default_pages_per_block(max_short_rows, page_size, num_combined, head_dim,
-                                                  page_indices.shape[1])
+        pages_per_block = default_pages_per_block(
+            max_short_rows, page_size, num_combined, head_dim, page_indices.shape[1]
+        )
     if tile_kv_pages is None:
         tile_kv_pages = max(1, TILE_KV_TOKENS // page_size)
     if tail_kv_pages is None:
@@ -395,9 +433,18 @@ def ragged_paged_attention_blocked(
         return jnp.pad(page_indices, ((0, 0), (0, -page_indices.shape[1] % pages)))
 
     q = queries.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, head_dim) * sm_scale
-    ctx = _Ctx(kv_pages=kv_pages, layer=layer, table=page_indices, page_size=page_size,
-               num_kv_heads=num_kv_heads, head_dim=head_dim, sliding_window=sliding_window,
-               soft_cap=soft_cap, k_scale=k_scale, v_scale=v_scale)
+    ctx = _Ctx(
+        kv_pages=kv_pages,
+        layer=layer,
+        table=page_indices,
+        page_size=page_size,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+        k_scale=k_scale,
+        v_scale=v_scale,
+    )
     prefix = None
     if cascade and sliding_window is None:
         # Pages all sequences share (a common system prompt) are attended once for every row; the
@@ -406,24 +453,28 @@ def ragged_paged_attention_blocked(
         shared = common_prefix_pages(kv_lens, page_indices, cu_q_lens, num_seqs, page_size)
         block = prefix_pages_per_block(num_tokens, num_q_heads, page_size, page_indices.shape[1])
         real = jnp.arange(num_tokens) < cu_q_lens[num_seqs[0]]
-        prefix = _attend_common_prefix(dataclasses.replace(ctx, table=padded_table(block)), q, real,
-                                       shared, block)
+        prefix = _attend_common_prefix(
+            dataclasses.replace(ctx, table=padded_table(block)), q, real, shared, block
+        )
         width = page_indices.shape[1]
-        page_indices = jax.lax.dynamic_slice_in_dim(jnp.pad(page_indices, ((0, 0), (0, width))),
-                                                    shared, width, axis=1)
+        page_indices = jax.lax.dynamic_slice_in_dim(
+            jnp.pad(page_indices, ((0, 0), (0, width))), shared, width, axis=1
+        )
         kv_lens = jnp.maximum(kv_lens - shared * page_size, 0)
     seq, q_pos, valid = token_sequence_info(kv_lens, cu_q_lens, num_seqs, num_tokens)
     ctx = dataclasses.replace(ctx, table=padded_table(pages_per_block))
     q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
     live_slot = jnp.arange(num_slots) < num_seqs[0]
     tiled = live_slot & (q_lens > SHORT_QUERY_LEN)
-    out, lse = _attend_short_rows(ctx, q, seq, q_pos, valid & ~tiled[seq], max_short_rows,
-                                  pages_per_block, row_tail)
+    out, lse = _attend_short_rows(
+        ctx, q, seq, q_pos, valid & ~tiled[seq], max_short_rows, pages_per_block, row_tail
+    )
     if num_tokens > SHORT_QUERY_LEN:  # else no sequence can be long enough to tile
         tile_ctx = dataclasses.replace(ctx, table=padded_table(tile_kv_pages))
         sizes = tuple(t for t in QUERY_TILES if t <= num_tokens) or (min(QUERY_TILES),)
-        out, lse = _attend_sequence_tiles(tile_ctx, q, out, lse, kv_lens, cu_q_lens, q_lens, tiled,
-                                          tile_kv_pages, tile_tail, sizes)
+        out, lse = _attend_sequence_tiles(
+            tile_ctx, q, out, lse, kv_lens, cu_q_lens, q_lens, tiled, tile_kv_pages, tile_tail, sizes
+        )
     if prefix is not None:
         out = _merge(out, lse, *prefix)
     return out.reshape(num_tokens, num_q_heads, head_dim).astype(queries.dtype)

@@ -10,10 +10,10 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import PartitionSpec as P
 
 from tpuserve.attention.blocked import ragged_paged_attention_blocked
+
 # resolve_impl and kv_cache_shape live in a jax-free module (KV sizing needs them before jax);
 # re-exported here, next to the entry point that uses the shapes.
-from tpuserve.attention.kv_cache_shape import (PADDED_HEAD_IMPLS,  # noqa: F401
-                                               combined_heads, kv_cache_shape, resolve_impl)
+from tpuserve.attention.kv_cache_shape import PADDED_HEAD_IMPLS, combined_heads, kv_cache_shape, resolve_impl  # noqa: F401
 from tpuserve.attention.metadata import AttentionMetadata
 from tpuserve.attention.names import ATTENTION_IMPLS
 from tpuserve.attention.pallas_gpu import ragged_paged_attention_gpu_stacked
@@ -93,14 +93,19 @@ def ragged_paged_attention(
         def local(q, k, v, kv, layer, md):
             return _attend(q, k, v, kv, layer, md, params, impl)
 
-        return jax.shard_map(local, mesh=mesh, in_specs=(heads, heads, heads, cache, P(), P()),
-                             out_specs=(heads, cache), check_vma=False)(
-            queries, new_k, new_v, kv_cache, layer, md)
+        return jax.shard_map(
+            local,
+            mesh=mesh,
+            in_specs=(heads, heads, heads, cache, P(), P()),
+            out_specs=(heads, cache),
+            check_vma=False,
+        )(queries, new_k, new_v, kv_cache, layer, md)
     return _attend(queries, new_k, new_v, kv_cache, layer, md, params, impl)
 
 
-def _attend(queries, new_k, new_v, kv_cache, layer, md: AttentionMetadata, params: AttentionParams,
-            impl: str):
+def _attend(
+    queries, new_k, new_v, kv_cache, layer, md: AttentionMetadata, params: AttentionParams, impl: str
+):
     if impl == "auto":
         impl = resolve_impl(impl, jax.default_backend(), kv_cache.dtype)
     num_combined = 2 * new_k.shape[1]
@@ -108,31 +113,49 @@ def _attend(queries, new_k, new_v, kv_cache, layer, md: AttentionMetadata, param
     # Only the TPU kernel knows padding heads; the others read C as 2*Hkv and would misplace heads.
     allowed = (num_combined, combined_heads(impl, new_k.shape[1], kv_cache.dtype))
     if cache_heads not in allowed:
-        raise ValueError(f"attention impl {impl!r} needs the KV cache's combined-head axis to be "
-                         f"one of {sorted(set(allowed))} (see kv_cache_shape), got "
-                         f"{kv_cache.shape}")
+        raise ValueError(
+            f"attention impl {impl!r} needs the KV cache's combined-head axis to be "
+            f"one of {sorted(set(allowed))} (see kv_cache_shape), got "
+            f"{kv_cache.shape}"
+        )
     if impl in ("reference", "blocked"):
         # In place on the stacked cache: slicing a layer out and back would copy it twice a step.
         new_kv = quantize_kv(new_k, new_v, params, kv_cache.dtype)
-        kv_cache = write_kv_ref(kv_cache, new_kv, md.kv_lens, md.page_indices, md.cu_q_lens,
-                                md.num_seqs, layer=layer)
+        kv_cache = write_kv_ref(
+            kv_cache, new_kv, md.kv_lens, md.page_indices, md.cu_q_lens, md.num_seqs, layer=layer
+        )
         attend = ragged_paged_attention_ref if impl == "reference" else ragged_paged_attention_blocked
         out = attend(
-            queries, kv_cache, md.kv_lens, md.page_indices, md.cu_q_lens, md.num_seqs,
-            sm_scale=params.sm_scale, sliding_window=params.sliding_window,
-            soft_cap=params.soft_cap, k_scale=params.k_scale, v_scale=params.v_scale, layer=layer)
+            queries,
+            kv_cache,
+            md.kv_lens,
+            md.page_indices,
+            md.cu_q_lens,
+            md.num_seqs,
+            sm_scale=params.sm_scale,
+            sliding_window=params.sliding_window,
+            soft_cap=params.soft_cap,
+            k_scale=params.k_scale,
+            v_scale=params.v_scale,
+            layer=layer,
+        )
         return out, kv_cache
     # The kernels write the layer in place: the layer index travels as a scalar, no slicing.
     new_kv = quantize_kv(new_k, new_v, params, kv_cache.dtype)
-    args = (queries, new_kv, kv_cache, layer, md.kv_lens, md.page_indices, md.cu_q_lens,
-            md.num_seqs)
-    kwargs = dict(sm_scale=params.sm_scale, sliding_window=params.sliding_window,
-                  soft_cap=params.soft_cap, k_scale=params.k_scale, v_scale=params.v_scale)
+    args = (queries, new_kv, kv_cache, layer, md.kv_lens, md.page_indices, md.cu_q_lens, md.num_seqs)
+    kwargs = dict(
+        sm_scale=params.sm_scale,
+        sliding_window=params.sliding_window,
+        soft_cap=params.soft_cap,
+        k_scale=params.k_scale,
+        v_scale=params.v_scale,
+    )
     if impl == "pallas_tpu":
         return ragged_paged_attention_tpu_stacked(*args, num_kv_heads=new_k.shape[1], **kwargs)
     if impl == "pallas_tpu_interpret":
-        return ragged_paged_attention_tpu_stacked(*args, num_kv_heads=new_k.shape[1],
-                                                  interpret=TPU_INTERPRET_PARAMS, **kwargs)
+        return ragged_paged_attention_tpu_stacked(
+            *args, num_kv_heads=new_k.shape[1], interpret=TPU_INTERPRET_PARAMS, **kwargs
+        )
     if impl == "pallas_gpu":
         return ragged_paged_attention_gpu_stacked(*args, **kwargs)
     raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {impl!r}")

@@ -39,9 +39,11 @@ def resolve_impl(impl: str, backend: str, kv_cache_dtype=None) -> str:
         raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {impl!r}")
     byte_cache = kv_cache_dtype is not None and np.dtype(kv_cache_dtype).itemsize == 1
     if impl == "pallas_tpu" and byte_cache:
-        raise ValueError(f"attention_impl=pallas_tpu cannot read a {np.dtype(kv_cache_dtype).name} "
-                         f"KV cache (the compiled TPU kernel reads float32 and bfloat16 caches); "
-                         f"use kv_cache_dtype=auto, or attention_impl=reference")
+        raise ValueError(
+            f"attention_impl=pallas_tpu cannot read a {np.dtype(kv_cache_dtype).name} "
+            f"KV cache (the compiled TPU kernel reads float32 and bfloat16 caches); "
+            f"use kv_cache_dtype=auto, or attention_impl=reference"
+        )
     if impl != "auto":
         return impl
     if backend == "tpu" and byte_cache:
@@ -66,8 +68,10 @@ def padded_combined_heads(num_kv_heads: int, dtype) -> int:
 def combined_heads(impl: str, num_kv_heads: int, dtype) -> int:
     """Size of the combined-head axis of ``impl``'s cache (a concrete impl, not ``auto``)."""
     if impl == "auto" or impl not in ATTENTION_IMPLS:
-        raise ValueError(f"need a concrete attention impl (turn 'auto' into one with "
-                         f"resolve_impl first), one of {ATTENTION_IMPLS[1:]}, got {impl!r}")
+        raise ValueError(
+            f"need a concrete attention impl (turn 'auto' into one with "
+            f"resolve_impl first), one of {ATTENTION_IMPLS[1:]}, got {impl!r}"
+        )
     if impl in PADDED_HEAD_IMPLS:
         return padded_combined_heads(num_kv_heads, dtype)
     return 2 * num_kv_heads

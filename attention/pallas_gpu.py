@@ -51,14 +51,17 @@ def write_kv_stacked(kv_cache, layer, new_kv, kv_lens, page_indices, cu_q_lens, 
     _, num_pages, page_size = kv_cache.shape[:3]
     seq, pos, valid = token_sequence_info(kv_lens, cu_q_lens, num_seqs, new_kv.shape[0])
     page = jnp.where(valid, page_indices[seq, pos // page_size], num_pages)
-    return kv_cache.at[layer, page, pos % page_size].set(new_kv.astype(kv_cache.dtype),
-                                                          mode="drop")
+    return kv_cache.at[layer, page, pos % page_size].set(new_kv.astype(kv_cache.dtype), mode="drop")
 
 
 def _max_tiles(num_tokens: int, group: int, rows: int, num_slots: int) -> int:
     """Static bound on tiles: sum over sequences of ceil(q_len*G/R)."""
-    return max(1, min(pl.cdiv(num_tokens * group, rows) + min(num_slots, num_tokens),
-                      num_tokens * pl.cdiv(group, rows)))
+    return max(
+        1,
+        min(
+            pl.cdiv(num_tokens * group, rows) + min(num_slots, num_tokens), num_tokens * pl.cdiv(group, rows)
+        ),
+    )
 
 
 def _tile_tables(cu_q_lens, num_seqs, group: int, rows: int, num_tiles: int):
@@ -143,8 +146,7 @@ def _kernel(
         v = kv_ref[kv_row + 1, :].astype(q.dtype)
         kv_pos = blk * kv_block + tok
         v = jnp.where((kv_pos < kv_len)[:, None], v, jnp.zeros_like(v))  # unwritten rows
-        s = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
-                            preferred_element_type=jnp.float32) * score_scale
+        s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * score_scale
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
         mask = row_ok[:, None] & (kv_pos[None, :] <= q_pos[:, None])
@@ -156,13 +158,16 @@ def _kernel(
         alpha = jnp.exp(m - m_new)
         l = alpha * l + jnp.sum(p, axis=1)
         acc = alpha[:, None] * acc + lax.dot_general(
-            p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+            p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
+        )
         return acc, m_new, l
 
     head_dim = q.shape[-1]
-    init = (jnp.zeros((rows, head_dim), jnp.float32),
-            jnp.full((rows,), mask_value, jnp.float32),
-            jnp.zeros((rows,), jnp.float32))
+    init = (
+        jnp.zeros((rows, head_dim), jnp.float32),
+        jnp.full((rows,), mask_value, jnp.float32),
+        jnp.zeros((rows,), jnp.float32),
+    )
     acc, m, l = lax.fori_loop(lo, hi, body, init)
     if v_scale is not None:
         acc = acc * v_scale
@@ -175,8 +180,15 @@ def _kernel(
         l_ref[...] = l
 
 
-def default_config(num_tokens: int, num_slots: int, group: int, num_kv_heads: int,
-                   page_size: int, pages_per_seq: int, kv_itemsize: int = 2):
+def default_config(
+    num_tokens: int,
+    num_slots: int,
+    group: int,
+    num_kv_heads: int,
+    page_size: int,
+    pages_per_seq: int,
+    kv_itemsize: int = 2,
+):
     """(rows_per_tile, pages_per_block, kv_splits) for a step's static shapes.
 
     Decode-like steps (no more tokens than slots) use tiles of max(16, G) rows (16 is Triton's
@@ -196,9 +208,20 @@ def default_config(num_tokens: int, num_slots: int, group: int, num_kv_heads: in
 
 @functools.partial(
     jax.jit,
-    static_argnames=("sm_scale", "sliding_window", "soft_cap", "mask_value", "k_scale", "v_scale",
-                     "rows_per_tile", "num_kv_pages_per_block", "num_kv_splits", "num_warps",
-                     "num_stages", "interpret"),
+    static_argnames=(
+        "sm_scale",
+        "sliding_window",
+        "soft_cap",
+        "mask_value",
+        "k_scale",
+        "v_scale",
+        "rows_per_tile",
+        "num_kv_pages_per_block",
+        "num_kv_splits",
+        "num_warps",
+        "num_stages",
+        "interpret",
+    ),
 )
 def ragged_paged_attention_gpu_stacked(
     queries,
@@ -240,19 +263,23 @@ def ragged_paged_attention_gpu_stacked(
     num_seqs = num_seqs.astype(jnp.int32).reshape(1)
     page_indices = page_indices.astype(jnp.int32)
 
-    d_rows, d_ppb, d_splits = default_config(num_tokens, num_slots, group, num_kv_heads,
-                                             page_size, pages_per_seq,
-                                             jnp.dtype(kv_cache.dtype).itemsize)
+    d_rows, d_ppb, d_splits = default_config(
+        num_tokens,
+        num_slots,
+        group,
+        num_kv_heads,
+        page_size,
+        pages_per_seq,
+        jnp.dtype(kv_cache.dtype).itemsize,
+    )
     rows = rows_per_tile or d_rows
     ppb = num_kv_pages_per_block or d_ppb
     splits = num_kv_splits or d_splits
     if rows & (rows - 1) or head_dim & (head_dim - 1) or (ppb * page_size) & (ppb * page_size - 1):
-        raise ValueError("rows_per_tile, head_dim and pages_per_block*page_size must be "
-                         "powers of 2")
+        raise ValueError("rows_per_tile, head_dim and pages_per_block*page_size must be powers of 2")
 
     if new_kv is not None:
-        kv_cache = write_kv_stacked(kv_cache, layer, new_kv, kv_lens, page_indices, cu_q_lens,
-                                    num_seqs)
+        kv_cache = write_kv_stacked(kv_cache, layer, new_kv, kv_lens, page_indices, cu_q_lens, num_seqs)
 
     num_tiles = _max_tiles(num_tokens, group, rows, num_slots)
     tile_seq, tile_row0, tile_base = _tile_tables(cu_q_lens, num_seqs, group, rows, num_tiles)
@@ -266,10 +293,22 @@ def ragged_paged_attention_gpu_stacked(
     kv_flat = kv_cache.reshape(-1, head_dim)
 
     kernel = functools.partial(
-        _kernel, rows=rows, group=group, page_size=page_size, num_pages=num_pages,
-        num_combined=num_combined, pages_per_seq=pps_padded, pages_per_block=ppb,
-        num_splits=splits, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-        mask_value=mask_value, k_scale=k_scale, v_scale=v_scale)
+        _kernel,
+        rows=rows,
+        group=group,
+        page_size=page_size,
+        num_pages=num_pages,
+        num_combined=num_combined,
+        pages_per_seq=pps_padded,
+        pages_per_block=ppb,
+        num_splits=splits,
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+        mask_value=mask_value,
+        k_scale=k_scale,
+        v_scale=v_scale,
+    )
     grid = (num_tiles, num_kv_heads, splits)
     o_block = pl.BlockSpec((None, None, None, rows, head_dim), lambda t, h, k: (t, h, k, 0, 0))
     stat_block = pl.BlockSpec((None, None, None, rows), lambda t, h, k: (t, h, k, 0))
@@ -283,6 +322,7 @@ def ragged_paged_attention_gpu_stacked(
     compiler_params = None
     if not interpret:
         from jax.experimental.pallas import triton as plgpu  # GPU-only import
+
         compiler_params = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
     results = pl.pallas_call(  # no in_specs: every input is passed whole and indexed in-kernel
         kernel,
@@ -292,8 +332,16 @@ def ragged_paged_attention_gpu_stacked(
         compiler_params=compiler_params,
         interpret=interpret,
         name=f"ragged_paged_attention_gpu_r{rows}_p{ppb}_k{splits}",
-    )(tile_seq, tile_row0, kv_lens, cu_q_lens, page_table,
-      jnp.asarray(layer, jnp.int32).reshape(1), q, kv_flat)
+    )(
+        tile_seq,
+        tile_row0,
+        kv_lens,
+        cu_q_lens,
+        page_table,
+        jnp.asarray(layer, jnp.int32).reshape(1),
+        q,
+        kv_flat,
+    )
 
     if splits == 1:
         o = results[0][:, :, 0].astype(jnp.float32)  # [NT, Hkv, R, D], normalised
@@ -306,8 +354,9 @@ def ragged_paged_attention_gpu_stacked(
 
     # Tile rows -> tokens: row t*G + g of sequence s sits in tile base[s] + (row - cu[s]*G) // R.
     seq, _, valid = token_sequence_info(kv_lens, cu_q_lens, num_seqs, num_tokens)
-    row = (jnp.arange(num_tokens, dtype=jnp.int32)[:, None] * group
-           + jnp.arange(group, dtype=jnp.int32)[None, :])  # [T, G]
+    row = (
+        jnp.arange(num_tokens, dtype=jnp.int32)[:, None] * group + jnp.arange(group, dtype=jnp.int32)[None, :]
+    )  # [T, G]
     rel = row - cu_q_lens[seq][:, None] * group
     tile = jnp.clip(tile_base[seq][:, None] + rel // rows, 0, num_tiles - 1)
     flat = (tile * rows + rel % rows).reshape(-1)
@@ -332,6 +381,6 @@ def ragged_paged_attention_gpu(
     Keyword arguments as in ``ragged_paged_attention_gpu_stacked``.
     """
     out, kv_cache = ragged_paged_attention_gpu_stacked(
-        queries, new_kv, kv_pages[None], jnp.int32(0), kv_lens, page_indices, cu_q_lens,
-        num_seqs, **kwargs)
+        queries, new_kv, kv_pages[None], jnp.int32(0), kv_lens, page_indices, cu_q_lens, num_seqs, **kwargs
+    )
     return out, kv_cache[0]

@@ -143,9 +143,15 @@ def _device_kind() -> str:
         return ""
 
 
-def default_block_sizes(page_size: int, num_tokens: int, num_seq_slots: int,
-                        device_kind: str | None = None, kv_itemsize: int = 2,
-                        cache_heads: int = 16, head_dim: int = 128) -> tuple[int, int]:
+def default_block_sizes(
+    page_size: int,
+    num_tokens: int,
+    num_seq_slots: int,
+    device_kind: str | None = None,
+    kv_itemsize: int = 2,
+    cache_heads: int = 16,
+    head_dim: int = 128,
+) -> tuple[int, int]:
     """(num_queries_per_block, num_kv_pages_per_block) for a step's static shapes. The KV token
     counts are for 16-bit caches; a 32-bit cache gets half as many (same VMEM bytes), and a cache
     with wider token rows (``cache_heads`` x ``head_dim``, the head dim in whole 128-lane tiles)
@@ -238,9 +244,10 @@ def _kernel(
 
     def seq_owning(token, start):
         """The sequence (>= start) whose query range holds ``token``; skips empty sequences."""
+
         def cond(x):
-            return jnp.logical_and(x < num_slots - 1,
-                                   cu_q_lens_ref[jnp.minimum(x + 1, num_slots)] <= token)
+            return jnp.logical_and(x < num_slots - 1, cu_q_lens_ref[jnp.minimum(x + 1, num_slots)] <= token)
+
         return lax.while_loop(cond, lambda x: x + 1, start)
 
     def first_item(b):
@@ -262,9 +269,9 @@ def _kernel(
     # ---- KV block DMAs: one per page below kv_len; start and wait loop over the same count ----
     def page_copy(s, kvb, j, slot):
         page = page_indices_ref[s * pages_per_seq + kvb * pages_per_block + j]
-        return pltpu.make_async_copy(kv_hbm.at[layer, page],
-                                     kv_buf.at[slot, pl.ds(j * page_rows, page_rows)],
-                                     kv_sems.at[slot])
+        return pltpu.make_async_copy(
+            kv_hbm.at[layer, page], kv_buf.at[slot, pl.ds(j * page_rows, page_rows)], kv_sems.at[slot]
+        )
 
     def pages_in_block(s, kvb):
         pages_of_seq = lax.div(kv_lens_ref[s] + page_size - 1, page_size)
@@ -274,12 +281,14 @@ def _kernel(
         def body(j, carry):
             page_copy(s, kvb, j, slot).start()
             return carry
+
         lax.fori_loop(0, pages_in_block(s, kvb), body, 0)
 
     def wait_fetch(s, kvb, slot):
         def body(j, carry):
             page_copy(s, kvb, j, slot).wait()
             return carry
+
         lax.fori_loop(0, pages_in_block(s, kvb), body, 0)
 
     # ---- KV write prologue ----
@@ -334,8 +343,12 @@ def _kernel(
             k, v = k.astype(q.dtype), v.astype(q.dtype)
             v = jnp.where(v_ok, v, jnp.zeros_like(v))  # stale / NaN rows past kv_len
             precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
-            scores = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
-                                     preferred_element_type=jnp.float32) * score_scale
+            scores = (
+                lax.dot_general(
+                    q, k, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
+                )
+                * score_scale
+            )
             if soft_cap is not None:
                 scores = soft_cap * jnp.tanh(scores / soft_cap)
             scores = jnp.where(mask, scores, mask_value)
@@ -345,8 +358,12 @@ def _kernel(
             alpha = jnp.exp(m_prev - m_new)
             l_ref[h] = alpha * l_ref[h] + jnp.sum(p, axis=1, keepdims=True)
             acc_ref[h] = alpha * acc_ref[h] + lax.dot_general(
-                p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=precision,
-                preferred_element_type=jnp.float32)
+                p.astype(v.dtype),
+                v,
+                (((1,), (0,)), ((), ())),
+                precision=precision,
+                preferred_element_type=jnp.float32,
+            )
             m_ref[h] = m_new
 
     # ---- the step ----
@@ -379,8 +396,11 @@ def _kernel(
                 start_fetch(ns, nkvb, 1 - slot)
 
             # Last item of the step: prefetch the next step's first block (if it has tokens).
-            @pl.when(jnp.logical_and(jnp.logical_not(has_next),
-                                     jnp.logical_and(blk + 1 < num_blocks, (blk + 1) * bq < total)))
+            @pl.when(
+                jnp.logical_and(
+                    jnp.logical_not(has_next), jnp.logical_and(blk + 1 < num_blocks, (blk + 1) * bq < total)
+                )
+            )
             def _():
                 fs, fkvb = first_item(blk + 1)
                 start_fetch(fs, fkvb, 1 - slot)
@@ -427,7 +447,8 @@ def check_compiled_cache_dtype(dtype) -> None:
         raise NotImplementedError(
             f"the compiled TPU attention kernel reads float32 or bfloat16 KV caches, not "
             f"{jnp.dtype(dtype).name}: Mosaic strides 32-bit words only, and unpacking is written "
-            f"for bf16 alone (kv_cache_dtype=auto, or attention_impl=reference, avoid it)")
+            f"for bf16 alone (kv_cache_dtype=auto, or attention_impl=reference, avoid it)"
+        )
 
 
 def _first_seq_per_block(cu_q_lens, num_blocks: int, bq: int):
@@ -439,9 +460,19 @@ def _first_seq_per_block(cu_q_lens, num_blocks: int, bq: int):
 
 @functools.partial(
     jax.jit,
-    static_argnames=("sm_scale", "sliding_window", "soft_cap", "mask_value", "k_scale", "v_scale",
-                     "num_queries_per_block", "num_kv_pages_per_block", "vmem_limit_bytes",
-                     "num_kv_heads", "interpret"),
+    static_argnames=(
+        "sm_scale",
+        "sliding_window",
+        "soft_cap",
+        "mask_value",
+        "k_scale",
+        "v_scale",
+        "num_queries_per_block",
+        "num_kv_pages_per_block",
+        "vmem_limit_bytes",
+        "num_kv_heads",
+        "interpret",
+    ),
 )
 def ragged_paged_attention_tpu_stacked(
     queries,
@@ -491,17 +522,27 @@ def ragged_paged_attention_tpu_stacked(
     if interpret is None:
         check_compiled_cache_dtype(kv_cache.dtype)
     num_slots, pages_per_seq = page_indices.shape
-    if (head_dim_kv != head_dim or num_kv_heads < 1 or num_combined > cache_heads
-            or num_q_heads % num_kv_heads):
-        raise ValueError(f"incompatible shapes: queries {queries.shape}, kv_cache {kv_cache.shape}, "
-                         f"num_kv_heads={num_kv_heads}")
+    if (
+        head_dim_kv != head_dim
+        or num_kv_heads < 1
+        or num_combined > cache_heads
+        or num_q_heads % num_kv_heads
+    ):
+        raise ValueError(
+            f"incompatible shapes: queries {queries.shape}, kv_cache {kv_cache.shape}, "
+            f"num_kv_heads={num_kv_heads}"
+        )
     if new_kv is not None and new_kv.shape != (num_tokens, num_combined, head_dim):
-        raise ValueError(f"new_kv must be {(num_tokens, num_combined, head_dim)}, "
-                         f"got {new_kv.shape}")
+        raise ValueError(f"new_kv must be {(num_tokens, num_combined, head_dim)}, got {new_kv.shape}")
     group = num_q_heads // num_kv_heads
-    bq, ppb = default_block_sizes(page_size, num_tokens, num_slots,
-                                  kv_itemsize=jnp.dtype(kv_cache.dtype).itemsize,
-                                  cache_heads=cache_heads, head_dim=head_dim)
+    bq, ppb = default_block_sizes(
+        page_size,
+        num_tokens,
+        num_slots,
+        kv_itemsize=jnp.dtype(kv_cache.dtype).itemsize,
+        cache_heads=cache_heads,
+        head_dim=head_dim,
+    )
     bq = num_queries_per_block or bq
     ppb = min(num_kv_pages_per_block or ppb, pages_per_seq)
     num_blocks = pl.cdiv(num_tokens, bq)
@@ -527,11 +568,22 @@ def ragged_paged_attention_tpu_stacked(
     q_spec = pl.BlockSpec((1, num_kv_heads, bq * group, head_dim), lambda i, *_: (i, 0, 0, 0))
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     kernel = functools.partial(
-        _kernel, bq=bq, group=group, page_size=page_size, num_combined=num_combined,
-        cache_heads=cache_heads, pages_per_seq=pages_per_seq,
-        pages_per_block=ppb, sm_scale=sm_scale, sliding_window=sliding_window,
-        soft_cap=soft_cap, mask_value=mask_value, k_scale=k_scale, v_scale=v_scale,
-        packed_loads=interpret is None)
+        _kernel,
+        bq=bq,
+        group=group,
+        page_size=page_size,
+        num_combined=num_combined,
+        cache_heads=cache_heads,
+        pages_per_seq=pages_per_seq,
+        pages_per_block=ppb,
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+        mask_value=mask_value,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        packed_loads=interpret is None,
+    )
     if new_kv is None:
         kernel = functools.partial(_drop_new_kv, kernel)
     grid_spec = pltpu.PrefetchScalarGridSpec(
@@ -556,11 +608,14 @@ def ragged_paged_attention_tpu_stacked(
     out, cache_2d = pl.pallas_call(
         kernel,
         grid_spec=grid_spec,
-        out_shape=[jax.ShapeDtypeStruct(q.shape, queries.dtype),
-                   jax.ShapeDtypeStruct(cache_2d.shape, kv_cache.dtype)],
+        out_shape=[
+            jax.ShapeDtypeStruct(q.shape, queries.dtype),
+            jax.ShapeDtypeStruct(cache_2d.shape, kv_cache.dtype),
+        ],
         input_output_aliases={len(scalars) + len(operands) - 1: 1},
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",),
-                                             vmem_limit_bytes=vmem_limit_bytes),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("arbitrary",), vmem_limit_bytes=vmem_limit_bytes
+        ),
         interpret=interpret if interpret is not None else False,
         name=f"ragged_paged_attention_bq{bq}_p{ppb}",
     )(*scalars, *operands)
@@ -604,10 +659,24 @@ def ragged_paged_attention_tpu(
     Same semantics as ``write_kv_ref`` + ``ragged_paged_attention_ref``; see the module docstring.
     """
     out, kv_cache = ragged_paged_attention_tpu_stacked(
-        queries, new_kv, kv_pages[None], jnp.int32(0), kv_lens, page_indices, cu_q_lens,
-        num_seqs, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-        mask_value=mask_value, k_scale=k_scale, v_scale=v_scale,
+        queries,
+        new_kv,
+        kv_pages[None],
+        jnp.int32(0),
+        kv_lens,
+        page_indices,
+        cu_q_lens,
+        num_seqs,
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+        mask_value=mask_value,
+        k_scale=k_scale,
+        v_scale=v_scale,
         num_queries_per_block=num_queries_per_block,
-        num_kv_pages_per_block=num_kv_pages_per_block, vmem_limit_bytes=vmem_limit_bytes,
-        num_kv_heads=num_kv_heads, interpret=interpret)
+        num_kv_pages_per_block=num_kv_pages_per_block,
+        vmem_limit_bytes=vmem_limit_bytes,
+        num_kv_heads=num_kv_heads,
+        interpret=interpret,
+    )
     return out, kv_cache[0]

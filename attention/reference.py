@@ -148,8 +148,10 @@ def ragged_paged_attention_ref(
         out = attend(queries, seq, q_pos)
     else:
         n = num_tokens // tile
-        out = jax.lax.map(lambda a: attend(*a), (queries.reshape(n, tile, num_q_heads, head_dim),
-                                                 seq.reshape(n, tile), q_pos.reshape(n, tile)))
+        out = jax.lax.map(
+            lambda a: attend(*a),
+            (queries.reshape(n, tile, num_q_heads, head_dim), seq.reshape(n, tile), q_pos.reshape(n, tile)),
+        )
         out = out.reshape(num_tokens, num_q_heads, head_dim)
     out = jnp.where(valid[:, None, None], out, 0.0)
     return out.astype(queries.dtype)

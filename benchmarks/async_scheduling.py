@@ -26,9 +26,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import numpy as np  # noqa: E402
-
-from engine_rounds import timed_round  # noqa: E402  (benchmarks/engine_rounds.py)
+import numpy as np
+from engine_rounds import timed_round
 
 
 def run_round(engine, concurrency: int, prompt_tokens: int, max_tokens: int, rng) -> dict:
@@ -43,19 +42,27 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=3, help="rounds per mode and concurrency")
-    p.add_argument("--num-gpu-blocks", type=int, default=None,
-                   help="KV pages (default: sized from memory as usual)")
-    p.add_argument("--warmup", action="store_true",
-                   help="compile every shape bucket first (else the untimed first round compiles "
-                        "the shapes it uses, which is faster to start)")
+    p.add_argument(
+        "--num-gpu-blocks", type=int, default=None, help="KV pages (default: sized from memory as usual)"
+    )
+    p.add_argument(
+        "--warmup",
+        action="store_true",
+        help="compile every shape bucket first (else the untimed first round compiles "
+        "the shapes it uses, which is faster to start)",
+    )
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
 
     from tpuserve.server.llm import LLM
 
     most = max(args.concurrency)
-    kw = dict(dtype=args.dtype, max_num_seqs=most, async_scheduling=True,
-              max_model_len=args.prompt_tokens + args.max_tokens + 16)
+    kw = dict(
+        dtype=args.dtype,
+        max_num_seqs=most,
+        async_scheduling=True,
+        max_model_len=args.prompt_tokens + args.max_tokens + 16,
+    )
     if args.num_gpu_blocks:
         kw["num_gpu_blocks"] = args.num_gpu_blocks
     t0 = time.perf_counter()
@@ -63,8 +70,11 @@ def main(argv=None) -> int:
     engine = llm.engine
     if args.warmup:
         engine.warmup()
-    print(f"engine ready in {time.perf_counter() - t0:.1f} s ({engine.runner.attn_impl} attention, "
-          f"{engine.runner.layer_loop} layers, device {engine.worker.device.device_kind})", flush=True)
+    print(
+        f"engine ready in {time.perf_counter() - t0:.1f} s ({engine.runner.attn_impl} attention, "
+        f"{engine.runner.layer_loop} layers, device {engine.worker.device.device_kind})",
+        flush=True,
+    )
     rng = np.random.default_rng(0)
     results = []
     for c in args.concurrency:
@@ -77,8 +87,11 @@ def main(argv=None) -> int:
                 engine.async_scheduling = mode == "async"
                 res = run_round(engine, c, args.prompt_tokens, args.max_tokens, rng)
                 per_mode[mode].append(res)
-                print(f"c={c} round {r + 1} {mode:5s}: TPOT p50 {statistics.median(res['tpot_ms']):7.2f} ms, "
-                      f"{res['tokens'] / res['wall_s']:8.1f} tok/s", flush=True)
+                print(
+                    f"c={c} round {r + 1} {mode:5s}: TPOT p50 {statistics.median(res['tpot_ms']):7.2f} ms, "
+                    f"{res['tokens'] / res['wall_s']:8.1f} tok/s",
+                    flush=True,
+                )
         row = {"concurrency": c}
         for mode, runs in per_mode.items():
             row[f"{mode}_tpot_ms"] = statistics.median([t for r in runs for t in r["tpot_ms"]])
@@ -86,15 +99,25 @@ def main(argv=None) -> int:
             row[f"{mode}_round_tpot_ms"] = [statistics.median(r["tpot_ms"]) for r in runs]
         row["tpot_sync_over_async"] = row["sync_tpot_ms"] / row["async_tpot_ms"]
         results.append(row)
-        print(f"c={c}: TPOT async {row['async_tpot_ms']:.2f} ms vs sync {row['sync_tpot_ms']:.2f} ms "
-              f"-> sync/async {row['tpot_sync_over_async']:.3f}; tok/s async {row['async_tok_s']:.1f} "
-              f"vs sync {row['sync_tok_s']:.1f}", flush=True)
+        print(
+            f"c={c}: TPOT async {row['async_tpot_ms']:.2f} ms vs sync {row['sync_tpot_ms']:.2f} ms "
+            f"-> sync/async {row['tpot_sync_over_async']:.3f}; tok/s async {row['async_tok_s']:.1f} "
+            f"vs sync {row['sync_tok_s']:.1f}",
+            flush=True,
+        )
     engine.async_scheduling = True
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(dict(command=" ".join([sys.executable] + sys.argv),
-                           when=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-                           device=engine.worker.device.device_kind, results=results), f, indent=1)
+            json.dump(
+                dict(
+                    command=" ".join([sys.executable] + sys.argv),
+                    when=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+                    device=engine.worker.device.device_kind,
+                    results=results,
+                ),
+                f,
+                indent=1,
+            )
     return 0
 
 

@@ -74,22 +74,28 @@ def main(argv: list[str] | None = None) -> int:
     num_pages = slots * width + 1
     kv = jnp.asarray(rng.standard_normal((args.layers, num_pages, page, 2 * hkv, d), dtype=np.float32))
     bandwidth = stream_bandwidth(args.reps)
-    print(f"jax {jax.__version__} on {jax.devices()[0].platform}; {args.layers} layers; "
-          f"stream bandwidth {bandwidth / 1e9:.1f} GB/s; {args.shared_pages} shared pages")
+    print(
+        f"jax {jax.__version__} on {jax.devices()[0].platform}; {args.layers} layers; "
+        f"stream bandwidth {bandwidth / 1e9:.1f} GB/s; {args.shared_pages} shared pages"
+    )
 
     def run_fn(**options):
         @jax.jit
         def run(q, kv, kv_lens, table, cu, num_seqs):
             def layer(i, acc):
-                return acc + ragged_paged_attention_blocked(q, kv, kv_lens, table, cu, num_seqs,
-                                                            sm_scale=d ** -0.5, layer=i, **options)
+                return acc + ragged_paged_attention_blocked(
+                    q, kv, kv_lens, table, cu, num_seqs, sm_scale=d**-0.5, layer=i, **options
+                )
+
             return jax.lax.fori_loop(0, args.layers, layer, jnp.zeros_like(q))
+
         return run
 
-    runs = {"default": run_fn(), "no tail": run_fn(tail_kv_pages=width),
-            "no cascade": run_fn(cascade=False)}
-    print("| step | default ms | no tail blocks ms | no cascade ms | tail speed-up | cascade speed-up "
-          "| KV roofline ms | default / roofline |")
+    runs = {"default": run_fn(), "no tail": run_fn(tail_kv_pages=width), "no cascade": run_fn(cascade=False)}
+    print(
+        "| step | default ms | no tail blocks ms | no cascade ms | tail speed-up | cascade speed-up "
+        "| KV roofline ms | default / roofline |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for name in args.cases or list(CASES):
         q_lens, kv_lens, tokens = CASES[name]
@@ -99,17 +105,16 @@ def main(argv: list[str] | None = None) -> int:
         used = 0
         for s, length in enumerate(kv_lens):
             need = -(-length // page)
-            table[s, :need] = perm[used:used + need]
+            table[s, :need] = perm[used : used + need]
             used += need
-        table[1:n, :args.shared_pages] = table[0, :args.shared_pages]
+        table[1:n, : args.shared_pages] = table[0, : args.shared_pages]
         cu = np.zeros(slots + 1, np.int32)
-        cu[1:n + 1] = np.cumsum(q_lens)
-        cu[n + 1:] = cu[n]
+        cu[1 : n + 1] = np.cumsum(q_lens)
+        cu[n + 1 :] = cu[n]
         lens = np.zeros(slots, np.int32)
         lens[:n] = kv_lens
         q = jnp.asarray(rng.standard_normal((tokens, hq, d), dtype=np.float32))
-        inputs = (q, kv, jnp.asarray(lens), jnp.asarray(table), jnp.asarray(cu),
-                  jnp.asarray([n], jnp.int32))
+        inputs = (q, kv, jnp.asarray(lens), jnp.asarray(table), jnp.asarray(cu), jnp.asarray([n], jnp.int32))
         want = np.asarray(runs["default"](*inputs))
         for other in ("no tail", "no cascade"):
             np.testing.assert_allclose(np.asarray(runs[other](*inputs)), want, rtol=2e-4, atol=2e-4)
@@ -117,10 +122,12 @@ def main(argv: list[str] | None = None) -> int:
         distinct_tokens = sum(kv_lens) - (n - 1) * args.shared_pages * page
         kv_bytes = args.layers * distinct_tokens * 2 * hkv * d * 4
         roof = kv_bytes / bandwidth
-        print(f"| {name} | {t['default'] * 1e3:.1f} | {t['no tail'] * 1e3:.1f} | "
-              f"{t['no cascade'] * 1e3:.1f} | {t['no tail'] / t['default']:.2f}x | "
-              f"{t['no cascade'] / t['default']:.2f}x | {roof * 1e3:.1f} | {t['default'] / roof:.1f}x |",
-              flush=True)
+        print(
+            f"| {name} | {t['default'] * 1e3:.1f} | {t['no tail'] * 1e3:.1f} | "
+            f"{t['no cascade'] * 1e3:.1f} | {t['no tail'] / t['default']:.2f}x | "
+            f"{t['no cascade'] / t['default']:.2f}x | {roof * 1e3:.1f} | {t['default'] / roof:.1f}x |",
+            flush=True,
+        )
     return 0
 
 

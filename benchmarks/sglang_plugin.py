@@ -24,34 +24,68 @@ import sys
 import tempfile
 import time
 
-TOPICS = ["the history of Rome", "how rainbows form", "a recipe for bread", "why the sky is blue",
-          "the rules of chess", "how vaccines work", "the water cycle", "black holes",
-          "learning to play the piano", "the French revolution", "photosynthesis", "how a CPU works",
-          "the life of bees", "volcanoes", "the origin of the internet", "coral reefs"]
-OPENERS = ["Write a short paragraph about", "Explain in simple words", "Tell a child about",
-           "Give three facts about", "Describe"]
+TOPICS = [
+    "the history of Rome",
+    "how rainbows form",
+    "a recipe for bread",
+    "why the sky is blue",
+    "the rules of chess",
+    "how vaccines work",
+    "the water cycle",
+    "black holes",
+    "learning to play the piano",
+    "the French revolution",
+    "photosynthesis",
+    "how a CPU works",
+    "the life of bees",
+    "volcanoes",
+    "the origin of the internet",
+    "coral reefs",
+]
+OPENERS = [
+    "Write a short paragraph about",
+    "Explain in simple words",
+    "Tell a child about",
+    "Give three facts about",
+    "Describe",
+]
 
 
 def prompt_sets(num_sets: int, n: int) -> list[list[str]]:
     """Distinct prompt sets (set 0 warms up); within a set, lengths vary a little."""
-    return [[f"{OPENERS[s % len(OPENERS)]} {TOPICS[i % len(TOPICS)]}" + " in detail" * (i % 5)
-             + f" (version {s})." for i in range(n)] for s in range(num_sets)]
+    return [
+        [
+            f"{OPENERS[s % len(OPENERS)]} {TOPICS[i % len(TOPICS)]}"
+            + " in detail" * (i % 5)
+            + f" (version {s})."
+            for i in range(n)
+        ]
+        for s in range(num_sets)
+    ]
 
 
 def run_sglang(job: dict) -> list[dict]:
     os.environ["SGLANG_PLATFORM"] = "tpuserve"  # before SGLang's import picks its platform
     import sglang
 
-    engine = sglang.Engine(model_path=job["hf_dir"], max_total_tokens=job["max_total_tokens"],
-                           skip_server_warmup=True, log_level="error")
+    engine = sglang.Engine(
+        model_path=job["hf_dir"],
+        max_total_tokens=job["max_total_tokens"],
+        skip_server_warmup=True,
+        log_level="error",
+    )
     params = {"temperature": 0.0, "max_new_tokens": job["max_tokens"], "ignore_eos": True}
     passes = []
     try:
         for ids in job["sets"]:
             t = time.perf_counter()
             outs = engine.generate(input_ids=ids, sampling_params=params)
-            passes.append({"seconds": time.perf_counter() - t,
-                           "tokens": sum(o["meta_info"]["completion_tokens"] for o in outs)})
+            passes.append(
+                {
+                    "seconds": time.perf_counter() - t,
+                    "tokens": sum(o["meta_info"]["completion_tokens"] for o in outs),
+                }
+            )
     finally:
         engine.shutdown()
     return passes
@@ -68,8 +102,9 @@ def run_ours(job: dict) -> list[dict]:
     for ids in job["sets"]:
         t = time.perf_counter()
         outs = llm.generate([{"prompt_token_ids": p} for p in ids], params, use_tqdm=False)
-        passes.append({"seconds": time.perf_counter() - t,
-                       "tokens": sum(len(o.outputs[0].token_ids) for o in outs)})
+        passes.append(
+            {"seconds": time.perf_counter() - t, "tokens": sum(len(o.outputs[0].token_ids) for o in outs)}
+        )
     return passes
 
 
@@ -102,10 +137,16 @@ def main() -> None:
     sets = [[tok.encode(p) for p in s] for s in prompt_sets(1 + args.repeats, args.num_prompts)]
     need = args.num_prompts * (max(len(p) for s in sets for p in s) + args.max_tokens + 16)
     if need > args.max_total_tokens:
-        sys.exit(f"--max-total-tokens {args.max_total_tokens} cannot hold {args.num_prompts} "
-                 f"requests at once (~{need} tokens); raise it or lower --num-prompts")
-    job = {"hf_dir": hf_dir, "sets": sets, "max_tokens": args.max_tokens,
-           "max_total_tokens": args.max_total_tokens}
+        sys.exit(
+            f"--max-total-tokens {args.max_total_tokens} cannot hold {args.num_prompts} "
+            f"requests at once (~{need} tokens); raise it or lower --num-prompts"
+        )
+    job = {
+        "hf_dir": hf_dir,
+        "sets": sets,
+        "max_tokens": args.max_tokens,
+        "max_total_tokens": args.max_total_tokens,
+    }
     results = {}
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(job, f)
@@ -113,31 +154,41 @@ def main() -> None:
         for side in ("sglang", "ours"):
             env = dict(os.environ)
             t = time.perf_counter()
-            out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", side,
-                                  "--job", f.name], capture_output=True, text=True, env=env,
-                                 timeout=3600)
+            out = subprocess.run(
+                [sys.executable, os.path.abspath(__file__), "--child", side, "--job", f.name],
+                capture_output=True,
+                text=True,
+                env=env,
+                timeout=3600,
+            )
             if out.returncode != 0:
                 sys.exit(f"{side} failed:\n{out.stdout[-3000:]}\n{out.stderr[-6000:]}")
             line = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")][-1]
-            passes = json.loads(line[len("RESULT "):])
+            passes = json.loads(line[len("RESULT ") :])
             timed = passes[1:]  # pass 0 warms up (compiles)
             tps = statistics.median(p["tokens"] / p["seconds"] for p in timed)
-            results[side] = {"tok_per_s": tps, "warmup_s": passes[0]["seconds"],
-                             "pass_s": [round(p["seconds"], 2) for p in timed],
-                             "tokens_per_pass": timed[0]["tokens"],
-                             "wall_s_incl_startup": time.perf_counter() - t}
+            results[side] = {
+                "tok_per_s": tps,
+                "warmup_s": passes[0]["seconds"],
+                "pass_s": [round(p["seconds"], 2) for p in timed],
+                "tokens_per_pass": timed[0]["tokens"],
+                "wall_s_incl_startup": time.perf_counter() - t,
+            }
     finally:
         os.unlink(f.name)
-    print(f"{args.num_prompts} prompts x {args.max_tokens} tokens, greedy, median of "
-          f"{args.repeats} passes after a warm-up")
+    print(
+        f"{args.num_prompts} prompts x {args.max_tokens} tokens, greedy, median of "
+        f"{args.repeats} passes after a warm-up"
+    )
     for side, name in (("sglang", "SGLang + tpuserve plugin"), ("ours", "tpuserve standalone")):
         r = results[side]
-        print(f"  {name:26s} {r['tok_per_s']:8.1f} output tok/s  (passes {r['pass_s']} s, "
-              f"warm-up {r['warmup_s']:.1f} s, process {r['wall_s_incl_startup']:.0f} s)")
+        print(
+            f"  {name:26s} {r['tok_per_s']:8.1f} output tok/s  (passes {r['pass_s']} s, "
+            f"warm-up {r['warmup_s']:.1f} s, process {r['wall_s_incl_startup']:.0f} s)"
+        )
     ratio = results["sglang"]["tok_per_s"] / results["ours"]["tok_per_s"]
     print(f"  ratio SGLang+plugin / standalone: {ratio:.2f}")
-    print("JSON " + json.dumps({"num_prompts": args.num_prompts, "max_tokens": args.max_tokens,
-                                **results}))
+    print("JSON " + json.dumps({"num_prompts": args.num_prompts, "max_tokens": args.max_tokens, **results}))
 
 
 if __name__ == "__main__":

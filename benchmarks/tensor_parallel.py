@@ -43,9 +43,15 @@ def build_runner(model: str, tp: int, tokens: int, dtype: str, quantization: str
     from tpuserve.tpu_platform.config import EngineConfig
     from tpuserve.tpu_platform.worker import Worker
 
-    config = EngineConfig.from_kwargs(model=model, tensor_parallel_size=tp, max_model_len=max(512, 2 * tokens),
-                                      max_num_batched_tokens=tokens, max_num_seqs=64, dtype=dtype,
-                                      quantization=quantization)
+    config = EngineConfig.from_kwargs(
+        model=model,
+        tensor_parallel_size=tp,
+        max_model_len=max(512, 2 * tokens),
+        max_num_batched_tokens=tokens,
+        max_num_seqs=64,
+        dtype=dtype,
+        quantization=quantization,
+    )
     worker = Worker(config)
     worker.load()
     return worker.init_kv_cache(num_pages=1 + max(4 * 64, -(-tokens // config.cache.block_size)))
@@ -55,10 +61,15 @@ def step_batches(runner, tokens: int, decode_seqs: int):
     from tpuserve.tpu_platform.step_batch import SamplingRow, ScheduledSeq
 
     page = runner.page_size
-    prefill = runner.build_batch([ScheduledSeq(list(range(1, tokens + 1)), 0,
-                                               list(range(1, 1 + -(-tokens // page))), SamplingRow())])
-    decode = runner.build_batch([ScheduledSeq([7], 3 * page, list(range(1 + 4 * i, 5 + 4 * i)), SamplingRow())
-                                 for i in range(decode_seqs)])
+    prefill = runner.build_batch(
+        [ScheduledSeq(list(range(1, tokens + 1)), 0, list(range(1, 1 + -(-tokens // page))), SamplingRow())]
+    )
+    decode = runner.build_batch(
+        [
+            ScheduledSeq([7], 3 * page, list(range(1 + 4 * i, 5 + 4 * i)), SamplingRow())
+            for i in range(decode_seqs)
+        ]
+    )
     return {"prefill": prefill, "decode": decode}
 
 
@@ -74,15 +85,22 @@ def communication(runner, batch, tp: int) -> dict:
     minimum = (2 * a.num_layers + 1) * a.hidden_size * itemsize
     payload = sum(c.nbytes for c in reduces) / t
     rows = len(batch.logits_indices)
-    return dict(tokens=t, all_reduces=len(reduces), per_layer=(len(reduces) - 1) / a.num_layers,
-                payload_per_token=payload, megatron_min=minimum, ratio=payload / minimum,
-                ring_sent_per_token=sum(ring_bytes_sent(c, tp) for c in reduces) / t,
-                gather_per_row=sum(c.nbytes for c in gathers) / rows,
-                other=[c.op for c in ops if c.op not in ("all-reduce", "all-gather")])
+    return dict(
+        tokens=t,
+        all_reduces=len(reduces),
+        per_layer=(len(reduces) - 1) / a.num_layers,
+        payload_per_token=payload,
+        megatron_min=minimum,
+        ratio=payload / minimum,
+        ring_sent_per_token=sum(ring_bytes_sent(c, tp) for c in reduces) / t,
+        gather_per_row=sum(c.nbytes for c in gathers) / rows,
+        other=[c.op for c in ops if c.op not in ("all-reduce", "all-gather")],
+    )
 
 
 def time_step(runner, batch, repeats: int) -> float:
     import jax
+
     runner.compute_logits(batch)  # compile
     times = []
     for _ in range(repeats):
@@ -100,8 +118,13 @@ def main() -> int:
     p.add_argument("--tokens", type=int, default=128, help="prefill step tokens")
     p.add_argument("--decode-seqs", type=int, default=16)
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--quantization", nargs="+", default=[None], type=lambda v: None if v == "none" else v,
-                   help="weight formats to check: none fp8 mxfp4 nvfp4")
+    p.add_argument(
+        "--quantization",
+        nargs="+",
+        default=[None],
+        type=lambda v: None if v == "none" else v,
+        help="weight formats to check: none fp8 mxfp4 nvfp4",
+    )
     p.add_argument("--time", action="store_true", help="time TP=1 vs each TP (accelerators)")
     p.add_argument("--repeats", type=int, default=20)
     args = p.parse_args()
@@ -112,24 +135,33 @@ def main() -> int:
     from tpuserve.tpu_platform.loader.export import default_model_hf_dir
 
     model = args.model or default_model_hf_dir()
-    print(f"model {model}; backend {jax.default_backend()} x {jax.device_count()} devices; "
-          f"jax {jax.__version__}")
+    print(
+        f"model {model}; backend {jax.default_backend()} x {jax.device_count()} devices; "
+        f"jax {jax.__version__}"
+    )
     base = {}
     if args.time:
         r1 = build_runner(model, 1, args.tokens, args.dtype, args.quantization[0])
-        base = {k: time_step(r1, b, args.repeats) for k, b in step_batches(r1, args.tokens, args.decode_seqs).items()}
+        base = {
+            k: time_step(r1, b, args.repeats)
+            for k, b in step_batches(r1, args.tokens, args.decode_seqs).items()
+        }
         del r1
-    print("| weights | TP | step | T | all-reduces (per layer) | payload B/token | Megatron min B/token | ratio "
-          "| ring B sent/token/device | logits gather B/row | other collectives |"
-          + (" step ms TP=1 | step ms TP | TP=1/TP |" if args.time else ""))
+    print(
+        "| weights | TP | step | T | all-reduces (per layer) | payload B/token | Megatron min B/token | ratio "
+        "| ring B sent/token/device | logits gather B/row | other collectives |"
+        + (" step ms TP=1 | step ms TP | TP=1/TP |" if args.time else "")
+    )
     print("|---" * (11 + 3 * args.time) + "|")
     for quant, tp in ((q, tp) for q in args.quantization for tp in args.tp):
         runner = build_runner(model, tp, args.tokens, args.dtype, quant)
         for name, batch in step_batches(runner, args.tokens, args.decode_seqs).items():
             c = communication(runner, batch, tp)
-            row = (f"| {quant or 'dense'} | {tp} | {name} | {c['tokens']} | {c['all_reduces']} ({c['per_layer']:.1f}) "
-                   f"| {c['payload_per_token']:.0f} | {c['megatron_min']} | {c['ratio']:.2f} "
-                   f"| {c['ring_sent_per_token']:.0f} | {c['gather_per_row']:.0f} | {c['other'] or '-'} |")
+            row = (
+                f"| {quant or 'dense'} | {tp} | {name} | {c['tokens']} | {c['all_reduces']} ({c['per_layer']:.1f}) "
+                f"| {c['payload_per_token']:.0f} | {c['megatron_min']} | {c['ratio']:.2f} "
+                f"| {c['ring_sent_per_token']:.0f} | {c['gather_per_row']:.0f} | {c['other'] or '-'} |"
+            )
             if args.time:
                 ms = time_step(runner, batch, args.repeats)
                 row += f" {base[name] * 1e3:.2f} | {ms * 1e3:.2f} | {base[name] / ms:.2f} |"

@@ -71,8 +71,7 @@ def prefill_round(llm, n: int, length: int, rng) -> float:
     from tpuserve.server.sampling_params import SamplingParams
 
     vocab = llm.engine.arch.vocab_size
-    prompts = [{"prompt_token_ids": rng.integers(100, min(vocab, 30000), length).tolist()}
-               for _ in range(n)]
+    prompts = [{"prompt_token_ids": rng.integers(100, min(vocab, 30000), length).tolist()} for _ in range(n)]
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
@@ -114,14 +113,23 @@ def run_model(model: str, args) -> dict:
     arch = engine.arch
     itemsize = np.dtype(runner.kv_cache.dtype).itemsize
     mb = model_bytes(runner)
-    res = dict(model=model, ready_s=ready, dtype=str(runner.kv_cache.dtype),
-               quantization=args.quantization, engine_args=args.engine_args, num_pages=runner.kv_spec.num_pages,
-               max_num_seqs=engine.config.scheduler.max_num_seqs,
-               max_num_batched_tokens=engine.config.scheduler.max_num_batched_tokens,
-               attention=runner.attn_impl, layer_loop=runner.layer_loop,
-               async_scheduling=engine.async_scheduling, weight_bytes=mb["weights"],
-               plan=None if engine.worker._plan is None else engine.worker._plan.describe(),
-               decode=[], prefill=[])
+    res = dict(
+        model=model,
+        ready_s=ready,
+        dtype=str(runner.kv_cache.dtype),
+        quantization=args.quantization,
+        engine_args=args.engine_args,
+        num_pages=runner.kv_spec.num_pages,
+        max_num_seqs=engine.config.scheduler.max_num_seqs,
+        max_num_batched_tokens=engine.config.scheduler.max_num_batched_tokens,
+        attention=runner.attn_impl,
+        layer_loop=runner.layer_loop,
+        async_scheduling=engine.async_scheduling,
+        weight_bytes=mb["weights"],
+        plan=None if engine.worker._plan is None else engine.worker._plan.describe(),
+        decode=[],
+        prefill=[],
+    )
     print(f"{model}: ready in {ready:.1f} s; {res['plan']}", flush=True)
     rng = np.random.default_rng(0)
     hbm = args.hbm_gbs * 1e9
@@ -129,21 +137,31 @@ def run_model(model: str, args) -> dict:
         if batch > res["max_num_seqs"]:
             continue
         decode_round(engine, batch, args.prompt_len, args.new_tokens, rng)  # compiles its shapes
-        runs = [decode_round(engine, batch, args.prompt_len, args.new_tokens, rng)
-                for _ in range(args.rounds)]
+        runs = [
+            decode_round(engine, batch, args.prompt_len, args.new_tokens, rng) for _ in range(args.rounds)
+        ]
         tpot = statistics.median(r["tpot_ms"] for r in runs)
         tok_s = statistics.median(r["tokens"] / r["wall_s"] for r in runs)
         ctx = args.prompt_len + args.new_tokens / 2
         read = mb["decode_read"] + batch * ctx * kv_bytes_per_token(arch, itemsize)
         roof_ms = read / hbm * 1e3
         dev_ms = empty_step_ms(runner, batch)
-        row = dict(batch=batch, tpot_ms=tpot, tok_s=tok_s, roofline_ms=roof_ms,
-                   roofline_fraction=roof_ms / tpot, empty_step_ms=dev_ms,
-                   host_share_est=max(0.0, 1 - dev_ms / tpot), rounds=runs)
+        row = dict(
+            batch=batch,
+            tpot_ms=tpot,
+            tok_s=tok_s,
+            roofline_ms=roof_ms,
+            roofline_fraction=roof_ms / tpot,
+            empty_step_ms=dev_ms,
+            host_share_est=max(0.0, 1 - dev_ms / tpot),
+            rounds=runs,
+        )
         res["decode"].append(row)
-        print(f"  decode b={batch:3d}: TPOT {tpot:7.2f} ms, {tok_s:8.1f} tok/s, roofline {roof_ms:.2f} ms "
-              f"-> {roof_ms / tpot:5.1%}; empty step {dev_ms:.2f} ms (host share ~{row['host_share_est']:.0%})",
-              flush=True)
+        print(
+            f"  decode b={batch:3d}: TPOT {tpot:7.2f} ms, {tok_s:8.1f} tok/s, roofline {roof_ms:.2f} ms "
+            f"-> {roof_ms / tpot:5.1%}; empty step {dev_ms:.2f} ms (host share ~{row['host_share_est']:.0%})",
+            flush=True,
+        )
     flops_per_token = 2 * matmul_params(arch)
     for spec in args.prefill:
         n, length = (int(x) for x in spec.split("x"))
@@ -158,15 +176,20 @@ def run_model(model: str, args) -> dict:
         mfu = (flops_per_token * tokens + attn) / wall / (args.peak_tflops * 1e12)
         row = dict(n=n, length=length, wall_s=wall, tok_s=tokens / wall, mfu=mfu, walls=walls)
         res["prefill"].append(row)
-        print(f"  prefill {n}x{length}: {wall * 1e3:.0f} ms, {tokens / wall:9.0f} tok/s, MFU {mfu:.1%}",
-              flush=True)
+        print(
+            f"  prefill {n}x{length}: {wall * 1e3:.0f} ms, {tokens / wall:9.0f} tok/s, MFU {mfu:.1%}",
+            flush=True,
+        )
     stats = jax.devices()[0].memory_stats() or {}
     res["peak_bytes_in_use"] = stats.get("peak_bytes_in_use")
     res["bytes_limit"] = stats.get("bytes_limit")
     res["compiled"] = runner.compile_count
     if stats:
-        print(f"  peak device memory {stats.get('peak_bytes_in_use', 0) / 2**30:.2f} GiB of "
-              f"{stats.get('bytes_limit', 0) / 2**30:.2f} GiB; {runner.compile_count} programs", flush=True)
+        print(
+            f"  peak device memory {stats.get('peak_bytes_in_use', 0) / 2**30:.2f} GiB of "
+            f"{stats.get('bytes_limit', 0) / 2**30:.2f} GiB; {runner.compile_count} programs",
+            flush=True,
+        )
     del llm, engine, runner
     return res
 
@@ -189,13 +212,17 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     args.batches = [int(x) for x in args.batches.split(",") if x]
     args.prefill = [x for x in args.prefill.split(",") if x]
-    out = dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
-               command=" ".join([sys.executable] + sys.argv),
-               when=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), models=[])
+    out = dict(
+        device=jax.devices()[0].device_kind,
+        jax=jax.__version__,
+        command=" ".join([sys.executable] + sys.argv),
+        when=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        models=[],
+    )
     for model in args.models.split(","):
         try:
             out["models"].append(run_model(model, args))
-        except Exception as e:  # noqa: BLE001 - one model failing must not lose the others' numbers
+        except Exception as e:
             print(f"{model}: FAILED {e!r}"[:2000], flush=True)
             out["models"].append(dict(model=model, error=repr(e)[:4000]))
         if args.out:

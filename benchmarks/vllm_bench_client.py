@@ -34,20 +34,48 @@ class BenchServeConfig:
     extra: list[str] = field(default_factory=list)
 
 
-def bench_serve_argv(vllm_python: str, cfg: BenchServeConfig, result_dir: str,
-                     result_filename: str) -> list[str]:
+def bench_serve_argv(
+    vllm_python: str, cfg: BenchServeConfig, result_dir: str, result_filename: str
+) -> list[str]:
     """The ``vllm bench serve`` command line (via the module, so no console script is needed)."""
-    argv = [vllm_python, "-m", "vllm.entrypoints.cli.main", "bench", "serve",
-            "--backend", cfg.backend, "--base-url", cfg.base_url, "--endpoint", cfg.endpoint,
-            "--model", cfg.model, "--tokenizer", cfg.tokenizer,
-            "--dataset-name", cfg.dataset, "--num-prompts", str(cfg.num_prompts),
-            "--seed", str(cfg.seed), "--disable-tqdm",
-            # --save-detailed keeps the per-request TTFTs, ITLs, output lengths and errors.
-            "--save-result", "--save-detailed", "--result-dir", result_dir,
-            "--result-filename", result_filename]
+    argv = [
+        vllm_python,
+        "-m",
+        "vllm.entrypoints.cli.main",
+        "bench",
+        "serve",
+        "--backend",
+        cfg.backend,
+        "--base-url",
+        cfg.base_url,
+        "--endpoint",
+        cfg.endpoint,
+        "--model",
+        cfg.model,
+        "--tokenizer",
+        cfg.tokenizer,
+        "--dataset-name",
+        cfg.dataset,
+        "--num-prompts",
+        str(cfg.num_prompts),
+        "--seed",
+        str(cfg.seed),
+        "--disable-tqdm",
+        # --save-detailed keeps the per-request TTFTs, ITLs, output lengths and errors.
+        "--save-result",
+        "--save-detailed",
+        "--result-dir",
+        result_dir,
+        "--result-filename",
+        result_filename,
+    ]
     if cfg.dataset == "random":
-        argv += ["--random-input-len", str(cfg.random_input_len),
-                 "--random-output-len", str(cfg.random_output_len)]
+        argv += [
+            "--random-input-len",
+            str(cfg.random_input_len),
+            "--random-output-len",
+            str(cfg.random_output_len),
+        ]
     elif cfg.dataset == "sharegpt":
         if not cfg.dataset_path:
             raise ValueError("the sharegpt dataset needs dataset_path")
@@ -72,19 +100,22 @@ def bench_env() -> dict[str, str]:
     return env
 
 
-def run_bench_serve(vllm_python: str, cfg: BenchServeConfig, result_dir: str, name: str,
-                    timeout: float = 1800.0) -> tuple[dict, str]:
+def run_bench_serve(
+    vllm_python: str, cfg: BenchServeConfig, result_dir: str, name: str, timeout: float = 1800.0
+) -> tuple[dict, str]:
     """Run ``vllm bench serve`` once; returns (its saved result JSON, its console output).
     Raises RuntimeError (with the output's tail) if it exits non-zero or saves no result."""
     os.makedirs(result_dir, exist_ok=True)
     filename = f"{name}.json"
     argv = bench_serve_argv(vllm_python, cfg, result_dir, filename)
-    proc = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          timeout=timeout, env=bench_env())
+    proc = subprocess.run(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout, env=bench_env()
+    )
     path = os.path.join(result_dir, filename)
     if proc.returncode != 0 or not os.path.exists(path):
-        raise RuntimeError(f"vllm bench serve failed (exit {proc.returncode}): {' '.join(argv)}\n"
-                           f"{proc.stdout[-6000:]}")
+        raise RuntimeError(
+            f"vllm bench serve failed (exit {proc.returncode}): {' '.join(argv)}\n{proc.stdout[-6000:]}"
+        )
     with open(path) as f:
         return json.load(f), proc.stdout
 
@@ -97,4 +128,4 @@ def report_block(output: str) -> str:
     if start is None:
         return ""
     end = next((i for i in range(len(lines) - 1, start, -1) if lines[i].startswith("=====")), len(lines) - 1)
-    return "\n".join(lines[start:end + 1])
+    return "\n".join(lines[start : end + 1])

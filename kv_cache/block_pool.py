@@ -22,8 +22,9 @@ from tpuserve.kv_cache.prefix_hash import PageHash
 
 
 class BlockPool:
-    def __init__(self, num_pages: int, page_size: int, enable_caching: bool = False,
-                 record_evictions: bool = False):
+    def __init__(
+        self, num_pages: int, page_size: int, enable_caching: bool = False, record_evictions: bool = False
+    ):
         """``record_evictions``: keep (hash, page) of every cached page an allocation evicts, for a
         second cache tier to copy out before the page is overwritten (``take_evicted``)."""
         if num_pages < 2:
@@ -34,7 +35,8 @@ class BlockPool:
         self.record_evictions = record_evictions
         # Insertion order is eviction order: the front is handed out first.
         self._free: OrderedDict[int, None] = OrderedDict(
-            (p, None) for p in range(num_pages) if p != RESERVED_PAGE)
+            (p, None) for p in range(num_pages) if p != RESERVED_PAGE
+        )
         self._refs = [0] * num_pages
         self._hash_of: list[PageHash | None] = [None] * num_pages
         self._page_of: dict[PageHash, int] = {}

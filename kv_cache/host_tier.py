@@ -80,8 +80,10 @@ def slots_for_bytes(capacity_bytes: int, bytes_per_page: int, flag: str = "--kv-
         raise ValueError(f"page bytes must be positive, got {bytes_per_page}")
     n = int(capacity_bytes) // int(bytes_per_page)
     if n < 1:
-        raise ValueError(f"{flag}: {capacity_bytes} bytes of host memory hold no KV page "
-                         f"(one page across all layers takes {bytes_per_page} bytes)")
+        raise ValueError(
+            f"{flag}: {capacity_bytes} bytes of host memory hold no KV page "
+            f"(one page across all layers takes {bytes_per_page} bytes)"
+        )
     return n
 
 
@@ -109,8 +111,9 @@ class HostPagePool:
     (None: taken from the cache at the first transfer).
     """
 
-    def __init__(self, num_slots: int, page_shape: Sequence[int], dtype, device=None,
-                 max_inflight_saves: int = 4):
+    def __init__(
+        self, num_slots: int, page_shape: Sequence[int], dtype, device=None, max_inflight_saves: int = 4
+    ):
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
         if len(page_shape) != 4:
@@ -141,8 +144,11 @@ class HostPagePool:
         self._device = device
         self.memory_kind = host_memory_kind(device)
         if self.memory_kind is None:
-            log.warning("device %s has no host memory kind: saved pages land in device memory "
-                        "first and are copied out when drained", device)
+            log.warning(
+                "device %s has no host memory kind: saved pages land in device memory "
+                "first and are copied out when drained",
+                device,
+            )
         out = SingleDeviceSharding(device, memory_kind=self.memory_kind) if self.memory_kind else None
 
         def gather(kv, idx):
@@ -164,20 +170,23 @@ class HostPagePool:
             import jax
 
             from tpuserve.kv_cache.layout import cache_out_format
-            self._scatter = jax.jit(self._scatter_fn, donate_argnums=(0,),
-                                    out_shardings=cache_out_format(kv))
+
+            self._scatter = jax.jit(self._scatter_fn, donate_argnums=(0,), out_shardings=cache_out_format(kv))
         return self._scatter
 
     def _check_cache(self, kv) -> None:
         if kv.ndim != 5 or (kv.shape[0], *kv.shape[2:]) != self.page_shape:
-            raise ValueError(f"KV cache shape {tuple(kv.shape)} does not hold pages of shape "
-                             f"{self.page_shape} ([L, P, page_size, C, D] with P dropped)")
+            raise ValueError(
+                f"KV cache shape {tuple(kv.shape)} does not hold pages of shape "
+                f"{self.page_shape} ([L, P, page_size, C, D] with P dropped)"
+            )
         if np.dtype(kv.dtype) != self.dtype:
             raise ValueError(f"KV cache dtype {kv.dtype} differs from the host pool's {self.dtype}")
         devices = kv.devices()
         if len(devices) != 1:
-            raise ValueError(f"the host tier handles a single-device KV cache, this one spans "
-                             f"{len(devices)} devices")
+            raise ValueError(
+                f"the host tier handles a single-device KV cache, this one spans {len(devices)} devices"
+            )
         if self._device is None:
             self._bind(next(iter(devices)))
 
@@ -191,7 +200,9 @@ class HostPagePool:
     def _check(self, kv, slots: np.ndarray, pages: np.ndarray, unique_slots: bool) -> None:
         self._check_cache(kv)
         if slots.shape != pages.shape or slots.ndim != 1:
-            raise ValueError(f"slots and pages must be equal-length lists, got {slots.shape} and {pages.shape}")
+            raise ValueError(
+                f"slots and pages must be equal-length lists, got {slots.shape} and {pages.shape}"
+            )
         if slots.size and (slots.min() < 0 or slots.max() >= self.num_slots):
             raise ValueError(f"host slot out of range [0, {self.num_slots}): {slots.tolist()}")
         num_pages = kv.shape[1]
@@ -233,6 +244,7 @@ class HostPagePool:
         ``kv`` is donated: use the returned array instead. Pages must be distinct.
         """
         import jax.numpy as jnp
+
         from tpuserve.kv_cache.layout import stage_for
 
         slots_a, pages_a = np.asarray(slots, np.int64), np.asarray(pages, np.int64)
@@ -259,8 +271,9 @@ class HostPagePool:
         from tpuserve.kv_cache.layout import warm_page_transfers
 
         self._check_cache(kv)
-        return warm_page_transfers(kv, self._gather, self._scatter_for(kv),
-                                   lambda b: (b, *self.page_shape), max_pages)
+        return warm_page_transfers(
+            kv, self._gather, self._scatter_for(kv), lambda b: (b, *self.page_shape), max_pages
+        )
 
     def wait(self) -> None:
         """Finish every in-flight save (its pages are then in the slot array)."""
@@ -310,8 +323,9 @@ class HostSlotIndex:
         try:
             return self._slot[h]
         except KeyError:
-            raise KeyError(f"block hash {h.hex() if isinstance(h, bytes) else h!r} is not in the "
-                           f"host tier") from None
+            raise KeyError(
+                f"block hash {h.hex() if isinstance(h, bytes) else h!r} is not in the host tier"
+            ) from None
 
     def match(self, hashes: Iterable[bytes]) -> int:
         """How many leading ``hashes`` are held; those become most recently used."""
@@ -384,8 +398,9 @@ class HostKVTier:
     across layers; ValueError when that is < 1.
     """
 
-    def __init__(self, capacity_bytes: int, cache_shape: Sequence[int], dtype, device=None,
-                 max_inflight_saves: int = 4):
+    def __init__(
+        self, capacity_bytes: int, cache_shape: Sequence[int], dtype, device=None, max_inflight_saves: int = 4
+    ):
         self.page_bytes = page_bytes(cache_shape, dtype)
         self.num_slots = slots_for_bytes(capacity_bytes, self.page_bytes)
         l, _, ps, c, d = (int(x) for x in cache_shape)

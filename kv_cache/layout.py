@@ -81,6 +81,7 @@ def warm_page_transfers(kv, gather, scatter, staged_shape, max_pages: int):
     scatter indices all out of range, so dropped). ``staged_shape(b)`` is the staging array's
     shape for b pages. Returns the cache (``kv`` is donated)."""
     import numpy as np
+
     b = 1
     while True:
         # Indices go up the way a transfer sends them (jnp.asarray of numpy), which jax compiles
@@ -105,8 +106,9 @@ class KVCacheSpec:
 
     def __post_init__(self):
         if self.num_shards < 1 or self.num_kv_heads % self.num_shards:
-            raise ValueError(f"{self.num_kv_heads} KV heads cannot split evenly over "
-                             f"{self.num_shards} devices")
+            raise ValueError(
+                f"{self.num_kv_heads} KV heads cannot split evenly over {self.num_shards} devices"
+            )
 
     @property
     def shape(self) -> tuple[int, int, int, int, int]:
@@ -120,8 +122,14 @@ class KVCacheSpec:
         This is the payload (what vLLM's own page accounting computes); the memory one page
         really takes depends on the attention impl: ``page_bytes(impl)``.
         """
-        return (self.num_layers * self.page_size * 2 * self.num_kv_heads * self.head_dim
-                * jnp.dtype(self.dtype).itemsize)
+        return (
+            self.num_layers
+            * self.page_size
+            * 2
+            * self.num_kv_heads
+            * self.head_dim
+            * jnp.dtype(self.dtype).itemsize
+        )
 
     def shape_for(self, impl: str) -> tuple[int, int, int, int, int]:
         """The stacked cache shape attention impl ``impl`` (concrete, not 'auto') works on."""
@@ -130,15 +138,25 @@ class KVCacheSpec:
     def page_bytes(self, impl: str) -> int:
         """Bytes one page really takes across all layers in ``impl``'s layout (padding included)."""
         _, _, page_size, combined, head_dim = self.shape_for(impl)
-        return (self.num_layers * page_size * combined * device_head_dim(impl, head_dim)
-                * jnp.dtype(self.dtype).itemsize)
+        return (
+            self.num_layers
+            * page_size
+            * combined
+            * device_head_dim(impl, head_dim)
+            * jnp.dtype(self.dtype).itemsize
+        )
 
     def allocate(self, impl: str | None = None, sharding=None):
         """A zeroed cache in ``impl``'s shape and device layout (``kv_cache_format``), placed by
         ``sharding`` (None: the default device); ``impl=None`` keeps the unpadded ``shape``."""
         shape = self.shape if impl is None else self.shape_for(impl)
-        fmt = None if impl is None else kv_cache_format(
-            impl, self.dtype, sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+        fmt = (
+            None
+            if impl is None
+            else kv_cache_format(
+                impl, self.dtype, sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0])
+            )
+        )
         if fmt is None and sharding is None:
             return jnp.zeros(shape, self.dtype)
         return jax.jit(lambda: jnp.zeros(shape, self.dtype), out_shardings=fmt or sharding)()
@@ -153,5 +171,5 @@ def interleave_kv(k, v):
 def split_kv(kv, num_kv_heads: int | None = None):
     """[..., C, D] -> (K, V), each [..., Hkv, D]; pass ``num_kv_heads`` when C carries padding."""
     if num_kv_heads is not None:
-        kv = kv[..., :2 * num_kv_heads, :]
+        kv = kv[..., : 2 * num_kv_heads, :]
     return kv[..., 0::2, :], kv[..., 1::2, :]

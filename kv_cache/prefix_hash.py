@@ -28,8 +28,9 @@ def hash_page(parent: PageHash | None, tokens: Sequence[int], extra: tuple = ())
     return hashlib.sha256(pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL)).digest()
 
 
-def extend_page_hashes(hashes: list[PageHash], token_ids: Sequence[int], page_size: int,
-                       cache_salt: str | None = None) -> list[PageHash]:
+def extend_page_hashes(
+    hashes: list[PageHash], token_ids: Sequence[int], page_size: int, cache_salt: str | None = None
+) -> list[PageHash]:
     """Append the hashes of the full pages of ``token_ids`` not yet in ``hashes`` (in place).
 
     ``hashes`` holds the first ``len(hashes)`` pages' hashes of the same token sequence, so a
@@ -38,11 +39,10 @@ def extend_page_hashes(hashes: list[PageHash], token_ids: Sequence[int], page_si
     for i in range(len(hashes), len(token_ids) // page_size):
         extra = (cache_salt,) if (i == 0 and cache_salt is not None) else ()
         parent = hashes[i - 1] if i else None
-        hashes.append(hash_page(parent, token_ids[i * page_size:(i + 1) * page_size], extra))
+        hashes.append(hash_page(parent, token_ids[i * page_size : (i + 1) * page_size], extra))
     return hashes
 
 
-def page_hashes(token_ids: Sequence[int], page_size: int,
-                cache_salt: str | None = None) -> list[PageHash]:
+def page_hashes(token_ids: Sequence[int], page_size: int, cache_salt: str | None = None) -> list[PageHash]:
     """Hashes of every full page of ``token_ids``."""
     return extend_page_hashes([], token_ids, page_size, cache_salt)

@@ -32,7 +32,7 @@ MATMUL_KEYS = ("qkv", "o", "gate_up", "down")
 ROTATE_DEFAULT = {"mxfp4": True, "nvfp4": False}
 ACT_ORDER = {"mxfp4": True, "nvfp4": False}
 DAMP = {"mxfp4": 0.05, "nvfp4": 0.2}  # x mean(diag H), added to H
-_SEQ_LEN = 512     # calibration tokens are cut into sequences of at most this many
+_SEQ_LEN = 512  # calibration tokens are cut into sequences of at most this many
 _PAGE = 16
 
 
@@ -56,6 +56,7 @@ class _Probe:
 
 def _probe_linear(x, probe: _Probe, bias, out_dtype):
     from tpuserve.tpu_platform.models.linear import linear
+
     xf = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
     probe.sink[probe.key] = jnp.dot(xf.T, xf, precision=jax.lax.Precision.HIGHEST)
     return linear(x, probe.w, bias, out_dtype=out_dtype)
@@ -73,14 +74,18 @@ class _Batch:
     @classmethod
     def build(cls, token_ids: np.ndarray, arch):
         from tpuserve.attention.metadata import AttentionMetadata
+
         lens = [min(_SEQ_LEN, len(token_ids) - s) for s in range(0, len(token_ids), _SEQ_LEN)]
         pages_per_seq = -(-_SEQ_LEN // _PAGE)
         positions = np.concatenate([np.arange(n) for n in lens]).astype(np.float32)
         freqs = positions[:, None] * arch.inv_freq()[None, :]
         pages = 1 + np.arange(len(lens) * pages_per_seq, dtype=np.int32).reshape(len(lens), -1)
-        md = AttentionMetadata(kv_lens=jnp.asarray(lens, jnp.int32), page_indices=jnp.asarray(pages),
-                               cu_q_lens=jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32),
-                               num_seqs=jnp.asarray([len(lens)], jnp.int32))
+        md = AttentionMetadata(
+            kv_lens=jnp.asarray(lens, jnp.int32),
+            page_indices=jnp.asarray(pages),
+            cu_q_lens=jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32),
+            num_seqs=jnp.asarray([len(lens)], jnp.int32),
+        )
         return cls(jnp.asarray(token_ids), jnp.asarray(np.cos(freqs)), jnp.asarray(np.sin(freqs)), md)
 
 
@@ -88,9 +93,10 @@ def _run_layer(arch, md, cos, sin, h, w):
     """One decoder layer over the calibration batch (its own one-layer KV cache) -> h out."""
     from tpuserve.attention.dispatch import AttentionParams
     from tpuserve.tpu_platform.models.decoder import block_from_normed, rms_norm
+
     num_pages = 1 + md.page_indices.size
     cache = jnp.zeros((1, num_pages, _PAGE, 2 * arch.num_kv_heads, arch.head_dim), h.dtype)
-    params = AttentionParams(sm_scale=arch.head_dim ** -0.5, sliding_window=arch.sliding_window)
+    params = AttentionParams(sm_scale=arch.head_dim**-0.5, sliding_window=arch.sliding_window)
     x = rms_norm(h, w["input_norm"], arch.rms_norm_eps)
     # "blocked": the same function as "reference" in jnp, but the reference gathers every token's
     # whole 512-key row (~8 GB over ~9.5k calibration tokens): ~4x slower a layer, most of a GPTQ load.
@@ -132,8 +138,9 @@ def gptq_record(w, hessian: np.ndarray, method: str, *, rotate: bool = False):
     return Nvfp4Weight(packed, jnp.asarray(scales), jnp.full((1, 1), g, jnp.float32), out, False)
 
 
-def quantize_layers_gptq(params: dict, arch, token_ids: np.ndarray, method: str, *,
-                         keys=MATMUL_KEYS, rotate: bool | None = None) -> dict:
+def quantize_layers_gptq(
+    params: dict, arch, token_ids: np.ndarray, method: str, *, keys=MATMUL_KEYS, rotate: bool | None = None
+) -> dict:
     """Return ``params`` with each layer's ``keys`` replaced by GPTQ ``method`` records.
 
     ``layers`` may be stacked ([L, ...] arrays) or a list of per-layer dicts; the result keeps the
@@ -146,15 +153,21 @@ def quantize_layers_gptq(params: dict, arch, token_ids: np.ndarray, method: str,
         rotate = ROTATE_DEFAULT[method]
     from tpuserve.tpu_platform.models.decoder import embed_tokens
     from tpuserve.tpu_platform.models.linear import register_linear
+
     register_linear(_Probe, _probe_linear)
     token_ids = np.asarray(token_ids, np.int32)
     if token_ids.size == 0 or token_ids.min() < 0 or token_ids.max() >= arch.vocab_size:
-        raise ValueError(f"calibration token ids must be non-empty and in [0, {arch.vocab_size}) "
-                         f"(the model's vocabulary); does the tokenizer belong to the model?")
+        raise ValueError(
+            f"calibration token ids must be non-empty and in [0, {arch.vocab_size}) "
+            f"(the model's vocabulary); does the tokenizer belong to the model?"
+        )
     stacked = isinstance(params["layers"], dict)
     num_layers = arch.num_layers
-    layers = ([{k: v[i] for k, v in params["layers"].items()} for i in range(num_layers)]
-              if stacked else list(params["layers"]))
+    layers = (
+        [{k: v[i] for k, v in params["layers"].items()} for i in range(num_layers)]
+        if stacked
+        else list(params["layers"])
+    )
     batch = _Batch.build(token_ids, arch)
     data = (batch.md, batch.cos, batch.sin)
     hessians = jax.jit(functools.partial(_layer_hessians, arch, tuple(keys)))
@@ -169,8 +182,9 @@ def quantize_layers_gptq(params: dict, arch, token_ids: np.ndarray, method: str,
         h = run(*data, h, q)
         done.append(q)
     if stacked:
-        out_layers = {k: jax.tree_util.tree_map(lambda *a: jnp.stack(a), *[d[k] for d in done])
-                      for k in done[0]}
+        out_layers = {
+            k: jax.tree_util.tree_map(lambda *a: jnp.stack(a), *[d[k] for d in done]) for k in done[0]
+        }
     else:
         out_layers = done
     return {**params, "layers": out_layers}

@@ -18,7 +18,7 @@ import numpy as np
 from jax import lax
 
 # The 16 e2m1 codes in order (sign bit 3, two exponent bits, one mantissa bit; no inf, no NaN).
-E2M1_VALUES = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], np.float32)
+E2M1_VALUES = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
 # e8m0 bias: byte b means 2**(b - 127); 0xFF is NaN and there is no zero.
@@ -41,6 +41,7 @@ def exact_div(a: jax.Array, b: jax.Array) -> jax.Array:
 
 # ---------------------------------------------------------------------------------------------
 # e2m1 (FP4) elements, two per byte, low nibble first.
+
 
 def unpack_nibbles(packed: jax.Array) -> tuple[jax.Array, jax.Array]:
     """u8 ``[...]`` -> (low codes, high codes), each int32 ``[...]`` in 0..15."""
@@ -86,6 +87,7 @@ def e2m1_encode(x: jax.Array) -> jax.Array:
 # ---------------------------------------------------------------------------------------------
 # e8m0 (MX) scale bytes.
 
+
 def e8m0_decode(b: jax.Array) -> jax.Array:
     """u8 ``[...]`` -> f32 ``2**(b-127)``; byte 0 is the subnormal 2**-127, 255 is NaN.
 
@@ -94,7 +96,7 @@ def e8m0_decode(b: jax.Array) -> jax.Array:
     """
     b = b.astype(jnp.int32)
     v = lax.bitcast_convert_type(b << 23, jnp.float32)
-    v = jnp.where(b == 0, jnp.float32(2.0 ** -127), v)
+    v = jnp.where(b == 0, jnp.float32(2.0**-127), v)
     return jnp.where(b == 255, jnp.float32(jnp.nan), v)
 
 
@@ -110,6 +112,7 @@ def e8m0_bits_decode(b: jax.Array) -> jax.Array:
 # ---------------------------------------------------------------------------------------------
 # e4m3fn scale bytes (NVFP4 block scales), decoded from their bits.
 
+
 def e4m3_bits_decode(b: jax.Array) -> jax.Array:
     """u8/int ``[...]`` holding float8_e4m3fn bits -> f32 (integer ops; NaN codes are not handled).
 
@@ -120,7 +123,7 @@ def e4m3_bits_decode(b: jax.Array) -> jax.Array:
     exp = (b >> 3) & 15
     man = b & 7
     normal = lax.bitcast_convert_type(((exp + 120) << 23) | (man << 20), jnp.float32)
-    sub = man.astype(jnp.float32) * jnp.float32(2.0 ** -9)
+    sub = man.astype(jnp.float32) * jnp.float32(2.0**-9)
     mag = jnp.where(exp == 0, sub, normal)
     return jnp.where((b & 0x80) != 0, -mag, mag)
 

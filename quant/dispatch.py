@@ -49,6 +49,7 @@ def register_quant_linears(impl: str = "auto", *, interpret=None) -> None:
         raise ValueError(f"quantized linear impl must be one of {IMPLS}, got {impl!r}")
     # imported here, not at module import: quant/ stays importable without the model package
     from tpuserve.tpu_platform.models.linear import register_linear
+
     fn = functools.partial(quant_linear, impl=impl, interpret=interpret)
     for t in RECORD_TYPES:
         register_linear(t, fn)

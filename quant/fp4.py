@@ -23,11 +23,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tpuserve.quant.codecs import (E2M1_MAX, E4M3_MAX, e2m1_encode, e2m1_lut_decode,
-                                   e8m0_decode, exact_div, pack_nibbles, unpack_nibbles)
+from tpuserve.quant.codecs import (
+    E2M1_MAX,
+    E4M3_MAX,
+    e2m1_encode,
+    e2m1_lut_decode,
+    e8m0_decode,
+    exact_div,
+    pack_nibbles,
+    unpack_nibbles,
+)
 
 MXFP4_BLOCK = 32
-_E4M3_SMALLEST_NORMAL = 2.0 ** -6  # torchao's E4M3_EPS: block scales never go subnormal
+_E4M3_SMALLEST_NORMAL = 2.0**-6  # torchao's E4M3_EPS: block scales never go subnormal
 NVFP4_BLOCK = 16
 
 
@@ -45,8 +53,9 @@ class _PackedFp4:
         return self.packed.shape[-1]
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=("packed", "scale"),
-                   meta_fields=("out_shape", "rotated"))
+@functools.partial(
+    jax.tree_util.register_dataclass, data_fields=("packed", "scale"), meta_fields=("out_shape", "rotated")
+)
 @dataclasses.dataclass(frozen=True)
 class Mxfp4Weight(_PackedFp4):
     """OCP MXFP4 weight ``[*L, K, *out_shape]``.
@@ -72,8 +81,11 @@ class Mxfp4Weight(_PackedFp4):
         return int(self.packed.size + self.scale.size)
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=("packed", "scale", "global_scale"),
-                   meta_fields=("out_shape", "global_divides"))
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=("packed", "scale", "global_scale"),
+    meta_fields=("out_shape", "global_divides"),
+)
 @dataclasses.dataclass(frozen=True)
 class Nvfp4Weight(_PackedFp4):
     """NVFP4 weight ``[*L, K, *out_shape]``.
@@ -109,6 +121,7 @@ class Nvfp4Weight(_PackedFp4):
 # ---------------------------------------------------------------------------------------------
 # Shared packing helpers.
 
+
 def unpack_codes(packed: jax.Array) -> jax.Array:
     """u8 ``[*L, K/2, N]`` -> int32 codes ``[*L, K, N]`` (even k from the low nibble)."""
     lo, hi = unpack_nibbles(packed)
@@ -125,7 +138,7 @@ def pack_codes(codes: jax.Array) -> jax.Array:
 
 def _split(w, num_lead: int, block: int):
     w = jnp.asarray(w)
-    lead, k, out = w.shape[:num_lead], w.shape[num_lead], tuple(w.shape[num_lead + 1:])
+    lead, k, out = w.shape[:num_lead], w.shape[num_lead], tuple(w.shape[num_lead + 1 :])
     if k % block:
         raise ValueError(f"FP4 needs in_features divisible by {block}, got {k}")
     n = math.prod(out)
@@ -144,6 +157,7 @@ def _repeat_rows(s: jax.Array, block: int) -> jax.Array:
 
 # ---------------------------------------------------------------------------------------------
 # MXFP4.
+
 
 def dequantize_mxfp4(w: Mxfp4Weight, dtype=jnp.float32) -> jax.Array:
     """Reference dequant ``e2m1(code) * 2**(e-127)`` -> ``[*L, K, *out_shape]``.
@@ -175,9 +189,10 @@ def hadamard_blocks(x: jax.Array, axis: int = -1) -> jax.Array:
     if k % MXFP4_BLOCK:
         raise ValueError(f"block Hadamard needs a multiple of {MXFP4_BLOCK} elements, got {k}")
     h = jnp.asarray(hadamard32(), jnp.float32)
-    xb = x.reshape(*x.shape[:axis], k // MXFP4_BLOCK, MXFP4_BLOCK, *x.shape[axis + 1:])
-    y = jnp.tensordot(xb.astype(jnp.float32), h, axes=((axis + 1,), (0,)),
-                      precision=jax.lax.Precision.HIGHEST)  # the 32-axis moves last
+    xb = x.reshape(*x.shape[:axis], k // MXFP4_BLOCK, MXFP4_BLOCK, *x.shape[axis + 1 :])
+    y = jnp.tensordot(
+        xb.astype(jnp.float32), h, axes=((axis + 1,), (0,)), precision=jax.lax.Precision.HIGHEST
+    )  # the 32-axis moves last
     y = jnp.moveaxis(y, -1, axis + 1)
     return y.reshape(x.shape).astype(x.dtype)
 
@@ -196,8 +211,10 @@ def quantize_mxfp4(w, *, num_lead: int = 0) -> Mxfp4Weight:
     pow2 = ((jax.lax.bitcast_convert_type(amax, jnp.int32) >> 23) & 255) - 127
     e = jnp.clip(pow2 - 2, -127, 128)
     byte = (e + 127).astype(jnp.uint8)
-    divisor = jnp.maximum(jax.lax.bitcast_convert_type(byte.astype(jnp.int32) << 23, jnp.float32),
-                          jnp.float32(np.finfo(np.float32).tiny))
+    divisor = jnp.maximum(
+        jax.lax.bitcast_convert_type(byte.astype(jnp.int32) << 23, jnp.float32),
+        jnp.float32(np.finfo(np.float32).tiny),
+    )
     codes = e2m1_encode(exact_div(xb, divisor)).reshape(*lead, k, n)
     return Mxfp4Weight(pack_codes(codes), byte[..., 0, :], out)
 
@@ -213,8 +230,9 @@ def mxfp4_from_checkpoint(packed, scale, *, out_shape=None) -> Mxfp4Weight:
     n = packed.shape[-2]
     if scale.shape[-2:] != (n, packed.shape[-1] * 2 // MXFP4_BLOCK):
         raise ValueError(f"MXFP4 scale shape {scale.shape} does not fit packed {packed.shape}")
-    return Mxfp4Weight(jnp.swapaxes(packed, -1, -2), jnp.swapaxes(scale, -1, -2),
-                       tuple(out_shape) if out_shape else (n,))
+    return Mxfp4Weight(
+        jnp.swapaxes(packed, -1, -2), jnp.swapaxes(scale, -1, -2), tuple(out_shape) if out_shape else (n,)
+    )
 
 
 def mxfp4_from_gguf(raw: np.ndarray, shape: tuple[int, int], *, out_shape=None) -> Mxfp4Weight:
@@ -234,6 +252,7 @@ def mxfp4_from_gguf(raw: np.ndarray, shape: tuple[int, int], *, out_shape=None) 
 
 # ---------------------------------------------------------------------------------------------
 # NVFP4.
+
 
 def dequantize_nvfp4(w: Nvfp4Weight, dtype=jnp.float32) -> jax.Array:
     """Reference dequant -> ``[*L, K, *out_shape]``: ``e2m1 * (f32(scale) op global)``.
@@ -267,15 +286,15 @@ def quantize_nvfp4(w, *, num_lead: int = 0) -> Nvfp4Weight:
     bamax = jnp.max(jnp.abs(xb), axis=-2, keepdims=True)  # [*L, K/16, 1, N]
     g4 = g[..., None]
     scaled = exact_div(exact_div(bamax, jnp.float32(E2M1_MAX)), g4)
-    s8 = jnp.clip(scaled, jnp.float32(_E4M3_SMALLEST_NORMAL), jnp.float32(E4M3_MAX)).astype(
-        jnp.float8_e4m3fn)
+    s8 = jnp.clip(scaled, jnp.float32(_E4M3_SMALLEST_NORMAL), jnp.float32(E4M3_MAX)).astype(jnp.float8_e4m3fn)
     recip = exact_div(exact_div(jnp.float32(1.0), g4), s8.astype(jnp.float32))
     codes = e2m1_encode(xb * recip).reshape(*lead, k, n)
     return Nvfp4Weight(pack_codes(codes), s8[..., 0, :], g, out, False)
 
 
-def nvfp4_from_checkpoint(packed, scale, global_scale, *, global_divides: bool,
-                          out_shape=None) -> Nvfp4Weight:
+def nvfp4_from_checkpoint(
+    packed, scale, global_scale, *, global_divides: bool, out_shape=None
+) -> Nvfp4Weight:
     """From HF-layout tensors: packed u8 ``[out, in/2]``, scale e4m3 ``[out, in/16]``, global f32.
 
     ModelOpt: ``weight``, ``weight_scale``, ``weight_scale_2`` -> ``global_divides=False``.
@@ -290,8 +309,13 @@ def nvfp4_from_checkpoint(packed, scale, global_scale, *, global_divides: bool,
     if scale.shape[-2:] != (n, packed.shape[-1] * 2 // NVFP4_BLOCK):
         raise ValueError(f"NVFP4 scale shape {scale.shape} does not fit packed {packed.shape}")
     g = jnp.asarray(global_scale, jnp.float32).reshape(*packed.shape[:-2], 1, 1)
-    return Nvfp4Weight(jnp.swapaxes(packed, -1, -2), jnp.swapaxes(scale, -1, -2), g,
-                       tuple(out_shape) if out_shape else (n,), global_divides)
+    return Nvfp4Weight(
+        jnp.swapaxes(packed, -1, -2),
+        jnp.swapaxes(scale, -1, -2),
+        g,
+        tuple(out_shape) if out_shape else (n,),
+        global_divides,
+    )
 
 
 def nvfp4_from_gguf(raw: np.ndarray, shape: tuple[int, int], *, out_shape=None) -> Nvfp4Weight:
@@ -309,5 +333,4 @@ def nvfp4_from_gguf(raw: np.ndarray, shape: tuple[int, int], *, out_shape=None) 
     d = d & 0x7F
     d = np.where(d == 0x7F, 0, d).astype(np.uint8).reshape(out, k // NVFP4_BLOCK)
     scale = d.view(jnp.float8_e4m3fn)
-    return nvfp4_from_checkpoint(packed, scale, np.float32(1.0), global_divides=False,
-                                 out_shape=out_shape)
+    return nvfp4_from_checkpoint(packed, scale, np.float32(1.0), global_divides=False, out_shape=out_shape)

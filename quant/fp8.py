@@ -31,8 +31,11 @@ GRANULARITIES = ("tensor", "channel", "block")
 _F32_EPS = np.float32(np.finfo(np.float32).eps)  # compressed-tensors' stand-in for a zero scale
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=("qweight", "scale"),
-                   meta_fields=("block", "out_shape", "act_quant"))
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=("qweight", "scale"),
+    meta_fields=("block", "out_shape", "act_quant"),
+)
 @dataclasses.dataclass(frozen=True)
 class Fp8Weight:
     """An FP8 e4m3fn weight ``[*L, K, *out_shape]`` and its multiplying scales.
@@ -112,8 +115,9 @@ def _block_amax(w: jax.Array, block: tuple[int, int]) -> jax.Array:
     return a.max(axis=(-3, -1))
 
 
-def quantize_fp8(w: jax.Array, granularity: str = "channel", *, block_size=128, num_lead: int = 0,
-                 act_quant: bool = False) -> Fp8Weight:
+def quantize_fp8(
+    w: jax.Array, granularity: str = "channel", *, block_size=128, num_lead: int = 0, act_quant: bool = False
+) -> Fp8Weight:
     """Quantize a dense weight ``[*L, K, *out]`` (``num_lead`` = len(L)) to FP8 e4m3fn.
 
     scale = amax / 448 per block (f32 eps for an all-zero block, which keeps it positive and its
@@ -121,7 +125,7 @@ def quantize_fp8(w: jax.Array, granularity: str = "channel", *, block_size=128, 
     ``quantize``), so bytes and scales match llm-compressor's. Values that round past 448 saturate instead of becoming NaN.
     """
     w = jnp.asarray(w)
-    lead, k, out = w.shape[:num_lead], w.shape[num_lead], tuple(w.shape[num_lead + 1:])
+    lead, k, out = w.shape[:num_lead], w.shape[num_lead], tuple(w.shape[num_lead + 1 :])
     n = math.prod(out)
     w2 = w.astype(jnp.float32).reshape(*lead, k, n)
     block = _block_for(granularity, k, n, block_size)
@@ -131,8 +135,9 @@ def quantize_fp8(w: jax.Array, granularity: str = "channel", *, block_size=128, 
     return Fp8Weight(q, scale, block, out, act_quant)
 
 
-def fp8_from_checkpoint(weight, scale, *, block_size=None, out_shape=None,
-                        act_quant: bool = False) -> Fp8Weight:
+def fp8_from_checkpoint(
+    weight, scale, *, block_size=None, out_shape=None, act_quant: bool = False
+) -> Fp8Weight:
     """Build a record from checkpoint tensors in HF's ``[out, in]`` layout.
 
     weight: e4m3fn ``[out, in]``. scale (multiplies): HF ``weight_scale_inv`` ``[ceil(out/bo),
@@ -156,7 +161,9 @@ def fp8_from_checkpoint(weight, scale, *, block_size=None, out_shape=None,
     elif scale.shape in ((n, 1), (n,)):
         block, s = (k, 1), scale.reshape(1, n)
     else:
-        raise ValueError(f"cannot tell the FP8 scale granularity of shape {scale.shape} for weight {weight.shape}")
+        raise ValueError(
+            f"cannot tell the FP8 scale granularity of shape {scale.shape} for weight {weight.shape}"
+        )
     return Fp8Weight(weight.T, s, block, tuple(out_shape) if out_shape else (n,), act_quant)
 
 

@@ -60,9 +60,13 @@ def concat_out(ws: list, out_shape: tuple[int, ...] | None = None):
     if isinstance(first, Fp8Weight):
         if len({w.block[0] for w in ws}) != 1 or len({w.act_quant for w in ws}) != 1:
             raise ValueError("cannot fuse FP8 records with different K blocks or activation schemes")
-        return Fp8Weight(jnp.concatenate([w.qweight for w in ws], axis=-1),
-                         jnp.concatenate([w.scale for w in ws], axis=-1),
-                         (first.block[0], 1), out_shape, first.act_quant)
+        return Fp8Weight(
+            jnp.concatenate([w.qweight for w in ws], axis=-1),
+            jnp.concatenate([w.scale for w in ws], axis=-1),
+            (first.block[0], 1),
+            out_shape,
+            first.act_quant,
+        )
     packed = jnp.concatenate([w.packed for w in ws], axis=-1)
     scale = jnp.concatenate([w.scale for w in ws], axis=-1)
     if isinstance(first, Mxfp4Weight):
@@ -75,8 +79,9 @@ def concat_out(ws: list, out_shape: tuple[int, ...] | None = None):
     if all(g.size == 1 for g in gs) and len({g.reshape(()).item() for g in gs}) == 1:
         g = first.global_scale
     else:  # keep each tensor's own number (exact), one per column
-        g = jnp.concatenate([jnp.broadcast_to(w.global_scale.reshape(1, -1), (1, w.out_features))
-                             for w in ws], axis=-1)
+        g = jnp.concatenate(
+            [jnp.broadcast_to(w.global_scale.reshape(1, -1), (1, w.out_features)) for w in ws], axis=-1
+        )
     return Nvfp4Weight(packed, scale, g, out_shape, first.global_divides)
 
 

@@ -21,12 +21,12 @@ import jax.numpy as jnp
 import numpy as np
 import scipy.linalg
 
-from tpuserve.quant.codecs import E2M1_MAX, E4M3_MAX, E2M1_VALUES
+from tpuserve.quant.codecs import E2M1_MAX, E2M1_VALUES, E4M3_MAX
 from tpuserve.quant.fp4 import _E4M3_SMALLEST_NORMAL, MXFP4_BLOCK, NVFP4_BLOCK
 from tpuserve.quant.search import NVFP4_SHRINK
 
-_E2M1_MAG = E2M1_VALUES[:8].astype(np.float64)        # 0, .5, 1, 1.5, 2, 3, 4, 6
-_E2M1_MID = (_E2M1_MAG[1:] + _E2M1_MAG[:-1]) / 2       # decision points between magnitudes
+_E2M1_MAG = E2M1_VALUES[:8].astype(np.float64)  # 0, .5, 1, 1.5, 2, 3, 4, 6
+_E2M1_MID = (_E2M1_MAG[1:] + _E2M1_MAG[:-1]) / 2  # decision points between magnitudes
 
 
 def e2m1_round(x: np.ndarray, step: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -52,12 +52,13 @@ def damped_cholesky_inverse(h: np.ndarray, damp: float) -> tuple[np.ndarray, np.
     mean_diag = np.mean(np.diag(h))
     for attempt in range(4):
         try:
-            damped = h + (damp * 10 ** attempt) * mean_diag * np.eye(len(h))
+            damped = h + (damp * 10**attempt) * mean_diag * np.eye(len(h))
             return _upper_cholesky_of_inverse(damped), dead
         except np.linalg.LinAlgError:
             continue
-    raise np.linalg.LinAlgError(f"GPTQ: the input Hessian stays indefinite even with damping "
-                                f"{damp * 1000:g} x its mean diagonal")
+    raise np.linalg.LinAlgError(
+        f"GPTQ: the input Hessian stays indefinite even with damping {damp * 1000:g} x its mean diagonal"
+    )
 
 
 def _upper_cholesky_of_inverse(h: np.ndarray) -> np.ndarray:
@@ -100,8 +101,11 @@ class _BlockScaler:
             g = np.float32(self.global_scale)
             base = (amax.astype(np.float32) / np.float32(E2M1_MAX)) / g
             for c in NVFP4_SHRINK:
-                s8 = np.clip(base * np.float32(c), _E4M3_SMALLEST_NORMAL, E4M3_MAX).astype(
-                    np.float32).astype(jnp.float8_e4m3fn)
+                s8 = (
+                    np.clip(base * np.float32(c), _E4M3_SMALLEST_NORMAL, E4M3_MAX)
+                    .astype(np.float32)
+                    .astype(jnp.float8_e4m3fn)
+                )
                 yield s8, s8.astype(np.float32).astype(np.float64) * float(g)
 
     def choose(self, rows: np.ndarray, weight: np.ndarray):
@@ -121,8 +125,15 @@ class _BlockScaler:
         return best[0], best[1]
 
 
-def gptq_fp4(w: np.ndarray, hessian: np.ndarray, fmt: str, *, damp: float = 0.1,
-             lazy_rows: int = 128, act_order: bool = False):
+def gptq_fp4(
+    w: np.ndarray,
+    hessian: np.ndarray,
+    fmt: str,
+    *,
+    damp: float = 0.1,
+    lazy_rows: int = 128,
+    act_order: bool = False,
+):
     """GPTQ of one weight ``w [K, N]`` (``x @ w``) given ``hessian [K, K] = X^T X``.
 
     Returns (codes u8 [K, N], block scales [K/block, N] (e8m0 bytes u8 for MXFP4, float8_e4m3fn for
@@ -147,7 +158,7 @@ def gptq_fp4(w: np.ndarray, hessian: np.ndarray, fmt: str, *, damp: float = 0.1,
     order = np.arange(k)
     if act_order:
         for g in range(k // b):
-            scales[g], steps[g] = scaler.choose(w[g * b:(g + 1) * b], hdiag[g * b:(g + 1) * b])
+            scales[g], steps[g] = scaler.choose(w[g * b : (g + 1) * b], hdiag[g * b : (g + 1) * b])
         order = np.argsort(-hdiag, kind="stable")
     u, dead = damped_cholesky_inverse(hessian[np.ix_(order, order)], damp)
     w = w[order]
@@ -161,10 +172,10 @@ def gptq_fp4(w: np.ndarray, hessian: np.ndarray, fmt: str, *, damp: float = 0.1,
             row = start + i
             g = order[row] // b
             if not act_order and row % b == 0:
-                scales[g], steps[g] = scaler.choose(blk[i:i + b], hdiag[row:row + b])
+                scales[g], steps[g] = scaler.choose(blk[i : i + b], hdiag[row : row + b])
             codes[order[row]], q = e2m1_round(blk[i], steps[g])
             e = (blk[i] - q) / u[row, row]
-            blk[i + 1:] -= np.outer(u[row, row + 1:stop], e)
+            blk[i + 1 :] -= np.outer(u[row, row + 1 : stop], e)
             err[i] = e
         w[stop:] -= u[start:stop, stop:].T @ err
     return codes, np.stack(scales), scaler.global_scale

@@ -68,7 +68,7 @@ def fp4_linear_xla(x, w, bias=None, out_dtype=None):
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k // 2, 2)
     pair = lax.bitcast_convert_type(w.packed, jnp.float4_e2m1fn)  # [K/2, N, 2]: [..., 0] = low
-    s = jnp.repeat(fp4_block_factor(w), w.block // 2, axis=-2)     # [K/2, N]
+    s = jnp.repeat(fp4_block_factor(w), w.block // 2, axis=-2)  # [K/2, N]
     wd = (pair.astype(jnp.float32) * s[..., None]).astype(x.dtype)  # [K/2, N, 2]
     # One dot contracting (K/2, 2) at once: under tensor parallelism a row-split weight then
     # leaves one partial sum to all-reduce, not one per nibble.

@@ -56,7 +56,7 @@ from tpuserve.quant.codecs import e2m1_bits_decode, e4m3_bits_decode, e8m0_bits_
 from tpuserve.quant.fp4 import Mxfp4Weight, Nvfp4Weight, dequantize_mxfp4, dequantize_nvfp4
 from tpuserve.quant.fp8 import Fp8Weight, dequantize_fp8, quantize_per_token, scale_columns
 
-_MAX_TK = 2048     # K rows per tile (fp8: 2 MiB of weight per 1024-lane tile)
+_MAX_TK = 2048  # K rows per tile (fp8: 2 MiB of weight per 1024-lane tile)
 _MAX_TN = 512
 _MAX_TM = 256
 
@@ -91,6 +91,7 @@ def _compiler_params():
 # ---------------------------------------------------------------------------------------------
 # FP8
 
+
 def _fp8_kernel(*refs, subs, rows_per_tile, tk, bk, act_quant, nk):
     if act_quant:
         x_ref, q_ref, s_ref, sx_ref, o_ref, acc_ref = refs
@@ -122,9 +123,16 @@ def _fp8_kernel(*refs, subs, rows_per_tile, tk, bk, act_quant, nk):
         o_ref[...] = y.astype(o_ref.dtype)
 
 
-def fp8_matmul_tpu(x: jax.Array, w: Fp8Weight, *, out_dtype=None, block_m: int | None = None,
-                   block_n: int | None = None, block_k: int | None = None,
-                   interpret=None) -> jax.Array:
+def fp8_matmul_tpu(
+    x: jax.Array,
+    w: Fp8Weight,
+    *,
+    out_dtype=None,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    block_k: int | None = None,
+    interpret=None,
+) -> jax.Array:
     """``x [M, K] @ w -> [M, N]`` (W8A16, or W8A8 when ``w.act_quant``), f32 accumulation.
 
     block_k must divide K and be a multiple of the record's K block (or divide it), unless it is
@@ -157,15 +165,18 @@ def fp8_matmul_tpu(x: jax.Array, w: Fp8Weight, *, out_dtype=None, block_m: int |
     tn = block_n or _pick_tile(n, _MAX_TN, 128)
     nk = k // tk
 
-    in_specs = [pl.BlockSpec((tm, tk), lambda i, j, kk: (i, kk)),
-                pl.BlockSpec((tk, tn), lambda i, j, kk: (kk, j)),
-                pl.BlockSpec((kb, tn), lambda i, j, kk: (0, j))]
+    in_specs = [
+        pl.BlockSpec((tm, tk), lambda i, j, kk: (i, kk)),
+        pl.BlockSpec((tk, tn), lambda i, j, kk: (kk, j)),
+        pl.BlockSpec((kb, tn), lambda i, j, kk: (0, j)),
+    ]
     args = [_pad_rows(xin, mp), w.qweight, s_cols]
     if w.act_quant:
         in_specs.append(pl.BlockSpec((tm, 1), lambda i, j, kk: (i, 0)))
         args.append(_pad_rows(sx, mp))
-    kernel = functools.partial(_fp8_kernel, subs=subs, rows_per_tile=rows_per_tile, tk=tk, bk=bk,
-                               act_quant=w.act_quant, nk=nk)
+    kernel = functools.partial(
+        _fp8_kernel, subs=subs, rows_per_tile=rows_per_tile, tk=tk, bk=bk, act_quant=w.act_quant, nk=nk
+    )
     out = pl.pallas_call(
         kernel,
         grid=(mp // tm, n // tn, nk),
@@ -194,6 +205,7 @@ def fp8_matmul_ref(x: jax.Array, w: Fp8Weight, *, out_dtype=None) -> jax.Array:
 # ---------------------------------------------------------------------------------------------
 # FP4
 
+
 def _fp4_kernel(xe_ref, xo_ref, p_ref, s_ref, o_ref, acc_ref, *, scale_rows, block, kind, nk):
     kk = pl.program_id(2)
 
@@ -201,8 +213,8 @@ def _fp4_kernel(xe_ref, xo_ref, p_ref, s_ref, o_ref, acc_ref, *, scale_rows, blo
     def _init():
         acc_ref[...] = jnp.zeros_like(acc_ref)
 
-    b = p_ref[...].astype(jnp.int32)                                   # [tk/2, tn]
-    sb = s_ref[pl.ds(kk * scale_rows, scale_rows), :]                  # [tk/block, tn]
+    b = p_ref[...].astype(jnp.int32)  # [tk/2, tn]
+    sb = s_ref[pl.ds(kk * scale_rows, scale_rows), :]  # [tk/block, tn]
     s = e8m0_bits_decode(sb) if kind == "mx" else e4m3_bits_decode(sb)
     tn = s.shape[-1]
     # each scale row covers block/2 byte rows: broadcast along a new axis, merge it into the rows
@@ -210,17 +222,25 @@ def _fp4_kernel(xe_ref, xo_ref, p_ref, s_ref, o_ref, acc_ref, *, scale_rows, blo
     xe = xe_ref[...]
     w_even = (e2m1_bits_decode(b & 15) * s).astype(xe.dtype)
     w_odd = (e2m1_bits_decode(b >> 4) * s).astype(xe.dtype)
-    acc_ref[...] += (jnp.dot(xe, w_even, preferred_element_type=jnp.float32)
-                     + jnp.dot(xo_ref[...], w_odd, preferred_element_type=jnp.float32))
+    acc_ref[...] += jnp.dot(xe, w_even, preferred_element_type=jnp.float32) + jnp.dot(
+        xo_ref[...], w_odd, preferred_element_type=jnp.float32
+    )
 
     @pl.when(kk == nk - 1)
     def _store():
         o_ref[...] = acc_ref[...].astype(o_ref.dtype)
 
 
-def fp4_matmul_tpu(x: jax.Array, w: Mxfp4Weight | Nvfp4Weight, *, out_dtype=None,
-                   block_m: int | None = None, block_n: int | None = None,
-                   block_k: int | None = None, interpret=None) -> jax.Array:
+def fp4_matmul_tpu(
+    x: jax.Array,
+    w: Mxfp4Weight | Nvfp4Weight,
+    *,
+    out_dtype=None,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    block_k: int | None = None,
+    interpret=None,
+) -> jax.Array:
     """``x [M, K] @ w -> [M, N]`` for MXFP4 / NVFP4 (W4A16), f32 accumulation.
 
     block_k (in elements of K) must divide K and be a multiple of the format's block.
@@ -230,8 +250,10 @@ def fp4_matmul_tpu(x: jax.Array, w: Mxfp4Weight | Nvfp4Weight, *, out_dtype=None
     if w.packed.ndim != 2 or w.in_features != k:
         raise ValueError(f"fp4_matmul_tpu: x {x.shape} does not fit a 2-D weight {w.packed.shape}")
     if getattr(w, "rotated", False):
-        raise ValueError("fp4_matmul_tpu: a rotated MXFP4 record needs x rotated first "
-                         "(quant.dispatch.quant_linear does both)")
+        raise ValueError(
+            "fp4_matmul_tpu: a rotated MXFP4 record needs x rotated first "
+            "(quant.dispatch.quant_linear does both)"
+        )
     out_dtype = out_dtype or x.dtype
     blk = w.block
     tk = block_k or (k if k <= 2 * _MAX_TK else _pick_tile(k, 2 * _MAX_TK, 256))
@@ -250,10 +272,12 @@ def fp4_matmul_tpu(x: jax.Array, w: Mxfp4Weight | Nvfp4Weight, *, out_dtype=None
     out = pl.pallas_call(
         kernel,
         grid=(mp // tm, n // tn, nk),
-        in_specs=[pl.BlockSpec((tm, tk // 2), lambda i, j, kk: (i, kk)),
-                  pl.BlockSpec((tm, tk // 2), lambda i, j, kk: (i, kk)),
-                  pl.BlockSpec((tk // 2, tn), lambda i, j, kk: (kk, j)),
-                  pl.BlockSpec((k // blk, tn), lambda i, j, kk: (0, j))],
+        in_specs=[
+            pl.BlockSpec((tm, tk // 2), lambda i, j, kk: (i, kk)),
+            pl.BlockSpec((tm, tk // 2), lambda i, j, kk: (i, kk)),
+            pl.BlockSpec((tk // 2, tn), lambda i, j, kk: (kk, j)),
+            pl.BlockSpec((k // blk, tn), lambda i, j, kk: (0, j)),
+        ],
         out_specs=pl.BlockSpec((tm, tn), lambda i, j, kk: (i, j)),
         out_shape=jax.ShapeDtypeStruct((mp, n), jnp.float32 if kind == "nv" else out_dtype),
         scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32)],
@@ -268,8 +292,9 @@ def fp4_matmul_tpu(x: jax.Array, w: Mxfp4Weight | Nvfp4Weight, *, out_dtype=None
 def fp4_matmul_ref(x: jax.Array, w: Mxfp4Weight | Nvfp4Weight, *, out_dtype=None) -> jax.Array:
     """Reference for ``fp4_matmul_tpu``: exact dequant, then an f32 GEMM."""
     deq = dequantize_mxfp4(w) if isinstance(w, Mxfp4Weight) else dequantize_nvfp4(w)
-    y = jnp.dot(x.astype(jnp.float32), deq.reshape(w.in_features, w.out_features),
-                precision=lax.Precision.HIGHEST)
+    y = jnp.dot(
+        x.astype(jnp.float32), deq.reshape(w.in_features, w.out_features), precision=lax.Precision.HIGHEST
+    )
     return y.astype(out_dtype or x.dtype)
 
 

@@ -49,10 +49,12 @@ class QuantReport:
         return self.quant_bytes / self.bf16_bytes if self.bf16_bytes else 1.0
 
     def summary(self) -> str:
-        mib = 1 / 2 ** 20
-        return (f"{self.method}: matmul weights {self.dense_bytes * mib:.1f} MiB -> "
-                f"{self.quant_bytes * mib:.1f} MiB ({self.ratio_vs_bf16:.3f}x of bf16); "
-                f"all params {self.total_before * mib:.1f} -> {self.total_after * mib:.1f} MiB")
+        mib = 1 / 2**20
+        return (
+            f"{self.method}: matmul weights {self.dense_bytes * mib:.1f} MiB -> "
+            f"{self.quant_bytes * mib:.1f} MiB ({self.ratio_vs_bf16:.3f}x of bf16); "
+            f"all params {self.total_before * mib:.1f} -> {self.total_after * mib:.1f} MiB"
+        )
 
 
 def _quantizer(method: str, num_lead: int):
@@ -75,8 +77,15 @@ def tree_nbytes(tree) -> int:
     return sum(int(a.size) * a.dtype.itemsize for a in jax.tree_util.tree_leaves(tree))
 
 
-def quantize_params(params: dict, method: str, *, keys=MATMUL_KEYS, lm_head: bool = False,
-                    register: bool = True, calibration=None) -> tuple[dict, QuantReport]:
+def quantize_params(
+    params: dict,
+    method: str,
+    *,
+    keys=MATMUL_KEYS,
+    lm_head: bool = False,
+    register: bool = True,
+    calibration=None,
+) -> tuple[dict, QuantReport]:
     """Replace the matmul weights of ``params`` by ``method`` records; returns (tree, report).
 
     register: also route ``linear`` for the record types (``register_quant_linears()``), since a
@@ -89,6 +98,7 @@ def quantize_params(params: dict, method: str, *, keys=MATMUL_KEYS, lm_head: boo
     calibrated = None  # the GPTQ layers, in the form of params["layers"]
     if calibration is not None:
         from tpuserve.quant.calibrate import GPTQ_METHODS, quantize_layers_gptq
+
         if method not in GPTQ_METHODS:
             raise ValueError(f"calibrated quantization is for {GPTQ_METHODS}, not {method!r}")
         register_quant_linears()  # the calibration pass runs the quantized layers
@@ -111,9 +121,10 @@ def quantize_params(params: dict, method: str, *, keys=MATMUL_KEYS, lm_head: boo
     layers = params["layers"]
     if isinstance(layers, dict):  # stacked [L, ...]
         out["layers"] = convert_layer(layers, 1, calibrated)
-    else:                          # unrolled: a list of per-layer dicts
-        out["layers"] = [convert_layer(layer, 0, calibrated and calibrated[i])
-                         for i, layer in enumerate(layers)]
+    else:  # unrolled: a list of per-layer dicts
+        out["layers"] = [
+            convert_layer(layer, 0, calibrated and calibrated[i]) for i, layer in enumerate(layers)
+        ]
     if lm_head and "lm_head" in params:
         out["lm_head"] = convert(params["lm_head"], 0)
     if register:

@@ -20,11 +20,18 @@ import jax.numpy as jnp
 import numpy as np
 
 from tpuserve.quant.codecs import E2M1_MAX, E4M3_MAX, e2m1_encode, e2m1_lut_decode, exact_div
-from tpuserve.quant.fp4 import (MXFP4_BLOCK, NVFP4_BLOCK, Mxfp4Weight, Nvfp4Weight, _per_block,
-                                _split, pack_codes)
+from tpuserve.quant.fp4 import (
+    MXFP4_BLOCK,
+    NVFP4_BLOCK,
+    Mxfp4Weight,
+    Nvfp4Weight,
+    _per_block,
+    _split,
+    pack_codes,
+)
 
 NVFP4_SHRINK = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7)
-_E4M3_SMALLEST_NORMAL = 2.0 ** -6
+_E4M3_SMALLEST_NORMAL = 2.0**-6
 
 
 def _encode_err(xb: jax.Array, step: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -65,12 +72,12 @@ def quantize_nvfp4_search(w, *, num_lead: int = 0) -> Nvfp4Weight:
     g = jnp.where(amax > 0, exact_div(amax, jnp.float32(E4M3_MAX * E2M1_MAX)), jnp.float32(1.0))
     g4 = g[..., None]
     xb = _per_block(w2, NVFP4_BLOCK)
-    base = exact_div(exact_div(jnp.max(jnp.abs(xb), axis=-2, keepdims=True),
-                               jnp.float32(E2M1_MAX)), g4)
+    base = exact_div(exact_div(jnp.max(jnp.abs(xb), axis=-2, keepdims=True), jnp.float32(E2M1_MAX)), g4)
     best_s = best_err = None
     for c in NVFP4_SHRINK:
-        s8 = jnp.clip(base * jnp.float32(c), jnp.float32(_E4M3_SMALLEST_NORMAL),
-                      jnp.float32(E4M3_MAX)).astype(jnp.float8_e4m3fn)
+        s8 = jnp.clip(
+            base * jnp.float32(c), jnp.float32(_E4M3_SMALLEST_NORMAL), jnp.float32(E4M3_MAX)
+        ).astype(jnp.float8_e4m3fn)
         _, err = _encode_err(xb, s8.astype(jnp.float32) * g4)
         if best_s is None:
             best_s, best_err = s8, err

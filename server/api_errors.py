@@ -62,8 +62,14 @@ def error_body(status: int, message: str, param: str | None = None) -> dict:
             err_type = "".join(w[:1].upper() + w[1:] for w in words) + "Error"
         except ValueError:
             err_type = "Error"
-    return {"error": {"message": _printable(message), "type": err_type, "param": _printable(param),
-                      "code": status}}
+    return {
+        "error": {
+            "message": _printable(message),
+            "type": err_type,
+            "param": _printable(param),
+            "code": status,
+        }
+    }
 
 
 def error_headers(status: int, headers: dict | None = None) -> dict | None:
@@ -73,7 +79,9 @@ def error_headers(status: int, headers: dict | None = None) -> dict | None:
     return {**(headers or {}), "Retry-After": str(RETRY_AFTER_S)}
 
 
-def error_response(status: int, message: str, param: str | None = None,
-                   headers: dict | None = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param), status_code=status,
-                        headers=error_headers(status, headers))
+def error_response(
+    status: int, message: str, param: str | None = None, headers: dict | None = None
+) -> JSONResponse:
+    return JSONResponse(
+        error_body(status, message, param), status_code=status, headers=error_headers(status, headers)
+    )

@@ -30,19 +30,33 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tpuserve.server.api_errors import (APIError, bad_request, error_body, error_headers,
-                                        error_response)
+from tpuserve.server.api_errors import APIError, bad_request, error_body, error_headers, error_response
 from tpuserve.server.async_engine import AsyncEngine, EngineUnavailableError, QueueFullError
-from tpuserve.server.http_deadlines import (DEFAULT_BODY_TIMEOUT_S, BodyDeadlineMiddleware,
-                                            add_deadline_args, deadline_protocol)
+from tpuserve.server.http_deadlines import (
+    DEFAULT_BODY_TIMEOUT_S,
+    BodyDeadlineMiddleware,
+    add_deadline_args,
+    deadline_protocol,
+)
 from tpuserve.server.metrics import CONTENT_TYPE, ServerMetrics
-from tpuserve.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                             DetokenizeResponse, ModelCard, ModelList, TokenizeRequest,
-                             TokenizeResponse, VersionResponse)
+from tpuserve.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+    VersionResponse,
+)
 from tpuserve.server.serving_chat import ChatHandler, _message_dict
-from tpuserve.server.serving_common import (DEFAULT_GRAMMAR_TIMEOUT_S,
-                                            DEFAULT_MAX_PROMPT_CHARS_PER_TOKEN, ServingContext,
-                                            StreamingResult)
+from tpuserve.server.serving_common import (
+    DEFAULT_GRAMMAR_TIMEOUT_S,
+    DEFAULT_MAX_PROMPT_CHARS_PER_TOKEN,
+    ServingContext,
+    StreamingResult,
+)
 from tpuserve.server.serving_completions import CompletionHandler
 
 log = logging.getLogger("tpuserve.api")
@@ -53,6 +67,7 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 # ---- middleware (pure ASGI, so streaming responses pass through untouched) ----
 
+
 async def _send_error(send, status: int, message: str, headers: dict | None = None) -> None:
     body = json.dumps(error_body(status, message)).encode()
     raw = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
@@ -62,8 +77,7 @@ async def _send_error(send, status: int, message: str, headers: dict | None = No
 
 
 # Routes that answer without the API key: liveness probes and the API description.
-OPEN_PATHS = frozenset({"/health", "/version", "/openapi.json", "/docs", "/docs/oauth2-redirect",
-                        "/redoc"})
+OPEN_PATHS = frozenset({"/health", "/version", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})
 
 
 class APIKeyMiddleware:
@@ -78,8 +92,12 @@ class APIKeyMiddleware:
         if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
             got = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(got, self.expected):
-                await _send_error(send, 401, "Invalid or missing API key: send 'Authorization: "
-                                  "Bearer <key>'", {"www-authenticate": "Bearer"})
+                await _send_error(
+                    send,
+                    401,
+                    "Invalid or missing API key: send 'Authorization: Bearer <key>'",
+                    {"www-authenticate": "Bearer"},
+                )
                 return
         await self.app(scope, receive, send)
 
@@ -102,8 +120,11 @@ class BodyLimitMiddleware:
                 await _send_error(send, 400, "invalid Content-Length header")
                 return
             if too_big:
-                await _send_error(send, 413, f"request body of {int(length)} bytes is over the "
-                                  f"limit of {self.max_bytes} bytes")
+                await _send_error(
+                    send,
+                    413,
+                    f"request body of {int(length)} bytes is over the limit of {self.max_bytes} bytes",
+                )
                 return
         received = 0
         limit = self.max_bytes
@@ -126,8 +147,7 @@ class SSEResponse(StreamingResponse):
     engine work when the client left early)."""
 
     def __init__(self, result: StreamingResult):
-        super().__init__(result.events, media_type="text/event-stream",
-                         headers={"cache-control": "no-cache"})
+        super().__init__(result.events, media_type="text/event-stream", headers={"cache-control": "no-cache"})
         self._result = result
 
     async def __call__(self, scope, receive, send):
@@ -168,6 +188,7 @@ async def _until_disconnect(raw: Request, work):
 
 # ---- the app ----
 
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     errors = exc.errors()
     if not errors:
@@ -184,20 +205,31 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return (f"{param}: {msg}" if param else msg) + more, param
 
 
-def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | None = None, *,
-              model_root: str | None = None, extra_model_names: tuple[str, ...] = (),
-              chat_template: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-              shutdown_grace_s: float = 5.0,
-              max_prompt_chars_per_token: float = DEFAULT_MAX_PROMPT_CHARS_PER_TOKEN,
-              grammar_timeout_s: float = DEFAULT_GRAMMAR_TIMEOUT_S,
-              body_timeout_s: float | None = DEFAULT_BODY_TIMEOUT_S) -> FastAPI:
+def build_app(
+    async_engine: AsyncEngine,
+    served_model_name: str,
+    api_key: str | None = None,
+    *,
+    model_root: str | None = None,
+    extra_model_names: tuple[str, ...] = (),
+    chat_template: str | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    shutdown_grace_s: float = 5.0,
+    max_prompt_chars_per_token: float = DEFAULT_MAX_PROMPT_CHARS_PER_TOKEN,
+    grammar_timeout_s: float = DEFAULT_GRAMMAR_TIMEOUT_S,
+    body_timeout_s: float | None = DEFAULT_BODY_TIMEOUT_S,
+) -> FastAPI:
     metrics = ServerMetrics(served_model_name, lambda: async_engine.snapshot)
     async_engine.metrics = metrics
-    ctx = ServingContext(engine=async_engine, model_name=served_model_name,
-                         model_root=model_root or served_model_name,
-                         extra_model_names=tuple(extra_model_names), chat_template=chat_template,
-                         max_prompt_chars_per_token=max_prompt_chars_per_token,
-                         grammar_timeout_s=grammar_timeout_s)
+    ctx = ServingContext(
+        engine=async_engine,
+        model_name=served_model_name,
+        model_root=model_root or served_model_name,
+        extra_model_names=tuple(extra_model_names),
+        chat_template=chat_template,
+        max_prompt_chars_per_token=max_prompt_chars_per_token,
+        grammar_timeout_s=grammar_timeout_s,
+    )
     completions = CompletionHandler(ctx)
     chat = ChatHandler(ctx)
 
@@ -212,8 +244,10 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | 
             ctx.shutdown()
 
     from tpuserve import __version__
-    app = FastAPI(title="tpuserve", version=__version__, lifespan=lifespan,
-                  description="OpenAI-compatible LLM server")
+
+    app = FastAPI(
+        title="tpuserve", version=__version__, lifespan=lifespan, description="OpenAI-compatible LLM server"
+    )
     app.state.ctx = ctx
     app.state.metrics = metrics
     app.state.async_engine = async_engine
@@ -260,8 +294,11 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | 
 
     @app.get("/v1/models", response_model=ModelList)
     async def models():
-        return ModelList(data=[ModelCard(id=served_model_name, root=ctx.model_root,
-                                         max_model_len=async_engine.max_model_len)])
+        return ModelList(
+            data=[
+                ModelCard(id=served_model_name, root=ctx.model_root, max_model_len=async_engine.max_model_len)
+            ]
+        )
 
     async def _serve(raw: Request, handler, req):
         result, disconnected = await _until_disconnect(raw, handler.create(req))
@@ -289,7 +326,8 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | 
         else:
             conv = [_message_dict(i, m) for i, m in enumerate(req.messages)]
             shim = ChatCompletionRequest.model_construct(
-                messages=req.messages, add_generation_prompt=req.add_generation_prompt)
+                messages=req.messages, add_generation_prompt=req.add_generation_prompt
+            )
             ids = await chat.prompt_ids(conv, None, shim)
         return TokenizeResponse(count=len(ids), max_model_len=async_engine.max_model_len, tokens=ids)
 
@@ -316,42 +354,72 @@ def _decode(tokenizer, ids: list[int]) -> str:
 
 # ---- CLI (``tpuserve serve``; tpuserve/cli.py calls add_serve_parser) ----
 
+
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     """Add the ``serve`` subcommand: server options plus one flag per EngineConfig field."""
     from tpuserve.cli import add_engine_args
 
     parser = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server")
-    parser.add_argument("model", nargs="?", default=None,
-                        help="a Hugging Face model directory or a .gguf file (default: "
-                             "SmolLM2-135M-Instruct)")
+    parser.add_argument(
+        "model",
+        nargs="?",
+        default=None,
+        help="a Hugging Face model directory or a .gguf file (default: SmolLM2-135M-Instruct)",
+    )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--api-key", default=os.environ.get("TPUSERVE_API_KEY"),
-                        help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize "
-                             "and /metrics (env TPUSERVE_API_KEY)")
-    parser.add_argument("--chat-template", default=None,
-                        help="a Jinja chat template, or a file holding one, replacing the model's")
-    parser.add_argument("--max-waiting-requests", type=int, default=1024,
-                        help="waiting requests beyond this are refused with 503 (default 1024)")
-    parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
-                        help="larger request bodies are refused with 413 (default 16 MiB)")
-    parser.add_argument("--max-prompt-chars-per-token", type=_positive_float,
-                        default=DEFAULT_MAX_PROMPT_CHARS_PER_TOKEN,
-                        help="a prompt (or rendered chat) longer than max_model_len times this many "
-                             "characters is refused with 400 before tokenizing (default "
-                             f"{DEFAULT_MAX_PROMPT_CHARS_PER_TOKEN:g})")
-    parser.add_argument("--grammar-compile-timeout", type=_positive_float,
-                        default=DEFAULT_GRAMMAR_TIMEOUT_S,
-                        help="seconds a request's structured-output grammar may take to compile; "
-                             "then the request is refused with 400 (default "
-                             f"{DEFAULT_GRAMMAR_TIMEOUT_S:g})")
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("TPUSERVE_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize "
+        "and /metrics (env TPUSERVE_API_KEY)",
+    )
+    parser.add_argument(
+        "--chat-template",
+        default=None,
+        help="a Jinja chat template, or a file holding one, replacing the model's",
+    )
+    parser.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        default=1024,
+        help="waiting requests beyond this are refused with 503 (default 1024)",
+    )
+    parser.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=DEFAULT_MAX_BODY_BYTES,
+        help="larger request bodies are refused with 413 (default 16 MiB)",
+    )
+    parser.add_argument(
+        "--max-prompt-chars-per-token",
+        type=_positive_float,
+        default=DEFAULT_MAX_PROMPT_CHARS_PER_TOKEN,
+        help="a prompt (or rendered chat) longer than max_model_len times this many "
+        "characters is refused with 400 before tokenizing (default "
+        f"{DEFAULT_MAX_PROMPT_CHARS_PER_TOKEN:g})",
+    )
+    parser.add_argument(
+        "--grammar-compile-timeout",
+        type=_positive_float,
+        default=DEFAULT_GRAMMAR_TIMEOUT_S,
+        help="seconds a request's structured-output grammar may take to compile; "
+        "then the request is refused with 400 (default "
+        f"{DEFAULT_GRAMMAR_TIMEOUT_S:g})",
+    )
     add_deadline_args(parser, _positive_float)
-    parser.add_argument("--shutdown-timeout", type=float, default=30.0,
-                        help="seconds in-flight requests may run on after SIGTERM (default 30)")
-    parser.add_argument("--no-warmup", action="store_true",
-                        help="skip compiling every shape bucket before serving")
-    parser.add_argument("--log-level", default="info",
-                        choices=["critical", "error", "warning", "info", "debug"])
+    parser.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="seconds in-flight requests may run on after SIGTERM (default 30)",
+    )
+    parser.add_argument(
+        "--no-warmup", action="store_true", help="skip compiling every shape bucket before serving"
+    )
+    parser.add_argument(
+        "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
+    )
     add_engine_args(parser)
     parser.set_defaults(func=run_server)
     return parser
@@ -365,8 +433,8 @@ def _positive_float(value: str) -> float:
 
 
 def engine_config_from_args(args: argparse.Namespace):
-    from tpuserve.tpu_platform.config import EngineConfig
     from tpuserve.cli import engine_kwargs
+    from tpuserve.tpu_platform.config import EngineConfig
 
     return EngineConfig.from_kwargs(model=args.model, **engine_kwargs(args))
 
@@ -396,8 +464,9 @@ def run_server(args: argparse.Namespace) -> int:
     from tpuserve.server.engine import LLMEngine
     from tpuserve.server.structured_output import make_grammar_matcher
 
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     config = engine_config_from_args(args)
     engines = []
     for replica in range(config.parallel.data_parallel_size):
@@ -411,18 +480,31 @@ def run_server(args: argparse.Namespace) -> int:
         async_engine = replicas[0]
     else:
         from tpuserve.server.data_parallel import DataParallelEngine
+
         async_engine = DataParallelEngine(replicas)
     name, others = model_names(args.model, config.model.served_model_name)
-    app = build_app(async_engine, name, api_key=args.api_key, model_root=engine.model_source,
-                    extra_model_names=others, chat_template=_read_chat_template(args.chat_template),
-                    max_body_bytes=args.max_body_bytes, shutdown_grace_s=min(5.0, args.shutdown_timeout),
-                    max_prompt_chars_per_token=args.max_prompt_chars_per_token,
-                    grammar_timeout_s=args.grammar_compile_timeout,
-                    body_timeout_s=args.http_body_timeout)
-    uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                               access_log=args.log_level == "debug",
-                               http=deadline_protocol(args.http_header_timeout, args.http_body_timeout),
-                               timeout_graceful_shutdown=int(max(1, args.shutdown_timeout)))
+    app = build_app(
+        async_engine,
+        name,
+        api_key=args.api_key,
+        model_root=engine.model_source,
+        extra_model_names=others,
+        chat_template=_read_chat_template(args.chat_template),
+        max_body_bytes=args.max_body_bytes,
+        shutdown_grace_s=min(5.0, args.shutdown_timeout),
+        max_prompt_chars_per_token=args.max_prompt_chars_per_token,
+        grammar_timeout_s=args.grammar_compile_timeout,
+        body_timeout_s=args.http_body_timeout,
+    )
+    uv_config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        access_log=args.log_level == "debug",
+        http=deadline_protocol(args.http_header_timeout, args.http_body_timeout),
+        timeout_graceful_shutdown=int(max(1, args.shutdown_timeout)),
+    )
     server = uvicorn.Server(uv_config)
     # uvicorn handles SIGTERM/SIGINT while it runs (graceful shutdown), then restores these handlers
     # and re-raises the signal: with no-op handlers the process then exits 0, as a graceful stop.

@@ -19,8 +19,9 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any
 
 from tpuserve.server.outputs import RequestOutput
 from tpuserve.server.sampling_params import SamplingParams
@@ -74,7 +75,7 @@ class RequestStream:
     last one has ``finished`` set). Iterate it once. Leaving the iteration early (a client that
     disconnects, a cancelled task) aborts the request in the engine, which frees its KV pages."""
 
-    def __init__(self, request_id: str, owner: "AsyncEngine"):
+    def __init__(self, request_id: str, owner: AsyncEngine):
         self.request_id = request_id
         self._owner = owner
         self._queue: asyncio.Queue = asyncio.Queue()
@@ -162,10 +163,16 @@ class AsyncEngine:
 
     # ---- requests (event loop side) ----
 
-    async def add_request(self, request_id: str, prompt: str | None, params: SamplingParams,
-                          prompt_token_ids: list[int] | None = None, cache_salt: str | None = None,
-                          kv_transfer_params: dict | None = None,
-                          remote_kv: Any = None) -> RequestStream:
+    async def add_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        params: SamplingParams,
+        prompt_token_ids: list[int] | None = None,
+        cache_salt: str | None = None,
+        kv_transfer_params: dict | None = None,
+        remote_kv: Any = None,
+    ) -> RequestStream:
         """Hand a request to the engine. Returns its stream once the engine accepted it; raises
         ValueError (bad input), QueueFullError or EngineUnavailableError."""
         if not self._accepting or not self.is_healthy:
@@ -173,16 +180,18 @@ class AsyncEngine:
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if self._pending_adds + self.snapshot.num_waiting_requests >= self.max_waiting_requests:
-            raise QueueFullError(f"the waiting queue is full ({self.max_waiting_requests} requests "
-                                 f"waiting); retry later")
+            raise QueueFullError(
+                f"the waiting queue is full ({self.max_waiting_requests} requests waiting); retry later"
+            )
         loop = asyncio.get_running_loop()
         accepted: asyncio.Future = loop.create_future()
         accepted.add_done_callback(_consume_exception)
         stream = RequestStream(request_id, self)
         self._pending_adds += 1
         extra = dict(cache_salt=cache_salt, kv_transfer_params=kv_transfer_params, remote_kv=remote_kv)
-        self._commands.put(("add", request_id, prompt, params, prompt_token_ids, extra, stream,
-                            accepted, time.monotonic()))
+        self._commands.put(
+            ("add", request_id, prompt, params, prompt_token_ids, extra, stream, accepted, time.monotonic())
+        )
         try:
             await asyncio.shield(accepted)
         except asyncio.CancelledError:
@@ -194,8 +203,13 @@ class AsyncEngine:
         self._streams[request_id] = stream
         return stream
 
-    def generate(self, request_id: str, prompt: str | list[int] | None, params: SamplingParams,
-                 prompt_token_ids: list[int] | None = None) -> AsyncIterator[RequestOutput]:
+    def generate(
+        self,
+        request_id: str,
+        prompt: str | list[int] | None,
+        params: SamplingParams,
+        prompt_token_ids: list[int] | None = None,
+    ) -> AsyncIterator[RequestOutput]:
         return generate_through(self, request_id, prompt, params, prompt_token_ids)
 
     def abort(self, request_id: str) -> None:
@@ -249,11 +263,9 @@ class AsyncEngine:
             elif kind == "abort":
                 self._abort_in_engine(cmd[1])
 
-    def _add(self, request_id, prompt, params, prompt_token_ids, extra, stream, accepted,
-             arrival) -> None:
+    def _add(self, request_id, prompt, params, prompt_token_ids, extra, stream, accepted, arrival) -> None:
         try:
-            self.engine.add_request(request_id, prompt, params, prompt_token_ids=prompt_token_ids,
-                                    **extra)
+            self.engine.add_request(request_id, prompt, params, prompt_token_ids=prompt_token_ids, **extra)
         except Exception as e:  # ValueError: bad input; anything else: reported to that request only
             if not isinstance(e, ValueError):
                 log.exception("add_request %s failed", request_id)
@@ -325,17 +337,28 @@ class AsyncEngine:
         stats = e.stats
         waiting_reqs = len({s.request_id for s in e.scheduler.waiting})
         return EngineSnapshot(
-            num_running=e.num_running, num_waiting=e.num_waiting, num_waiting_requests=waiting_reqs,
-            num_unfinished_requests=len(e.requests), free_blocks=pool.num_free,
-            total_blocks=pool.num_usable, kv_cache_usage=pool.usage(),
-            prompt_tokens=stats.prompt_tokens, generation_tokens=stats.generation_tokens,
-            prefix_cache_queries=stats.prefix_cache_queries, prefix_cache_hits=stats.prefix_cache_hits,
-            host_cache_queries=stats.host_cache_queries, host_cache_hits=stats.host_cache_hits,
-            host_bytes_loaded=stats.host_bytes_loaded, host_bytes_saved=stats.host_bytes_saved,
-            spec_num_drafts=stats.spec_num_drafts, spec_num_draft_tokens=stats.spec_num_draft_tokens,
+            num_running=e.num_running,
+            num_waiting=e.num_waiting,
+            num_waiting_requests=waiting_reqs,
+            num_unfinished_requests=len(e.requests),
+            free_blocks=pool.num_free,
+            total_blocks=pool.num_usable,
+            kv_cache_usage=pool.usage(),
+            prompt_tokens=stats.prompt_tokens,
+            generation_tokens=stats.generation_tokens,
+            prefix_cache_queries=stats.prefix_cache_queries,
+            prefix_cache_hits=stats.prefix_cache_hits,
+            host_cache_queries=stats.host_cache_queries,
+            host_cache_hits=stats.host_cache_hits,
+            host_bytes_loaded=stats.host_bytes_loaded,
+            host_bytes_saved=stats.host_bytes_saved,
+            spec_num_drafts=stats.spec_num_drafts,
+            spec_num_draft_tokens=stats.spec_num_draft_tokens,
             spec_num_accepted_tokens=stats.spec_num_accepted_tokens,
             spec_accepted_per_pos=tuple(stats.spec_accepted_per_pos),
-            steps=stats.steps, compiled_programs=_compile_count(e))
+            steps=stats.steps,
+            compiled_programs=_compile_count(e),
+        )
 
     # ---- event loop side ----
 
@@ -351,8 +374,9 @@ class AsyncEngine:
                 self._streams.pop(stream.request_id, None)
 
 
-async def generate_through(engine, request_id: str, prompt: str | list[int] | None, params,
-                           prompt_token_ids: list[int] | None = None) -> AsyncIterator[RequestOutput]:
+async def generate_through(
+    engine, request_id: str, prompt: str | list[int] | None, params, prompt_token_ids: list[int] | None = None
+) -> AsyncIterator[RequestOutput]:
     """A request's outputs as an async iterator, through ``engine.add_request`` (an AsyncEngine or
     anything with its interface, e.g. data_parallel.DataParallelEngine)."""
     text = prompt if isinstance(prompt, str) else None

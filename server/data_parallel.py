@@ -56,8 +56,9 @@ class DataParallelEngine:
         self.vocab_size = first.vocab_size
         self.page_size = self.engine.config.cache.block_size
         self.caching = self.engine.config.cache.enable_prefix_caching
-        self.balance_slack = (balance_slack if balance_slack is not None
-                              else self.engine.config.scheduler.max_num_seqs)
+        self.balance_slack = (
+            balance_slack if balance_slack is not None else self.engine.config.scheduler.max_num_seqs
+        )
         self.routed = [0] * len(replicas)  # requests sent to each replica (tests, logs)
         self._inflight = [0] * len(replicas)  # adds not yet reflected in a replica's snapshot
         self._metrics = None
@@ -117,9 +118,16 @@ class DataParallelEngine:
 
     # ---- requests ----
 
-    async def add_request(self, request_id: str, prompt: str | None, params, prompt_token_ids=None,
-                          cache_salt: str | None = None, kv_transfer_params: dict | None = None,
-                          remote_kv=None) -> RequestStream:
+    async def add_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        params,
+        prompt_token_ids=None,
+        cache_salt: str | None = None,
+        kv_transfer_params: dict | None = None,
+        remote_kv=None,
+    ) -> RequestStream:
         if any(request_id in r._streams for r in self.replicas):
             raise ValueError(f"request_id {request_id!r} is already in use")
         if prompt_token_ids is None:
@@ -131,8 +139,14 @@ class DataParallelEngine:
         self._inflight[i] += 1
         try:
             return await self.replicas[i].add_request(
-                request_id, prompt, params, prompt_token_ids, cache_salt=cache_salt,
-                kv_transfer_params=kv_transfer_params, remote_kv=remote_kv)
+                request_id,
+                prompt,
+                params,
+                prompt_token_ids,
+                cache_salt=cache_salt,
+                kv_transfer_params=kv_transfer_params,
+                remote_kv=remote_kv,
+            )
         finally:
             self._inflight[i] -= 1
 

@@ -20,7 +20,6 @@ completed stop string, holding back text that might still become one.
 from __future__ import annotations
 
 import functools
-
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -153,7 +152,7 @@ class IncrementalDetokenizer:
 
     def _slide(self) -> None:
         """Make the just-read tokens the context of the next window."""
-        del self._ids[:self._read_offset]  # old context: no longer needed
+        del self._ids[: self._read_offset]  # old context: no longer needed
         self._read_offset = len(self._ids)
         self._prefix_len = len(self._decode(self._ids))
         self._emitted_past_read = 0
@@ -245,10 +244,10 @@ class StopStringMatcher:
                 self._held = ""
                 end = len(buf) - len(delta) + i + 1  # just past this character
                 start = end - len(done)
-                return buf[:end if self._include else start], done
+                return buf[: end if self._include else start], done
         hold = max(states)
-        self._held = buf[len(buf) - hold:] if hold else ""
-        return buf[:len(buf) - hold], None
+        self._held = buf[len(buf) - hold :] if hold else ""
+        return buf[: len(buf) - hold], None
 
     def flush(self) -> str:
         """Release held text when generation ends without a stop string."""

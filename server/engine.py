@@ -11,8 +11,9 @@ import itertools
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -90,8 +91,12 @@ class _InFlight:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig,
-                 grammar_factory: Callable[[Any, Any, int], Any] | None = None, replica: int = 0):
+    def __init__(
+        self,
+        config: EngineConfig,
+        grammar_factory: Callable[[Any, Any, int], Any] | None = None,
+        replica: int = 0,
+    ):
         """``grammar_factory(structured_output_params, tokenizer, vocab_size)`` builds a matcher with
         ``fill_bitmask() -> int32[ceil(V/32)]``, ``accept(token_id) -> bool``, ``is_terminated()``.
         ``replica``: which data-parallel replica (device subset) this engine runs on."""
@@ -108,12 +113,21 @@ class LLMEngine:
         self.runner = self.worker.init_kv_cache(num_pages)
         cache = config.cache
         self.host_tier = self._build_host_tier(cache.kv_offloading_size)
-        self.pool = BlockPool(num_pages, cache.block_size, enable_caching=cache.enable_prefix_caching,
-                              record_evictions=self.host_tier is not None)
+        self.pool = BlockPool(
+            num_pages,
+            cache.block_size,
+            enable_caching=cache.enable_prefix_caching,
+            record_evictions=self.host_tier is not None,
+        )
         sched = config.scheduler
-        self.scheduler = Scheduler(self.pool, sched.max_num_seqs, sched.max_num_batched_tokens,
-                                   sched.enable_chunked_prefill, can_schedule=self._can_schedule,
-                                   host_tier=self.host_tier)
+        self.scheduler = Scheduler(
+            self.pool,
+            sched.max_num_seqs,
+            sched.max_num_batched_tokens,
+            sched.enable_chunked_prefill,
+            can_schedule=self._can_schedule,
+            host_tier=self.host_tier,
+        )
         self.speculative = config.speculative
         # Drafts are proposed from the tokens the host has seen, so a drafting sequence needs its
         # last token on the host: with speculation the engine schedules synchronously.
@@ -136,6 +150,7 @@ class LLMEngine:
         self.kv_role = None
         if config.kv_transfer is not None:
             from tpuserve.server.kv_transfer import KVTransferRole
+
             model_id = config.model.served_model_name or os.path.basename(str(self.model_source))
             self.kv_role = KVTransferRole(config.kv_transfer, model_id, self.runner.kv_cache)
 
@@ -143,6 +158,7 @@ class LLMEngine:
         if gib is None:
             return None
         from tpuserve.kv_cache.host_tier import HostKVTier
+
         kv = self.runner.kv_cache
         tier = HostKVTier(int(gib * (1 << 30)), tuple(kv.shape), kv.dtype)
         log.info("host KV tier: %d pages (%.2f GiB)", tier.num_slots, gib)
@@ -153,8 +169,10 @@ class LLMEngine:
         n = self.worker.warmup()
         if self.host_tier is not None:
             from tpuserve.kv_cache.host_tier import warmup_pages
-            most = warmup_pages(self.max_model_len, self.config.cache.block_size,
-                                self.config.scheduler.max_num_batched_tokens)
+
+            most = warmup_pages(
+                self.max_model_len, self.config.cache.block_size, self.config.scheduler.max_num_batched_tokens
+            )
             before = self.host_tier.compile_count
             self.runner.kv_cache = self.host_tier.warmup(self.runner.kv_cache, most)
             n += self.host_tier.compile_count - before
@@ -165,10 +183,17 @@ class LLMEngine:
     def tokenize(self, prompt: str) -> list[int]:
         return list(self.tokenizer.encode(prompt, add_special_tokens=True))
 
-    def add_request(self, request_id: str | None, prompt: str | list[int] | None,
-                    params: SamplingParams | None = None, prompt_token_ids: list[int] | None = None,
-                    arrival: float | None = None, cache_salt: str | None = None,
-                    kv_transfer_params: dict | None = None, remote_kv: Any = None) -> str:
+    def add_request(
+        self,
+        request_id: str | None,
+        prompt: str | list[int] | None,
+        params: SamplingParams | None = None,
+        prompt_token_ids: list[int] | None = None,
+        arrival: float | None = None,
+        cache_salt: str | None = None,
+        kv_transfer_params: dict | None = None,
+        remote_kv: Any = None,
+    ) -> str:
         """Queue a request. Raises ValueError naming the problem when the input is bad.
 
         ``cache_salt``: requests share cached prefix pages only with requests of the same salt.
@@ -195,26 +220,37 @@ class LLMEngine:
             raise ValueError("prompt: must not be empty")
         bad = [t for t in ids if not 0 <= t < self.arch.vocab_size]
         if bad:
-            raise ValueError(f"prompt: token id {bad[0]} is outside the vocabulary [0, {self.arch.vocab_size})")
+            raise ValueError(
+                f"prompt: token id {bad[0]} is outside the vocabulary [0, {self.arch.vocab_size})"
+            )
         bad = [t for t in params.stop_token_ids if t >= self.arch.vocab_size]
         if bad:
-            raise ValueError(f"stop_token_ids: token id {bad[0]} is outside the vocabulary "
-                             f"[0, {self.arch.vocab_size})")
+            raise ValueError(
+                f"stop_token_ids: token id {bad[0]} is outside the vocabulary [0, {self.arch.vocab_size})"
+            )
         if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt: {len(ids)} tokens leave no room to generate within "
-                             f"max_model_len={self.max_model_len}")
+            raise ValueError(
+                f"prompt: {len(ids)} tokens leave no room to generate within "
+                f"max_model_len={self.max_model_len}"
+            )
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise ValueError("cache_salt: must be a non-empty string")
         # A server that is no producer serves the request plainly (the decode side then computes
         # the prompt itself), so a router works in front of ordinary servers too.
-        export_kv = bool(kv_transfer_params and kv_transfer_params.get("do_remote_decode")
-                         and self.kv_role is not None and self.kv_role.produces)
+        export_kv = bool(
+            kv_transfer_params
+            and kv_transfer_params.get("do_remote_decode")
+            and self.kv_role is not None
+            and self.kv_role.produces
+        )
         if remote_kv is not None:
             page = self.config.cache.block_size
             if remote_kv.num_tokens > len(ids) or remote_kv.pages.shape[1] * page < remote_kv.num_tokens:
-                raise ValueError(f"kv_transfer_params: the transferred KV covers "
-                                 f"{remote_kv.num_tokens} tokens, which does not fit this prompt "
-                                 f"({len(ids)} tokens, {remote_kv.pages.shape[1]} pages)")
+                raise ValueError(
+                    f"kv_transfer_params: the transferred KV covers "
+                    f"{remote_kv.num_tokens} tokens, which does not fit this prompt "
+                    f"({len(ids)} tokens, {remote_kv.pages.shape[1]} pages)"
+                )
         if params.structured_outputs is not None and self.grammar_factory is None:
             raise ValueError("structured_outputs: this engine has no grammar backend")
         now = arrival if arrival is not None else time.monotonic()
@@ -222,17 +258,26 @@ class LLMEngine:
         for i in range(params.n):
             base = params.seed if params.seed is not None else int(self._seed_rng.integers(0, 2**32))
             seed = int(np.random.SeedSequence([base & 0xFFFFFFFF, i]).generate_state(1)[0])
-            seq = Sequence(seq_id=f"{request_id}#{i}", request_id=request_id, index=i,
-                           prompt_token_ids=ids, params=params, seed=seed, arrival=now,
-                           cache_salt=cache_salt)
-            seq.detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens,
-                                               params.spaces_between_special_tokens)
+            seq = Sequence(
+                seq_id=f"{request_id}#{i}",
+                request_id=request_id,
+                index=i,
+                prompt_token_ids=ids,
+                params=params,
+                seed=seed,
+                arrival=now,
+                cache_salt=cache_salt,
+            )
+            seq.detok = IncrementalDetokenizer(
+                self.tokenizer, ids, params.skip_special_tokens, params.spaces_between_special_tokens
+            )
             seq.stopper = StopStringMatcher(params.stop, params.include_stop_str_in_output)
             if params.logprobs is not None:
                 seq.logprobs = []
             if params.structured_outputs is not None:
-                seq.grammar = self.grammar_factory(params.structured_outputs, self.tokenizer,
-                                                   self.arch.vocab_size)
+                seq.grammar = self.grammar_factory(
+                    params.structured_outputs, self.tokenizer, self.arch.vocab_size
+                )
             seqs.append(seq)
         seqs[0].remote_kv = remote_kv  # the other completions share its pages through the cache
         state = RequestState(request_id, text, ids, params, seqs, now, export_kv=export_kv)
@@ -290,8 +335,10 @@ class LLMEngine:
 
     def _ngram_drafter(self, token_ids: np.ndarray, k: int) -> list[int]:
         lo, hi = self.speculative.lookup_range()
-        return [int(t) for t in propose_ngram(token_ids, min_n=lo, max_n=hi, k=k,
-                                              max_model_len=self.max_model_len)]
+        return [
+            int(t)
+            for t in propose_ngram(token_ids, min_n=lo, max_n=hi, k=k, max_model_len=self.max_model_len)
+        ]
 
     def _propose_drafts(self) -> None:
         """Drafts for every running sequence that decodes next and can verify them."""
@@ -324,9 +371,12 @@ class LLMEngine:
         # Always the configured k (one compiled program): a sequence near its end drafts fewer,
         # and the head's extra writes land past its pages (the reserved page) or its length.
         k = self.speculative.num_speculative_tokens
-        drafts = self.draft_runner.propose([w.seq.draft_seed for w in drafting],
-                                           [w.seq.num_computed for w in drafting],
-                                           [w.seq.page_ids for w in drafting], k)
+        drafts = self.draft_runner.propose(
+            [w.seq.draft_seed for w in drafting],
+            [w.seq.num_computed for w in drafting],
+            [w.seq.page_ids for w in drafting],
+            k,
+        )
         for w, row in zip(drafting, drafts):
             w.draft_token_ids = [int(t) for t in row[: len(w.draft_token_ids)]]
             w.seq.draft_token_ids = list(w.draft_token_ids)
@@ -342,8 +392,9 @@ class LLMEngine:
             n = seq.num_computed - start  # verified positions (rejected drafts rolled back)
             if seq.is_finished or n <= 0 or seq.num_tokens < seq.num_computed + 1 or seq.num_pending:
                 continue
-            items.append(CatchUpSeq(first_row, start, seq.tokens(start + 1, seq.num_computed + 1),
-                                    list(seq.page_ids)))
+            items.append(
+                CatchUpSeq(first_row, start, seq.tokens(start + 1, seq.num_computed + 1), list(seq.page_ids))
+            )
             seqs.append(seq)
         if not items:
             return
@@ -356,9 +407,13 @@ class LLMEngine:
         would need per-draft host state beyond the grammar's masks (penalties counting the drafts,
         the min_tokens ban, per-token logprobs) does not draft."""
         p = seq.params
-        return (p.logprobs is None and p.repetition_penalty == 1.0
-                and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
-                and len(seq.output_token_ids) >= p.min_tokens)
+        return (
+            p.logprobs is None
+            and p.repetition_penalty == 1.0
+            and p.presence_penalty == 0.0
+            and p.frequency_penalty == 0.0
+            and len(seq.output_token_ids) >= p.min_tokens
+        )
 
     def _move_pages(self, sched: SchedulerOutput) -> None:
         """Host tier: copy out the cached pages this schedule evicted, then copy in the host hits,
@@ -392,8 +447,12 @@ class LLMEngine:
         if not seq.num_pending:
             return True
         p = seq.params
-        if seq.grammar is not None or p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 \
-                or p.frequency_penalty != 0.0:
+        if (
+            seq.grammar is not None
+            or p.repetition_penalty != 1.0
+            or p.presence_penalty != 0.0
+            or p.frequency_penalty != 0.0
+        ):
             return False
         if seq.num_tokens - seq.num_computed != 1:
             return False  # preempted: recomputing needs every token on the host
@@ -422,8 +481,9 @@ class LLMEngine:
                 w.seq.num_pending += 1
                 w.seq.feed_slot = i
             w.seq.num_computed += w.num_tokens
-        return _InFlight(work, starts, completes, prompt_rows, step,
-                         [len(w.draft_token_ids) for w in work], fwd.features)
+        return _InFlight(
+            work, starts, completes, prompt_rows, step, [len(w.draft_token_ids) for w in work], fwd.features
+        )
 
     def _process(self, inflight: _InFlight) -> list[RequestOutput]:
         result = self.runner.fetch(inflight.step)
@@ -470,13 +530,22 @@ class LLMEngine:
         start = seq.num_computed
         grammar_mask = seq.grammar.fill_bitmask() if (w.completes and seq.grammar is not None) else None
         row = sampling_row(
-            temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p, seed=seq.seed,
-            prompt_ids=seq.prompt_token_ids, output_ids=seq.output_token_ids,
-            num_pending=seq.num_pending, repetition_penalty=p.repetition_penalty,
-            presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
+            temperature=p.temperature,
+            top_k=p.top_k,
+            top_p=p.top_p,
+            min_p=p.min_p,
+            seed=seq.seed,
+            prompt_ids=seq.prompt_token_ids,
+            output_ids=seq.output_token_ids,
+            num_pending=seq.num_pending,
+            repetition_penalty=p.repetition_penalty,
+            presence_penalty=p.presence_penalty,
+            frequency_penalty=p.frequency_penalty,
             min_tokens=p.min_tokens if w.completes else 0,
             min_tokens_stop_ids=set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids),
-            token_bitmask=grammar_mask, num_logprobs=p.logprobs)
+            token_bitmask=grammar_mask,
+            num_logprobs=p.logprobs,
+        )
         draft_masks = None
         if w.draft_token_ids and seq.grammar is not None:
             draft_masks = self._draft_masks(seq, w.draft_token_ids, grammar_mask)
@@ -484,15 +553,21 @@ class LLMEngine:
         if p.prompt_logprobs is not None and seq.index == 0:
             # Position j predicts prompt token j + 1; only prompt positions have targets.
             end = min(start + w.num_tokens, len(seq.prompt_token_ids) - 1)
-            targets = seq.prompt_token_ids[start + 1: end + 1] if end > start else None
+            targets = seq.prompt_token_ids[start + 1 : end + 1] if end > start else None
         end = start + w.num_tokens - len(w.draft_token_ids)
         known = seq.num_tokens - seq.num_pending
         # A token still on the device is a placeholder here; the runner feeds it (feed_from).
         tokens = seq.tokens(start, min(end, known)) + [0] * max(0, end - max(start, known))
-        return ScheduledSeq(token_ids=tokens, num_computed=start, draft_token_ids=list(w.draft_token_ids),
-                            page_ids=list(seq.page_ids), sampling=row,
-                            prompt_logprob_targets=targets, num_prompt_logprobs=p.prompt_logprobs or 0,
-                            draft_bitmasks=draft_masks)
+        return ScheduledSeq(
+            token_ids=tokens,
+            num_computed=start,
+            draft_token_ids=list(w.draft_token_ids),
+            page_ids=list(seq.page_ids),
+            sampling=row,
+            prompt_logprob_targets=targets,
+            num_prompt_logprobs=p.prompt_logprobs or 0,
+            draft_bitmasks=draft_masks,
+        )
 
     @staticmethod
     def _draft_masks(seq: Sequence, drafts: list[int], first: np.ndarray) -> np.ndarray:
@@ -511,8 +586,9 @@ class LLMEngine:
         masks += [masks[-1]] * (len(drafts) + 1 - len(masks))
         return np.stack(masks)
 
-    def _take_prompt_logprobs(self, state: RequestState, w: ScheduledWork, start: int,
-                              lp: Logprobs | None, row: int) -> None:
+    def _take_prompt_logprobs(
+        self, state: RequestState, w: ScheduledWork, start: int, lp: Logprobs | None, row: int
+    ) -> None:
         """Record the prompt logprobs this chunk computed (rows from ``row`` of the step's output)."""
         seq = w.seq
         if state.prompt_logprobs is None or seq.index != 0 or lp is None:
@@ -527,8 +603,13 @@ class LLMEngine:
 
     def _position_logprobs(self, lp: Logprobs, row: int, token: int, k: int) -> dict[int, Logprob]:
         """The chosen token's entry plus the top ``k`` (the step computed max_logprobs of them)."""
-        entry = {int(token): Logprob(float(lp.token_logprobs[row]), int(lp.token_ranks[row]),
-                                     decode_token(self.tokenizer, int(token)))}
+        entry = {
+            int(token): Logprob(
+                float(lp.token_logprobs[row]),
+                int(lp.token_ranks[row]),
+                decode_token(self.tokenizer, int(token)),
+            )
+        }
         for rank, (tid, val) in enumerate(zip(lp.top_ids[row][:k], lp.top_logprobs[row][:k]), start=1):
             entry.setdefault(int(tid), Logprob(float(val), rank, decode_token(self.tokenizer, int(tid))))
         return entry
@@ -544,8 +625,9 @@ class LLMEngine:
         for j in range(accepted):
             st.spec_accepted_per_pos[j] += 1
 
-    def _append_token(self, state: RequestState, seq: Sequence, result: StepOutput, row: int,
-                      token: int) -> None:
+    def _append_token(
+        self, state: RequestState, seq: Sequence, result: StepOutput, row: int, token: int
+    ) -> None:
         """Append one new token, sampled at logits row ``row`` of the step."""
         p = seq.params
         seq.output_token_ids.append(token)
@@ -559,7 +641,8 @@ class LLMEngine:
             raise GrammarDeadEndError(
                 f"structured_outputs: the grammar admits no token after {len(seq.output_token_ids) - 1} "
                 f"generated tokens (token {token} was sampled from an empty mask): it matches no "
-                f"complete text")
+                f"complete text"
+            )
         n_out = len(seq.output_token_ids)
         reason, stop_reason = None, None
         if token in self.eos_token_ids and not p.ignore_eos:
@@ -602,14 +685,27 @@ class LLMEngine:
                 seq.finish_reason = "error"
 
     def _output(self, state: RequestState) -> RequestOutput:
-        outs = [CompletionOutput(index=s.index, text=s.text, token_ids=list(s.output_token_ids),
-                                 cumulative_logprob=s.cumulative_logprob if s.logprobs is not None else None,
-                                 logprobs=list(s.logprobs) if s.logprobs is not None else None,
-                                 finish_reason=s.finish_reason, stop_reason=s.stop_reason)
-                for s in state.seqs]
-        return RequestOutput(request_id=state.request_id, prompt=state.prompt,
-                             prompt_token_ids=state.prompt_token_ids, outputs=outs,
-                             finished=state.finished, prompt_logprobs=state.prompt_logprobs,
-                             num_cached_tokens=state.seqs[0].num_cached_tokens, error=state.error,
-                             error_status=state.error_status,
-                             kv_transfer_params=state.kv_transfer_params)
+        outs = [
+            CompletionOutput(
+                index=s.index,
+                text=s.text,
+                token_ids=list(s.output_token_ids),
+                cumulative_logprob=s.cumulative_logprob if s.logprobs is not None else None,
+                logprobs=list(s.logprobs) if s.logprobs is not None else None,
+                finish_reason=s.finish_reason,
+                stop_reason=s.stop_reason,
+            )
+            for s in state.seqs
+        ]
+        return RequestOutput(
+            request_id=state.request_id,
+            prompt=state.prompt,
+            prompt_token_ids=state.prompt_token_ids,
+            outputs=outs,
+            finished=state.finished,
+            prompt_logprobs=state.prompt_logprobs,
+            num_cached_tokens=state.seqs[0].num_cached_tokens,
+            error=state.error,
+            error_status=state.error_status,
+            kv_transfer_params=state.kv_transfer_params,
+        )

@@ -33,19 +33,26 @@ _BODY_BACKSTOP_GRACE_S = 1.0
 
 def add_deadline_args(parser, value_type=float) -> None:
     """``--http-header-timeout`` and ``--http-body-timeout`` on an argparse parser (serve, router)."""
-    parser.add_argument("--http-header-timeout", type=value_type, default=DEFAULT_HEADER_TIMEOUT_S,
-                        help="seconds a client has to send a whole request head, from connecting (or "
-                             "from the first byte of a later keep-alive request); then the connection "
-                             f"is closed (default {DEFAULT_HEADER_TIMEOUT_S:g})")
-    parser.add_argument("--http-body-timeout", type=value_type, default=DEFAULT_BODY_TIMEOUT_S,
-                        help="seconds a client has to send a whole request body after its head; then "
-                             "it gets a 408 and the connection is closed. Only reading the request is "
-                             f"bounded, never a (streamed) answer (default {DEFAULT_BODY_TIMEOUT_S:g})")
+    parser.add_argument(
+        "--http-header-timeout",
+        type=value_type,
+        default=DEFAULT_HEADER_TIMEOUT_S,
+        help="seconds a client has to send a whole request head, from connecting (or "
+        "from the first byte of a later keep-alive request); then the connection "
+        f"is closed (default {DEFAULT_HEADER_TIMEOUT_S:g})",
+    )
+    parser.add_argument(
+        "--http-body-timeout",
+        type=value_type,
+        default=DEFAULT_BODY_TIMEOUT_S,
+        help="seconds a client has to send a whole request body after its head; then "
+        "it gets a 408 and the connection is closed. Only reading the request is "
+        f"bounded, never a (streamed) answer (default {DEFAULT_BODY_TIMEOUT_S:g})",
+    )
 
 
 def check_timeouts(header_timeout_s: float, body_timeout_s: float) -> None:
-    for name, value in (("--http-header-timeout", header_timeout_s),
-                        ("--http-body-timeout", body_timeout_s)):
+    for name, value in (("--http-header-timeout", header_timeout_s), ("--http-body-timeout", body_timeout_s)):
         if not 0 < value < float("inf"):
             raise ValueError(f"{name} must be a positive finite number of seconds, got {value}")
 
@@ -78,8 +85,11 @@ class BodyDeadlineMiddleware:
             except TimeoutError:
                 from starlette.exceptions import HTTPException
 
-                raise HTTPException(408, f"the request body did not arrive within {self.timeout_s:g} s",
-                                    headers={"connection": "close"}) from None
+                raise HTTPException(
+                    408,
+                    f"the request body did not arrive within {self.timeout_s:g} s",
+                    headers={"connection": "close"},
+                ) from None
             if message["type"] != "http.request" or not message.get("more_body", False):
                 body_done = True
             return message
@@ -120,8 +130,9 @@ def deadline_protocol(header_timeout_s: float, body_timeout_s: float) -> type[as
                 self._cancel_head_timer()
             if state is h11.SEND_BODY:
                 if self._body_timer is None:
-                    self._body_timer = self.loop.call_later(body_timeout_s + _BODY_BACKSTOP_GRACE_S,
-                                                            self._body_too_slow)
+                    self._body_timer = self.loop.call_later(
+                        body_timeout_s + _BODY_BACKSTOP_GRACE_S, self._body_too_slow
+                    )
             else:
                 self._cancel_body_timer()
 

@@ -24,8 +24,12 @@ log = logging.getLogger(__name__)
 
 # ``kv_connector_extra_config`` keys that tune the producer's listener (``TcpKVSender`` keywords;
 # the defaults there suit one host or a trusted network).
-LISTENER_OPTIONS: dict[str, type] = {"handshake_timeout_s": float, "idle_timeout_s": float,
-                                     "max_connections": int, "max_connections_per_peer": int}
+LISTENER_OPTIONS: dict[str, type] = {
+    "handshake_timeout_s": float,
+    "idle_timeout_s": float,
+    "max_connections": int,
+    "max_connections_per_peer": int,
+}
 
 
 def listener_options(extra: dict | None) -> dict[str, Any]:
@@ -35,11 +39,16 @@ def listener_options(extra: dict | None) -> dict[str, Any]:
         if key not in (extra or {}):
             continue
         v = extra[key]
-        if (not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 < v < float("inf")
-                or (kind is int and not float(v).is_integer())):
+        if (
+            not isinstance(v, (int, float))
+            or isinstance(v, bool)
+            or not 0 < v < float("inf")
+            or (kind is int and not float(v).is_integer())
+        ):
             what = "number of seconds" if kind is float else "integer"
-            raise ValueError(f"kv_transfer_config.kv_connector_extra_config.{key}={v!r}: must be a "
-                             f"positive {what}")
+            raise ValueError(
+                f"kv_transfer_config.kv_connector_extra_config.{key}={v!r}: must be a positive {what}"
+            )
         out[key] = kind(v)
     return out
 
@@ -54,8 +63,12 @@ class KVTransferRole:
         self.sender = None
         self.receiver = None
         if cfg.kv_role in ("kv_producer", "kv_both"):
-            self.sender = TcpKVSender(self.layout, host=cfg.kv_ip, port=cfg.kv_port,
-                                      **listener_options(cfg.kv_connector_extra_config))
+            self.sender = TcpKVSender(
+                self.layout,
+                host=cfg.kv_ip,
+                port=cfg.kv_port,
+                **listener_options(cfg.kv_connector_extra_config),
+            )
             log.info("KV producer listening on %s:%d", *self.sender.address)
         if cfg.kv_role in ("kv_consumer", "kv_both"):
             self.receiver = TcpKVReceiver(self.layout)
@@ -80,8 +93,10 @@ class KVTransferRole:
         """Fetch a prefill's pages (blocking: call it off the engine thread). ValueError for bad
         params; a ``KVTransferError`` when the producer cannot deliver."""
         if self.receiver is None:
-            raise ValueError("kv_transfer_params: this server is not a KV consumer "
-                             "(start it with --kv-transfer-config kv_role kv_consumer or kv_both)")
+            raise ValueError(
+                "kv_transfer_params: this server is not a KV consumer "
+                "(start it with --kv-transfer-config kv_role kv_consumer or kv_both)"
+            )
         return self.receiver.pull(TransferHandle.from_kv_transfer_params(params), timeout_s)
 
     def import_pages(self, kv_cache, pages, page_ids: list[int]):

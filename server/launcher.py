@@ -29,9 +29,16 @@ def tpuserve_argv(*args: str, python: str | None = None) -> list[str]:
 
 
 class ServerProcess:
-    def __init__(self, argv: list[str], port: int, host: str = "127.0.0.1",
-                 env: dict[str, str] | None = None, log_path: str | None = None,
-                 startup_timeout: float = 600.0, health_path: str = "/health"):
+    def __init__(
+        self,
+        argv: list[str],
+        port: int,
+        host: str = "127.0.0.1",
+        env: dict[str, str] | None = None,
+        log_path: str | None = None,
+        startup_timeout: float = 600.0,
+        health_path: str = "/health",
+    ):
         self.argv = argv
         self.host, self.port = host, port
         self.env = {**os.environ, **(env or {})}
@@ -44,10 +51,11 @@ class ServerProcess:
     def base_url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
-    def start(self) -> "ServerProcess":
+    def start(self) -> ServerProcess:
         log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=self.env,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            self.argv, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
+        )
         log.close()
         self.wait_ready()
         return self
@@ -64,8 +72,10 @@ class ServerProcess:
         url = self.base_url + self.health_path
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode} before it was ready; "
-                                   f"log {self.log_path}:\n{self.log_tail()}")
+                raise RuntimeError(
+                    f"server exited with {self.proc.returncode} before it was ready; "
+                    f"log {self.log_path}:\n{self.log_tail()}"
+                )
             try:
                 with urllib.request.urlopen(url, timeout=2) as r:
                     if r.status == 200:
@@ -74,8 +84,9 @@ class ServerProcess:
                 pass
             time.sleep(0.25)
         self.stop()
-        raise TimeoutError(f"server not ready after {self.startup_timeout}s; log {self.log_path}:\n"
-                           f"{self.log_tail()}")
+        raise TimeoutError(
+            f"server not ready after {self.startup_timeout}s; log {self.log_path}:\n{self.log_tail()}"
+        )
 
     def signal(self, sig: int = signal.SIGTERM) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -97,7 +108,7 @@ class ServerProcess:
                 self.proc.wait(10)
         return self.proc.returncode
 
-    def __enter__(self) -> "ServerProcess":
+    def __enter__(self) -> ServerProcess:
         return self.start()
 
     def __exit__(self, *exc) -> None:

@@ -20,9 +20,11 @@ class LLM:
     def __init__(self, model: str | None = None, *, warmup: bool = False, **kwargs: Any):
         self.config = EngineConfig.from_kwargs(model=model, **kwargs)
         if self.config.parallel.data_parallel_size > 1:
-            raise ConfigError(f"data_parallel_size={self.config.parallel.data_parallel_size}: offline "
-                              f"LLM runs one engine; replicas are served by `tpuserve serve "
-                              f"--data-parallel-size N` (tensor_parallel_size works here)")
+            raise ConfigError(
+                f"data_parallel_size={self.config.parallel.data_parallel_size}: offline "
+                f"LLM runs one engine; replicas are served by `tpuserve serve "
+                f"--data-parallel-size N` (tensor_parallel_size works here)"
+            )
         grammar_factory = _default_grammar_factory()
         self.engine = LLMEngine(self.config, grammar_factory=grammar_factory)
         if warmup:
@@ -31,9 +33,12 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
-    def generate(self, prompts: PromptType | SequenceABC[PromptType],
-                 sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: PromptType | SequenceABC[PromptType],
+        sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in prompt order.
 
         A prompt is a string, a list of token ids, or {"prompt": str} / {"prompt_token_ids": [...]}.
@@ -48,16 +53,28 @@ class LLM:
                 raise ValueError(f"sampling_params: {len(params_list)} given for {len(prompts)} prompts")
         return self._run(prompts, params_list, use_tqdm)
 
-    def chat(self, messages: list[dict] | list[list[dict]],
-             sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
-             use_tqdm: bool = True, chat_template: str | None = None,
-             add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None,
-             tools: list[dict] | None = None) -> list[RequestOutput]:
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict | None = None,
+        tools: list[dict] | None = None,
+    ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them, then generate."""
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [self.apply_chat_template(c, chat_template=chat_template, tools=tools,
-                                            add_generation_prompt=add_generation_prompt,
-                                            **(chat_template_kwargs or {})) for c in convs]
+        prompts = [
+            self.apply_chat_template(
+                c,
+                chat_template=chat_template,
+                tools=tools,
+                add_generation_prompt=add_generation_prompt,
+                **(chat_template_kwargs or {}),
+            )
+            for c in convs
+        ]
         return self.generate([{"prompt_token_ids": p} for p in prompts], sampling_params, use_tqdm)
 
     def apply_chat_template(self, conversation: list[dict], **kwargs) -> list[int]:
@@ -68,8 +85,9 @@ class LLM:
         # The template already wrote any special tokens it wants: do not add BOS twice.
         return list(tok.encode(text, add_special_tokens=False))
 
-    def _run(self, prompts: list[PromptType], params_list: list[SamplingParams],
-             use_tqdm: bool) -> list[RequestOutput]:
+    def _run(
+        self, prompts: list[PromptType], params_list: list[SamplingParams], use_tqdm: bool
+    ) -> list[RequestOutput]:
         engine = self.engine
         results: dict[str, RequestOutput] = {}
         order: list[str] = []
@@ -125,11 +143,17 @@ def _split_prompt(prompt: PromptType) -> tuple[str | None, list[int] | None]:
 
 
 def _error_output(rid: str, prompt: PromptType, message: str) -> RequestOutput:
-    return RequestOutput(request_id=rid, prompt=prompt if isinstance(prompt, str) else None,
-                         prompt_token_ids=[], outputs=[CompletionOutput(index=0, finish_reason="error")],
-                         finished=True, error=message)
+    return RequestOutput(
+        request_id=rid,
+        prompt=prompt if isinstance(prompt, str) else None,
+        prompt_token_ids=[],
+        outputs=[CompletionOutput(index=0, finish_reason="error")],
+        finished=True,
+        error=message,
+    )
 
 
 def _progress(total: int):
     from tqdm.auto import tqdm
+
     return tqdm(total=total, desc="Generating", unit="req", disable=total < 8)

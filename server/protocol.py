@@ -35,8 +35,9 @@ def _first_lone_surrogate(value: Any, path: str = "") -> tuple[str, int, str] | 
         return None
     if isinstance(value, dict):
         for k, v in value.items():
-            found = (_first_lone_surrogate(k, f"{path}[key]")
-                     or _first_lone_surrogate(v, f"{path}.{k}" if isinstance(k, str) else path))
+            found = _first_lone_surrogate(k, f"{path}[key]") or _first_lone_surrogate(
+                v, f"{path}.{k}" if isinstance(k, str) else path
+            )
             if found:
                 return found
     elif isinstance(value, (list, tuple)):
@@ -64,8 +65,12 @@ class Request(BaseModel):
                 "lone_surrogate",
                 "text{where} holds a lone UTF-16 surrogate (U+{code}) at character {index}; "
                 "strings must be valid Unicode",
-                {"where": f" at {where.lstrip('.')}" if where else "", "code": f"{ord(char):04X}",
-                 "index": index})
+                {
+                    "where": f" at {where.lstrip('.')}" if where else "",
+                    "code": f"{ord(char):04X}",
+                    "index": index,
+                },
+            )
         return value
 
 
@@ -74,6 +79,7 @@ class Response(BaseModel):
 
 
 # ---- errors ----
+
 
 class ErrorInfo(Response):
     message: str
@@ -87,6 +93,7 @@ class ErrorResponse(Response):
 
 
 # ---- shared pieces ----
+
 
 class StreamOptions(Request):
     include_usage: bool = False
@@ -197,9 +204,12 @@ class UsageInfo(Response):
 
 
 def usage_info(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> UsageInfo:
-    return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                     total_tokens=prompt_tokens + completion_tokens,
-                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))
+    return UsageInfo(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
+    )
 
 
 class CompletionResponse(Response):
@@ -213,6 +223,7 @@ class CompletionResponse(Response):
 
 
 # ---- /v1/chat/completions ----
+
 
 class TextPart(Request):
     type: Literal["text"]
@@ -371,6 +382,7 @@ class ChatCompletionChunk(Response):
 
 
 # ---- models, tokenizer endpoints ----
+
 
 class ModelCard(Response):
     id: str

@@ -26,9 +26,14 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
-from tpuserve.server.http_deadlines import (DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S,
-                                            BodyDeadlineMiddleware, add_deadline_args,
-                                            check_timeouts, deadline_protocol)
+from tpuserve.server.http_deadlines import (
+    DEFAULT_BODY_TIMEOUT_S,
+    DEFAULT_HEADER_TIMEOUT_S,
+    BodyDeadlineMiddleware,
+    add_deadline_args,
+    check_timeouts,
+    deadline_protocol,
+)
 
 log = logging.getLogger(__name__)
 
@@ -56,8 +61,13 @@ class RouterConfig:
             for u in urls:
                 if not u.startswith(("http://", "https://")):
                     raise ValueError(f"{name}: {u!r} is not an http(s):// URL")
-        for name in ("health_interval_s", "health_timeout_s", "connect_timeout_s", "prefill_timeout_s",
-                     "decode_read_timeout_s"):
+        for name in (
+            "health_interval_s",
+            "health_timeout_s",
+            "connect_timeout_s",
+            "prefill_timeout_s",
+            "decode_read_timeout_s",
+        ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         check_timeouts(self.http_header_timeout_s, self.http_body_timeout_s)
@@ -144,8 +154,10 @@ def build_router_app(config: RouterConfig, transport=None):
     from tpuserve.server.api_errors import error_response
 
     config.validate()
-    pools = {"prefill": BackendPool.of("prefill", config.prefill_urls),
-             "decode": BackendPool.of("decode", config.decode_urls)}
+    pools = {
+        "prefill": BackendPool.of("prefill", config.prefill_urls),
+        "decode": BackendPool.of("decode", config.decode_urls),
+    }
     state: dict = {}
 
     async def check_health(client: httpx.AsyncClient) -> None:
@@ -171,9 +183,11 @@ def build_router_app(config: RouterConfig, transport=None):
     @contextlib.asynccontextmanager
     async def lifespan(app):
         limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
-        client = httpx.AsyncClient(transport=transport, limits=limits,
-                                   timeout=httpx.Timeout(config.prefill_timeout_s,
-                                                         connect=config.connect_timeout_s))
+        client = httpx.AsyncClient(
+            transport=transport,
+            limits=limits,
+            timeout=httpx.Timeout(config.prefill_timeout_s, connect=config.connect_timeout_s),
+        )
         state["client"] = client
         task = asyncio.create_task(health_loop(client))
         try:
@@ -197,16 +211,21 @@ def build_router_app(config: RouterConfig, transport=None):
         # Its headers too: a 405's Allow, a 408's Connection: close.
         return error_response(exc.status_code, message, headers=getattr(exc, "headers", None))
 
-    async def send(role: str, path: str, body: dict, headers: dict, stream: bool,
-                   read_timeout: float) -> httpx.Response:
+    async def send(
+        role: str, path: str, body: dict, headers: dict, stream: bool, read_timeout: float
+    ) -> httpx.Response:
         """POST to the first reachable healthy backend of ``role``; UpstreamError if none is."""
         client: httpx.AsyncClient = state["client"]
         pool = pools[role]
         tried: list[str] = []
         for b in pool.candidates():
-            req = client.build_request("POST", b.url + path, content=_json_bytes(body),
-                                       headers={**headers, "content-type": "application/json"},
-                                       timeout=httpx.Timeout(read_timeout, connect=config.connect_timeout_s))
+            req = client.build_request(
+                "POST",
+                b.url + path,
+                content=_json_bytes(body),
+                headers={**headers, "content-type": "application/json"},
+                timeout=httpx.Timeout(read_timeout, connect=config.connect_timeout_s),
+            )
             try:
                 resp = await client.send(req, stream=stream)
             except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError) as e:
@@ -216,15 +235,19 @@ def build_router_app(config: RouterConfig, transport=None):
                 continue
             except httpx.TimeoutException as e:
                 pool.mark(b, f"{type(e).__name__}: {e}")
-                raise UpstreamError(504 if role == "prefill" else 502,
-                                    f"{role} server {b.url} timed out ({type(e).__name__})")
+                raise UpstreamError(
+                    504 if role == "prefill" else 502, f"{role} server {b.url} timed out ({type(e).__name__})"
+                ) from None
             except httpx.HTTPError as e:
-                raise UpstreamError(502, f"{role} server {b.url} failed: {type(e).__name__}: {e}")
+                raise UpstreamError(502, f"{role} server {b.url} failed: {type(e).__name__}: {e}") from None
             b.requests += 1
             return resp
         if not tried:
-            raise UpstreamError(503, f"no healthy {role} server "
-                                     f"({', '.join(b.url + ': ' + str(b.last_error) for b in pool.backends)})")
+            raise UpstreamError(
+                503,
+                f"no healthy {role} server "
+                f"({', '.join(b.url + ': ' + str(b.last_error) for b in pool.backends)})",
+            )
         raise UpstreamError(502, f"no {role} server reachable ({'; '.join(tried)})")
 
     async def proxy(request: Request, path: str):
@@ -233,8 +256,14 @@ def build_router_app(config: RouterConfig, transport=None):
             return body
         headers = _forward_headers(request)
         try:
-            p = await send("prefill", path, _prefill_body(body, path), headers, stream=False,
-                           read_timeout=config.prefill_timeout_s)
+            p = await send(
+                "prefill",
+                path,
+                _prefill_body(body, path),
+                headers,
+                stream=False,
+                read_timeout=config.prefill_timeout_s,
+            )
             if p.status_code != 200:
                 if 400 <= p.status_code < 500:  # the request itself is bad: say so as the server did
                     return Response(p.content, p.status_code, media_type=p.headers.get("content-type"))
@@ -242,10 +271,18 @@ def build_router_app(config: RouterConfig, transport=None):
             try:
                 kv_params = p.json().get("kv_transfer_params")
             except (ValueError, AttributeError):
-                raise UpstreamError(502, "prefill server answered something that is not a JSON object")
+                raise UpstreamError(
+                    502, "prefill server answered something that is not a JSON object"
+                ) from None
             stream = bool(body.get("stream"))
-            d = await send("decode", path, _decode_body(body, kv_params), headers, stream=stream,
-                           read_timeout=config.decode_read_timeout_s)
+            d = await send(
+                "decode",
+                path,
+                _decode_body(body, kv_params),
+                headers,
+                stream=stream,
+                read_timeout=config.decode_read_timeout_s,
+            )
         except UpstreamError as e:
             return error_response(e.status, e.message)
         if not stream:
@@ -254,8 +291,9 @@ def build_router_app(config: RouterConfig, transport=None):
             content = await d.aread()
             await d.aclose()
             return Response(content, d.status_code, media_type=d.headers.get("content-type"))
-        return StreamingResponse(_relay(d), status_code=200,
-                                 media_type=d.headers.get("content-type", "text/event-stream"))
+        return StreamingResponse(
+            _relay(d), status_code=200, media_type=d.headers.get("content-type", "text/event-stream")
+        )
 
     async def _relay(d) -> AsyncIterator[bytes]:
         try:
@@ -263,8 +301,14 @@ def build_router_app(config: RouterConfig, transport=None):
                 yield chunk
         except httpx.HTTPError as e:  # the decode server died or stalled mid-stream: tell the client
             log.warning("decode stream from %s broke: %s", d.request.url, e)
-            err = {"error": {"message": f"decode server failed mid-stream: {type(e).__name__}",
-                             "type": "BadGatewayError", "param": None, "code": 502}}
+            err = {
+                "error": {
+                    "message": f"decode server failed mid-stream: {type(e).__name__}",
+                    "type": "BadGatewayError",
+                    "param": None,
+                    "code": 502,
+                }
+            }
             yield f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode()
         finally:
             await d.aclose()
@@ -306,8 +350,9 @@ def build_router_app(config: RouterConfig, transport=None):
                 content = _json_bytes(body)
             except UpstreamError as e:
                 return error_response(e.status, e.message)
-            kwargs = dict(content=content, headers={**_forward_headers(request),
-                                                    "content-type": "application/json"})
+            kwargs = dict(
+                content=content, headers={**_forward_headers(request), "content-type": "application/json"}
+            )
         else:
             kwargs = dict(headers=_forward_headers(request))
         client: httpx.AsyncClient = state["client"]
@@ -337,10 +382,12 @@ def build_router_app(config: RouterConfig, transport=None):
     @app.get("/metrics")
     async def metrics():
         """The router's own: each backend's health and the requests sent to it."""
-        lines = ["# HELP tpuserve_router_backend_healthy Whether the router routes to the backend.",
-                 "# TYPE tpuserve_router_backend_healthy gauge",
-                 "# HELP tpuserve_router_backend_requests_total Requests the router sent it.",
-                 "# TYPE tpuserve_router_backend_requests_total counter"]
+        lines = [
+            "# HELP tpuserve_router_backend_healthy Whether the router routes to the backend.",
+            "# TYPE tpuserve_router_backend_healthy gauge",
+            "# HELP tpuserve_router_backend_requests_total Requests the router sent it.",
+            "# TYPE tpuserve_router_backend_requests_total counter",
+        ]
         for role, pool in pools.items():
             for b in pool.backends:
                 labels = f'role="{role}",url="{b.url}"'
@@ -357,32 +404,57 @@ def build_router_app(config: RouterConfig, transport=None):
 
     @app.get("/router/backends")
     async def backends():
-        return JSONResponse({role: [{"url": b.url, "healthy": b.healthy, "last_error": b.last_error,
-                                     "requests": b.requests} for b in pool.backends]
-                             for role, pool in pools.items()})
+        return JSONResponse(
+            {
+                role: [
+                    {"url": b.url, "healthy": b.healthy, "last_error": b.last_error, "requests": b.requests}
+                    for b in pool.backends
+                ]
+                for role, pool in pools.items()
+            }
+        )
 
     return app
 
 
 # ---- CLI (``tpuserve router``; tpuserve/cli.py calls add_router_parser) ----
 
+
 def add_router_parser(subparsers) -> argparse.ArgumentParser:
     parser = subparsers.add_parser("router", help="OpenAI-compatible proxy over prefill and decode servers")
-    parser.add_argument("--prefill", action="extend", nargs="+", required=True, metavar="URL",
-                        help="prefill server URL(s) (repeatable)")
-    parser.add_argument("--decode", action="extend", nargs="+", required=True, metavar="URL",
-                        help="decode server URL(s) (repeatable)")
+    parser.add_argument(
+        "--prefill",
+        action="extend",
+        nargs="+",
+        required=True,
+        metavar="URL",
+        help="prefill server URL(s) (repeatable)",
+    )
+    parser.add_argument(
+        "--decode",
+        action="extend",
+        nargs="+",
+        required=True,
+        metavar="URL",
+        help="decode server URL(s) (repeatable)",
+    )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--health-interval", type=float, default=5.0, help="seconds between /health polls")
     parser.add_argument("--connect-timeout", type=float, default=3.0)
-    parser.add_argument("--prefill-timeout", type=float, default=300.0,
-                        help="seconds a prefill answer may take")
-    parser.add_argument("--decode-read-timeout", type=float, default=600.0,
-                        help="seconds a decode answer may go without sending anything")
+    parser.add_argument(
+        "--prefill-timeout", type=float, default=300.0, help="seconds a prefill answer may take"
+    )
+    parser.add_argument(
+        "--decode-read-timeout",
+        type=float,
+        default=600.0,
+        help="seconds a decode answer may go without sending anything",
+    )
     add_deadline_args(parser)  # validated with the rest in RouterConfig.validate
-    parser.add_argument("--log-level", default="info",
-                        choices=["critical", "error", "warning", "info", "debug"])
+    parser.add_argument(
+        "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
+    )
     parser.set_defaults(func=run_router)
     return parser
 
@@ -390,16 +462,33 @@ def add_router_parser(subparsers) -> argparse.ArgumentParser:
 def run_router(args: argparse.Namespace) -> int:
     import uvicorn
 
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    config = RouterConfig(args.prefill, args.decode, health_interval_s=args.health_interval,
-                          connect_timeout_s=args.connect_timeout, prefill_timeout_s=args.prefill_timeout,
-                          decode_read_timeout_s=args.decode_read_timeout,
-                          http_header_timeout_s=args.http_header_timeout,
-                          http_body_timeout_s=args.http_body_timeout)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    config = RouterConfig(
+        args.prefill,
+        args.decode,
+        health_interval_s=args.health_interval,
+        connect_timeout_s=args.connect_timeout,
+        prefill_timeout_s=args.prefill_timeout,
+        decode_read_timeout_s=args.decode_read_timeout,
+        http_header_timeout_s=args.http_header_timeout,
+        http_body_timeout_s=args.http_body_timeout,
+    )
     app = build_router_app(config)  # ValueError (bad URL, ...) -> the CLI's exit 2
-    log.info("routing on http://%s:%d: prefill %s, decode %s", args.host, args.port,
-             config.prefill_urls, config.decode_urls)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
-                http=deadline_protocol(config.http_header_timeout_s, config.http_body_timeout_s))
+    log.info(
+        "routing on http://%s:%d: prefill %s, decode %s",
+        args.host,
+        args.port,
+        config.prefill_urls,
+        config.decode_urls,
+    )
+    uvicorn.run(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        access_log=False,
+        http=deadline_protocol(config.http_header_timeout_s, config.http_body_timeout_s),
+    )
     return 0

@@ -66,6 +66,7 @@ class SamplingParams:
 
     def validate(self, max_logprobs: int | None = None) -> None:
         """Raise ValueError naming the first bad parameter."""
+
         def need(cond: bool, name: str, msg: str):
             if not cond:
                 raise ValueError(f"{name} {msg}, got {getattr(self, name)!r}")
@@ -73,13 +74,23 @@ class SamplingParams:
         need(isinstance(self.n, int) and self.n >= 1, "n", "must be an integer >= 1")
         need(self.temperature >= 0.0, "temperature", "must be >= 0")
         need(0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]")
-        need(isinstance(self.top_k, int) and self.top_k >= 0, "top_k", "must be -1, 0 (off) or a positive integer")
+        need(
+            isinstance(self.top_k, int) and self.top_k >= 0,
+            "top_k",
+            "must be -1, 0 (off) or a positive integer",
+        )
         need(0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]")
-        need(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
-             "max_tokens", "must be an integer >= 1")
+        need(
+            self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
+            "max_tokens",
+            "must be an integer >= 1",
+        )
         need(isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens", "must be >= 0")
-        need(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
-             "must be <= max_tokens")
+        need(
+            self.max_tokens is None or self.min_tokens <= self.max_tokens,
+            "min_tokens",
+            "must be <= max_tokens",
+        )
         need(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]")
         need(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]")
         need(0.0 < self.repetition_penalty <= 2.0, "repetition_penalty", "must be in (0, 2]")
@@ -91,21 +102,33 @@ class SamplingParams:
             raise ValueError("stop: must be non-empty strings")
         longest = max((len(s) for s in self.stop), default=0)
         if longest > MAX_STOP_STRING_CHARS:
-            raise ValueError(f"stop: each stop string may have at most {MAX_STOP_STRING_CHARS} "
-                             f"characters, got one of {longest}")
+            raise ValueError(
+                f"stop: each stop string may have at most {MAX_STOP_STRING_CHARS} "
+                f"characters, got one of {longest}"
+            )
         total = sum(len(s) for s in self.stop)
         if total > MAX_STOP_TOTAL_CHARS:
-            raise ValueError(f"stop: the stop strings may have at most {MAX_STOP_TOTAL_CHARS} "
-                             f"characters in all, got {total}")
+            raise ValueError(
+                f"stop: the stop strings may have at most {MAX_STOP_TOTAL_CHARS} "
+                f"characters in all, got {total}"
+            )
         need(all(self.stop), "stop", "must be non-empty strings")
-        need(all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
-                 for t in self.stop_token_ids), "stop_token_ids",
-             "must be non-negative integers")
+        need(
+            all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids),
+            "stop_token_ids",
+            "must be non-negative integers",
+        )
         limit = 1024 if max_logprobs is None else max_logprobs
-        need(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= limit),
-             "logprobs", f"must be in [0, {limit}]")
-        need(self.prompt_logprobs is None
-             or (isinstance(self.prompt_logprobs, int) and 0 <= self.prompt_logprobs <= limit),
-             "prompt_logprobs", f"must be in [0, {limit}]")
+        need(
+            self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= limit),
+            "logprobs",
+            f"must be in [0, {limit}]",
+        )
+        need(
+            self.prompt_logprobs is None
+            or (isinstance(self.prompt_logprobs, int) and 0 <= self.prompt_logprobs <= limit),
+            "prompt_logprobs",
+            f"must be in [0, {limit}]",
+        )
         if self.structured_outputs is not None:
             self.structured_outputs.validate()

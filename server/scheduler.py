@@ -24,7 +24,7 @@ from typing import Any, Protocol
 
 from tpuserve.kv_cache.block_pool import BlockPool
 from tpuserve.kv_cache.prefix_hash import PageHash, extend_page_hashes
-from tpuserve.server.sequence import Sequence, SeqStatus
+from tpuserve.server.sequence import SeqStatus, Sequence
 
 
 @dataclass
@@ -36,8 +36,7 @@ class ScheduledWork:
     @property
     def completes(self) -> bool:
         """True when this step computes the sequence's last known token, so its sample is kept."""
-        return (self.seq.num_computed + self.num_tokens - len(self.draft_token_ids)
-                == self.seq.num_tokens)
+        return self.seq.num_computed + self.num_tokens - len(self.draft_token_ids) == self.seq.num_tokens
 
 
 @dataclass
@@ -71,9 +70,15 @@ class HostTierView(Protocol):
 
 
 class Scheduler:
-    def __init__(self, pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int,
-                 chunked_prefill: bool = True, can_schedule: Callable[[Sequence], bool] | None = None,
-                 host_tier: HostTierView | None = None):
+    def __init__(
+        self,
+        pool: BlockPool,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        chunked_prefill: bool = True,
+        can_schedule: Callable[[Sequence], bool] | None = None,
+        host_tier: HostTierView | None = None,
+    ):
         """``can_schedule(seq)`` lets the engine hold a sequence back for a step (async scheduling:
         its last token is not on the host yet and its next step needs it there). ``host_tier``:
         the second prefix-cache tier consulted after the device (needs a caching pool)."""
@@ -134,8 +139,7 @@ class Scheduler:
         """Hashes of the full pages of the tokens the host knows (extended as the sequence grows)."""
         known = seq.num_known
         if known // self.pool.page_size > len(seq.page_hashes):
-            extend_page_hashes(seq.page_hashes, seq.tokens(0, known), self.pool.page_size,
-                               seq.cache_salt)
+            extend_page_hashes(seq.page_hashes, seq.tokens(0, known), self.pool.page_size, seq.cache_salt)
         return seq.page_hashes
 
     def _register(self, seq: Sequence, computed: int) -> None:
@@ -160,7 +164,7 @@ class Scheduler:
         device = self.pool.match(hashes)
         host: list[PageHash] = []
         if self.host_tier is not None and len(device) < len(hashes):
-            host = hashes[len(device): len(device) + self.host_tier.match(hashes[len(device):])]
+            host = hashes[len(device) : len(device) + self.host_tier.match(hashes[len(device) :])]
         return device, host
 
     def _count_lookup(self, seq: Sequence, device: list[int], host: list[PageHash]) -> None:
@@ -231,8 +235,9 @@ class Scheduler:
         if not self.pool.enable_caching:
             return False
         for r in self.running:
-            if r.request_id == seq.request_id and \
-                    r.num_computed + scheduled.get(id(r), 0) < len(r.prompt_token_ids):
+            if r.request_id == seq.request_id and r.num_computed + scheduled.get(id(r), 0) < len(
+                r.prompt_token_ids
+            ):
                 return True
         return False
 

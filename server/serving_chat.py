@@ -5,28 +5,65 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 from tpuserve.server.api_errors import APIError, bad_request
 from tpuserve.server.outputs import RequestOutput
-from tpuserve.server.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
-                             ChatCompletionResponse, ChatLogprobs, ChatMessage, ChatResponseMessage,
-                             ChatStreamChoice, DeltaFunctionCall, DeltaMessage, DeltaToolCall,
-                             NamedToolChoice, TokenLogprob, ToolCallFunction, ToolCallOut,
-                             TopLogprob, usage_info)
+from tpuserve.server.protocol import (
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatMessage,
+    ChatResponseMessage,
+    ChatStreamChoice,
+    DeltaFunctionCall,
+    DeltaMessage,
+    DeltaToolCall,
+    NamedToolChoice,
+    TokenLogprob,
+    ToolCallFunction,
+    ToolCallOut,
+    TopLogprob,
+    usage_info,
+)
 from tpuserve.server.sampling_params import StructuredOutputParams
-from tpuserve.server.serving_common import (SSE_DONE, ServingContext, StreamingResult, collect_final,
-                                   finite, make_sampling_params, merge_streams, outputs_or_error,
-                                   ranked_top, resolve_max_tokens, sse, structured_from_request,
-                                   token_text)
+from tpuserve.server.serving_common import (
+    SSE_DONE,
+    ServingContext,
+    StreamingResult,
+    collect_final,
+    finite,
+    make_sampling_params,
+    merge_streams,
+    outputs_or_error,
+    ranked_top,
+    resolve_max_tokens,
+    sse,
+    structured_from_request,
+    token_text,
+)
 from tpuserve.server.structured_output import tool_call_grammar
 from tpuserve.server.tool_parser import StreamingToolParser, ToolCall, parse_tool_calls, tools_system_prompt
 
 # Arguments of apply_chat_template that chat_template_kwargs may not override.
-_RESERVED_TEMPLATE_KWARGS = {"conversation", "tools", "documents", "chat_template", "tokenize",
-                             "add_generation_prompt", "continue_final_message", "return_dict",
-                             "return_tensors", "padding", "truncation", "max_length",
-                             "tokenizer_kwargs", "return_assistant_tokens_mask"}
+_RESERVED_TEMPLATE_KWARGS = {
+    "conversation",
+    "tools",
+    "documents",
+    "chat_template",
+    "tokenize",
+    "add_generation_prompt",
+    "continue_final_message",
+    "return_dict",
+    "return_tensors",
+    "padding",
+    "truncation",
+    "max_length",
+    "tokenizer_kwargs",
+    "return_assistant_tokens_mask",
+}
 
 
 def _message_dict(i: int, m: ChatMessage) -> dict:
@@ -35,8 +72,10 @@ def _message_dict(i: int, m: ChatMessage) -> dict:
         texts = []
         for part in content:
             if part.type != "text" or part.text is None:
-                raise bad_request(f"messages[{i}].content: only text parts are supported, got a "
-                                  f"{part.type!r} part", "messages")
+                raise bad_request(
+                    f"messages[{i}].content: only text parts are supported, got a {part.type!r} part",
+                    "messages",
+                )
             texts.append(part.text)
         content = "\n".join(texts)
     d: dict = {"role": "system" if m.role == "developer" else m.role, "content": content or ""}
@@ -52,8 +91,13 @@ def _message_dict(i: int, m: ChatMessage) -> dict:
                     args = parsed if isinstance(parsed, dict) else args
                 except json.JSONDecodeError:
                     pass
-            calls.append({"id": tc.id or f"call_{i}", "type": "function",
-                          "function": {"name": tc.function.name, "arguments": args}})
+            calls.append(
+                {
+                    "id": tc.id or f"call_{i}",
+                    "type": "function",
+                    "function": {"name": tc.function.name, "arguments": args},
+                }
+            )
         d["tool_calls"] = calls
     if m.tool_call_id is not None:
         d["tool_call_id"] = m.tool_call_id
@@ -69,8 +113,10 @@ def _inline_tool_calls(message: dict) -> dict:
     blocks = []
     for c in calls:
         args = c["function"]["arguments"]
-        body = {"name": c["function"]["name"],
-                "arguments": args if isinstance(args, dict) else _maybe_json(args)}
+        body = {
+            "name": c["function"]["name"],
+            "arguments": args if isinstance(args, dict) else _maybe_json(args),
+        }
         blocks.append("<tool_call>\n" + json.dumps(body, ensure_ascii=False) + "\n</tool_call>")
     text = "\n".join(([message["content"]] if message.get("content") else []) + blocks)
     return {k: v for k, v in message.items() if k != "tool_calls"} | {"content": text}
@@ -98,8 +144,9 @@ class ChatHandler:
     def __init__(self, ctx: ServingContext):
         self.ctx = ctx
 
-    async def prompt_ids(self, conversation: list[dict], tools: list[dict] | None,
-                         req: ChatCompletionRequest) -> list[int]:
+    async def prompt_ids(
+        self, conversation: list[dict], tools: list[dict] | None, req: ChatCompletionRequest
+    ) -> list[int]:
         """Render and tokenize on a tokenizer lane; 400 for text over the prompt limit (checked on
         the messages before rendering, then on the rendered text before tokenizing)."""
         n_chars = _conversation_chars(conversation)
@@ -109,13 +156,16 @@ class ChatHandler:
         except ValueError as e:
             raise bad_request(str(e), "messages") from e
 
-    def _render(self, tok, conversation: list[dict], tools: list[dict] | None,
-                req: ChatCompletionRequest) -> list[int]:
+    def _render(
+        self, tok, conversation: list[dict], tools: list[dict] | None, req: ChatCompletionRequest
+    ) -> list[int]:
         """Chat template -> prompt token ids (runs on a tokenizer lane, with that lane's tokenizer)."""
         template = self.ctx.chat_template or getattr(tok, "chat_template", None)
         if not template:
-            raise ValueError("messages: this model has no chat template; start the server with "
-                             "--chat-template or use /v1/completions")
+            raise ValueError(
+                "messages: this model has no chat template; start the server with "
+                "--chat-template or use /v1/completions"
+            )
         if tools and "tools" not in template:
             # The template cannot show tools to the model: describe them in the system message.
             block = tools_system_prompt(tools)
@@ -127,16 +177,23 @@ class ChatHandler:
             tools = None
         if "tool_calls" not in template:
             conversation = [_inline_tool_calls(m) for m in conversation]
-        kwargs = {k: v for k, v in (req.chat_template_kwargs or {}).items()
-                  if k not in _RESERVED_TEMPLATE_KWARGS}
+        kwargs = {
+            k: v for k, v in (req.chat_template_kwargs or {}).items() if k not in _RESERVED_TEMPLATE_KWARGS
+        }
         try:
             text = tok.apply_chat_template(
-                conversation, tools=tools, chat_template=template, tokenize=False,
+                conversation,
+                tools=tools,
+                chat_template=template,
+                tokenize=False,
                 add_generation_prompt=req.add_generation_prompt and not req.continue_final_message,
-                continue_final_message=req.continue_final_message, **kwargs)
+                continue_final_message=req.continue_final_message,
+                **kwargs,
+            )
         except Exception as e:  # jinja raises many kinds (TemplateError, TypeError, ...)
-            raise ValueError(f"messages: the chat template could not render them: "
-                             f"{type(e).__name__}: {e}") from e
+            raise ValueError(
+                f"messages: the chat template could not render them: {type(e).__name__}: {e}"
+            ) from e
         if not isinstance(text, str):
             raise ValueError("messages: the chat template did not produce text")
         self.ctx.check_prompt_chars(len(text), "messages", "rendered chat")
@@ -158,8 +215,9 @@ class ChatHandler:
         if isinstance(choice, NamedToolChoice):
             funcs = [f for f in funcs if f["name"] == choice.function.name]
             if not funcs:
-                raise bad_request(f"tool_choice: no tool named {choice.function.name!r} in tools",
-                                  "tool_choice")
+                raise bad_request(
+                    f"tool_choice: no tool named {choice.function.name!r} in tools", "tool_choice"
+                )
         try:
             grammar = tool_call_grammar(funcs)
         except ValueError as e:
@@ -178,27 +236,27 @@ class ChatHandler:
         structured = structured_from_request(req)
         if forced is not None:
             if structured is not None:
-                raise bad_request("tool_choice: cannot be combined with response_format",
-                                  "tool_choice")
+                raise bad_request("tool_choice: cannot be combined with response_format", "tool_choice")
             structured = forced
         conversation = [_message_dict(i, m) for i, m in enumerate(req.messages)]
         prompt_ids = await self.prompt_ids(conversation, tools, req)
         if not prompt_ids:
             raise bad_request("messages: the rendered prompt is empty", "messages")
         requested = req.max_completion_tokens or req.max_tokens
-        max_tokens = resolve_max_tokens(requested, requested is not None, len(prompt_ids),
-                                        ctx.max_model_len)
-        params = make_sampling_params(req, max_tokens=max_tokens, logprobs=logprobs,
-                                      structured=structured)
+        max_tokens = resolve_max_tokens(requested, requested is not None, len(prompt_ids), ctx.max_model_len)
+        params = make_sampling_params(req, max_tokens=max_tokens, logprobs=logprobs, structured=structured)
         await ctx.compile_grammar(structured)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        streams = await ctx.submit([(request_id, None, prompt_ids, params)],
-                                   cache_salt=req.cache_salt,
-                                   kv_transfer_params=req.kv_transfer_params)
+        streams = await ctx.submit(
+            [(request_id, None, prompt_ids, params)],
+            cache_salt=req.cache_salt,
+            kv_transfer_params=req.kv_transfer_params,
+        )
         created = int(time.time())
         if req.stream:
-            return StreamingResult(self._stream(req, request_id, created, streams, parse_tools,
-                                                len(prompt_ids)), streams)
+            return StreamingResult(
+                self._stream(req, request_id, created, streams, parse_tools, len(prompt_ids)), streams
+            )
         finals = await collect_final(streams)
         return self._response(req, request_id, created, finals[0], parse_tools)
 
@@ -213,45 +271,74 @@ class ChatHandler:
             tops = []
             for t, lp in ranked_top(entry or {}, k):
                 t_text = token_text(lp, tok, t)
-                tops.append(TopLogprob(token=t_text, logprob=finite(lp.logprob),
-                                       bytes=list(t_text.encode("utf-8", errors="replace"))))
-            out.append(TokenLogprob(token=text, logprob=finite(chosen.logprob) if chosen else -9999.0,
-                                    bytes=list(text.encode("utf-8", errors="replace")),
-                                    top_logprobs=tops))
+                tops.append(
+                    TopLogprob(
+                        token=t_text,
+                        logprob=finite(lp.logprob),
+                        bytes=list(t_text.encode("utf-8", errors="replace")),
+                    )
+                )
+            out.append(
+                TokenLogprob(
+                    token=text,
+                    logprob=finite(chosen.logprob) if chosen else -9999.0,
+                    bytes=list(text.encode("utf-8", errors="replace")),
+                    top_logprobs=tops,
+                )
+            )
         return out
 
     @staticmethod
     def _tool_calls_out(calls: list[ToolCall]) -> list[ToolCallOut]:
-        return [ToolCallOut(id=c.id, function=ToolCallFunction(name=c.name, arguments=c.arguments))
-                for c in calls]
+        return [
+            ToolCallOut(id=c.id, function=ToolCallFunction(name=c.name, arguments=c.arguments)) for c in calls
+        ]
 
-    def _response(self, req: ChatCompletionRequest, request_id: str, created: int,
-                  out: RequestOutput, parse_tools: bool) -> ChatCompletionResponse:
+    def _response(
+        self, req: ChatCompletionRequest, request_id: str, created: int, out: RequestOutput, parse_tools: bool
+    ) -> ChatCompletionResponse:
         if out.error:
             raise APIError(out.error_status, f"request failed: {out.error}")
         choices = []
         for c in out.outputs:
-            content, calls = (parse_tool_calls(c.text) if parse_tools else (c.text, []))
+            content, calls = parse_tool_calls(c.text) if parse_tools else (c.text, [])
             finish = "tool_calls" if calls else c.finish_reason
             lps = None
             if req.logprobs:
                 # One entry per token of the content: not the end token the text leaves out.
                 n = self.ctx.visible_token_count(c, req.ignore_eos)
-                lps = ChatLogprobs(content=self._logprobs(c.token_ids[:n], (c.logprobs or [])[:n],
-                                                          req.top_logprobs or 0))
-            choices.append(ChatChoice(index=c.index, message=ChatResponseMessage(
-                content=content, tool_calls=self._tool_calls_out(calls)), logprobs=lps,
-                finish_reason=finish, stop_reason=c.stop_reason))
+                lps = ChatLogprobs(
+                    content=self._logprobs(c.token_ids[:n], (c.logprobs or [])[:n], req.top_logprobs or 0)
+                )
+            choices.append(
+                ChatChoice(
+                    index=c.index,
+                    message=ChatResponseMessage(content=content, tool_calls=self._tool_calls_out(calls)),
+                    logprobs=lps,
+                    finish_reason=finish,
+                    stop_reason=c.stop_reason,
+                )
+            )
         prompt_tokens = len(out.prompt_token_ids)
         completion_tokens = sum(len(c.token_ids) for c in out.outputs)
-        return ChatCompletionResponse(id=request_id, created=created, model=self.ctx.model_name,
-                                      choices=choices,
-                                      usage=usage_info(prompt_tokens, completion_tokens,
-                                                       out.num_cached_tokens),
-                                      kv_transfer_params=out.kv_transfer_params)
+        return ChatCompletionResponse(
+            id=request_id,
+            created=created,
+            model=self.ctx.model_name,
+            choices=choices,
+            usage=usage_info(prompt_tokens, completion_tokens, out.num_cached_tokens),
+            kv_transfer_params=out.kv_transfer_params,
+        )
 
-    async def _stream(self, req: ChatCompletionRequest, request_id: str, created: int, streams,
-                      parse_tools: bool, prompt_tokens: int) -> AsyncIterator[str]:
+    async def _stream(
+        self,
+        req: ChatCompletionRequest,
+        request_id: str,
+        created: int,
+        streams,
+        parse_tools: bool,
+        prompt_tokens: int,
+    ) -> AsyncIterator[str]:
         n = req.n
         model = self.ctx.model_name
         sent_chars = [0] * n
@@ -261,8 +348,11 @@ class ChatHandler:
         final: RequestOutput | None = None
 
         def chunk(choice: ChatStreamChoice) -> str:
-            return sse(ChatCompletionChunk(id=request_id, created=created, model=model,
-                                           choices=[choice]).model_dump_json(exclude_none=True))
+            return sse(
+                ChatCompletionChunk(
+                    id=request_id, created=created, model=model, choices=[choice]
+                ).model_dump_json(exclude_none=True)
+            )
 
         for i in range(n):
             yield chunk(ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content="")))
@@ -276,12 +366,13 @@ class ChatHandler:
                 idx = c.index
                 if done[idx]:
                     continue
-                delta_text = c.text[sent_chars[idx]:]
+                delta_text = c.text[sent_chars[idx] :]
                 # Logprobs cover the content's tokens only: not a final end token.
-                visible = (self.ctx.visible_token_count(c, req.ignore_eos) if c.finish_reason
-                           else len(c.token_ids))
-                new_ids = c.token_ids[sent_tokens[idx]:visible]
-                positions = (c.logprobs or [])[sent_tokens[idx]:visible]
+                visible = (
+                    self.ctx.visible_token_count(c, req.ignore_eos) if c.finish_reason else len(c.token_ids)
+                )
+                new_ids = c.token_ids[sent_tokens[idx] : visible]
+                positions = (c.logprobs or [])[sent_tokens[idx] : visible]
                 sent_chars[idx], sent_tokens[idx] = len(c.text), len(c.token_ids)
                 content, calls = delta_text, []
                 parser = parsers[idx]
@@ -299,24 +390,31 @@ class ChatHandler:
                         finish = "tool_calls"
                 lps = None
                 if req.logprobs and new_ids:
-                    lps = ChatLogprobs(content=self._logprobs(new_ids, positions,
-                                                              req.top_logprobs or 0))
+                    lps = ChatLogprobs(content=self._logprobs(new_ids, positions, req.top_logprobs or 0))
                 if not (content or calls or lps or finish):
                     continue
                 delta = DeltaMessage(content=content or None)
                 if calls:
                     first = len(parser.calls) - len(calls)
-                    delta.tool_calls = [DeltaToolCall(index=first + k, id=call.id, type="function",
-                                                      function=DeltaFunctionCall(
-                                                          name=call.name, arguments=call.arguments))
-                                        for k, call in enumerate(calls)]
-                yield chunk(ChatStreamChoice(index=idx, delta=delta, logprobs=lps,
-                                             finish_reason=finish, stop_reason=c.stop_reason))
+                    delta.tool_calls = [
+                        DeltaToolCall(
+                            index=first + k,
+                            id=call.id,
+                            type="function",
+                            function=DeltaFunctionCall(name=call.name, arguments=call.arguments),
+                        )
+                        for k, call in enumerate(calls)
+                    ]
+                yield chunk(
+                    ChatStreamChoice(
+                        index=idx, delta=delta, logprobs=lps, finish_reason=finish, stop_reason=c.stop_reason
+                    )
+                )
         else:
             if req.stream_options is not None and req.stream_options.include_usage:
                 completion_tokens = sum(len(c.token_ids) for c in final.outputs) if final else 0
-                usage = usage_info(prompt_tokens, completion_tokens,
-                                   final.num_cached_tokens if final else 0)
-                yield sse(ChatCompletionChunk(id=request_id, created=created, model=model,
-                                              choices=[], usage=usage))
+                usage = usage_info(prompt_tokens, completion_tokens, final.num_cached_tokens if final else 0)
+                yield sse(
+                    ChatCompletionChunk(id=request_id, created=created, model=model, choices=[], usage=usage)
+                )
         yield SSE_DONE

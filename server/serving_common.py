@@ -8,9 +8,10 @@ import copy
 import json
 import logging
 import threading
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable
+from typing import Any
 
 from pydantic import BaseModel
 
@@ -55,15 +56,18 @@ class ServingContext:
     # One worker: short tokenizations stay off the event loop (and off the engine thread), and this
     # lane never uses the tokenizer from two threads at once.
     executor: ThreadPoolExecutor = field(
-        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="tpuserve-tok"))
+        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="tpuserve-tok")
+    )
     # The grammar lane: compiles take from milliseconds to minutes, so they never share a lane with
     # tokenization (one slow schema held every request's tokenization behind it).
     grammar_executor: ThreadPoolExecutor = field(
-        default_factory=lambda: ThreadPoolExecutor(GRAMMAR_WORKERS, thread_name_prefix="tpuserve-grammar"))
+        default_factory=lambda: ThreadPoolExecutor(GRAMMAR_WORKERS, thread_name_prefix="tpuserve-grammar")
+    )
     # The bulk lane: long texts, one at a time, with a tokenizer copy of its own (a Rust tokenizer
     # object must not be borrowed by two threads while one of them may reconfigure it).
     bulk_executor: ThreadPoolExecutor = field(
-        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="tpuserve-tok-bulk"))
+        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="tpuserve-tok-bulk")
+    )
     _bulk_tokenizer: Any = field(default=None, init=False, repr=False)
 
     def start(self) -> None:
@@ -113,13 +117,16 @@ class ServingContext:
                 f"{param}: the {what} is {n_chars} characters long, over this server's limit of "
                 f"{limit} characters (max_model_len={self.max_model_len} tokens x "
                 f"{self.max_prompt_chars_per_token:g} characters per token, "
-                f"--max-prompt-chars-per-token); shorten it", param)
+                f"--max-prompt-chars-per-token); shorten it",
+                param,
+            )
 
     async def with_tokenizer(self, n_chars: int, fn: Callable, *args) -> Any:
         """Run ``fn(tokenizer, *args)`` on the tokenizer lane that fits an input of ``n_chars``."""
         if n_chars > BULK_CHARS:
             return await asyncio.get_running_loop().run_in_executor(
-                self.bulk_executor, lambda: fn(self._bulk_tok(), *args))
+                self.bulk_executor, lambda: fn(self._bulk_tok(), *args)
+            )
         return await self.blocking(fn, self.tokenizer, *args)
 
     @property
@@ -138,8 +145,7 @@ class ServingContext:
     async def blocking(self, fn: Callable, *args) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
-    async def tokenize(self, text: str, add_special_tokens: bool = True,
-                       param: str = "prompt") -> list[int]:
+    async def tokenize(self, text: str, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
         self.check_prompt_chars(len(text), param)
         return await self.with_tokenizer(len(text), _encode, text, add_special_tokens)
 
@@ -170,17 +176,22 @@ class ServingContext:
         try:
             await asyncio.wait_for(asyncio.shield(job), self.grammar_timeout_s)
         except ValueError as e:
-            raise bad_request(str(e), "response_format")
-        except asyncio.TimeoutError:
+            raise bad_request(str(e), "response_format") from None
+        except TimeoutError:
             job.add_done_callback(_drop_result)
             t = f"{self.grammar_timeout_s:g} s"
             if not started.is_set():
                 job.cancel()  # still queued: nobody is waiting for it any more
-                raise APIError(503, f"structured output: the grammar compiler is busy with other "
-                                    f"requests and did not reach this one within {t}; retry")
-            raise bad_request(f"response_format: the grammar did not compile within {t} "
-                              f"(--grammar-compile-timeout); simplify the schema, regex or grammar",
-                              "response_format")
+                raise APIError(
+                    503,
+                    f"structured output: the grammar compiler is busy with other "
+                    f"requests and did not reach this one within {t}; retry",
+                ) from None
+            raise bad_request(
+                f"response_format: the grammar did not compile within {t} "
+                f"(--grammar-compile-timeout); simplify the schema, regex or grammar",
+                "response_format",
+            ) from None
 
     async def pull_remote_kv(self, kv_transfer_params: dict | None):
         """A decode request's prefill pages, pulled off the engine thread (None when the request
@@ -190,10 +201,13 @@ class ServingContext:
             return None
         role = self.engine.engine.kv_role
         if role is None or not role.consumes:
-            raise bad_request("kv_transfer_params: this server is not a KV consumer (start it with "
-                              "--kv-transfer-config '{\"kv_role\": \"kv_consumer\"}')",
-                              "kv_transfer_params")
+            raise bad_request(
+                "kv_transfer_params: this server is not a KV consumer (start it with "
+                '--kv-transfer-config \'{"kv_role": "kv_consumer"}\')',
+                "kv_transfer_params",
+            )
         from tpuserve.kv_cache.transfer.errors import KVTransferError
+
         try:
             return await self.blocking(role.pull, kv_transfer_params)
         except ValueError as e:
@@ -204,20 +218,30 @@ class ServingContext:
                 return None
             raise APIError(502, f"could not load the prefill's KV cache: {e}") from e
 
-    async def submit(self, items: list[tuple[str, str | None, list[int], SamplingParams]],
-                     cache_salt: str | None = None,
-                     kv_transfer_params: dict | None = None) -> list[RequestStream]:
+    async def submit(
+        self,
+        items: list[tuple[str, str | None, list[int], SamplingParams]],
+        cache_salt: str | None = None,
+        kv_transfer_params: dict | None = None,
+    ) -> list[RequestStream]:
         """Add each (request_id, prompt text, prompt ids, params) as an engine request; all or none."""
         streams: list[RequestStream] = []
         remote_kv = await self.pull_remote_kv(kv_transfer_params)
         if remote_kv is not None and len(items) != 1:
-            raise bad_request("kv_transfer_params: a decode request carries one prompt",
-                              "kv_transfer_params")
+            raise bad_request("kv_transfer_params: a decode request carries one prompt", "kv_transfer_params")
         try:
             for rid, text, ids, params in items:
-                streams.append(await self.engine.add_request(
-                    rid, text, params, ids, cache_salt=cache_salt,
-                    kv_transfer_params=kv_transfer_params, remote_kv=remote_kv))
+                streams.append(
+                    await self.engine.add_request(
+                        rid,
+                        text,
+                        params,
+                        ids,
+                        cache_salt=cache_salt,
+                        kv_transfer_params=kv_transfer_params,
+                        remote_kv=remote_kv,
+                    )
+                )
         except BaseException as e:
             for s in streams:
                 self.engine.abort(s.request_id)
@@ -255,27 +279,42 @@ def structured_from_request(req: SamplingFields) -> StructuredOutputParams | Non
             found.append(("response_format", StructuredOutputParams(json_object=True)))
         else:
             if rf.json_schema is None or rf.json_schema.schema_ is None:
-                raise bad_request("response_format.json_schema.schema: required when type is "
-                                  "'json_schema'", "response_format")
+                raise bad_request(
+                    "response_format.json_schema.schema: required when type is 'json_schema'",
+                    "response_format",
+                )
             found.append(("response_format", StructuredOutputParams(json=rf.json_schema.schema_)))
     so = req.structured_outputs
     if so is not None:
-        given = {k: v for k, v in (("json", so.json_), ("regex", so.regex), ("grammar", so.grammar),
-                                   ("choice", so.choice)) if v is not None}
+        given = {
+            k: v
+            for k, v in (
+                ("json", so.json_),
+                ("regex", so.regex),
+                ("grammar", so.grammar),
+                ("choice", so.choice),
+            )
+            if v is not None
+        }
         if so.json_object:
             given["json_object"] = True
         if len(given) != 1:
-            raise bad_request("structured_outputs: give exactly one of json, json_object, regex, "
-                              "grammar, choice", "structured_outputs")
+            raise bad_request(
+                "structured_outputs: give exactly one of json, json_object, regex, grammar, choice",
+                "structured_outputs",
+            )
         found.append(("structured_outputs", _structured(given)))
-    for name, key in (("guided_json", "json"), ("guided_regex", "regex"),
-                      ("guided_grammar", "grammar"), ("guided_choice", "choice")):
+    for name, key in (
+        ("guided_json", "json"),
+        ("guided_regex", "regex"),
+        ("guided_grammar", "grammar"),
+        ("guided_choice", "choice"),
+    ):
         value = getattr(req, name)
         if value is not None:
             found.append((name, _structured({key: value})))
     if len(found) > 1:
-        raise bad_request(f"{found[0][0]} and {found[1][0]}: give at most one output constraint",
-                          found[1][0])
+        raise bad_request(f"{found[0][0]} and {found[1][0]}: give at most one output constraint", found[1][0])
     return found[0][1] if found else None
 
 
@@ -294,25 +333,35 @@ def _structured(given: dict) -> StructuredOutputParams:
     return StructuredOutputParams(**{key: value})
 
 
-def resolve_max_tokens(requested: int | None, explicit: bool, prompt_len: int,
-                       max_model_len: int) -> int:
+def resolve_max_tokens(requested: int | None, explicit: bool, prompt_len: int, max_model_len: int) -> int:
     """The number of tokens a request may generate; 400 when it cannot fit the context."""
     room = max_model_len - prompt_len
     if room <= 0:
-        raise bad_request(f"This model's maximum context length is {max_model_len} tokens, and the "
-                          f"prompt has {prompt_len} tokens; shorten the prompt.", "prompt")
+        raise bad_request(
+            f"This model's maximum context length is {max_model_len} tokens, and the "
+            f"prompt has {prompt_len} tokens; shorten the prompt.",
+            "prompt",
+        )
     if requested is None:
         return room
     if explicit and requested > room:
-        raise bad_request(f"This model's maximum context length is {max_model_len} tokens. However, "
-                          f"you requested {prompt_len + requested} tokens ({prompt_len} in the "
-                          f"prompt, {requested} for the completion). Lower max_tokens.", "max_tokens")
+        raise bad_request(
+            f"This model's maximum context length is {max_model_len} tokens. However, "
+            f"you requested {prompt_len + requested} tokens ({prompt_len} in the "
+            f"prompt, {requested} for the completion). Lower max_tokens.",
+            "max_tokens",
+        )
     return min(requested, room)
 
 
-def make_sampling_params(req: SamplingFields, *, max_tokens: int, logprobs: int | None,
-                         prompt_logprobs: int | None = None,
-                         structured: StructuredOutputParams | None = None) -> SamplingParams:
+def make_sampling_params(
+    req: SamplingFields,
+    *,
+    max_tokens: int,
+    logprobs: int | None,
+    prompt_logprobs: int | None = None,
+    structured: StructuredOutputParams | None = None,
+) -> SamplingParams:
     if req.logit_bias:
         raise bad_request("logit_bias: not supported by this server", "logit_bias")
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
@@ -320,17 +369,27 @@ def make_sampling_params(req: SamplingFields, *, max_tokens: int, logprobs: int 
         raise bad_request(f"stop: at most {MAX_STOP} stop strings, got {len(stop)}", "stop")
     try:
         params = SamplingParams(
-            n=req.n, temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0,
-            min_p=req.min_p or 0.0, seed=req.seed, max_tokens=max_tokens,
-            min_tokens=req.min_tokens, stop=stop, stop_token_ids=list(req.stop_token_ids or []),
-            ignore_eos=req.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-            presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+            n=req.n,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=req.top_k or 0,
+            min_p=req.min_p or 0.0,
+            seed=req.seed,
+            max_tokens=max_tokens,
+            min_tokens=req.min_tokens,
+            stop=stop,
+            stop_token_ids=list(req.stop_token_ids or []),
+            ignore_eos=req.ignore_eos,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty,
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
             skip_special_tokens=req.skip_special_tokens,
             spaces_between_special_tokens=req.spaces_between_special_tokens,
             include_stop_str_in_output=req.include_stop_str_in_output,
-            structured_outputs=structured)
+            structured_outputs=structured,
+        )
     except ValueError as e:
         raise bad_request(str(e), param_of(str(e))) from e
     return params
@@ -372,15 +431,15 @@ async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def outputs_or_error(merged: AsyncIterator[tuple[int, RequestOutput]]
-                            ) -> AsyncIterator[tuple[int, RequestOutput | str]]:
+async def outputs_or_error(
+    merged: AsyncIterator[tuple[int, RequestOutput]],
+) -> AsyncIterator[tuple[int, RequestOutput | str]]:
     """Pass outputs through; if a request fails or the engine becomes unavailable mid-stream, end
     with one SSE error event (an HTTP status can no longer be sent once streaming began)."""
     try:
         async for i, out in merged:
             if out.error:
-                yield i, sse({"error": error_body(out.error_status,
-                                                  f"request failed: {out.error}")["error"]})
+                yield i, sse({"error": error_body(out.error_status, f"request failed: {out.error}")["error"]})
                 return
             yield i, out
     except (EngineUnavailableError, QueueFullError) as e:
@@ -416,6 +475,7 @@ def token_text(lp: Logprob | None, tokenizer, token_id: int) -> str:
     if lp is not None and lp.decoded_token is not None:
         return lp.decoded_token
     from tpuserve.server.detokenizer import decode_token
+
     return decode_token(tokenizer, token_id)
 
 

@@ -4,16 +4,33 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 from tpuserve.server.api_errors import APIError, bad_request
 from tpuserve.server.outputs import RequestOutput
-from tpuserve.server.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest,
-                             CompletionResponse, usage_info)
-from tpuserve.server.serving_common import (MAX_PROMPTS, SSE_DONE, ServingContext, StreamingResult,
-                                   collect_final, finite, make_sampling_params, merge_streams,
-                                   outputs_or_error, ranked_top, resolve_max_tokens,
-                                   sse, structured_from_request, token_text)
+from tpuserve.server.protocol import (
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    usage_info,
+)
+from tpuserve.server.serving_common import (
+    MAX_PROMPTS,
+    SSE_DONE,
+    ServingContext,
+    StreamingResult,
+    collect_final,
+    finite,
+    make_sampling_params,
+    merge_streams,
+    outputs_or_error,
+    ranked_top,
+    resolve_max_tokens,
+    sse,
+    structured_from_request,
+    token_text,
+)
 
 
 class CompletionHandler:
@@ -31,8 +48,7 @@ class CompletionHandler:
         if not raw:
             raise bad_request("prompt: must not be empty", "prompt")
         if len(raw) > MAX_PROMPTS:
-            raise bad_request(f"prompt: at most {MAX_PROMPTS} prompts per request, got {len(raw)}",
-                              "prompt")
+            raise bad_request(f"prompt: at most {MAX_PROMPTS} prompts per request, got {len(raw)}", "prompt")
         for item in raw:  # every length limit before any tokenizer time is spent
             if isinstance(item, str):
                 self.ctx.check_prompt_chars(len(item), "prompt")
@@ -75,26 +91,34 @@ class CompletionHandler:
         items = []
         for i, (text, ids) in enumerate(prompts):
             max_tokens = resolve_max_tokens(req.max_tokens, explicit, len(ids), ctx.max_model_len)
-            params = make_sampling_params(req, max_tokens=max_tokens, logprobs=logprobs,
-                                          prompt_logprobs=prompt_logprobs, structured=structured)
+            params = make_sampling_params(
+                req,
+                max_tokens=max_tokens,
+                logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
+                structured=structured,
+            )
             items.append((f"{request_id}-{i}", text, ids, params))
         echo_texts = None
         if req.echo:
-            echo_texts = [text if text is not None else
-                          await ctx.blocking(ctx.tokenizer.decode, ids) for text, ids in prompts]
-        streams = await ctx.submit(items, cache_salt=req.cache_salt,
-                                   kv_transfer_params=req.kv_transfer_params)
+            echo_texts = [
+                text if text is not None else await ctx.blocking(ctx.tokenizer.decode, ids)
+                for text, ids in prompts
+            ]
+        streams = await ctx.submit(
+            items, cache_salt=req.cache_salt, kv_transfer_params=req.kv_transfer_params
+        )
         created = int(time.time())
         if req.stream:
             return StreamingResult(
-                self._stream(req, request_id, created, streams, prompts, echo_texts), streams)
+                self._stream(req, request_id, created, streams, prompts, echo_texts), streams
+            )
         finals = await collect_final(streams)
         return self._response(req, request_id, created, finals, prompts, echo_texts)
 
     # ---- building responses ----
 
-    def _logprobs(self, token_ids: list[int], positions: list, k: int,
-                  offset: int) -> CompletionLogprobs:
+    def _logprobs(self, token_ids: list[int], positions: list, k: int, offset: int) -> CompletionLogprobs:
         tok = self.ctx.tokenizer
         out = CompletionLogprobs()
         for tid, entry in zip(token_ids, positions):
@@ -121,8 +145,15 @@ class CompletionHandler:
         positions += [None] * (len(out.prompt_token_ids) - len(positions))
         return self._logprobs(out.prompt_token_ids, positions, k, 0)
 
-    def _response(self, req: CompletionRequest, request_id: str, created: int,
-                  finals: list[RequestOutput], prompts, echo_texts) -> CompletionResponse:
+    def _response(
+        self,
+        req: CompletionRequest,
+        request_id: str,
+        created: int,
+        finals: list[RequestOutput],
+        prompts,
+        echo_texts,
+    ) -> CompletionResponse:
         choices = []
         completion_tokens = 0
         for i, out in enumerate(finals):
@@ -132,27 +163,38 @@ class CompletionHandler:
                 text = c.text
                 lps = None
                 if req.logprobs is not None:
-                    prefix = (self._echo_logprobs(out, req.logprobs) if req.echo else None)
+                    prefix = self._echo_logprobs(out, req.logprobs) if req.echo else None
                     start = len(echo_texts[i]) if req.echo else 0
                     lps = self._logprobs(c.token_ids, c.logprobs or [], req.logprobs, start)
                     if prefix is not None:
                         lps = _join_logprobs(prefix, lps)
                 if req.echo:
                     text = echo_texts[i] + text
-                choices.append(CompletionChoice(index=i * req.n + c.index, text=text, logprobs=lps,
-                                                finish_reason=c.finish_reason,
-                                                stop_reason=c.stop_reason))
+                choices.append(
+                    CompletionChoice(
+                        index=i * req.n + c.index,
+                        text=text,
+                        logprobs=lps,
+                        finish_reason=c.finish_reason,
+                        stop_reason=c.stop_reason,
+                    )
+                )
                 completion_tokens += len(c.token_ids)
         choices.sort(key=lambda c: c.index)
         prompt_tokens = sum(len(ids) for _, ids in prompts)
         cached = sum(out.num_cached_tokens for out in finals)
-        return CompletionResponse(id=request_id, created=created, model=self.ctx.model_name,
-                                  choices=choices,
-                                  usage=usage_info(prompt_tokens, completion_tokens, cached),
-                                  kv_transfer_params=finals[0].kv_transfer_params if finals else None)
+        return CompletionResponse(
+            id=request_id,
+            created=created,
+            model=self.ctx.model_name,
+            choices=choices,
+            usage=usage_info(prompt_tokens, completion_tokens, cached),
+            kv_transfer_params=finals[0].kv_transfer_params if finals else None,
+        )
 
-    async def _stream(self, req: CompletionRequest, request_id: str, created: int, streams,
-                      prompts, echo_texts) -> AsyncIterator[str]:
+    async def _stream(
+        self, req: CompletionRequest, request_id: str, created: int, streams, prompts, echo_texts
+    ) -> AsyncIterator[str]:
         n = req.n
         total = len(streams) * n
         sent_chars = [0] * total
@@ -164,10 +206,22 @@ class CompletionHandler:
         model = self.ctx.model_name
 
         def chunk(index: int, text: str, lps, finish=None, stop_reason=None) -> str:
-            return sse(CompletionResponse(
-                id=request_id, created=created, model=model,
-                choices=[CompletionChoice(index=index, text=text, logprobs=lps, finish_reason=finish,
-                                          stop_reason=stop_reason)]).model_dump_json(exclude={"usage"}))
+            return sse(
+                CompletionResponse(
+                    id=request_id,
+                    created=created,
+                    model=model,
+                    choices=[
+                        CompletionChoice(
+                            index=index,
+                            text=text,
+                            logprobs=lps,
+                            finish_reason=finish,
+                            stop_reason=stop_reason,
+                        )
+                    ],
+                ).model_dump_json(exclude={"usage"})
+            )
 
         async for i, out in outputs_or_error(merge_streams(streams)):
             if isinstance(out, str):  # a request failed or the engine stopped: an SSE error event
@@ -187,13 +241,13 @@ class CompletionHandler:
                     if req.logprobs is not None:
                         prefix_lps = self._echo_logprobs(out, req.logprobs)
                     offsets[idx] = len(prefix_text)
-                delta = c.text[sent_chars[idx]:]
-                new_ids = c.token_ids[sent_tokens[idx]:]
+                delta = c.text[sent_chars[idx] :]
+                new_ids = c.token_ids[sent_tokens[idx] :]
                 if not (prefix_text or delta or new_ids or c.finish_reason):
                     continue
                 lps = None
                 if req.logprobs is not None:
-                    positions = (c.logprobs or [])[sent_tokens[idx]:]
+                    positions = (c.logprobs or [])[sent_tokens[idx] :]
                     lps = self._logprobs(new_ids, positions, req.logprobs, offsets[idx])
                     offsets[idx] += sum(len(t) for t in lps.tokens)
                     if prefix_lps is not None:
@@ -209,12 +263,16 @@ class CompletionHandler:
                 completion_tokens = sum(len(c.token_ids) for o in finals.values() for c in o.outputs)
                 cached = sum(o.num_cached_tokens for o in finals.values())
                 usage = usage_info(prompt_tokens, completion_tokens, cached)
-                yield sse(CompletionResponse(id=request_id, created=created, model=model, choices=[],
-                                             usage=usage))
+                yield sse(
+                    CompletionResponse(id=request_id, created=created, model=model, choices=[], usage=usage)
+                )
         yield SSE_DONE
 
 
 def _join_logprobs(a: CompletionLogprobs, b: CompletionLogprobs) -> CompletionLogprobs:
-    return CompletionLogprobs(text_offset=a.text_offset + b.text_offset,
-                              token_logprobs=a.token_logprobs + b.token_logprobs,
-                              tokens=a.tokens + b.tokens, top_logprobs=a.top_logprobs + b.top_logprobs)
+    return CompletionLogprobs(
+        text_offset=a.text_offset + b.text_offset,
+        token_logprobs=a.token_logprobs + b.token_logprobs,
+        tokens=a.tokens + b.tokens,
+        top_logprobs=a.top_logprobs + b.top_logprobs,
+    )

@@ -79,8 +79,10 @@ def _schema_text(schema: dict | str, what: str = "json schema") -> str:
         parsed = schema
     depth = _nesting_depth(parsed)
     if depth > MAX_SCHEMA_DEPTH:
-        raise ValueError(f"{what}: nested {depth} levels deep, over this server's limit of "
-                         f"{MAX_SCHEMA_DEPTH} (its grammar would take too long to compile)")
+        raise ValueError(
+            f"{what}: nested {depth} levels deep, over this server's limit of "
+            f"{MAX_SCHEMA_DEPTH} (its grammar would take too long to compile)"
+        )
     return schema if isinstance(schema, str) else json.dumps(schema)
 
 
@@ -91,8 +93,15 @@ def compile_structured_output(params: StructuredOutputParams, tokenizer, vocab_s
     # Checked before the compiler exists (building it for a new tokenizer takes seconds).
     schema_text = _schema_text(params.json) if params.json is not None else None
     compiler = _compiler(tokenizer, vocab_size)
-    field = ("json" if params.json is not None else "json_object" if params.json_object
-             else "regex" if params.regex is not None else "grammar")
+    field = (
+        "json"
+        if params.json is not None
+        else "json_object"
+        if params.json_object
+        else "regex"
+        if params.regex is not None
+        else "grammar"
+    )
     try:
         if params.json is not None:
             # Compact JSON (no free whitespace between tokens): small models otherwise tend to loop
@@ -111,8 +120,7 @@ def compile_structured_output(params: StructuredOutputParams, tokenizer, vocab_s
     if not _admits_a_first_token(compiled, vocab_size):
         # e.g. the regex [^\s\S], a schema that is only a $ref to itself: decoding would sample
         # from an empty mask, so refuse before any token is generated.
-        raise ValueError(f"structured_outputs.{field}: matches no text (the grammar admits no "
-                         f"first token)")
+        raise ValueError(f"structured_outputs.{field}: matches no text (the grammar admits no first token)")
     return compiled
 
 
@@ -185,15 +193,23 @@ def tool_call_grammar(tools: list[dict]) -> str:
     variants = []
     for t in tools:
         params = t.get("parameters") or {"type": "object"}
-        variants.append({"type": "object",
-                         "properties": {"name": {"const": t["name"]}, "arguments": params},
-                         "required": ["name", "arguments"], "additionalProperties": False})
+        variants.append(
+            {
+                "type": "object",
+                "properties": {"name": {"const": t["name"]}, "arguments": params},
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+        )
     schema = variants[0] if len(variants) == 1 else {"anyOf": variants}
     text = _schema_text(schema, what="tools: the functions' parameters schema")
     try:
         body = xgr.Grammar.from_json_schema(text, any_whitespace=False)
     except Exception as e:
         raise ValueError(f"tools: a function's parameters schema does not compile: {_short_error(e)}") from e
-    call = xgr.Grammar.concat(xgr.Grammar.from_ebnf('root ::= "<tool_call>\\n"'), body,
-                              xgr.Grammar.from_ebnf('root ::= "\\n</tool_call>"'))
+    call = xgr.Grammar.concat(
+        xgr.Grammar.from_ebnf('root ::= "<tool_call>\\n"'),
+        body,
+        xgr.Grammar.from_ebnf('root ::= "\\n</tool_call>"'),
+    )
     return str(call)

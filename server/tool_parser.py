@@ -57,10 +57,10 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[ToolCall]]:
             break
         content_parts.append(text[pos:start])
         end = text.find(END, start)
-        body = text[start + len(START): end if end >= 0 else len(text)]
+        body = text[start + len(START) : end if end >= 0 else len(text)]
         call = _parse_call(body)
         if call is None:  # malformed: keep the raw text as content
-            content_parts.append(text[start: end + len(END) if end >= 0 else len(text)])
+            content_parts.append(text[start : end + len(END) if end >= 0 else len(text)])
         else:
             calls.append(call)
         if end < 0:
@@ -106,15 +106,15 @@ class StreamingToolParser:
                 if start < 0:
                     keep = _partial_tag_suffix(self._buf, START)
                     out.content += self._buf[: len(self._buf) - keep]
-                    self._buf = self._buf[len(self._buf) - keep:]
+                    self._buf = self._buf[len(self._buf) - keep :]
                     break
                 out.content += self._buf[:start]
-                self._buf = self._buf[start + len(START):]
+                self._buf = self._buf[start + len(START) :]
                 self._in_call = True
             end = self._buf.find(END)
             if end < 0:
                 break
-            body, self._buf = self._buf[:end], self._buf[end + len(END):]
+            body, self._buf = self._buf[:end], self._buf[end + len(END) :]
             self._in_call = False
             call = _parse_call(body)
             if call is None:
@@ -145,11 +145,20 @@ class StreamingToolParser:
 def tools_system_prompt(tools: list[dict]) -> str:
     """A Hermes-style system block describing ``tools``, for chat templates that do not render
     tools themselves (so that the model still learns how to call them)."""
-    lines = ["# Tools", "", "You may call one or more functions to assist with the user query.", "",
-             "You are provided with function signatures within <tools></tools> XML tags:", "<tools>"]
+    lines = [
+        "# Tools",
+        "",
+        "You may call one or more functions to assist with the user query.",
+        "",
+        "You are provided with function signatures within <tools></tools> XML tags:",
+        "<tools>",
+    ]
     lines += [json.dumps(t, ensure_ascii=False) for t in tools]
-    lines += ["</tools>", "",
-              "For each function call, return a json object with function name and arguments within "
-              "<tool_call></tool_call> XML tags:",
-              '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>']
+    lines += [
+        "</tools>",
+        "",
+        "For each function call, return a json object with function name and arguments within "
+        "<tool_call></tool_call> XML tags:",
+        '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>',
+    ]
     return "\n".join(lines)

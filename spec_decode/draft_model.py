@@ -65,8 +65,19 @@ class DraftHead:
 
 # ---- the forward pass ----
 
-def draft_forward(head: DraftHead, params, kv_cache, token_ids, positions, hidden, md: AttentionMetadata,
-                  *, attn_impl: str, inv_freq):
+
+def draft_forward(
+    head: DraftHead,
+    params,
+    kv_cache,
+    token_ids,
+    positions,
+    hidden,
+    md: AttentionMetadata,
+    *,
+    attn_impl: str,
+    inv_freq,
+):
     """One draft step over a ragged batch.
 
     token_ids [T] i32: for a row at position q, token q+1; positions [T] i32: q;
@@ -79,7 +90,7 @@ def draft_forward(head: DraftHead, params, kv_cache, token_ids, positions, hidde
     embeds = params["embed"][token_ids]
     freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
     cos, sin = jnp.cos(freqs), jnp.sin(freqs)
-    attn = AttentionParams(sm_scale=arch.head_dim ** -0.5, sliding_window=arch.sliding_window)
+    attn = AttentionParams(sm_scale=arch.head_dim**-0.5, sliding_window=arch.sliding_window)
     w = params["layer"]
     layer = jnp.int32(0)
     if head.method == "eagle3":
@@ -91,17 +102,20 @@ def draft_forward(head: DraftHead, params, kv_cache, token_ids, positions, hidde
         return block_from_normed(arch, attn, attn_impl, md, cos, sin, x, residual, kv_cache, w, layer)
     # MTP: the first position has no previous token, so its embedding is zeroed (DeepSeek-V3).
     embeds = jnp.where((positions == 0)[:, None], jnp.zeros_like(embeds), embeds)
-    x = jnp.concatenate([rms_norm(embeds, params["enorm"], eps), rms_norm(hidden, params["hnorm"], eps)],
-                        axis=-1)
+    x = jnp.concatenate(
+        [rms_norm(embeds, params["enorm"], eps), rms_norm(hidden, params["hnorm"], eps)], axis=-1
+    )
     h = linear(x, params["eh_proj"])
-    return block_from_normed(arch, attn, attn_impl, md, cos, sin,
-                             rms_norm(h, w["input_norm"], eps), h, kv_cache, w, layer)
+    return block_from_normed(
+        arch, attn, attn_impl, md, cos, sin, rms_norm(h, w["input_norm"], eps), h, kv_cache, w, layer
+    )
 
 
 def draft_logits(params, out_rows, *, eps: float):
     """out_rows [R, H] pre-norm -> logits [R, Vd] f32 over the draft vocabulary."""
-    return linear(rms_norm(out_rows, params["final_norm"], eps), params["lm_head"],
-                  out_dtype=jnp.float32).astype(jnp.float32)
+    return linear(
+        rms_norm(out_rows, params["final_norm"], eps), params["lm_head"], out_dtype=jnp.float32
+    ).astype(jnp.float32)
 
 
 def to_target_ids(params, draft_ids):
@@ -117,6 +131,7 @@ def greedy_draft(head: DraftHead, params, out_rows):
 
 
 # ---- weights ----
+
 
 def _safetensors_getter(path: str):
     from tpuserve.tpu_platform.loader.safetensors_raw import SafetensorsFiles
@@ -149,28 +164,36 @@ def load_eagle3(path: str, target: ModelArch, target_params: dict, dtype) -> tup
     """
     cfg = _read_config(path)
     if int(cfg.get("num_hidden_layers", 1)) != 1:
-        raise ModelConfigError(f"EAGLE-3 draft {path!r}: num_hidden_layers="
-                               f"{cfg.get('num_hidden_layers')}; only one-layer heads exist")
+        raise ModelConfigError(
+            f"EAGLE-3 draft {path!r}: num_hidden_layers="
+            f"{cfg.get('num_hidden_layers')}; only one-layer heads exist"
+        )
     arch = ModelArch.from_hf_config({**cfg, "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 1})
     target_h = int(cfg.get("target_hidden_size") or arch.hidden_size)
     if target_h != target.hidden_size:
-        raise ModelConfigError(f"EAGLE-3 draft {path!r} expects a target of hidden size {target_h}, "
-                               f"the target has {target.hidden_size}")
+        raise ModelConfigError(
+            f"EAGLE-3 draft {path!r} expects a target of hidden size {target_h}, "
+            f"the target has {target.hidden_size}"
+        )
     if arch.vocab_size != target.vocab_size:
-        raise ModelConfigError(f"EAGLE-3 draft {path!r} has vocab_size {arch.vocab_size}, the target "
-                               f"{target.vocab_size}")
+        raise ModelConfigError(
+            f"EAGLE-3 draft {path!r} has vocab_size {arch.vocab_size}, the target {target.vocab_size}"
+        )
     eagle = cfg.get("eagle_config") or {}
-    aux = tuple(int(i) for i in (eagle.get("eagle_aux_hidden_state_layer_ids")
-                                 or default_aux_layer_ids(target.num_layers)))
+    aux = tuple(
+        int(i)
+        for i in (eagle.get("eagle_aux_hidden_state_layer_ids") or default_aux_layer_ids(target.num_layers))
+    )
     if not all(0 <= i < target.num_layers for i in aux):
-        raise ModelConfigError(f"EAGLE-3 aux layer ids {aux} out of range for a "
-                               f"{target.num_layers}-layer target")
+        raise ModelConfigError(
+            f"EAGLE-3 aux layer ids {aux} out of range for a {target.num_layers}-layer target"
+        )
     vd = int(cfg.get("draft_vocab_size") or arch.vocab_size)
     files = _safetensors_getter(path)
     by_name = {}
     for name in files.keys():
-        short = name[len("model."):] if name.startswith("model.") else name
-        short = "layers.0." + short[len("midlayer."):] if short.startswith("midlayer.") else short
+        short = name[len("model.") :] if name.startswith("model.") else name
+        short = "layers.0." + short[len("midlayer.") :] if short.startswith("midlayer.") else short
         by_name[short] = name
 
     def need(name: str, shape: tuple, dt=np.float32) -> np.ndarray:
@@ -178,11 +201,18 @@ def load_eagle3(path: str, target: ModelArch, target_params: dict, dtype) -> tup
             raise ModelConfigError(f"EAGLE-3 draft {path!r} is missing tensor {name!r}")
         t = files.get(by_name[name])
         if tuple(t.shape) != shape:
-            raise ModelConfigError(f"EAGLE-3 draft tensor {name!r} has shape {tuple(t.shape)}, "
-                                   f"config implies {shape}")
+            raise ModelConfigError(
+                f"EAGLE-3 draft tensor {name!r} has shape {tuple(t.shape)}, config implies {shape}"
+            )
         return np.asarray(t, dt)
 
-    h, hq, hkv, d, f = arch.hidden_size, arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.intermediate_size
+    h, hq, hkv, d, f = (
+        arch.hidden_size,
+        arch.num_heads,
+        arch.num_kv_heads,
+        arch.head_dim,
+        arch.intermediate_size,
+    )
     p = "layers.0."
     q = need(p + "self_attn.q_proj.weight", (hq * d, 2 * h))
     k = need(p + "self_attn.k_proj.weight", (hkv * d, 2 * h))
@@ -208,21 +238,33 @@ def load_eagle3(path: str, target: ModelArch, target_params: dict, dtype) -> tup
         d2t = need("d2t", (vd,), np.int64)
         ids = np.arange(vd) + d2t
         if ids.min() < 0 or ids.max() >= target.vocab_size:
-            raise ModelConfigError(f"EAGLE-3 draft {path!r}: d2t maps draft ids outside the target "
-                                   f"vocabulary [0, {target.vocab_size})")
+            raise ModelConfigError(
+                f"EAGLE-3 draft {path!r}: d2t maps draft ids outside the target "
+                f"vocabulary [0, {target.vocab_size})"
+            )
         params["d2t"] = jnp.asarray(d2t, jnp.int32)
     elif vd != target.vocab_size:
-        raise ModelConfigError(f"EAGLE-3 draft {path!r} has draft_vocab_size {vd} < vocab_size "
-                               f"{target.vocab_size} but no d2t mapping")
+        raise ModelConfigError(
+            f"EAGLE-3 draft {path!r} has draft_vocab_size {vd} < vocab_size "
+            f"{target.vocab_size} but no d2t mapping"
+        )
     if "embed_tokens.weight" in by_name:
         params["embed"] = jnp.asarray(need("embed_tokens.weight", (target.vocab_size, h)), dtype)
     elif h == target.hidden_size:
         params["embed"] = _dense_embed(target_params)
     else:
-        raise ModelConfigError(f"EAGLE-3 draft {path!r} has no embed_tokens and its hidden size "
-                               f"{h} differs from the target's {target.hidden_size}")
-    head = DraftHead("eagle3", arch, feature_width=len(aux) * target.hidden_size, draft_vocab_size=vd,
-                     aux_layer_ids=aux, norm_before_residual=bool(cfg.get("norm_before_residual", False)))
+        raise ModelConfigError(
+            f"EAGLE-3 draft {path!r} has no embed_tokens and its hidden size "
+            f"{h} differs from the target's {target.hidden_size}"
+        )
+    head = DraftHead(
+        "eagle3",
+        arch,
+        feature_width=len(aux) * target.hidden_size,
+        draft_vocab_size=vd,
+        aux_layer_ids=aux,
+        norm_before_residual=bool(cfg.get("norm_before_residual", False)),
+    )
     return head, params
 
 
@@ -233,18 +275,22 @@ def load_mtp(path: str, target: ModelArch, target_params: dict, dtype) -> tuple[
     cfg = _read_config(path)
     n = int(cfg.get("num_nextn_predict_layers") or 0)
     if n < 1:
-        raise ModelConfigError(f"speculative method 'mtp': {path!r} has no MTP layers "
-                               f"(config.json num_nextn_predict_layers is {n})")
+        raise ModelConfigError(
+            f"speculative method 'mtp': {path!r} has no MTP layers "
+            f"(config.json num_nextn_predict_layers is {n})"
+        )
     if n > 1:
-        raise ModelConfigError(f"speculative method 'mtp': {path!r} has {n} MTP layers; only one "
-                               f"(reused for every draft position) is supported")
+        raise ModelConfigError(
+            f"speculative method 'mtp': {path!r} has {n} MTP layers; only one "
+            f"(reused for every draft position) is supported"
+        )
     files = _safetensors_getter(path)
     prefix = f"model.layers.{target.num_layers}."
     arch = dataclasses.replace(target, num_layers=1)
 
     def get(name: str):
         if name.startswith("model.layers.0."):
-            name = prefix + name[len("model.layers.0."):]
+            name = prefix + name[len("model.layers.0.") :]
         elif name == "model.norm.weight":
             name = prefix + "shared_head.norm.weight"
         elif name == "lm_head.weight":
@@ -265,9 +311,11 @@ def load_mtp(path: str, target: ModelArch, target_params: dict, dtype) -> tuple[
     # The block through the target's own builder: a one-row stand-in embedding (the real one is
     # shared below) and a tied head keep it from copying the vocabulary-sized tensors.
     stand_in = np.zeros((1, h), np.float32)
-    block = build_params(dataclasses.replace(arch, vocab_size=1, tie_word_embeddings=True),
-                         lambda name: stand_in if name == "model.embed_tokens.weight" else get(name),
-                         dtype)
+    block = build_params(
+        dataclasses.replace(arch, vocab_size=1, tie_word_embeddings=True),
+        lambda name: stand_in if name == "model.embed_tokens.weight" else get(name),
+        dtype,
+    )
     params = {
         "layer": unstack_layers(block)["layers"][0],
         "final_norm": block["final_norm"],
@@ -276,11 +324,17 @@ def load_mtp(path: str, target: ModelArch, target_params: dict, dtype) -> tuple[
         "eh_proj": jnp.asarray(need(prefix + "eh_proj.weight", (h, 2 * h)).T, dtype),
     }
     embed = get(prefix + "embed_tokens.weight")
-    params["embed"] = (jnp.asarray(need(prefix + "embed_tokens.weight", (target.vocab_size, h)), dtype)
-                       if embed is not None else _dense_embed(target_params))
+    params["embed"] = (
+        jnp.asarray(need(prefix + "embed_tokens.weight", (target.vocab_size, h)), dtype)
+        if embed is not None
+        else _dense_embed(target_params)
+    )
     head_w = get(prefix + "shared_head.head.weight")
-    params["lm_head"] = (jnp.asarray(need(prefix + "shared_head.head.weight", (target.vocab_size, h)).T, dtype)
-                         if head_w is not None else _target_head(target_params))
+    params["lm_head"] = (
+        jnp.asarray(need(prefix + "shared_head.head.weight", (target.vocab_size, h)).T, dtype)
+        if head_w is not None
+        else _target_head(target_params)
+    )
     head = DraftHead("mtp", arch, feature_width=h, draft_vocab_size=target.vocab_size)
     return head, params
 
@@ -299,19 +353,23 @@ def _target_head(target_params: dict):
     return head
 
 
-def load_draft(method: str, model: str | None, target_source: str, target: ModelArch,
-               target_params: dict, dtype) -> tuple[DraftHead, dict]:
+def load_draft(
+    method: str, model: str | None, target_source: str, target: ModelArch, target_params: dict, dtype
+) -> tuple[DraftHead, dict]:
     """The draft head ``--speculative-config`` names: EAGLE-3 from ``model``; MTP from ``model``
     or, when unset, the target's own checkpoint directory."""
     if method == "eagle3":
         if not model:
-            raise ModelConfigError("speculative method 'eagle3' needs speculative_config.model: the "
-                                   "EAGLE-3 checkpoint directory")
+            raise ModelConfigError(
+                "speculative method 'eagle3' needs speculative_config.model: the EAGLE-3 checkpoint directory"
+            )
         return load_eagle3(os.path.expanduser(model), target, target_params, dtype)
     if method == "mtp":
         path = os.path.expanduser(model) if model else target_source
         if not os.path.isdir(path):
-            raise ModelConfigError(f"speculative method 'mtp' reads the MTP layer from a Hugging Face "
-                                   f"directory; {path!r} is not one")
+            raise ModelConfigError(
+                f"speculative method 'mtp' reads the MTP layer from a Hugging Face "
+                f"directory; {path!r} is not one"
+            )
         return load_mtp(path, target, target_params, dtype)
     raise ModelConfigError(f"no draft model for speculative method {method!r}")

@@ -53,20 +53,26 @@ class DraftRunner:
         """target_runner: the ModelRunner whose pages, buckets and attention backend the head shares."""
         r = target_runner
         self.head, self.params, self.target = head, params, r
-        self.spec = KVCacheSpec(1, r.kv_spec.num_pages, r.page_size, head.arch.num_kv_heads,
-                                head.arch.head_dim, r.dtype)
+        self.spec = KVCacheSpec(
+            1, r.kv_spec.num_pages, r.page_size, head.arch.num_kv_heads, head.arch.head_dim, r.dtype
+        )
         self.kv_cache = self.spec.allocate(r.attn_impl)
         self._traces = 0
         inv_freq = jnp.asarray(head.arch.inv_freq())
         # Outputs keep the cache's format, so its donated buffer is updated in place
         # (kv_cache/layout.py: cache_out_format).
         fmt = cache_out_format(self.kv_cache)
-        self._catch_up = jax.jit(functools.partial(self._traced_catch_up, inv_freq=inv_freq),
-                                 donate_argnums=(1,),
-                                 **({} if fmt is None else dict(out_shardings=(None, None, fmt))))
-        self._propose = jax.jit(functools.partial(self._traced_propose, inv_freq=inv_freq),
-                                donate_argnums=(1,), static_argnames=("k",),
-                                **({} if fmt is None else dict(out_shardings=(None, fmt))))
+        self._catch_up = jax.jit(
+            functools.partial(self._traced_catch_up, inv_freq=inv_freq),
+            donate_argnums=(1,),
+            **({} if fmt is None else dict(out_shardings=(None, None, fmt))),
+        )
+        self._propose = jax.jit(
+            functools.partial(self._traced_propose, inv_freq=inv_freq),
+            donate_argnums=(1,),
+            static_argnames=("k",),
+            **({} if fmt is None else dict(out_shardings=(None, fmt))),
+        )
 
     @property
     def compile_count(self) -> int:
@@ -80,8 +86,17 @@ class DraftRunner:
 
     def _traced_catch_up(self, params, kv, features, rows, token_ids, positions, md, last_rows, *, inv_freq):
         self._traces += 1
-        out, kv = draft_forward(self.head, params, kv, token_ids, positions, features[rows], md,
-                                attn_impl=self.target.attn_impl, inv_freq=inv_freq)
+        out, kv = draft_forward(
+            self.head,
+            params,
+            kv,
+            token_ids,
+            positions,
+            features[rows],
+            md,
+            attn_impl=self.target.attn_impl,
+            inv_freq=inv_freq,
+        )
         last = out[last_rows]
         return greedy_draft(self.head, params, last), last, kv
 
@@ -93,10 +108,12 @@ class DraftRunner:
         drafts, tok, h = [first], first, hidden
         for j in range(k - 1):  # k is small and static: unrolled
             pos = start + j
-            md = AttentionMetadata(kv_lens=jnp.where(real, pos + 1, 0), page_indices=page_table,
-                                   cu_q_lens=cu, num_seqs=num_seqs)
-            h, kv = draft_forward(self.head, params, kv, tok, pos, h, md,
-                                  attn_impl=self.target.attn_impl, inv_freq=inv_freq)
+            md = AttentionMetadata(
+                kv_lens=jnp.where(real, pos + 1, 0), page_indices=page_table, cu_q_lens=cu, num_seqs=num_seqs
+            )
+            h, kv = draft_forward(
+                self.head, params, kv, tok, pos, h, md, attn_impl=self.target.attn_impl, inv_freq=inv_freq
+            )
             tok = greedy_draft(self.head, params, h)
             drafts.append(tok)
         return jnp.stack(drafts, axis=1), kv
@@ -118,44 +135,63 @@ class DraftRunner:
         if len(seqs) > s_slots:
             raise ValueError(f"{len(seqs)} sequences exceed the {s_slots} slots of a {t_slots}-row catch-up")
         rows, tokens, positions = (np.zeros(t_slots, np.int32) for _ in range(3))
-        cu, kv_lens, last = np.zeros(s_slots + 1, np.int32), np.zeros(s_slots, np.int32), np.zeros(s_slots, np.int32)
+        cu, kv_lens, last = (
+            np.zeros(s_slots + 1, np.int32),
+            np.zeros(s_slots, np.int32),
+            np.zeros(s_slots, np.int32),
+        )
         off = 0
         for i, s in enumerate(seqs):
             n = len(s.next_tokens)
             if n == 0 or off + n > t_slots:
                 raise ValueError(f"catch-up sequence {i}: {n} rows do not fit the step's {t_slots}")
-            rows[off: off + n] = np.arange(s.row0, s.row0 + n)
-            tokens[off: off + n] = s.next_tokens
-            positions[off: off + n] = np.arange(s.start, s.start + n)
+            rows[off : off + n] = np.arange(s.row0, s.row0 + n)
+            tokens[off : off + n] = s.next_tokens
+            positions[off : off + n] = np.arange(s.start, s.start + n)
             kv_lens[i] = s.start + n
             last[i] = off + n - 1
             off += n
             cu[i + 1] = off
-        cu[len(seqs) + 1:] = off
+        cu[len(seqs) + 1 :] = off
         put = self.target._put
-        md = AttentionMetadata(kv_lens=put(kv_lens), page_indices=put(self._page_table([s.page_ids for s in seqs], s_slots)),
-                               cu_q_lens=put(cu), num_seqs=put(np.asarray([len(seqs)], np.int32)))
-        first, hidden, self.kv_cache = self._catch_up(self.params, self.kv_cache, features, put(rows),
-                                                      put(tokens), put(positions), md, put(last))
+        md = AttentionMetadata(
+            kv_lens=put(kv_lens),
+            page_indices=put(self._page_table([s.page_ids for s in seqs], s_slots)),
+            cu_q_lens=put(cu),
+            num_seqs=put(np.asarray([len(seqs)], np.int32)),
+        )
+        first, hidden, self.kv_cache = self._catch_up(
+            self.params, self.kv_cache, features, put(rows), put(tokens), put(positions), md, put(last)
+        )
         first, hidden = np.asarray(first), np.asarray(hidden)
         return [DraftSeed(int(first[i]), hidden[i]) for i in range(len(seqs))]
 
-    def propose(self, seeds: list[DraftSeed], starts: list[int], page_lists: list[list[int]], k: int) -> np.ndarray:
+    def propose(
+        self, seeds: list[DraftSeed], starts: list[int], page_lists: list[list[int]], k: int
+    ) -> np.ndarray:
         """Drafts [n, k] (target ids) for n sequences: seed i's first token, then k - 1 more, the
         j-th at position starts[i] + j - 1 (starts[i]: the sequence's computed length, i.e. the
         position of its last, not yet computed, token), written into page_lists[i]."""
         n = len(seeds)
         first = np.asarray([s.first_token for s in seeds], np.int32)
         if k <= 1 or n == 0:
-            return first[:, None][:, :max(k, 0)]
-        s_slots = next(b for b in self.target.seq_buckets if b >= n) if n <= self.target.seq_buckets[-1] else n
+            return first[:, None][:, : max(k, 0)]
+        s_slots = (
+            next(b for b in self.target.seq_buckets if b >= n) if n <= self.target.seq_buckets[-1] else n
+        )
         pad = s_slots - n
         put = self.target._put
         hidden = np.stack([s.hidden for s in seeds])
         drafts, self.kv_cache = self._propose(
-            self.params, self.kv_cache, put(np.pad(first, (0, pad))),
-            put(np.pad(hidden, ((0, pad), (0, 0)))), put(np.pad(np.asarray(starts, np.int32), (0, pad))),
-            put(self._page_table(page_lists, s_slots)), put(np.asarray([n], np.int32)), k=k)
+            self.params,
+            self.kv_cache,
+            put(np.pad(first, (0, pad))),
+            put(np.pad(hidden, ((0, pad), (0, 0)))),
+            put(np.pad(np.asarray(starts, np.int32), (0, pad))),
+            put(self._page_table(page_lists, s_slots)),
+            put(np.asarray([n], np.int32)),
+            k=k,
+        )
         return np.asarray(drafts)[:n]
 
     def warmup(self, feature_dtype, k: int) -> int:

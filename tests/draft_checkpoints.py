@@ -16,8 +16,15 @@ def _w(rng, *shape, scale=0.1):
     return (rng.standard_normal(shape) * scale).astype(np.float32)
 
 
-def write_eagle3(target_dir: str, out_dir: str, *, draft_vocab: int | None = None,
-                 aux_layer_ids=None, seed: int = 0, with_embed: bool = False) -> str:
+def write_eagle3(
+    target_dir: str,
+    out_dir: str,
+    *,
+    draft_vocab: int | None = None,
+    aux_layer_ids=None,
+    seed: int = 0,
+    with_embed: bool = False,
+) -> str:
     """An EAGLE-3 head for the model in ``target_dir`` (same hidden size), as the EAGLE trainer
     saves one: ``midlayer.*``, ``fc``, ``norm``, ``lm_head`` [Vd, H], ``d2t`` (offsets) and ``t2d``.
     draft_vocab: Vd < V picks Vd random target ids (sorted; d2t[i] = id_i - i)."""
@@ -28,14 +35,27 @@ def write_eagle3(target_dir: str, out_dir: str, *, draft_vocab: int | None = Non
     heads, kv_heads, f = tcfg["num_attention_heads"], tcfg["num_key_value_heads"], tcfg["intermediate_size"]
     d = h // heads
     vd = draft_vocab or v
-    cfg = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "num_hidden_layers": 1,
-           "hidden_size": h, "intermediate_size": f, "num_attention_heads": heads,
-           "num_key_value_heads": kv_heads, "vocab_size": v, "draft_vocab_size": vd,
-           "max_position_embeddings": tcfg["max_position_embeddings"], "rms_norm_eps": 1e-6,
-           "rope_theta": 10000.0, "tie_word_embeddings": False, "target_hidden_size": h}
+    cfg = {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "num_hidden_layers": 1,
+        "hidden_size": h,
+        "intermediate_size": f,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "vocab_size": v,
+        "draft_vocab_size": vd,
+        "max_position_embeddings": tcfg["max_position_embeddings"],
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+        "target_hidden_size": h,
+    }
     if aux_layer_ids is not None:
-        cfg["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(aux_layer_ids),
-                               "use_aux_hidden_state": True}
+        cfg["eagle_config"] = {
+            "eagle_aux_hidden_state_layer_ids": list(aux_layer_ids),
+            "use_aux_hidden_state": True,
+        }
     t = {
         "midlayer.self_attn.q_proj.weight": _w(rng, heads * d, 2 * h),
         "midlayer.self_attn.k_proj.weight": _w(rng, kv_heads * d, 2 * h),
@@ -79,13 +99,15 @@ def with_mtp_layer(target_dir: str, out_dir: str, *, seed: int = 0, own_head: bo
     d = cfg.get("head_dim") or h // heads
     p = f"model.layers.{cfg['num_hidden_layers']}."
     t = {
-        p + "enorm.weight": 1 + _w(rng, h), p + "hnorm.weight": 1 + _w(rng, h),
+        p + "enorm.weight": 1 + _w(rng, h),
+        p + "hnorm.weight": 1 + _w(rng, h),
         p + "eh_proj.weight": _w(rng, h, 2 * h),
         p + "self_attn.q_proj.weight": _w(rng, heads * d, h),
         p + "self_attn.k_proj.weight": _w(rng, kv_heads * d, h),
         p + "self_attn.v_proj.weight": _w(rng, kv_heads * d, h),
         p + "self_attn.o_proj.weight": _w(rng, h, heads * d),
-        p + "mlp.gate_proj.weight": _w(rng, f_, h), p + "mlp.up_proj.weight": _w(rng, f_, h),
+        p + "mlp.gate_proj.weight": _w(rng, f_, h),
+        p + "mlp.up_proj.weight": _w(rng, f_, h),
         p + "mlp.down_proj.weight": _w(rng, h, f_),
         p + "input_layernorm.weight": 1 + _w(rng, h),
         p + "post_attention_layernorm.weight": 1 + _w(rng, h),

@@ -21,7 +21,9 @@ def checkpoint_quant(model_path: str | None):
     with open(cfg_path) as f:
         config = json.load(f)
     if config.get("quantization_config") is None and not os.path.isfile(
-            os.path.join(path, "hf_quant_config.json")):
+        os.path.join(path, "hf_quant_config.json")
+    ):
         return None
     from tpuserve.tpu_platform.loader.quantized import detect
+
     return detect(config, path)

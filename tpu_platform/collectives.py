@@ -18,8 +18,7 @@ import numpy as np
 COLLECTIVE_OPS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 # "%name = f32[4,64]{1,0} all-reduce(", its async "-start" form, and combined collectives whose
 # result is a tuple: "%name = (f32[8,64]{1,0}, f32[8,64]{1,0}) all-reduce(".
-_LINE = re.compile(r"=\s*(?P<result>\([^)]*\)|\S+)\s+(?P<op>" + "|".join(COLLECTIVE_OPS)
-                   + r")(?:-start)?\(")
+_LINE = re.compile(r"=\s*(?P<result>\([^)]*\)|\S+)\s+(?P<op>" + "|".join(COLLECTIVE_OPS) + r")(?:-start)?\(")
 _ARRAY = re.compile(r"(?P<dtype>[a-z]+[0-9a-z]*)\[(?P<dims>[0-9,]*)\]")
 
 
@@ -44,8 +43,21 @@ class Collective:
 
 
 def _itemsize(hlo_dtype: str) -> int:
-    names = {"pred": 1, "bf16": 2, "f16": 2, "f32": 4, "f64": 8, "s8": 1, "u8": 1, "s32": 4,
-             "u32": 4, "s64": 8, "u64": 8, "f8e4m3fn": 1, "f8e5m2": 1}
+    names = {
+        "pred": 1,
+        "bf16": 2,
+        "f16": 2,
+        "f32": 4,
+        "f64": 8,
+        "s8": 1,
+        "u8": 1,
+        "s32": 4,
+        "u32": 4,
+        "s64": 8,
+        "u64": 8,
+        "f8e4m3fn": 1,
+        "f8e5m2": 1,
+    }
     if hlo_dtype in names:
         return names[hlo_dtype]
     return np.dtype(hlo_dtype).itemsize  # anything else numpy knows by the same name
@@ -61,8 +73,10 @@ def collectives(hlo_text: str) -> list[Collective]:
     for line in hlo_text.splitlines():
         m = _LINE.search(line)
         if m:
-            arrays = tuple((a["dtype"], tuple(int(d) for d in a["dims"].split(",") if d))
-                           for a in _ARRAY.finditer(m["result"]))
+            arrays = tuple(
+                (a["dtype"], tuple(int(d) for d in a["dims"].split(",") if d))
+                for a in _ARRAY.finditer(m["result"])
+            )
             out.append(Collective(m["op"], arrays))
     return out
 

@@ -82,8 +82,12 @@ class ModelConfig:
 
     def validate(self) -> None:
         _need(self.dtype in DTYPES, "dtype", self.dtype, f"must be one of {DTYPES}")
-        _need(self.max_model_len is None or self.max_model_len >= 1, "max_model_len",
-              self.max_model_len, "must be >= 1")
+        _need(
+            self.max_model_len is None or self.max_model_len >= 1,
+            "max_model_len",
+            self.max_model_len,
+            "must be >= 1",
+        )
         _need(0 <= self.max_logprobs <= 1024, "max_logprobs", self.max_logprobs, "must be in [0, 1024]")
 
 
@@ -106,20 +110,43 @@ class CacheConfig:
     def validate(self) -> None:
         b = self.block_size
         _need(b >= 1 and b & (b - 1) == 0, "block_size", b, "must be a positive power of two")
-        _need(self.num_gpu_blocks is None or self.num_gpu_blocks >= 2, "num_gpu_blocks",
-              self.num_gpu_blocks, "must be >= 2 (page 0 is reserved)")
-        _need(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization",
-              self.gpu_memory_utilization, "must be in (0, 1]")
-        _need(self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0,
-              "kv_cache_memory_bytes", self.kv_cache_memory_bytes, "must be > 0")
-        _need(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype", self.kv_cache_dtype,
-              f"must be one of {KV_CACHE_DTYPES} (fp8 and fp8_e4m3 both mean float8_e4m3fn; "
-              f"fp8_e5m2 and other KV cache dtypes are not supported)")
-        _need(self.kv_offloading_size is None or self.kv_offloading_size > 0, "kv_offloading_size",
-              self.kv_offloading_size, "must be > 0 GiB")
-        _need(self.kv_offloading_size is None or self.enable_prefix_caching, "kv_offloading_size",
-              self.kv_offloading_size, "the host tier holds prefix-cache pages: it needs "
-              "--enable-prefix-caching")
+        _need(
+            self.num_gpu_blocks is None or self.num_gpu_blocks >= 2,
+            "num_gpu_blocks",
+            self.num_gpu_blocks,
+            "must be >= 2 (page 0 is reserved)",
+        )
+        _need(
+            0.0 < self.gpu_memory_utilization <= 1.0,
+            "gpu_memory_utilization",
+            self.gpu_memory_utilization,
+            "must be in (0, 1]",
+        )
+        _need(
+            self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0,
+            "kv_cache_memory_bytes",
+            self.kv_cache_memory_bytes,
+            "must be > 0",
+        )
+        _need(
+            self.kv_cache_dtype in KV_CACHE_DTYPES,
+            "kv_cache_dtype",
+            self.kv_cache_dtype,
+            f"must be one of {KV_CACHE_DTYPES} (fp8 and fp8_e4m3 both mean float8_e4m3fn; "
+            f"fp8_e5m2 and other KV cache dtypes are not supported)",
+        )
+        _need(
+            self.kv_offloading_size is None or self.kv_offloading_size > 0,
+            "kv_offloading_size",
+            self.kv_offloading_size,
+            "must be > 0 GiB",
+        )
+        _need(
+            self.kv_offloading_size is None or self.enable_prefix_caching,
+            "kv_offloading_size",
+            self.kv_offloading_size,
+            "the host tier holds prefix-cache pages: it needs --enable-prefix-caching",
+        )
 
 
 @dataclass
@@ -133,8 +160,12 @@ class SchedulerConfig:
 
     def validate(self) -> None:
         _need(self.max_num_seqs >= 1, "max_num_seqs", self.max_num_seqs, "must be >= 1")
-        _need(self.max_num_batched_tokens >= 1, "max_num_batched_tokens",
-              self.max_num_batched_tokens, "must be >= 1")
+        _need(
+            self.max_num_batched_tokens >= 1,
+            "max_num_batched_tokens",
+            self.max_num_batched_tokens,
+            "must be >= 1",
+        )
 
 
 @dataclass
@@ -145,8 +176,9 @@ class ParallelConfig:
     def validate(self) -> None:
         for name in ("tensor_parallel_size", "data_parallel_size"):
             v = getattr(self, name)
-            _need(isinstance(v, int) and not isinstance(v, bool) and v >= 1, name, v,
-                  "must be an integer >= 1")
+            _need(
+                isinstance(v, int) and not isinstance(v, bool) and v >= 1, name, v, "must be an integer >= 1"
+            )
 
 
 @dataclass
@@ -166,10 +198,18 @@ class QuantizationConfig:
     calibration: str = "gptq"  # the --quantization-calibration flag
 
     def validate(self) -> None:
-        _need(self.method is None or self.method in QUANTIZATION_METHODS, "quantization",
-              self.method, f"must be one of {QUANTIZATION_METHODS} (or unset)")
-        _need(self.calibration in QUANTIZATION_CALIBRATIONS, "quantization_calibration",
-              self.calibration, f"must be one of {QUANTIZATION_CALIBRATIONS}")
+        _need(
+            self.method is None or self.method in QUANTIZATION_METHODS,
+            "quantization",
+            self.method,
+            f"must be one of {QUANTIZATION_METHODS} (or unset)",
+        )
+        _need(
+            self.calibration in QUANTIZATION_CALIBRATIONS,
+            "quantization_calibration",
+            self.calibration,
+            f"must be one of {QUANTIZATION_CALIBRATIONS}",
+        )
 
 
 @dataclass
@@ -186,15 +226,31 @@ class SpeculativeConfig:
     model: str | None = None
 
     def validate(self) -> None:
-        _need(self.method in SPEC_METHODS, "speculative_config.method", self.method,
-              f"must be one of {SPEC_METHODS}")
-        _need(1 <= self.num_speculative_tokens <= 16, "speculative_config.num_speculative_tokens",
-              self.num_speculative_tokens, "must be in [1, 16]")
-        _need(self.method != "eagle3" or bool(self.model), "speculative_config.model", self.model,
-              "method 'eagle3' needs the EAGLE-3 checkpoint directory")
+        _need(
+            self.method in SPEC_METHODS,
+            "speculative_config.method",
+            self.method,
+            f"must be one of {SPEC_METHODS}",
+        )
+        _need(
+            1 <= self.num_speculative_tokens <= 16,
+            "speculative_config.num_speculative_tokens",
+            self.num_speculative_tokens,
+            "must be in [1, 16]",
+        )
+        _need(
+            self.method != "eagle3" or bool(self.model),
+            "speculative_config.model",
+            self.model,
+            "method 'eagle3' needs the EAGLE-3 checkpoint directory",
+        )
         lo, hi = self.lookup_range()
-        _need(1 <= lo <= hi, "speculative_config.prompt_lookup_min", (lo, hi),
-              "need 1 <= prompt_lookup_min <= prompt_lookup_max")
+        _need(
+            1 <= lo <= hi,
+            "speculative_config.prompt_lookup_min",
+            (lo, hi),
+            "need 1 <= prompt_lookup_min <= prompt_lookup_max",
+        )
 
     def lookup_range(self) -> tuple[int, int]:
         """vLLM's n-gram defaults: both unset -> 5 and 5; one unset -> it copies the other."""
@@ -218,16 +274,28 @@ class KVTransferConfig:
     kv_load_failure_policy: str = "fail"
 
     def validate(self) -> None:
-        _need(self.kv_role in KV_ROLES, "kv_transfer_config.kv_role", self.kv_role,
-              f"must be one of {KV_ROLES}")
-        _need(self.kv_connector in (None, "TpuserveTcpConnector"), "kv_transfer_config.kv_connector",
-              self.kv_connector, "the standalone server transfers KV over its own TCP transport: "
-              "leave it unset or use 'TpuserveTcpConnector'")
-        _need(self.kv_load_failure_policy in ("fail", "recompute"),
-              "kv_transfer_config.kv_load_failure_policy", self.kv_load_failure_policy,
-              "must be 'fail' or 'recompute'")
-        _need(0 <= self.kv_port < 65536, "kv_transfer_config.kv_port", self.kv_port,
-              "must be a TCP port (0: any free port)")
+        _need(
+            self.kv_role in KV_ROLES, "kv_transfer_config.kv_role", self.kv_role, f"must be one of {KV_ROLES}"
+        )
+        _need(
+            self.kv_connector in (None, "TpuserveTcpConnector"),
+            "kv_transfer_config.kv_connector",
+            self.kv_connector,
+            "the standalone server transfers KV over its own TCP transport: "
+            "leave it unset or use 'TpuserveTcpConnector'",
+        )
+        _need(
+            self.kv_load_failure_policy in ("fail", "recompute"),
+            "kv_transfer_config.kv_load_failure_policy",
+            self.kv_load_failure_policy,
+            "must be 'fail' or 'recompute'",
+        )
+        _need(
+            0 <= self.kv_port < 65536,
+            "kv_transfer_config.kv_port",
+            self.kv_port,
+            "must be a TCP port (0: any free port)",
+        )
 
 
 @dataclass
@@ -248,27 +316,44 @@ class CompilationConfig:
     token_bucket_factor: float = 1.5
 
     def validate(self) -> None:
-        _need(self.attention_impl in ATTENTION_IMPLS, "attention_impl", self.attention_impl,
-              f"must be one of {ATTENTION_IMPLS}")
+        _need(
+            self.attention_impl in ATTENTION_IMPLS,
+            "attention_impl",
+            self.attention_impl,
+            f"must be one of {ATTENTION_IMPLS}",
+        )
         _need(self.layer_loop in LAYER_LOOPS, "layer_loop", self.layer_loop, f"must be one of {LAYER_LOOPS}")
         _need(self.min_token_bucket >= 1, "min_token_bucket", self.min_token_bucket, "must be >= 1")
-        _need(self.token_bucket_factor >= 1.25, "token_bucket_factor", self.token_bucket_factor,
-              "must be >= 1.25 (smaller steps would compile a program every few tokens)")
+        _need(
+            self.token_bucket_factor >= 1.25,
+            "token_bucket_factor",
+            self.token_bucket_factor,
+            "must be >= 1.25 (smaller steps would compile a program every few tokens)",
+        )
 
 
 # Flat flags whose name differs from their section's field, and flags that take a whole section.
-_RENAMED = {"quantization": ("quantization", "method"),
-            "quantization_calibration": ("quantization", "calibration")}
-_SECTION_FLAGS = {"speculative_config": ("speculative", SpeculativeConfig),
-                  "kv_transfer_config": ("kv_transfer", KVTransferConfig)}
+_RENAMED = {
+    "quantization": ("quantization", "method"),
+    "quantization_calibration": ("quantization", "calibration"),
+}
+_SECTION_FLAGS = {
+    "speculative_config": ("speculative", SpeculativeConfig),
+    "kv_transfer_config": ("kv_transfer", KVTransferConfig),
+}
 # Scheduler sizes a TPU gets where the user set none: vLLM's defaults for a v5e running the offline
 # LLM (1,024 tokens, 256 sequences a step). Prefill steps that wide keep the MXU busy (256 tokens
 # reached 30-36% MFU for a 1B model on a v5e); CPU and GPU keep the dataclass defaults.
 TPU_SCHEDULER_DEFAULTS = {"max_num_batched_tokens": 1024, "max_num_seqs": 256}
 
-_SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
-             "parallel": ParallelConfig, "quantization": QuantizationConfig,
-             "compilation": CompilationConfig}
+_SECTIONS = {
+    "model": ModelConfig,
+    "cache": CacheConfig,
+    "scheduler": SchedulerConfig,
+    "parallel": ParallelConfig,
+    "quantization": QuantizationConfig,
+    "compilation": CompilationConfig,
+}
 
 
 @dataclass
@@ -288,35 +373,62 @@ class EngineConfig:
         self.validate()
 
     def validate(self) -> None:
-        for section in (self.model, self.cache, self.scheduler, self.parallel, self.quantization,
-                        self.speculative, self.kv_transfer, self.compilation):
+        for section in (
+            self.model,
+            self.cache,
+            self.scheduler,
+            self.parallel,
+            self.quantization,
+            self.speculative,
+            self.kv_transfer,
+            self.compilation,
+        ):
             if section is not None:
                 section.validate()
         if self.parallel.tensor_parallel_size > 1:
             # The host tier and the KV transfer move pages of a single-device cache.
             tp = self.parallel.tensor_parallel_size
-            _need(self.cache.kv_offloading_size is None, "kv_offloading_size",
-                  self.cache.kv_offloading_size,
-                  f"the host KV tier does not support a sharded KV cache yet "
-                  f"(tensor_parallel_size={tp}); drop one of the two")
-            _need(self.kv_transfer is None, "kv_transfer_config", "set",
-                  f"KV transfer does not support a sharded KV cache yet "
-                  f"(tensor_parallel_size={tp}); drop one of the two")
+            _need(
+                self.cache.kv_offloading_size is None,
+                "kv_offloading_size",
+                self.cache.kv_offloading_size,
+                f"the host KV tier does not support a sharded KV cache yet "
+                f"(tensor_parallel_size={tp}); drop one of the two",
+            )
+            _need(
+                self.kv_transfer is None,
+                "kv_transfer_config",
+                "set",
+                f"KV transfer does not support a sharded KV cache yet "
+                f"(tensor_parallel_size={tp}); drop one of the two",
+            )
         if self.cache.kv_cache_dtype in FP8_KV_CACHE_DTYPES:
             # The transfer layout carries the cache dtype but not the k/v scales the pages were
             # written with, and the two engines calibrate their own.
-            _need(self.kv_transfer is None, "kv_transfer_config", "set",
-                  f"KV transfer does not support kv_cache_dtype={self.cache.kv_cache_dtype!r} yet "
-                  f"(the peer could read the pages with other k/v scales); drop one of the two")
+            _need(
+                self.kv_transfer is None,
+                "kv_transfer_config",
+                "set",
+                f"KV transfer does not support kv_cache_dtype={self.cache.kv_cache_dtype!r} yet "
+                f"(the peer could read the pages with other k/v scales); drop one of the two",
+            )
         if self.parallel.data_parallel_size > 1:
-            _need(self.kv_transfer is None, "kv_transfer_config", "set",
-                  f"a P/D engine pairs one KV cache with its peer; with data_parallel_size="
-                  f"{self.parallel.data_parallel_size} run one server per replica behind "
-                  f"`tpuserve router` instead")
+            _need(
+                self.kv_transfer is None,
+                "kv_transfer_config",
+                "set",
+                f"a P/D engine pairs one KV cache with its peer; with data_parallel_size="
+                f"{self.parallel.data_parallel_size} run one server per replica behind "
+                f"`tpuserve router` instead",
+            )
         s = self.scheduler
         if not s.enable_chunked_prefill and self.model.max_model_len is not None:
-            _need(s.max_num_batched_tokens >= self.model.max_model_len, "max_num_batched_tokens",
-                  s.max_num_batched_tokens, "must be >= max_model_len when chunked prefill is disabled")
+            _need(
+                s.max_num_batched_tokens >= self.model.max_model_len,
+                "max_num_batched_tokens",
+                s.max_num_batched_tokens,
+                "must be >= max_model_len when chunked prefill is disabled",
+            )
 
     @property
     def token_buckets(self) -> tuple[int, ...]:
@@ -325,7 +437,7 @@ class EngineConfig:
         c = self.compilation
         return _token_buckets(min(c.min_token_bucket, hi), hi, c.token_bucket_factor)
 
-    def for_backend(self, backend: str) -> "EngineConfig":
+    def for_backend(self, backend: str) -> EngineConfig:
         """This config with the scheduler sizes ``backend`` ("tpu", "gpu", "cpu") prefers, for the
         flags the user left unset (TPU_SCHEDULER_DEFAULTS); other backends keep it as it is."""
         if backend != "tpu":
@@ -345,7 +457,7 @@ class EngineConfig:
         return out
 
     @classmethod
-    def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
         """Build from flat, vLLM-named keyword arguments; unknown names get a clear error."""
         where = _flat_fields()
         unknown = sorted(set(kwargs) - set(where) - set(_SECTION_FLAGS))

@@ -62,10 +62,12 @@ def scales_from_amax(k_amax: float, v_amax: float, margin: float = MARGIN) -> tu
 
 
 def _layer_scale(get, layer: int, kind: str) -> float | None:
-    for name in (f"model.layers.{layer}.self_attn.{kind}_scale",
-                 f"model.layers.{layer}.self_attn.attn.{kind}_scale",
-                 f"model.layers.{layer}.self_attn.{kind}_proj.{kind}_scale",
-                 f"model.layers.{layer}.self_attn.{kind}_proj.output_scale"):
+    for name in (
+        f"model.layers.{layer}.self_attn.{kind}_scale",
+        f"model.layers.{layer}.self_attn.attn.{kind}_scale",
+        f"model.layers.{layer}.self_attn.{kind}_proj.{kind}_scale",
+        f"model.layers.{layer}.self_attn.{kind}_proj.output_scale",
+    ):
         t = get(name)
         if t is not None:
             return float(np.max(np.asarray(t, np.float32)))
@@ -81,10 +83,11 @@ def scales_from_checkpoint(get, num_layers: int) -> tuple[float, float] | None:
     if not any(present):
         return None
     if not all(present):
-        missing = [f"layer {i} {kind}_scale" for kind in "kv" for i, x in enumerate(found[kind])
-                   if x is None]
-        raise ValueError(f"the checkpoint carries KV cache scales for some layers only (missing: "
-                         f"{', '.join(missing[:6])}{' ...' if len(missing) > 6 else ''})")
+        missing = [f"layer {i} {kind}_scale" for kind in "kv" for i, x in enumerate(found[kind]) if x is None]
+        raise ValueError(
+            f"the checkpoint carries KV cache scales for some layers only (missing: "
+            f"{', '.join(missing[:6])}{' ...' if len(missing) > 6 else ''})"
+        )
     out = (max(found["k"]), max(found["v"]))
     if not all(np.isfinite(s) and s > 0 for s in out):
         raise ValueError(f"the checkpoint's KV cache scales must be positive and finite, got {out}")

@@ -42,10 +42,16 @@ def plan_devices(tensor_parallel_size: int, data_parallel_size: int = 1, devices
     need = tp * dp
     if need > len(devices):
         platform = getattr(devices[0], "platform", "?") if devices else "?"
-        hint = (" (on CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N before JAX starts "
-                "gives N fake devices)" if platform == "cpu" else "")
-        raise ConfigError(f"tensor_parallel_size={tp} x data_parallel_size={dp} needs {need} devices, "
-                          f"but this host has {len(devices)} {platform} device(s){hint}")
+        hint = (
+            " (on CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N before JAX starts "
+            "gives N fake devices)"
+            if platform == "cpu"
+            else ""
+        )
+        raise ConfigError(
+            f"tensor_parallel_size={tp} x data_parallel_size={dp} needs {need} devices, "
+            f"but this host has {len(devices)} {platform} device(s){hint}"
+        )
     grid = np.empty((dp, tp), dtype=object)
     for i, d in enumerate(devices[:need]):
         grid[i // tp, i % tp] = d

@@ -40,13 +40,19 @@ from tpuserve.spec_decode import rejection_sampler
 from tpuserve.tpu_platform import sampler
 from tpuserve.tpu_platform.config import EngineConfig
 from tpuserve.tpu_platform.device import DeviceInfo
+from tpuserve.tpu_platform.mesh import MODEL_AXIS, model_axis_size
 from tpuserve.tpu_platform.models.arch import ModelArch
 from tpuserve.tpu_platform.models.decoder import compute_logits, forward
-from tpuserve.tpu_platform.mesh import MODEL_AXIS, model_axis_size
 from tpuserve.tpu_platform.models.sharding import kv_cache_partition_spec, param_partition_specs
 from tpuserve.tpu_platform.models.weights import unstack_layers
-from tpuserve.tpu_platform.step_batch import (Logprobs, SamplingBatch, ScheduledSeq,
-                                              StepBatch, StepOutput, pack_sampling_rows)
+from tpuserve.tpu_platform.step_batch import (
+    Logprobs,
+    SamplingBatch,
+    ScheduledSeq,
+    StepBatch,
+    StepOutput,
+    pack_sampling_rows,
+)
 
 log = logging.getLogger(__name__)
 
@@ -88,11 +94,22 @@ class PendingStep:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, arch: ModelArch, params: dict, device: DeviceInfo,
-                 dtype, num_pages: int | None, max_model_len: int, num_speculative_tokens: int | None = None,
-                 mesh=None, kv_cache_dtype=None, kv_scales: tuple[float, float] | None = None,
-                 calibration_tokens: np.ndarray | None = None,
-                 draft_aux_layers: tuple[int, ...] | None = None):
+    def __init__(
+        self,
+        config: EngineConfig,
+        arch: ModelArch,
+        params: dict,
+        device: DeviceInfo,
+        dtype,
+        num_pages: int | None,
+        max_model_len: int,
+        num_speculative_tokens: int | None = None,
+        mesh=None,
+        kv_cache_dtype=None,
+        kv_scales: tuple[float, float] | None = None,
+        calibration_tokens: np.ndarray | None = None,
+        draft_aux_layers: tuple[int, ...] | None = None,
+    ):
         """num_pages: KV pages to allocate; None defers the cache to ``allocate_kv_cache`` (so that
         ``step_memory`` can size it first).
         num_speculative_tokens: the most drafts a sequence verifies per step (the draft slots
@@ -130,24 +147,30 @@ class ModelRunner:
         self.max_num_seqs = config.scheduler.max_num_seqs
         self.max_logprobs = config.model.max_logprobs
         self.kv_cache_dtype = jnp.dtype(dtype if kv_cache_dtype is None else kv_cache_dtype)
-        self.attn_impl = resolve_impl(config.compilation.attention_impl, device.backend,
-                                      self.kv_cache_dtype)
+        self.attn_impl = resolve_impl(config.compilation.attention_impl, device.backend, self.kv_cache_dtype)
         self.kv_scales = None if kv_scales is None else tuple(float(x) for x in kv_scales)
         if jnp.dtype(self.kv_cache_dtype).itemsize == 1 and self.kv_scales is None:
             if calibration_tokens is None:
-                raise ValueError(f"a {self.kv_cache_dtype} KV cache needs kv_scales or "
-                                 f"calibration_tokens to measure them from")
+                raise ValueError(
+                    f"a {self.kv_cache_dtype} KV cache needs kv_scales or "
+                    f"calibration_tokens to measure them from"
+                )
             # Before the real cache exists: the calibration cache is small, but not free.
             self.kv_scales = self.calibrate_kv_scales(calibration_tokens)
         # The cache's device format: row-major for the compiled TPU kernel (kv_cache/layout.py says
         # why), else the compiler's choice (None).
         self.kv_format = kv_cache_format(
-            self.attn_impl, self.kv_cache_dtype,
-            self._kv_sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+            self.attn_impl,
+            self.kv_cache_dtype,
+            self._kv_sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0]),
+        )
         self.max_pages_per_seq = math.ceil(max_model_len / self.page_size)
         # The blocked path's work follows the live context, not the table width: one page bucket.
-        self.page_buckets = ((self.max_pages_per_seq,) if self.attn_impl == "blocked"
-                             else self._page_buckets(self.max_pages_per_seq))
+        self.page_buckets = (
+            (self.max_pages_per_seq,)
+            if self.attn_impl == "blocked"
+            else self._page_buckets(self.max_pages_per_seq)
+        )
         self.token_buckets = config.token_buckets
         self.seq_buckets = tuple(sorted({min(t, self.max_num_seqs) for t in self.token_buckets}))
         self.max_seq_slots = self.seq_buckets[-1]
@@ -155,11 +178,15 @@ class ModelRunner:
         pin = {}
         if self.kv_format is not None:
             # In and out in the cache's format, so the donated buffer is updated in place.
-            pin = dict(in_shardings=(None, self.kv_format) + (None,) * 6,
-                       out_shardings=(None, None, None, self.kv_format))
+            pin = dict(
+                in_shardings=(None, self.kv_format) + (None,) * 6,
+                out_shardings=(None, None, None, self.kv_format),
+            )
         self._step = jax.jit(
             functools.partial(self._traced_step, inv_freq=jnp.asarray(arch.inv_freq())),
-            donate_argnums=(1,), **pin)
+            donate_argnums=(1,),
+            **pin,
+        )
         self.kv_spec: KVCacheSpec | None = None
         self.kv_cache = None
         if num_pages is not None:
@@ -168,9 +195,15 @@ class ModelRunner:
         self._no_feed = self._put(np.zeros(self.max_seq_slots, np.int32))
 
     def _cache_spec(self, num_pages: int) -> KVCacheSpec:
-        return KVCacheSpec(self.arch.num_layers, num_pages, self.page_size, self.arch.num_kv_heads,
-                           self.arch.head_dim, self.kv_cache_dtype,
-                           num_shards=model_axis_size(self.mesh))
+        return KVCacheSpec(
+            self.arch.num_layers,
+            num_pages,
+            self.page_size,
+            self.arch.num_kv_heads,
+            self.arch.head_dim,
+            self.kv_cache_dtype,
+            num_shards=model_axis_size(self.mesh),
+        )
 
     def allocate_kv_cache(self, num_pages: int) -> None:
         """Allocate the KV cache (once): ``num_pages`` pages in the attention backend's shape
@@ -191,14 +224,21 @@ class ModelRunner:
         t, p = self.token_buckets[-1], self.page_buckets[-1]
         batch = self._empty_batch(t, p, self.num_speculative_tokens if t >= 2 else 0)
         spec = self._cache_spec(p + 1)
-        cache = jax.ShapeDtypeStruct(spec.shape_for(self.attn_impl), self.kv_cache_dtype,
-                                     sharding=self._kv_sharding)
+        cache = jax.ShapeDtypeStruct(
+            spec.shape_for(self.attn_impl), self.kv_cache_dtype, sharding=self._kv_sharding
+        )
         put = self._put
-        fwd = self._step.lower(self.params, cache, put(batch.token_ids),
-                               put(np.full(t, -1, np.int32)), self._no_feed, put(batch.positions),
-                               self._metadata(batch), put(batch.logits_indices)).compile()
-        hidden = jax.ShapeDtypeStruct((t, self.arch.hidden_size), self.dtype,
-                                      sharding=self._replicated)
+        fwd = self._step.lower(
+            self.params,
+            cache,
+            put(batch.token_ids),
+            put(np.full(t, -1, np.int32)),
+            self._no_feed,
+            put(batch.positions),
+            self._metadata(batch),
+            put(batch.logits_indices),
+        ).compile()
+        hidden = jax.ShapeDtypeStruct((t, self.arch.hidden_size), self.dtype, sharding=self._replicated)
         head = self._prompt_logits.lower(self.params, hidden).compile()
 
         def need(compiled, exclude: int) -> int:
@@ -224,9 +264,19 @@ class ModelRunner:
         """Model + LM head on the sampled rows. Returns (logits [R, V] f32, hidden [T, H] after the
         final norm (prompt logprobs score its rows later), draft features [T, A] or None, kv_cache)."""
         self._traces += 1  # runs only while tracing, i.e. once per compiled program
-        out = forward(params, kv_cache, token_ids, positions, md, arch=self.arch,
-                      attn_impl=self.attn_impl, inv_freq=inv_freq, mesh=self.mesh,
-                      kv_scales=self.kv_scales, aux_layer_ids=self.draft_aux_layers or ())
+        out = forward(
+            params,
+            kv_cache,
+            token_ids,
+            positions,
+            md,
+            arch=self.arch,
+            attn_impl=self.attn_impl,
+            inv_freq=inv_freq,
+            mesh=self.mesh,
+            kv_scales=self.kv_scales,
+            aux_layer_ids=self.draft_aux_layers or (),
+        )
         logits = compute_logits(params, out.hidden[logits_indices], arch=self.arch)
         hidden, kv_cache = out.hidden, out.kv_cache
         features = None
@@ -252,8 +302,15 @@ class ModelRunner:
             raise ValueError("calibration needs at least one token")
         pages = -(-n // self.page_size)
         t_slots = -(-n // 16) * 16
-        spec = KVCacheSpec(self.arch.num_layers, pages + 1, self.page_size, self.arch.num_kv_heads,
-                           self.arch.head_dim, self.dtype, num_shards=model_axis_size(self.mesh))
+        spec = KVCacheSpec(
+            self.arch.num_layers,
+            pages + 1,
+            self.page_size,
+            self.arch.num_kv_heads,
+            self.arch.head_dim,
+            self.dtype,
+            num_shards=model_axis_size(self.mesh),
+        )
         cache = spec.allocate(self.attn_impl, self._kv_sharding)
         tokens, positions = np.zeros(t_slots, np.int32), np.zeros(t_slots, np.int32)
         tokens[:n], positions[:n] = ids, np.arange(n, dtype=np.int32)
@@ -261,34 +318,55 @@ class ModelRunner:
         md = AttentionMetadata(
             kv_lens=put(np.asarray([n], np.int32)),
             page_indices=put(np.arange(1, pages + 1, dtype=np.int32)[None]),
-            cu_q_lens=put(np.asarray([0, n], np.int32)), num_seqs=put(np.asarray([1], np.int32)))
+            cu_q_lens=put(np.asarray([0, n], np.int32)),
+            num_seqs=put(np.asarray([1], np.int32)),
+        )
 
         def amax(params, cache, tokens, positions, md, inv_freq):
-            kv = forward(params, cache, tokens, positions, md, arch=self.arch,
-                         attn_impl=self.attn_impl, inv_freq=inv_freq, mesh=self.mesh).kv_cache
+            kv = forward(
+                params,
+                cache,
+                tokens,
+                positions,
+                md,
+                arch=self.arch,
+                attn_impl=self.attn_impl,
+                inv_freq=inv_freq,
+                mesh=self.mesh,
+            ).kv_cache
             # Combined heads interleave K (even) and V (odd); padding heads and unwritten rows
             # are zeros, which never raise an amax.
             kv = jnp.abs(kv.astype(jnp.float32))
             return jnp.max(kv[..., 0::2, :]), jnp.max(kv[..., 1::2, :])
 
-        k_amax, v_amax = jax.jit(amax)(self.params, cache, put(tokens), put(positions), md,
-                                       jnp.asarray(self.arch.inv_freq()))
+        k_amax, v_amax = jax.jit(amax)(
+            self.params, cache, put(tokens), put(positions), md, jnp.asarray(self.arch.inv_freq())
+        )
         k_amax, v_amax = float(k_amax), float(v_amax)
         del cache
         if not (np.isfinite(k_amax) and np.isfinite(v_amax)):
-            raise ValueError(f"KV cache calibration measured a non-finite amax "
-                             f"(K {k_amax}, V {v_amax}): the model's activations overflow")
+            raise ValueError(
+                f"KV cache calibration measured a non-finite amax "
+                f"(K {k_amax}, V {v_amax}): the model's activations overflow"
+            )
         scales = ks.scales_from_amax(k_amax, v_amax, ks.MARGIN if margin is None else margin)
-        log.info("FP8 KV cache: calibrated over %d tokens: K amax %.4g, V amax %.4g -> "
-                 "k_scale %.6g, v_scale %.6g", n, k_amax, v_amax, *scales)
+        log.info(
+            "FP8 KV cache: calibrated over %d tokens: K amax %.4g, V amax %.4g -> k_scale %.6g, v_scale %.6g",
+            n,
+            k_amax,
+            v_amax,
+            *scales,
+        )
         return scales
 
-    def _traced_step(self, params, kv_cache, token_ids, feed_rows, prev_tokens, positions, md,
-                     logits_indices, *, inv_freq):
+    def _traced_step(
+        self, params, kv_cache, token_ids, feed_rows, prev_tokens, positions, md, logits_indices, *, inv_freq
+    ):
         # Async scheduling: rows the host could not fill yet take the previous step's token here.
         token_ids = jnp.where(feed_rows >= 0, prev_tokens[jnp.maximum(feed_rows, 0)], token_ids)
-        return self._traced_forward(params, kv_cache, token_ids, positions, md, logits_indices,
-                                    inv_freq=inv_freq)
+        return self._traced_forward(
+            params, kv_cache, token_ids, positions, md, logits_indices, inv_freq=inv_freq
+        )
 
     def _traced_prompt_logits(self, params, hidden):
         """Logits of every row of a step, rows padded to the logprob bucket: [B, V] f32."""
@@ -311,8 +389,7 @@ class ModelRunner:
     @property
     def compile_count(self) -> int:
         """Programs traced so far: model forward variants plus sampler and step-glue variants."""
-        return (self._traces + sampler.compile_count() + _glue_traces()
-                + rejection_sampler.compile_count())
+        return self._traces + sampler.compile_count() + _glue_traces() + rejection_sampler.compile_count()
 
     def _put(self, x) -> jax.Array:
         """A host array as a step input: on the default device, or replicated over the mesh."""
@@ -351,22 +428,25 @@ class ModelRunner:
             if n == 0:
                 raise ValueError("a scheduled sequence must compute at least one token")
             if k and s.sampling.token_bitmask is not None and s.draft_bitmasks is None:
-                raise ValueError("drafts under a grammar need draft_bitmasks: each verification row "
-                                 "has the mask of the grammar state after the drafts before it")
+                raise ValueError(
+                    "drafts under a grammar need draft_bitmasks: each verification row "
+                    "has the mask of the grammar state after the drafts before it"
+                )
             if s.draft_bitmasks is not None and len(s.draft_bitmasks) != k + 1:
-                raise ValueError(f"sequence {i}: {len(s.draft_bitmasks)} draft_bitmasks rows for "
-                                 f"{k} drafts (want {k + 1})")
+                raise ValueError(
+                    f"sequence {i}: {len(s.draft_bitmasks)} draft_bitmasks rows for {k} drafts (want {k + 1})"
+                )
             kv_len = s.num_computed + n + k
             if len(s.page_ids) * self.page_size < kv_len:
                 raise ValueError(f"sequence {i}: {len(s.page_ids)} pages cannot hold {kv_len} tokens")
-            token_ids[off: off + n] = s.token_ids
-            token_ids[off + n: off + n + k] = s.draft_token_ids
+            token_ids[off : off + n] = s.token_ids
+            token_ids[off + n : off + n + k] = s.draft_token_ids
             if s.feed_from >= 0:
                 feed_rows[off] = s.feed_from
-            positions[off: off + n + k] = np.arange(s.num_computed, kv_len)
+            positions[off : off + n + k] = np.arange(s.num_computed, kv_len)
             kv_lens[i] = kv_len
             page_table[i, : len(s.page_ids)] = s.page_ids
-            logits_indices[row: row + k + 1] = np.arange(off + n - 1, off + n + k)
+            logits_indices[row : row + k + 1] = np.arange(off + n - 1, off + n + k)
             drafts[i, :k] = s.draft_token_ids
             if s.prompt_logprob_targets:
                 m = len(s.prompt_logprob_targets)
@@ -377,25 +457,35 @@ class ModelRunner:
             row += k + 1
             cu[i + 1] = off
             cu_logits[i + 1] = row
-        cu[len(seqs) + 1:] = off
-        cu_logits[len(seqs) + 1:] = row
+        cu[len(seqs) + 1 :] = off
+        cu_logits[len(seqs) + 1 :] = row
         sampling = pack_sampling_rows([s.sampling for s in seqs], s_slots, self.arch.vocab_size)
         row_bitmask = None
         if any(s.draft_bitmasks is not None for s in seqs):
             row_bitmask = np.full((r_slots, (self.arch.vocab_size + 31) // 32), -1, np.int32)
             for i, s in enumerate(seqs):
                 if s.draft_bitmasks is not None:
-                    row_bitmask[cu_logits[i]: cu_logits[i + 1]] = s.draft_bitmasks
+                    row_bitmask[cu_logits[i] : cu_logits[i + 1]] = s.draft_bitmasks
                 elif s.sampling.token_bitmask is not None:
-                    row_bitmask[cu_logits[i]: cu_logits[i + 1]] = s.sampling.token_bitmask
+                    row_bitmask[cu_logits[i] : cu_logits[i + 1]] = s.sampling.token_bitmask
         return StepBatch(
-            token_ids=token_ids, positions=positions, cu_q_lens=cu, kv_lens=kv_lens,
-            page_table=page_table, num_seqs=len(seqs), num_tokens=num_tokens,
-            logits_indices=logits_indices, cu_logits=cu_logits, draft_token_ids=drafts,
-            sampling=sampling, feed_rows=feed_rows if (feed_rows >= 0).any() else None,
+            token_ids=token_ids,
+            positions=positions,
+            cu_q_lens=cu,
+            kv_lens=kv_lens,
+            page_table=page_table,
+            num_seqs=len(seqs),
+            num_tokens=num_tokens,
+            logits_indices=logits_indices,
+            cu_logits=cu_logits,
+            draft_token_ids=drafts,
+            sampling=sampling,
+            feed_rows=feed_rows if (feed_rows >= 0).any() else None,
             prompt_logprob_rows=np.asarray(pl_rows, np.int32) if pl_rows else None,
             prompt_logprob_targets=np.asarray(pl_targets, np.int32) if pl_rows else None,
-            num_prompt_logprobs=pl_k, row_bitmask=row_bitmask)
+            num_prompt_logprobs=pl_k,
+            row_bitmask=row_bitmask,
+        )
 
     def page_bucket(self, num_pages: int) -> int:
         """The page-table width a sequence of ``num_pages`` pages is padded to."""
@@ -419,8 +509,11 @@ class ModelRunner:
     def _metadata(self, batch: StepBatch) -> AttentionMetadata:
         put = self._put
         return AttentionMetadata(
-            kv_lens=put(batch.kv_lens), page_indices=put(batch.page_table),
-            cu_q_lens=put(batch.cu_q_lens), num_seqs=put(np.asarray([batch.num_seqs], np.int32)))
+            kv_lens=put(batch.kv_lens),
+            page_indices=put(batch.page_table),
+            cu_q_lens=put(batch.cu_q_lens),
+            num_seqs=put(np.asarray([batch.num_seqs], np.int32)),
+        )
 
     def forward(self, batch: StepBatch, prev: PendingStep | None = None) -> ForwardState:
         """Dispatch the model over ``batch`` (returns before the device finishes).
@@ -433,8 +526,15 @@ class ModelRunner:
         prev_tokens = prev.last_tokens if prev is not None else self._no_feed
         put = self._put
         logits, hidden, features, self.kv_cache = self._step(
-            self.params, self.kv_cache, put(batch.token_ids), put(feed), prev_tokens,
-            put(batch.positions), self._metadata(batch), put(batch.logits_indices))
+            self.params,
+            self.kv_cache,
+            put(batch.token_ids),
+            put(feed),
+            prev_tokens,
+            put(batch.positions),
+            self._metadata(batch),
+            put(batch.logits_indices),
+        )
         return ForwardState(batch, logits, hidden, features)
 
     def step_hlo(self, batch: StepBatch) -> str:
@@ -442,12 +542,24 @@ class ModelRunner:
         what ``collectives.collectives`` reads the communication of a sharded step from."""
         put = self._put
         feed = np.full(len(batch.token_ids), -1, np.int32)
-        return self._step.lower(self.params, self.kv_cache, put(batch.token_ids), put(feed),
-                                self._no_feed, put(batch.positions), self._metadata(batch),
-                                put(batch.logits_indices)).compile().as_text()
+        return (
+            self._step.lower(
+                self.params,
+                self.kv_cache,
+                put(batch.token_ids),
+                put(feed),
+                self._no_feed,
+                put(batch.positions),
+                self._metadata(batch),
+                put(batch.logits_indices),
+            )
+            .compile()
+            .as_text()
+        )
 
-    def sample(self, fwd: ForwardState, sampling: SamplingBatch | None = None,
-               draft_probs: jax.Array | None = None) -> PendingStep:
+    def sample(
+        self, fwd: ForwardState, sampling: SamplingBatch | None = None, draft_probs: jax.Array | None = None
+    ) -> PendingStep:
         """Dispatch sampling (and draft verification) over a forward's logits.
 
         ``sampling`` replaces the batch's own (the vLLM worker adds the grammar bitmask here).
@@ -464,8 +576,14 @@ class ModelRunner:
             tokens, lp_parts = sampler.sample_async(fwd.logits, rows, self.max_logprobs)
             token_ids, accepted = tokens[:, None], jnp.zeros(tokens.shape[0], jnp.int32)
         else:
-            v = rejection_sampler.verify_async(fwd.logits, rows, batch.draft_token_ids, batch.cu_logits,
-                                               draft_probs, max_logprobs=self.max_logprobs)
+            v = rejection_sampler.verify_async(
+                fwd.logits,
+                rows,
+                batch.draft_token_ids,
+                batch.cu_logits,
+                draft_probs,
+                max_logprobs=self.max_logprobs,
+            )
             token_ids, accepted, lp_parts = v.token_ids, v.num_accepted, v.logprobs
         prompt_parts = None
         if batch.prompt_logprob_rows is not None:
@@ -474,23 +592,29 @@ class ModelRunner:
             targets = np.zeros(len(batch.token_ids), np.int32)
             targets[batch.prompt_logprob_rows] = batch.prompt_logprob_targets
             prompt_parts = sampler.compute_logprobs_async(
-                self._prompt_logits(self.params, fwd.hidden), targets, self.max_logprobs)
+                self._prompt_logits(self.params, fwd.hidden), targets, self.max_logprobs
+            )
         last = _last_tokens(token_ids, accepted, num_slots=self.max_seq_slots)
-        return PendingStep(batch.num_seqs, token_ids, accepted, last, lp_parts, prompt_parts,
-                           batch.prompt_logprob_rows)
+        return PendingStep(
+            batch.num_seqs, token_ids, accepted, last, lp_parts, prompt_parts, batch.prompt_logprob_rows
+        )
 
     @staticmethod
     def fetch(step: PendingStep) -> StepOutput:
         """Wait for a dispatched step and copy its results to the host."""
+
         def lp(parts, rows=None):
             if parts is None:
                 return None
             a, b, c, d = (np.asarray(p) if rows is None else np.asarray(p)[rows] for p in parts)
             return Logprobs(token_logprobs=a, token_ranks=b, top_ids=c, top_logprobs=d)
 
-        return StepOutput(token_ids=np.asarray(step.token_ids), num_accepted=np.asarray(step.num_accepted),
-                          logprobs=lp(step.logprobs),
-                          prompt_logprobs=lp(step.prompt_logprobs, step.prompt_logprob_rows))
+        return StepOutput(
+            token_ids=np.asarray(step.token_ids),
+            num_accepted=np.asarray(step.num_accepted),
+            logprobs=lp(step.logprobs),
+            prompt_logprobs=lp(step.prompt_logprobs, step.prompt_logprob_rows),
+        )
 
     def execute(self, batch: StepBatch) -> StepOutput:
         """One step, synchronously."""
@@ -523,9 +647,16 @@ class ModelRunner:
             row_counts |= {self._logits_slots(t, k) for t in drafted_buckets}
             rejection_sampler.warmup(
                 [(self._logits_slots(t, k), min(t, self.max_num_seqs), k) for t in drafted_buckets],
-                self.arch.vocab_size, sharding=self._replicated)
-        sampler.warmup(sorted(row_counts), self.arch.vocab_size, self.max_logprobs,
-                       prompt_logprob_rows=self.token_buckets[-1], sharding=self._replicated)
+                self.arch.vocab_size,
+                sharding=self._replicated,
+            )
+        sampler.warmup(
+            sorted(row_counts),
+            self.arch.vocab_size,
+            self.max_logprobs,
+            prompt_logprob_rows=self.token_buckets[-1],
+            sharding=self._replicated,
+        )
         # Prompt logprobs: the LM head over every row of each token bucket.
         for t in self.token_buckets:
             self._prompt_logits(self.params, self._put(np.zeros((t, self.arch.hidden_size), self.dtype)))
@@ -538,13 +669,18 @@ class ModelRunner:
         written or attended."""
         s_slots = min(t_slots, self.max_num_seqs)
         return StepBatch(
-            token_ids=np.zeros(t_slots, np.int32), positions=np.zeros(t_slots, np.int32),
-            cu_q_lens=np.zeros(s_slots + 1, np.int32), kv_lens=np.zeros(s_slots, np.int32),
-            page_table=np.zeros((s_slots, pages_per_seq), np.int32), num_seqs=0,
-            num_tokens=0, logits_indices=np.zeros(self._logits_slots(t_slots, k_slots), np.int32),
+            token_ids=np.zeros(t_slots, np.int32),
+            positions=np.zeros(t_slots, np.int32),
+            cu_q_lens=np.zeros(s_slots + 1, np.int32),
+            kv_lens=np.zeros(s_slots, np.int32),
+            page_table=np.zeros((s_slots, pages_per_seq), np.int32),
+            num_seqs=0,
+            num_tokens=0,
+            logits_indices=np.zeros(self._logits_slots(t_slots, k_slots), np.int32),
             cu_logits=np.zeros(s_slots + 1, np.int32),
             draft_token_ids=np.full((s_slots, k_slots), -1, np.int32),
-            sampling=pack_sampling_rows([], s_slots, self.arch.vocab_size))
+            sampling=pack_sampling_rows([], s_slots, self.arch.vocab_size),
+        )
 
 
 # ---- step glue: small jitted helpers between the model and the sampler ----
@@ -570,8 +706,9 @@ def _last_tokens(token_ids, num_accepted, *, num_slots: int):
     return jnp.zeros(num_slots, jnp.int32).at[: last.shape[0]].set(last)
 
 
-def _expand_rows(sampling: SamplingBatch, cu_logits: np.ndarray, num_rows: int,
-                 drafts: np.ndarray | None = None) -> SamplingBatch:
+def _expand_rows(
+    sampling: SamplingBatch, cu_logits: np.ndarray, num_rows: int, drafts: np.ndarray | None = None
+) -> SamplingBatch:
     """Per-sequence sampling params -> one row per logits row (the identity without drafts).
 
     A sequence's j-th row samples token index ``step + j``: each position keeps its own key, and
@@ -589,10 +726,27 @@ def _expand_rows(sampling: SamplingBatch, cu_logits: np.ndarray, num_rows: int,
     def take(a):
         return None if a is None else a[src]
 
-    out = SamplingBatch(**{name: take(getattr(sampling, name)) for name in (
-        "temperature", "top_k", "top_p", "min_p", "seeds", "steps", "repetition_penalty",
-        "presence_penalty", "frequency_penalty", "output_counts", "prompt_mask", "banned_ids",
-        "token_bitmask")}, num_logprobs=sampling.num_logprobs)
+    out = SamplingBatch(
+        **{
+            name: take(getattr(sampling, name))
+            for name in (
+                "temperature",
+                "top_k",
+                "top_p",
+                "min_p",
+                "seeds",
+                "steps",
+                "repetition_penalty",
+                "presence_penalty",
+                "frequency_penalty",
+                "output_counts",
+                "prompt_mask",
+                "banned_ids",
+                "token_bitmask",
+            )
+        },
+        num_logprobs=sampling.num_logprobs,
+    )
     out.steps = out.steps + np.concatenate([offs, np.zeros(pad, np.int64)]).astype(np.int32)
     if out.output_counts is not None and drafts is not None:
         real = np.arange(len(offs))
@@ -601,4 +755,3 @@ def _expand_rows(sampling: SamplingBatch, cu_logits: np.ndarray, num_rows: int,
             ids = drafts[src[r], j - 1]
             np.add.at(out.output_counts, (r[ids >= 0], ids[ids >= 0]), 1)
     return out
-

@@ -42,8 +42,9 @@ the row keys (``row_keys``) and the logprobs program (``token_logprobs_async``).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -311,8 +312,15 @@ _logprobs_jit = jax.jit(_logprobs_impl, static_argnames=("num_top",))
 def _check_rows(batch: SamplingBatch, num_rows: int, vocab: int) -> None:
     """Raise ValueError when a batch array does not match the logits' [S, V]."""
     for name in (
-        "temperature", "top_k", "top_p", "min_p", "seeds", "steps",
-        "repetition_penalty", "presence_penalty", "frequency_penalty",
+        "temperature",
+        "top_k",
+        "top_p",
+        "min_p",
+        "seeds",
+        "steps",
+        "repetition_penalty",
+        "presence_penalty",
+        "frequency_penalty",
     ):
         shape = np.shape(getattr(batch, name))
         if shape != (num_rows,):
@@ -326,7 +334,9 @@ def _check_rows(batch: SamplingBatch, num_rows: int, vocab: int) -> None:
         if arr is not None and np.shape(arr) != (num_rows, cols):
             raise ValueError(f"SamplingBatch.{name} has shape {np.shape(arr)}, expected ({num_rows}, {cols})")
     if batch.banned_ids is not None and (np.ndim(batch.banned_ids) != 2 or len(batch.banned_ids) != num_rows):
-        raise ValueError(f"SamplingBatch.banned_ids has shape {np.shape(batch.banned_ids)}, expected ({num_rows}, K)")
+        raise ValueError(
+            f"SamplingBatch.banned_ids has shape {np.shape(batch.banned_ids)}, expected ({num_rows}, K)"
+        )
     if batch.num_logprobs is not None and batch.num_logprobs < 0:
         raise ValueError(f"num_logprobs must be None or >= 0, got {batch.num_logprobs}")
 
@@ -423,10 +433,16 @@ def _prepare(
             repetition_penalty=rep,
             presence_penalty=pres,
             frequency_penalty=freq,
-            output_counts=(np.asarray(batch.output_counts, np.int32) if use_counts
-                           else _neutral("output_counts", num_rows, vocab)),
-            prompt_mask=(np.asarray(batch.prompt_mask, bool) if use_prompt
-                         else _neutral("prompt_mask", num_rows, vocab)),
+            output_counts=(
+                np.asarray(batch.output_counts, np.int32)
+                if use_counts
+                else _neutral("output_counts", num_rows, vocab)
+            ),
+            prompt_mask=(
+                np.asarray(batch.prompt_mask, bool)
+                if use_prompt
+                else _neutral("prompt_mask", num_rows, vocab)
+            ),
             token_bitmask=words if words is not None else _neutral("token_bitmask", num_rows, vocab),
         )
 
@@ -472,7 +488,9 @@ def sample_async(
     return token_ids, parts
 
 
-def sample(logits: jax.Array, batch: SamplingBatch, max_logprobs: int = DEFAULT_MAX_LOGPROBS) -> SamplerOutput:
+def sample(
+    logits: jax.Array, batch: SamplingBatch, max_logprobs: int = DEFAULT_MAX_LOGPROBS
+) -> SamplerOutput:
     """Sample one token per row.
 
     logits [S, V] float (raw model output, ideally already on device); batch has S rows.
@@ -487,7 +505,9 @@ def sample(logits: jax.Array, batch: SamplingBatch, max_logprobs: int = DEFAULT_
     token_ids, parts = sample_async(logits, batch, max_logprobs)
     logprobs = None
     if parts is not None:
-        logprobs = _to_logprobs(parts, len(batch.temperature), min(int(batch.num_logprobs), parts[2].shape[1]))
+        logprobs = _to_logprobs(
+            parts, len(batch.temperature), min(int(batch.num_logprobs), parts[2].shape[1])
+        )
     return SamplerOutput(token_ids=np.asarray(token_ids), logprobs=logprobs)
 
 

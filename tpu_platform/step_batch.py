@@ -45,7 +45,7 @@ class SamplingBatch:
     num_logprobs: int | None = None
 
     @classmethod
-    def greedy(cls, num_rows: int) -> "SamplingBatch":
+    def greedy(cls, num_rows: int) -> SamplingBatch:
         return cls(
             temperature=np.zeros(num_rows, np.float32),
             top_k=np.zeros(num_rows, np.int32),
@@ -174,15 +174,27 @@ class SamplingRow:
 
     @property
     def has_penalties(self) -> bool:
-        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
-                or self.frequency_penalty != 0.0)
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
-def sampling_row(*, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
-                 seed: int = 0, prompt_ids: list[int], output_ids: list[int], num_pending: int = 0,
-                 repetition_penalty: float = 1.0, presence_penalty: float = 0.0,
-                 frequency_penalty: float = 0.0, min_tokens: int = 0, min_tokens_stop_ids=(),
-                 token_bitmask: np.ndarray | None = None, num_logprobs: int | None = None) -> SamplingRow:
+def sampling_row(
+    *,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    min_p: float = 0.0,
+    seed: int = 0,
+    prompt_ids: list[int],
+    output_ids: list[int],
+    num_pending: int = 0,
+    repetition_penalty: float = 1.0,
+    presence_penalty: float = 0.0,
+    frequency_penalty: float = 0.0,
+    min_tokens: int = 0,
+    min_tokens_stop_ids=(),
+    token_bitmask: np.ndarray | None = None,
+    num_logprobs: int | None = None,
+) -> SamplingRow:
     """The one place a front end's request becomes a sampler row (engine, vLLM and SGLang alike).
 
     The row samples output token index ``len(output_ids) + num_pending`` (num_pending: tokens
@@ -191,12 +203,19 @@ def sampling_row(*, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0
     history they need; rows without penalties carry none.
     """
     n_out = len(output_ids) + num_pending
-    row = SamplingRow(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p),
-                      min_p=float(min_p), seed=int(seed) & 0xFFFFFFFF, step=n_out,
-                      repetition_penalty=float(repetition_penalty),
-                      presence_penalty=float(presence_penalty),
-                      frequency_penalty=float(frequency_penalty), token_bitmask=token_bitmask,
-                      num_logprobs=num_logprobs)
+    row = SamplingRow(
+        temperature=float(temperature),
+        top_k=int(top_k),
+        top_p=float(top_p),
+        min_p=float(min_p),
+        seed=int(seed) & 0xFFFFFFFF,
+        step=n_out,
+        repetition_penalty=float(repetition_penalty),
+        presence_penalty=float(presence_penalty),
+        frequency_penalty=float(frequency_penalty),
+        token_bitmask=token_bitmask,
+        num_logprobs=num_logprobs,
+    )
     if row.has_penalties:
         if num_pending:
             raise ValueError("penalties need every output token on the host")

@@ -54,15 +54,18 @@ class MemoryPlan:
         return self.usable - self.weights - self.activations
 
     def describe(self) -> str:
-        return (f"{self.usable / _GIB:.2f} GiB usable of {self.device / _GIB:.2f}: weights "
-                f"{self.weights / _GIB:.2f}, activations {self.activations / _GIB:.2f} (forward "
-                f"{self.forward / _GIB:.2f}, LM head {self.lm_head / _GIB:.2f}, sampler "
-                f"{self.sampler / _GIB:.2f}, margin {self.margin / _GIB:.2f}), KV cache "
-                f"{self.kv_cache / _GIB:.2f}")
+        return (
+            f"{self.usable / _GIB:.2f} GiB usable of {self.device / _GIB:.2f}: weights "
+            f"{self.weights / _GIB:.2f}, activations {self.activations / _GIB:.2f} (forward "
+            f"{self.forward / _GIB:.2f}, LM head {self.lm_head / _GIB:.2f}, sampler "
+            f"{self.sampler / _GIB:.2f}, margin {self.margin / _GIB:.2f}), KV cache "
+            f"{self.kv_cache / _GIB:.2f}"
+        )
 
 
-def plan_memory(config: EngineConfig, *, memory_bytes: int, weight_bytes: int,
-                step_bytes: dict[str, int], vocab_size: int) -> MemoryPlan:
+def plan_memory(
+    config: EngineConfig, *, memory_bytes: int, weight_bytes: int, step_bytes: dict[str, int], vocab_size: int
+) -> MemoryPlan:
     """The accelerator memory plan: ``gpu_memory_utilization`` of ``memory_bytes``, less the
     weights, less what the step programs measured (``ModelRunner.step_memory``) plus the sampler
     allowance and a margin, is the KV cache's. ConfigError naming the numbers and the flags to
@@ -75,17 +78,23 @@ def plan_memory(config: EngineConfig, *, memory_bytes: int, weight_bytes: int,
             f"gpu_memory_utilization: the weights alone take {weight_bytes / _GIB:.2f} GiB, more "
             f"than {util} x {memory_bytes / _GIB:.2f} GiB = {usable / _GIB:.2f} GiB of device "
             f"memory; raise --gpu-memory-utilization, quantize the weights (--quantization fp8), "
-            f"or split them over devices (--tensor-parallel-size)")
-    plan = MemoryPlan(device=memory_bytes, usable=usable, weights=weight_bytes,
-                      forward=int(step_bytes.get("forward", 0)),
-                      lm_head=int(step_bytes.get("prompt_logits", 0)),
-                      sampler=sched.max_num_seqs * vocab_size * 4 * _LOGITS_COPIES,
-                      margin=int(_MARGIN_FRACTION * memory_bytes))
+            f"or split them over devices (--tensor-parallel-size)"
+        )
+    plan = MemoryPlan(
+        device=memory_bytes,
+        usable=usable,
+        weights=weight_bytes,
+        forward=int(step_bytes.get("forward", 0)),
+        lm_head=int(step_bytes.get("prompt_logits", 0)),
+        sampler=sched.max_num_seqs * vocab_size * 4 * _LOGITS_COPIES,
+        margin=int(_MARGIN_FRACTION * memory_bytes),
+    )
     if plan.kv_cache <= 0:
         raise ConfigError(
             f"gpu_memory_utilization: no device memory left for the KV cache ({plan.describe()}); "
             f"raise --gpu-memory-utilization, or lower --max-num-batched-tokens "
-            f"({sched.max_num_batched_tokens}) or --max-num-seqs ({sched.max_num_seqs})")
+            f"({sched.max_num_batched_tokens}) or --max-num-seqs ({sched.max_num_seqs})"
+        )
     return plan
 
 
@@ -95,6 +104,7 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype):
     import jax.numpy as jnp
 
     from tpuserve.tpu_platform.config import FP8_KV_CACHE_DTYPES, KV_CACHE_DTYPES
+
     if kv_cache_dtype == "auto":
         return jnp.dtype(model_dtype)
     if kv_cache_dtype in FP8_KV_CACHE_DTYPES:
@@ -105,6 +115,7 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype):
 def _tree_nbytes(tree) -> int:
     """Bytes of every array in ``tree`` (quantized records count their data and scales)."""
     import jax
+
     return sum(x.nbytes for x in jax.tree_util.tree_leaves(tree))
 
 
@@ -121,8 +132,7 @@ class Worker:
         # No mesh on a single device: the one-device engine stays exactly what it was.
         self.mesh = None
         if par.tensor_parallel_size * par.data_parallel_size > 1:
-            self.mesh = replica_mesh(plan_devices(par.tensor_parallel_size, par.data_parallel_size),
-                                     replica)
+            self.mesh = replica_mesh(plan_devices(par.tensor_parallel_size, par.data_parallel_size), replica)
         self.compilation_cache_dir = enable_compilation_cache(config.compilation.compilation_cache_dir)
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, self.dtype)
@@ -161,12 +171,16 @@ class Worker:
         self._params = self._quantize(params, loaded.quantization)
         if self.kv_cache_dtype.itemsize == 1 and loaded.kv_scales_error is not None:
             from tpuserve.tpu_platform.models.arch import ModelConfigError
-            raise ModelConfigError(f"kv_cache_dtype={self.config.cache.kv_cache_dtype!r}: "
-                                   f"{loaded.kv_scales_error}")
+
+            raise ModelConfigError(
+                f"kv_cache_dtype={self.config.cache.kv_cache_dtype!r}: {loaded.kv_scales_error}"
+            )
         if self.kv_cache_dtype.itemsize == 1 and loaded.kv_scales is not None:
             self.kv_scales = loaded.kv_scales
-            log.info("FP8 KV cache: the checkpoint's scales (max over layers): k_scale %.6g, "
-                     "v_scale %.6g", *self.kv_scales)
+            log.info(
+                "FP8 KV cache: the checkpoint's scales (max over layers): k_scale %.6g, v_scale %.6g",
+                *self.kv_scales,
+            )
         limit = self.arch.max_position_embeddings
         want = m.max_model_len or limit
         if want > limit and clamp_max_model_len:
@@ -174,8 +188,13 @@ class Worker:
         if want > limit:
             raise ConfigError(f"max_model_len: {want} exceeds the model's max_position_embeddings={limit}")
         self.max_model_len = want
-        log.info("loaded %s (%s, %d layers) in %.1f s", loaded.source, self.arch.architecture,
-                 self.arch.num_layers, time.perf_counter() - t0)
+        log.info(
+            "loaded %s (%s, %d layers) in %.1f s",
+            loaded.source,
+            self.arch.architecture,
+            self.arch.num_layers,
+            time.perf_counter() - t0,
+        )
         spec = self.config.speculative
         if spec is not None and spec.method in ("eagle3", "mtp"):
             self._load_draft(spec, loaded.source)
@@ -184,37 +203,54 @@ class Worker:
         from tpuserve.spec_decode.draft_model import load_draft
 
         if self.mesh is not None:
-            raise ConfigError(f"speculative_config.method={spec.method!r} runs its draft head on one "
-                              f"device; it is not supported with tensor or data parallelism yet")
+            raise ConfigError(
+                f"speculative_config.method={spec.method!r} runs its draft head on one "
+                f"device; it is not supported with tensor or data parallelism yet"
+            )
         if self.quantization is not None:
-            raise ConfigError(f"speculative_config.method={spec.method!r}: the draft head shares the "
-                              f"target's embedding, which a quantized target ({self.quantization}) "
-                              f"does not keep dense; not supported yet")
-        self.draft_head, self._draft_params = load_draft(spec.method, spec.model, target_source,
-                                                         self.arch, self._params, self.dtype)
-        log.info("draft head: %s (%d-token vocabulary, features %s)", spec.method,
-                 self.draft_head.draft_vocab_size,
-                 self.draft_head.aux_layer_ids or "final hidden state")
+            raise ConfigError(
+                f"speculative_config.method={spec.method!r}: the draft head shares the "
+                f"target's embedding, which a quantized target ({self.quantization}) "
+                f"does not keep dense; not supported yet"
+            )
+        self.draft_head, self._draft_params = load_draft(
+            spec.method, spec.model, target_source, self.arch, self._params, self.dtype
+        )
+        log.info(
+            "draft head: %s (%d-token vocabulary, features %s)",
+            spec.method,
+            self.draft_head.draft_vocab_size,
+            self.draft_head.aux_layer_ids or "final hidden state",
+        )
 
     def _shard_heads(self, params: dict, checkpoint_method: str | None) -> dict:
         """Check the model splits over the TP devices; replicate KV heads when there are fewer
         than devices (models/sharding.py), before any online quantization."""
-        from tpuserve.tpu_platform.models.sharding import (check_tensor_parallel, group_gate_up_by_device,
-                                                            replicate_kv_heads)
+        from tpuserve.tpu_platform.models.sharding import (
+            check_tensor_parallel,
+            group_gate_up_by_device,
+            replicate_kv_heads,
+        )
 
         tp = self.tensor_parallel_size
         try:
             r = check_tensor_parallel(self.arch, tp)
             if r > 1 and checkpoint_method is not None:
-                raise ValueError(f"tensor_parallel_size={tp}: the model's {self.arch.num_kv_heads} "
-                                 f"KV heads would need replicating, which a pre-quantized "
-                                 f"({checkpoint_method}) checkpoint's qkv cannot be; use a TP size "
-                                 f"that divides the KV heads")
+                raise ValueError(
+                    f"tensor_parallel_size={tp}: the model's {self.arch.num_kv_heads} "
+                    f"KV heads would need replicating, which a pre-quantized "
+                    f"({checkpoint_method}) checkpoint's qkv cannot be; use a TP size "
+                    f"that divides the KV heads"
+                )
         except ValueError as e:
             raise ConfigError(str(e)) from e
         if r > 1:
-            log.info("tensor parallel %d over %d KV heads: each KV head replicated %d times", tp,
-                     self.arch.num_kv_heads, r)
+            log.info(
+                "tensor parallel %d over %d KV heads: each KV head replicated %d times",
+                tp,
+                self.arch.num_kv_heads,
+                r,
+            )
             params, self.arch = replicate_kv_heads(params, self.arch, tp)
         if checkpoint_method is None and self.config.quantization.method is not None:
             params = group_gate_up_by_device(params, tp)  # so its quantized record splits by F
@@ -230,9 +266,11 @@ class Worker:
         method = self.config.quantization.method
         if checkpoint_method is not None:
             if method is not None and method != checkpoint_method:
-                raise ConfigError(f"quantization: the checkpoint is already quantized as "
-                                  f"{checkpoint_method!r}; leave --quantization unset or pass "
-                                  f"{checkpoint_method!r} (got {method!r})")
+                raise ConfigError(
+                    f"quantization: the checkpoint is already quantized as "
+                    f"{checkpoint_method!r}; leave --quantization unset or pass "
+                    f"{checkpoint_method!r} (got {method!r})"
+                )
             self.quantization = checkpoint_method
         elif method is None:
             return params
@@ -240,10 +278,14 @@ class Worker:
             self.quantization = method
         # Registration happens here, not at import: only an engine that holds records needs it.
         from tpuserve.quant.dispatch import register_quant_linears
+
         register_quant_linears()
         if checkpoint_method is not None:
-            log.info("checkpoint is pre-quantized (%s): weights %.1f MiB", checkpoint_method,
-                     _tree_nbytes(params) / 2 ** 20)
+            log.info(
+                "checkpoint is pre-quantized (%s): weights %.1f MiB",
+                checkpoint_method,
+                _tree_nbytes(params) / 2**20,
+            )
             return params
         from tpuserve.quant.calibrate import GPTQ_METHODS, calibration_token_ids
         from tpuserve.quant.params import quantize_params
@@ -254,8 +296,12 @@ class Worker:
             calibration = (self.arch, calibration_token_ids(self.tokenizer))
         params, report = quantize_params(params, method, register=False, calibration=calibration)
         self.quant_report = report
-        log.info("quantized online in %.1f s (%s): %s", time.perf_counter() - t0,
-                 "GPTQ" if calibration else "round-to-nearest", report.summary())
+        log.info(
+            "quantized online in %.1f s (%s): %s",
+            time.perf_counter() - t0,
+            "GPTQ" if calibration else "round-to-nearest",
+            report.summary(),
+        )
         return params
 
     @property
@@ -272,11 +318,18 @@ class Worker:
         """(bytes of a page as the attention backend lays it out, bytes of its real K/V)."""
         from tpuserve.attention.kv_cache_shape import resolve_impl
         from tpuserve.kv_cache.layout import KVCacheSpec
+
         a = self.arch
-        impl = resolve_impl(self.config.compilation.attention_impl, self.device.backend,
-                            self.kv_cache_dtype)
-        spec = KVCacheSpec(a.num_layers, 1, self.config.cache.block_size, a.num_kv_heads, a.head_dim,
-                           self.kv_cache_dtype, num_shards=self.tensor_parallel_size)
+        impl = resolve_impl(self.config.compilation.attention_impl, self.device.backend, self.kv_cache_dtype)
+        spec = KVCacheSpec(
+            a.num_layers,
+            1,
+            self.config.cache.block_size,
+            a.num_kv_heads,
+            a.head_dim,
+            self.kv_cache_dtype,
+            num_shards=self.tensor_parallel_size,
+        )
         padded, plain = spec.page_bytes(impl), spec.bytes_per_page
         if self.draft_head is not None:  # the draft head's one layer shares the page geometry
             d = self.draft_head.arch
@@ -304,11 +357,18 @@ class Worker:
             t0 = time.perf_counter()
             step = runner.step_memory()
             memory = self.device.memory_bytes * self.tensor_parallel_size
-            self._plan = plan_memory(self.config, memory_bytes=memory,
-                                     weight_bytes=self.weight_bytes, step_bytes=step,
-                                     vocab_size=self.arch.vocab_size)
-            log.info("memory plan (step programs measured in %.1f s): %s",
-                     time.perf_counter() - t0, self._plan.describe())
+            self._plan = plan_memory(
+                self.config,
+                memory_bytes=memory,
+                weight_bytes=self.weight_bytes,
+                step_bytes=step,
+                vocab_size=self.arch.vocab_size,
+            )
+            log.info(
+                "memory plan (step programs measured in %.1f s): %s",
+                time.perf_counter() - t0,
+                self._plan.describe(),
+            )
         return self._plan
 
     def num_pages(self, *, need_full_sequence: bool = True) -> int:
@@ -321,13 +381,16 @@ class Worker:
         if cache.num_gpu_blocks is not None:
             n = cache.num_gpu_blocks
         else:
-            n = min(self.kv_cache_budget() // self.page_bytes(),
-                    self.config.scheduler.max_num_seqs * pages_per_seq + 1)
+            n = min(
+                self.kv_cache_budget() // self.page_bytes(),
+                self.config.scheduler.max_num_seqs * pages_per_seq + 1,
+            )
         if n < 2 or (need_full_sequence and n - 1 < pages_per_seq):
             raise ConfigError(
                 f"num_gpu_blocks: the KV cache has {n - 1} usable pages ({(n - 1) * cache.block_size} "
                 f"tokens), fewer than one sequence of max_model_len={self.max_model_len} needs; "
-                f"lower max_model_len or give the cache more memory")
+                f"lower max_model_len or give the cache more memory"
+            )
         return int(n)
 
     # ---- runner ----
@@ -346,13 +409,22 @@ class Worker:
         calibration = None
         if self.kv_cache_dtype.itemsize == 1 and self.kv_scales is None:
             from tpuserve.tpu_platform.kv_scales import calibration_token_ids
+
             calibration = calibration_token_ids(self.tokenizer, self.arch.vocab_size)
-        self.runner = ModelRunner(self.config, self.arch, self._params, self.device, self.dtype,
-                                  num_pages, self.max_model_len, mesh=self.mesh,
-                                  kv_cache_dtype=self.kv_cache_dtype, kv_scales=self.kv_scales,
-                                  calibration_tokens=calibration,
-                                  draft_aux_layers=(None if self.draft_head is None
-                                                    else self.draft_head.aux_layer_ids))
+        self.runner = ModelRunner(
+            self.config,
+            self.arch,
+            self._params,
+            self.device,
+            self.dtype,
+            num_pages,
+            self.max_model_len,
+            mesh=self.mesh,
+            kv_cache_dtype=self.kv_cache_dtype,
+            kv_scales=self.kv_scales,
+            calibration_tokens=calibration,
+            draft_aux_layers=(None if self.draft_head is None else self.draft_head.aux_layer_ids),
+        )
         self._params = None
         return self.runner
 
@@ -362,12 +434,18 @@ class Worker:
         self.kv_scales = self.runner.kv_scales
         if self.draft_head is not None:
             from tpuserve.spec_decode.draft_runner import DraftRunner
+
             self.draft_runner = DraftRunner(self.draft_head, self._draft_params, self.runner)
             self._draft_params = None
-        log.info("KV cache: %d pages of %d tokens (%.2f GiB, %s), token buckets %s, page buckets %s",
-                 num_pages, self.config.cache.block_size,
-                 self.runner.kv_spec.page_bytes(self.runner.attn_impl) * num_pages / (1 << 30),
-                 self.kv_cache_dtype.name, self.runner.token_buckets, self.runner.page_buckets)
+        log.info(
+            "KV cache: %d pages of %d tokens (%.2f GiB, %s), token buckets %s, page buckets %s",
+            num_pages,
+            self.config.cache.block_size,
+            self.runner.kv_spec.page_bytes(self.runner.attn_impl) * num_pages / (1 << 30),
+            self.kv_cache_dtype.name,
+            self.runner.token_buckets,
+            self.runner.page_buckets,
+        )
         return self.runner
 
     def warmup(self) -> int:

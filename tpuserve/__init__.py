@@ -19,6 +19,7 @@ _EXPORTS = {
 def __getattr__(name):
     if name in _EXPORTS:
         import importlib
+
         module, attr = _EXPORTS[name]
         return getattr(importlib.import_module(module), attr)
     raise AttributeError(f"module 'tpuserve' has no attribute {name!r}")

@@ -25,9 +25,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         if kind == "bool":
             group.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None)
         else:
-            group.add_argument(flag, dest=name, default=None,
-                               type={"int": int, "float": float}.get(kind, str),
-                               metavar="JSON" if kind == "json" else None)
+            group.add_argument(
+                flag,
+                dest=name,
+                default=None,
+                type={"int": int, "float": float}.get(kind, str),
+                metavar="JSON" if kind == "json" else None,
+            )
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -51,12 +55,13 @@ def _read_prompts(args) -> list[dict]:
                 try:
                     obj = json.loads(line)
                 except json.JSONDecodeError as e:
-                    raise SystemExit(f"{args.input}:{n}: not valid JSON ({e})")
+                    raise SystemExit(f"{args.input}:{n}: not valid JSON ({e})") from None
                 if isinstance(obj, str):
                     obj = {"prompt": obj}
                 if not isinstance(obj, dict) or not ({"prompt", "prompt_token_ids", "messages"} & obj.keys()):
-                    raise SystemExit(f"{args.input}:{n}: need an object with 'prompt', "
-                                     f"'prompt_token_ids' or 'messages'")
+                    raise SystemExit(
+                        f"{args.input}:{n}: need an object with 'prompt', 'prompt_token_ids' or 'messages'"
+                    )
                 items.append(obj)
     if not items:
         raise SystemExit("no prompts: give --prompt TEXT (repeatable) or --input FILE.jsonl")
@@ -69,8 +74,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     items = _read_prompts(args)
     llm = LLM(args.model, **engine_kwargs(args))
-    base = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                top_k=args.top_k, seed=args.sampling_seed)
+    base = dict(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.sampling_seed,
+    )
     prompts, params = [], []
     for item in items:
         try:
@@ -80,8 +90,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
             item["_error"] = str(e)
         if "messages" in item:
             try:
-                prompts.append({"prompt_token_ids": llm.apply_chat_template(item["messages"],
-                                                                            add_generation_prompt=True)})
+                prompts.append(
+                    {
+                        "prompt_token_ids": llm.apply_chat_template(
+                            item["messages"], add_generation_prompt=True
+                        )
+                    }
+                )
             except Exception as e:  # a bad conversation fails its own line only
                 prompts.append({"prompt_token_ids": []})
                 item["_error"] = f"messages: {e}"
@@ -103,8 +118,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
             if error:
                 rec["error"] = error
             else:
-                rec["outputs"] = [{"text": c.text, "token_ids": c.token_ids,
-                                   "finish_reason": c.finish_reason} for c in o.outputs]
+                rec["outputs"] = [
+                    {"text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason}
+                    for c in o.outputs
+                ]
             out_stream.write(json.dumps(rec, ensure_ascii=False) + "\n")
     return 0
 
@@ -116,8 +133,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="offline batch generation (JSONL in, JSONL out)")
     gen.add_argument("model", nargs="?", default=None, help="model path (default: SmolLM2-135M-Instruct)")
     gen.add_argument("--prompt", action="append", help="a prompt (repeatable)")
-    gen.add_argument("--input", help="JSONL file of {prompt | prompt_token_ids | messages, "
-                                     "sampling_params?} objects; '-' for stdin")
+    gen.add_argument(
+        "--input",
+        help="JSONL file of {prompt | prompt_token_ids | messages, sampling_params?} objects; '-' for stdin",
+    )
     gen.add_argument("--output", help="JSONL output file (default: stdout)")
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)

@@ -38,12 +38,16 @@ def load_secret(secret: bytes | str | None = None, path: str | None = None) -> b
         with open(path, "rb") as f:
             secret, source = f.read().strip(), f"secret file {path}"
     if secret is None:
-        raise ValueError(f"KV transfer needs a shared secret: set {SECRET_ENV} (or {SECRET_FILE_ENV} "
-                         f"to a file holding it) to the same value on every engine")
+        raise ValueError(
+            f"KV transfer needs a shared secret: set {SECRET_ENV} (or {SECRET_FILE_ENV} "
+            f"to a file holding it) to the same value on every engine"
+        )
     raw = secret.encode() if isinstance(secret, str) else bytes(secret)
     if len(raw) < MIN_SECRET_BYTES:
-        raise ValueError(f"{source} is {len(raw)} bytes; a KV transfer secret needs at least "
-                         f"{MIN_SECRET_BYTES} (e.g. `python -c 'import secrets; print(secrets.token_hex(32))'`)")
+        raise ValueError(
+            f"{source} is {len(raw)} bytes; a KV transfer secret needs at least "
+            f"{MIN_SECRET_BYTES} (e.g. `python -c 'import secrets; print(secrets.token_hex(32))'`)"
+        )
     return raw
 
 

@@ -79,7 +79,7 @@ class HostPages:
 
     def numpy(self) -> np.ndarray:
         """``[L, n, page_size, C, D]`` (blocks until landed; a view, each layer's pages contiguous)."""
-        return np.asarray(self.array)[:, :self.num_pages]
+        return np.asarray(self.array)[:, : self.num_pages]
 
 
 class DevicePageMover:
@@ -103,8 +103,9 @@ class DevicePageMover:
 
         devices = kv.devices()
         if len(devices) != 1:
-            raise ValueError(f"page transfer handles a single-device KV cache, this one spans "
-                             f"{len(devices)} devices")
+            raise ValueError(
+                f"page transfer handles a single-device KV cache, this one spans {len(devices)} devices"
+            )
         self._device = next(iter(devices))
         kind = host_memory_kind(self._device)
 
@@ -139,20 +140,22 @@ class DevicePageMover:
 
         ids = self._ids(kv, page_ids)
         idx = np.zeros(_bucket(ids.size), np.int32)
-        idx[:ids.size] = ids
+        idx[: ids.size] = ids
         return HostPages(self._gather(kv, jnp.asarray(idx)), int(ids.size))
 
     def scatter(self, kv, pages: np.ndarray, page_ids: Sequence[int]):
         """Write ``pages [L, n, page_size, C, D]`` into device pages ``page_ids``; ``kv`` is donated."""
         import jax.numpy as jnp
+
         from tpuserve.kv_cache.layout import stage_for
 
         ids = self._ids(kv, page_ids)
         pages = np.asarray(pages)
         want = (kv.shape[0], ids.size, *kv.shape[2:])
         if pages.shape != want:
-            raise ValueError(f"pages of shape {pages.shape} do not fit {ids.size} pages of this cache "
-                             f"({list(want)})")
+            raise ValueError(
+                f"pages of shape {pages.shape} do not fit {ids.size} pages of this cache ({list(want)})"
+            )
         if pages.dtype != np.dtype(kv.dtype):
             raise ValueError(f"pages of dtype {pages.dtype} differ from the cache's {kv.dtype}")
         if len(set(ids.tolist())) != ids.size:
@@ -161,9 +164,9 @@ class DevicePageMover:
             return kv
         n_pad = _bucket(ids.size)
         staging = np.zeros((kv.shape[0], n_pad, *kv.shape[2:]), pages.dtype)
-        staging[:, :ids.size] = pages
+        staging[:, : ids.size] = pages
         idx = np.full(n_pad, kv.shape[1], np.int32)  # out of range: dropped
-        idx[:ids.size] = ids
+        idx[: ids.size] = ids
         return self._scatter(kv, stage_for(kv, staging), jnp.asarray(idx))
 
     def warmup(self, kv, max_pages: int):
@@ -174,5 +177,6 @@ class DevicePageMover:
         from tpuserve.kv_cache.layout import warm_page_transfers
 
         self._ids(kv, [])
-        return warm_page_transfers(kv, self._gather, self._scatter,
-                                   lambda b: (kv.shape[0], b, *kv.shape[2:]), max_pages)
+        return warm_page_transfers(
+            kv, self._gather, self._scatter, lambda b: (kv.shape[0], b, *kv.shape[2:]), max_pages
+        )

@@ -39,7 +39,7 @@ class Deadline:
     io_timeout_s: float
 
     @classmethod
-    def after(cls, total_s: float | None, io_timeout_s: float) -> "Deadline":
+    def after(cls, total_s: float | None, io_timeout_s: float) -> Deadline:
         return cls(float("inf") if total_s is None else time.monotonic() + total_s, io_timeout_s)
 
     def next_wait(self) -> float:
@@ -50,8 +50,12 @@ class Deadline:
         return min(left, self.io_timeout_s)
 
 
-def send_frame(sock: socket.socket, header: dict, payload: Sequence[memoryview | bytes] = (),
-               deadline: Deadline | None = None) -> None:
+def send_frame(
+    sock: socket.socket,
+    header: dict,
+    payload: Sequence[memoryview | bytes] = (),
+    deadline: Deadline | None = None,
+) -> None:
     """Write one frame; ``payload`` is a list of buffers sent back to back (no joining copy)."""
     head = json.dumps(header, separators=(",", ":")).encode()
     if len(head) > MAX_HEADER_BYTES:
@@ -61,7 +65,7 @@ def send_frame(sock: socket.socket, header: dict, payload: Sequence[memoryview |
     _send_all(sock, _PREFIX.pack(MAGIC, VERSION, len(head), total) + head, deadline)
     for v in views:
         for i in range(0, v.nbytes, _CHUNK):
-            _send_all(sock, v[i:i + _CHUNK], deadline)
+            _send_all(sock, v[i : i + _CHUNK], deadline)
 
 
 def _send_all(sock: socket.socket, buf, deadline: Deadline | None) -> None:
@@ -69,7 +73,7 @@ def _send_all(sock: socket.socket, buf, deadline: Deadline | None) -> None:
         if deadline is not None:
             sock.settimeout(deadline.next_wait())
         sock.sendall(buf)
-    except socket.timeout:
+    except TimeoutError:
         raise TransferTimeoutError("timed out sending to the KV transfer peer") from None
     except (BrokenPipeError, ConnectionResetError, ConnectionAbortedError) as e:
         raise PeerClosedError(f"KV transfer peer closed the connection while sending ({e})") from None
@@ -82,16 +86,20 @@ def recv_into(sock: socket.socket, buf: memoryview, deadline: Deadline, what: st
     while got < n:
         sock.settimeout(deadline.next_wait())
         try:
-            k = sock.recv_into(buf[got:got + _CHUNK])
-        except socket.timeout:
-            raise TransferTimeoutError(f"KV transfer peer sent nothing for {deadline.io_timeout_s:g}s "
-                                       f"while receiving {what} ({got} of {n} bytes)") from None
+            k = sock.recv_into(buf[got : got + _CHUNK])
+        except TimeoutError:
+            raise TransferTimeoutError(
+                f"KV transfer peer sent nothing for {deadline.io_timeout_s:g}s "
+                f"while receiving {what} ({got} of {n} bytes)"
+            ) from None
         except (ConnectionResetError, ConnectionAbortedError) as e:
-            raise PeerClosedError(f"KV transfer peer reset the connection while sending {what} "
-                                  f"({got} of {n} bytes; {e})") from None
+            raise PeerClosedError(
+                f"KV transfer peer reset the connection while sending {what} ({got} of {n} bytes; {e})"
+            ) from None
         if k == 0:
-            raise PeerClosedError(f"KV transfer peer closed the connection while sending {what} "
-                                  f"({got} of {n} bytes received)")
+            raise PeerClosedError(
+                f"KV transfer peer closed the connection while sending {what} ({got} of {n} bytes received)"
+            )
         got += k
 
 
@@ -121,8 +129,9 @@ def recv_frame(sock: socket.socket, deadline: Deadline, max_payload: int = 0) ->
     """A whole frame whose payload is at most ``max_payload`` bytes (control frames: 0)."""
     header, n = recv_header(sock, deadline)
     if n > max_payload:
-        raise ProtocolError(f"{header['type']!r} frame carries {n} payload bytes, at most "
-                            f"{max_payload} expected")
+        raise ProtocolError(
+            f"{header['type']!r} frame carries {n} payload bytes, at most {max_payload} expected"
+        )
     payload = bytearray(n)
     if n:
         recv_into(sock, memoryview(payload), deadline, f"a {header['type']!r} payload")

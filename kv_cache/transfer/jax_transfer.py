@@ -67,10 +67,20 @@ class JaxKVSender(TcpKVSender):
             arr = jnp.asarray(as_pages_array(lease.pages, self.layout))
             uid = secrets.randbits(63)
             self._jax_server.await_pull(uid, [arr])
-            send_frame(conn, {"type": "jax_ready", "uuid": str(uid), "address": self._jax_server.address(),
-                              "shape": list(arr.shape), "dtype": self.layout.dtype,
-                              "request_id": lease.request_id, "num_tokens": lease.num_tokens,
-                              "meta": lease.meta}, deadline=d)
+            send_frame(
+                conn,
+                {
+                    "type": "jax_ready",
+                    "uuid": str(uid),
+                    "address": self._jax_server.address(),
+                    "shape": list(arr.shape),
+                    "dtype": self.layout.dtype,
+                    "request_id": lease.request_id,
+                    "num_tokens": lease.num_tokens,
+                    "meta": lease.meta,
+                },
+                deadline=d,
+            )
             self._await_ack(conn, tid)
             acked = True
         finally:
@@ -97,15 +107,23 @@ class JaxKVReceiver(TcpKVReceiver):
         h, _ = recv_frame(sock, d)
         _raise_error_frame(h, where)
         shape = self.layout.pages_shape(handle.num_pages)
-        if h["type"] != "jax_ready" or tuple(h.get("shape", ())) != shape or h.get("dtype") != self.layout.dtype:
-            raise ProtocolError(f"KV producer at {where} answered {h.get('type')!r} {h.get('shape')} "
-                                f"{h.get('dtype')}; expected jax_ready {list(shape)} {self.layout.dtype}")
+        if (
+            h["type"] != "jax_ready"
+            or tuple(h.get("shape", ())) != shape
+            or h.get("dtype") != self.layout.dtype
+        ):
+            raise ProtocolError(
+                f"KV producer at {where} answered {h.get('type')!r} {h.get('shape')} "
+                f"{h.get('dtype')}; expected jax_ready {list(shape)} {self.layout.dtype}"
+            )
         if self._jax_server is None:
             self._jax_server = start_loopback_transfer_server(self._bind_host)
         addr = str(h["address"])
         conn = self._conns.get(addr) or self._jax_server.connect(addr)
         self._conns[addr] = conn
-        spec = jax.ShapeDtypeStruct(shape, self.layout.np_dtype, sharding=SingleDeviceSharding(jax.devices()[0]))
+        spec = jax.ShapeDtypeStruct(
+            shape, self.layout.np_dtype, sharding=SingleDeviceSharding(jax.devices()[0])
+        )
         try:
             (pages,) = conn.pull(int(h["uuid"]), [spec])
             pages = np.asarray(pages)

@@ -55,8 +55,7 @@ class KVLayout:
         dtype_from_name(self.dtype)  # ValueError if unknown
 
     @classmethod
-    def from_cache_shape(cls, model_id: str, cache_shape: Sequence[int], dtype,
-                         tp_size: int = 1) -> "KVLayout":
+    def from_cache_shape(cls, model_id: str, cache_shape: Sequence[int], dtype, tp_size: int = 1) -> KVLayout:
         """From the device cache's ``[L, P, page_size, C, D]`` shape and dtype."""
         if len(cache_shape) != 5:
             raise ValueError(f"cache_shape must be [L, P, page_size, C, D], got {tuple(cache_shape)}")
@@ -78,7 +77,7 @@ class KVLayout:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "KVLayout":
+    def from_dict(cls, d: dict) -> KVLayout:
         names = {f.name for f in fields(cls)}
         if not isinstance(d, dict) or not names.issuperset(d) or "model_id" not in d:
             raise ValueError(f"not a KV layout: {d!r}")
@@ -89,7 +88,10 @@ class KVLayout:
         blob = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":")).encode()
         return hashlib.sha256(b"tpuserve-kv-layout-v1\0" + blob).hexdigest()
 
-    def differences(self, other: "KVLayout") -> list[str]:
+    def differences(self, other: KVLayout) -> list[str]:
         """``"field: ours != theirs"`` for each field that differs (empty when equal)."""
-        return [f"{f.name}: {getattr(self, f.name)!r} != {getattr(other, f.name)!r}"
-                for f in fields(self) if getattr(self, f.name) != getattr(other, f.name)]
+        return [
+            f"{f.name}: {getattr(self, f.name)!r} != {getattr(other, f.name)!r}"
+            for f in fields(self)
+            if getattr(self, f.name) != getattr(other, f.name)
+        ]

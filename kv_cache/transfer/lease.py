@@ -57,8 +57,10 @@ class LeaseTable:
                 raise ValueError(f"transfer id {lease.transfer_id} is already leased")
             held = sum(l.nbytes for l in self._leases.values())
             if self.max_held_bytes is not None and held + lease.nbytes > self.max_held_bytes:
-                raise KVTransferError(f"producer holds {held} bytes of leased KV pages; "
-                                      f"{lease.nbytes} more would pass the cap of {self.max_held_bytes}")
+                raise KVTransferError(
+                    f"producer holds {held} bytes of leased KV pages; "
+                    f"{lease.nbytes} more would pass the cap of {self.max_held_bytes}"
+                )
             self._leases[lease.transfer_id] = lease
             self.changed.notify_all()
 
@@ -67,8 +69,10 @@ class LeaseTable:
         with self._lock:
             lease = self._leases.get(transfer_id)
             if lease is None:
-                raise TransferNotFoundError(f"no KV pages held under transfer id {transfer_id} "
-                                            f"(never offered, already pulled, or the lease expired)")
+                raise TransferNotFoundError(
+                    f"no KV pages held under transfer id {transfer_id} "
+                    f"(never offered, already pulled, or the lease expired)"
+                )
             if lease.busy:
                 raise KVTransferError(f"transfer {transfer_id} is being pulled by another consumer")
             lease.busy = True

@@ -49,19 +49,34 @@ from dataclasses import dataclass
 import numpy as np
 
 from tpuserve.kv_cache.transfer import auth
-from tpuserve.kv_cache.transfer.errors import (AuthError, KVTransferError, LayoutMismatchError,
-                                              PeerClosedError, ProtocolError, TransferNotFoundError,
-                                              TransferTimeoutError)
+from tpuserve.kv_cache.transfer.errors import (
+    AuthError,
+    KVTransferError,
+    LayoutMismatchError,
+    PeerClosedError,
+    ProtocolError,
+    TransferNotFoundError,
+    TransferTimeoutError,
+)
 from tpuserve.kv_cache.transfer.framing import Deadline, recv_frame, recv_header, recv_into, send_frame
 from tpuserve.kv_cache.transfer.layout import KVLayout, dtype_from_name
 from tpuserve.kv_cache.transfer.lease import Lease, LeaseTable
-from tpuserve.kv_cache.transfer.transport import (KVReceiver, KVSender, LeaseEvent, PageBatch, PendingPages,
-                                                  TransferHandle, as_pages_array)
+from tpuserve.kv_cache.transfer.transport import (
+    KVReceiver,
+    KVSender,
+    LeaseEvent,
+    PageBatch,
+    PendingPages,
+    TransferHandle,
+    as_pages_array,
+)
 
 log = logging.getLogger(__name__)
 
 _ERRORS: dict[str, type[KVTransferError]] = {
-    "auth_failed": AuthError, "layout_mismatch": LayoutMismatchError, "not_found": TransferNotFoundError,
+    "auth_failed": AuthError,
+    "layout_mismatch": LayoutMismatchError,
+    "not_found": TransferNotFoundError,
 }
 
 # A burst of connections waits in the kernel's queue instead of having SYNs dropped: a dropped SYN
@@ -226,8 +241,11 @@ class _PeerEventLog:
                 self._last[(peer, kind)] = (now, 0)
                 line = True
         if rolled:
-            log.info("KV listener: %d more connection events in the last %.0fs were not logged one "
-                     "by one", rolled, self.interval_s)
+            log.info(
+                "KV listener: %d more connection events in the last %.0fs were not logged one by one",
+                rolled,
+                self.interval_s,
+            )
         if line:
             if held:
                 msg += " (%d more like it in the last %.0fs)"
@@ -254,14 +272,29 @@ class TcpKVSender(KVSender):
     ``max_connections``, ``max_connections_per_peer``) are described in the module docstring.
     """
 
-    def __init__(self, layout: KVLayout, secret: bytes | str | None = None, host: str = "127.0.0.1",
-                 port: int = 0, advertise_host: str | None = None, default_ttl_s: float = 120.0,
-                 io_timeout_s: float = 30.0, handshake_timeout_s: float = 5.0,
-                 max_held_bytes: int | None = None, max_connections: int = 64, *,
-                 max_connections_per_peer: int = 16, idle_timeout_s: float = 30.0):
-        for name, v in (("io_timeout_s", io_timeout_s), ("handshake_timeout_s", handshake_timeout_s),
-                        ("idle_timeout_s", idle_timeout_s), ("max_connections", max_connections),
-                        ("max_connections_per_peer", max_connections_per_peer)):
+    def __init__(
+        self,
+        layout: KVLayout,
+        secret: bytes | str | None = None,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        advertise_host: str | None = None,
+        default_ttl_s: float = 120.0,
+        io_timeout_s: float = 30.0,
+        handshake_timeout_s: float = 5.0,
+        max_held_bytes: int | None = None,
+        max_connections: int = 64,
+        *,
+        max_connections_per_peer: int = 16,
+        idle_timeout_s: float = 30.0,
+    ):
+        for name, v in (
+            ("io_timeout_s", io_timeout_s),
+            ("handshake_timeout_s", handshake_timeout_s),
+            ("idle_timeout_s", idle_timeout_s),
+            ("max_connections", max_connections),
+            ("max_connections_per_peer", max_connections_per_peer),
+        ):
             _positive(name, v)
         self.layout = layout
         self._digest = layout.digest()
@@ -278,8 +311,10 @@ class TcpKVSender(KVSender):
         self._listener.settimeout(0.5)  # the accept loop checks for close at least this often
         bound = self._listener.getsockname()
         self.host, self.port = advertise_host or host, int(bound[1])
-        self._threads = [threading.Thread(target=self._accept_loop, name="kv-tcp-accept", daemon=True),
-                         threading.Thread(target=self._reap_loop, name="kv-lease-reaper", daemon=True)]
+        self._threads = [
+            threading.Thread(target=self._accept_loop, name="kv-tcp-accept", daemon=True),
+            threading.Thread(target=self._reap_loop, name="kv-lease-reaper", daemon=True),
+        ]
         for t in self._threads:
             t.start()
 
@@ -293,8 +328,9 @@ class TcpKVSender(KVSender):
 
     # ---- the engine's API ----
 
-    def offer(self, request_id: str, pages, num_tokens: int, meta: dict | None = None,
-              ttl_s: float | None = None) -> TransferHandle:
+    def offer(
+        self, request_id: str, pages, num_tokens: int, meta: dict | None = None, ttl_s: float | None = None
+    ) -> TransferHandle:
         if self._closed.is_set():
             raise KVTransferError("the KV sender is closed")
         if isinstance(pages, np.ndarray):
@@ -306,8 +342,18 @@ class TcpKVSender(KVSender):
             raise TypeError(f"pages must be a numpy array or PendingPages, got {type(pages).__name__}")
         tid = uuid.uuid4().hex  # 122 random bits
         ttl = self.default_ttl_s if ttl_s is None else float(ttl_s)
-        self.leases.add(Lease(tid, str(request_id), pages, n, int(num_tokens), dict(meta or {}),
-                              self.layout.pages_nbytes(n), time.monotonic() + ttl))
+        self.leases.add(
+            Lease(
+                tid,
+                str(request_id),
+                pages,
+                n,
+                int(num_tokens),
+                dict(meta or {}),
+                self.layout.pages_nbytes(n),
+                time.monotonic() + ttl,
+            )
+        )
         return TransferHandle(tid, str(request_id), self.host, self.port, n, int(num_tokens), self._digest)
 
     def release(self, transfer_id: str) -> bool:
@@ -328,7 +374,7 @@ class TcpKVSender(KVSender):
         for t in self._threads:
             t.join(timeout=5)
 
-    def __enter__(self) -> "TcpKVSender":
+    def __enter__(self) -> TcpKVSender:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -349,7 +395,7 @@ class TcpKVSender(KVSender):
         while not self._closed.is_set():
             try:
                 sock, addr = self._listener.accept()
-            except socket.timeout:
+            except TimeoutError:
                 continue
             except OSError as e:
                 if self._closed.is_set():
@@ -361,17 +407,29 @@ class TcpKVSender(KVSender):
             try:
                 self._admit(sock, str(addr[0]))
             except Exception:  # a bug here must not stop the listener
-                self._report(logging.ERROR, str(addr[0]), "admit", "KV listener: admitting a connection "
-                             "from %s failed", addr[0], exc_info=True)
+                self._report(
+                    logging.ERROR,
+                    str(addr[0]),
+                    "admit",
+                    "KV listener: admitting a connection from %s failed",
+                    addr[0],
+                    exc_info=True,
+                )
 
     def _admit(self, sock: socket.socket, peer: str) -> None:
         c = _Conn(sock, peer)
         verdict, victim = self._conns.admit(c)
         if victim is not None:
-            self._report(logging.INFO, victim.peer, "displaced",
-                         "KV listener: closed the oldest unauthenticated connection from %s to admit a "
-                         "newer one (limits: %d connections per peer, %d in all)",
-                         victim.peer, self._conns.max_per_peer, self._conns.max_total)
+            self._report(
+                logging.INFO,
+                victim.peer,
+                "displaced",
+                "KV listener: closed the oldest unauthenticated connection from %s to admit a "
+                "newer one (limits: %d connections per peer, %d in all)",
+                victim.peer,
+                self._conns.max_per_peer,
+                self._conns.max_total,
+            )
         if verdict != "admitted":
             self._refuse(c, verdict)
             return
@@ -380,8 +438,14 @@ class TcpKVSender(KVSender):
         except Exception as e:  # no thread to be had: shed this connection, keep listening
             self._conns.remove(c)
             sock.close()
-            self._report(logging.ERROR, peer, "thread", "KV listener: dropped a connection from %s: "
-                         "cannot start a thread for it (%s)", peer, e)
+            self._report(
+                logging.ERROR,
+                peer,
+                "thread",
+                "KV listener: dropped a connection from %s: cannot start a thread for it (%s)",
+                peer,
+                e,
+            )
 
     def _refuse(self, c: _Conn, verdict: str) -> None:
         if verdict == "peer_full":
@@ -390,13 +454,25 @@ class TcpKVSender(KVSender):
             why = f"all {self._conns.max_total} connections (max_connections) are busy"
         try:
             c.sock.settimeout(0)  # never wait on this peer: the frame fits a fresh socket or is lost
-            send_frame(c.sock, {"type": "error", "code": "busy",
-                                "message": "too many connections to this KV producer; retry later"})
+            send_frame(
+                c.sock,
+                {
+                    "type": "error",
+                    "code": "busy",
+                    "message": "too many connections to this KV producer; retry later",
+                },
+            )
         except (OSError, KVTransferError):
             pass
         c.sock.close()
-        self._report(logging.WARNING, c.peer, verdict, "KV listener: refused a connection from %s: %s "
-                     "with authenticated transfers", c.peer, why)
+        self._report(
+            logging.WARNING,
+            c.peer,
+            verdict,
+            "KV listener: refused a connection from %s: %s with authenticated transfers",
+            c.peer,
+            why,
+        )
 
     def _serve(self, c: _Conn) -> None:
         authenticated = False
@@ -417,17 +493,41 @@ class TcpKVSender(KVSender):
             return  # logged when displaced; or the sender is closing
         peer, r = c.peer, self._report
         if isinstance(e, AuthError):
-            r(logging.WARNING, peer, "auth", "KV listener: a peer at %s failed authentication (is %s "
-              "the same on both engines?)", peer, auth.SECRET_ENV)
+            r(
+                logging.WARNING,
+                peer,
+                "auth",
+                "KV listener: a peer at %s failed authentication (is %s the same on both engines?)",
+                peer,
+                auth.SECRET_ENV,
+            )
         elif isinstance(e, LayoutMismatchError):
-            r(logging.WARNING, peer, "layout", "KV listener: the consumer at %s has another KV layout: %s",
-              peer, e)
+            r(
+                logging.WARNING,
+                peer,
+                "layout",
+                "KV listener: the consumer at %s has another KV layout: %s",
+                peer,
+                e,
+            )
         elif not authenticated and isinstance(e, TransferTimeoutError):
-            r(logging.INFO, peer, "handshake_timeout", "KV listener: closed a connection from %s that "
-              "did not authenticate within %gs", peer, self.handshake_timeout_s)
+            r(
+                logging.INFO,
+                peer,
+                "handshake_timeout",
+                "KV listener: closed a connection from %s that did not authenticate within %gs",
+                peer,
+                self.handshake_timeout_s,
+            )
         elif not authenticated and isinstance(e, ProtocolError):
-            r(logging.INFO, peer, "protocol", "KV listener: closed a connection from %s that does not "
-              "speak the KV transfer protocol: %s", peer, e)
+            r(
+                logging.INFO,
+                peer,
+                "protocol",
+                "KV listener: closed a connection from %s that does not speak the KV transfer protocol: %s",
+                peer,
+                e,
+            )
         elif not authenticated and isinstance(e, (PeerClosedError, OSError)):
             r(logging.DEBUG, peer, "gone", "KV listener: %s went away during the handshake: %s", peer, e)
         elif isinstance(e, (KVTransferError, OSError)):
@@ -446,44 +546,76 @@ class TcpKVSender(KVSender):
             raise ProtocolError(f"expected an 'auth' frame, got {h['type']!r}")
         nonce_c, got = _hex(h, "nonce", auth.NONCE_BYTES), _hex(h, "proof", 32)
         if not auth.check_proof(auth.proof(self._secret, auth.CLIENT_LABEL, nonce_p, nonce_c), got):
-            send_frame(conn, {"type": "error", "code": "auth_failed",
-                              "message": "authentication failed: the consumer's shared secret differs"},
-                       deadline=d)
+            send_frame(
+                conn,
+                {
+                    "type": "error",
+                    "code": "auth_failed",
+                    "message": "authentication failed: the consumer's shared secret differs",
+                },
+                deadline=d,
+            )
             raise AuthError("a consumer failed authentication")
         if not self._conns.mark_authenticated(c):
             raise PeerClosedError("the connection was displaced during its handshake")
-        send_frame(conn, {"type": "ok", "layout": self.layout.to_dict(), "layout_digest": self._digest,
-                          "proof": auth.proof(self._secret, auth.SERVER_LABEL, nonce_c, nonce_p,
-                                              self._digest.encode()).hex()}, deadline=d)
+        send_frame(
+            conn,
+            {
+                "type": "ok",
+                "layout": self.layout.to_dict(),
+                "layout_digest": self._digest,
+                "proof": auth.proof(
+                    self._secret, auth.SERVER_LABEL, nonce_c, nonce_p, self._digest.encode()
+                ).hex(),
+            },
+            deadline=d,
+        )
         h, _ = recv_frame(conn, d)
         if h["type"] != "layout":
             raise ProtocolError(f"expected a 'layout' frame, got {h['type']!r}")
         digest_c = str(h.get("layout_digest", ""))
         if digest_c != self._digest:
-            send_frame(conn, {"type": "error", "code": "layout_mismatch",
-                              "message": f"KV layout digest {digest_c} differs from the producer's "
-                                         f"{self._digest} ({self.layout})"}, deadline=d)
+            send_frame(
+                conn,
+                {
+                    "type": "error",
+                    "code": "layout_mismatch",
+                    "message": f"KV layout digest {digest_c} differs from the producer's "
+                    f"{self._digest} ({self.layout})",
+                },
+                deadline=d,
+            )
             raise LayoutMismatchError(f"its layout digest {digest_c} differs from ours ({self._digest})")
 
     def _requests(self, conn: socket.socket, peer: str) -> None:
         while not self._closed.is_set():
             try:
                 # Between requests a connection is idle: bounded, so a quiet peer frees its slot.
-                h, _ = recv_frame(conn, Deadline.after(self.idle_timeout_s,
-                                                       min(self.io_timeout_s, self.idle_timeout_s)))
+                h, _ = recv_frame(
+                    conn, Deadline.after(self.idle_timeout_s, min(self.io_timeout_s, self.idle_timeout_s))
+                )
             except PeerClosedError:
                 return  # the consumer is done
             except TransferTimeoutError:
-                self._report(logging.DEBUG, peer, "idle", "KV listener: closed an idle connection from "
-                             "%s (no request for %gs)", peer, self.idle_timeout_s)
+                self._report(
+                    logging.DEBUG,
+                    peer,
+                    "idle",
+                    "KV listener: closed an idle connection from %s (no request for %gs)",
+                    peer,
+                    self.idle_timeout_s,
+                )
                 return
             tid = str(h.get("transfer_id", ""))
             if h["type"] == "pull":
                 self._send_pages(conn, tid)
             elif h["type"] == "release":
                 ended = self.leases.end(tid, "released")
-                send_frame(conn, {"type": "done", "released": ended},
-                           deadline=Deadline.after(self.io_timeout_s, self.io_timeout_s))
+                send_frame(
+                    conn,
+                    {"type": "done", "released": ended},
+                    deadline=Deadline.after(self.io_timeout_s, self.io_timeout_s),
+                )
             elif not self._handle_other(conn, h):
                 raise ProtocolError(f"unexpected {h['type']!r} frame")
 
@@ -512,11 +644,24 @@ class TcpKVSender(KVSender):
             try:
                 arr = as_pages_array(lease.pages, self.layout)
             except Exception as e:
-                send_frame(conn, {"type": "error", "code": "internal",
-                                  "message": f"pages of transfer {tid} are unavailable: {e}"}, deadline=d)
+                send_frame(
+                    conn,
+                    {
+                        "type": "error",
+                        "code": "internal",
+                        "message": f"pages of transfer {tid} are unavailable: {e}",
+                    },
+                    deadline=d,
+                )
                 raise
-            header = {"type": "pages", "request_id": lease.request_id, "num_tokens": lease.num_tokens,
-                      "meta": lease.meta, "shape": list(arr.shape), "dtype": self.layout.dtype}
+            header = {
+                "type": "pages",
+                "request_id": lease.request_id,
+                "num_tokens": lease.num_tokens,
+                "meta": lease.meta,
+                "shape": list(arr.shape),
+                "dtype": self.layout.dtype,
+            }
             # One buffer per layer: arr[l] of a [L, n_pad, ...][:, :n] view is still contiguous.
             self._write_pages(conn, header, [_as_bytes_view(arr[l]) for l in range(arr.shape[0])], d)
             self._await_ack(conn, tid)
@@ -533,8 +678,14 @@ class TcpKVSender(KVSender):
 class TcpKVReceiver(KVReceiver):
     """The consumer's side: one connection per pull, every wait bounded."""
 
-    def __init__(self, layout: KVLayout, secret: bytes | str | None = None, connect_timeout_s: float = 5.0,
-                 io_timeout_s: float = 30.0, default_timeout_s: float | None = 300.0):
+    def __init__(
+        self,
+        layout: KVLayout,
+        secret: bytes | str | None = None,
+        connect_timeout_s: float = 5.0,
+        io_timeout_s: float = 30.0,
+        default_timeout_s: float | None = 300.0,
+    ):
         self.layout = layout
         self._digest = layout.digest()
         self._secret = auth.load_secret(secret)
@@ -545,9 +696,10 @@ class TcpKVReceiver(KVReceiver):
     def _connect(self, handle: TransferHandle, d: Deadline) -> socket.socket:
         where = f"{handle.host}:{handle.port}"
         try:
-            sock = socket.create_connection((handle.host, handle.port),
-                                            timeout=min(self.connect_timeout_s, d.next_wait()))
-        except socket.timeout:
+            sock = socket.create_connection(
+                (handle.host, handle.port), timeout=min(self.connect_timeout_s, d.next_wait())
+            )
+        except TimeoutError:
             raise TransferTimeoutError(f"connecting to the KV producer at {where} timed out") from None
         except OSError as e:
             raise PeerClosedError(f"cannot connect to the KV producer at {where}: {e}") from None
@@ -566,13 +718,21 @@ class TcpKVReceiver(KVReceiver):
             raise ProtocolError(f"KV producer at {where} sent {h['type']!r} instead of 'hello'")
         nonce_p = _hex(h, "nonce", auth.NONCE_BYTES)
         nonce_c = auth.new_nonce()
-        send_frame(sock, {"type": "auth", "nonce": nonce_c.hex(),
-                          "proof": auth.proof(self._secret, auth.CLIENT_LABEL, nonce_p, nonce_c).hex()},
-                   deadline=d)
+        send_frame(
+            sock,
+            {
+                "type": "auth",
+                "nonce": nonce_c.hex(),
+                "proof": auth.proof(self._secret, auth.CLIENT_LABEL, nonce_p, nonce_c).hex(),
+            },
+            deadline=d,
+        )
         h, _ = recv_frame(sock, d)
         if h.get("code") == "auth_failed":
-            raise AuthError(f"KV producer at {where} refused authentication: {h.get('message')} "
-                            f"(is {auth.SECRET_ENV} the same on both engines?)")
+            raise AuthError(
+                f"KV producer at {where} refused authentication: {h.get('message')} "
+                f"(is {auth.SECRET_ENV} the same on both engines?)"
+            )
         _raise_error_frame(h, where)
         if h["type"] != "ok":
             raise ProtocolError(f"KV producer at {where} sent {h['type']!r} instead of 'ok'")
@@ -580,15 +740,19 @@ class TcpKVReceiver(KVReceiver):
         digest_p = str(h.get("layout_digest", ""))
         want = auth.proof(self._secret, auth.SERVER_LABEL, nonce_c, nonce_p, digest_p.encode())
         if not auth.check_proof(want, _hex(h, "proof", 32)):
-            raise AuthError(f"KV producer at {where} failed to prove it holds the shared secret "
-                            f"(is {auth.SECRET_ENV} the same on both engines?)")
+            raise AuthError(
+                f"KV producer at {where} failed to prove it holds the shared secret "
+                f"(is {auth.SECRET_ENV} the same on both engines?)"
+            )
         if digest_p != self._digest:
             try:
                 diffs = self.layout.differences(KVLayout.from_dict(h.get("layout")))
             except (ValueError, TypeError):
                 diffs = [f"unreadable producer layout {h.get('layout')!r}"]
-            raise LayoutMismatchError(f"KV layout of the producer at {where} differs from this "
-                                      f"consumer's (ours != theirs): {'; '.join(diffs) or 'digest only'}")
+            raise LayoutMismatchError(
+                f"KV layout of the producer at {where} differs from this "
+                f"consumer's (ours != theirs): {'; '.join(diffs) or 'digest only'}"
+            )
         # No answer awaited: the producer answers the next request with layout_mismatch if it disagrees.
         send_frame(sock, {"type": "layout", "layout_digest": self._digest}, deadline=d)
 
@@ -605,8 +769,7 @@ class TcpKVReceiver(KVReceiver):
         try:
             recv_frame(sock, d)  # 'done': the producer dropped its lease
         except KVTransferError as e:  # the pages are whole; the lease will expire instead
-            log.warning("KV producer at %s did not confirm the ack of %s: %s", where,
-                        handle.transfer_id, e)
+            log.warning("KV producer at %s did not confirm the ack of %s: %s", where, handle.transfer_id, e)
 
     def _pull_on(self, sock: socket.socket, handle: TransferHandle, where: str, d: Deadline) -> PageBatch:
         """The pull over an authenticated connection (subclasses: other data planes)."""
@@ -616,12 +779,17 @@ class TcpKVReceiver(KVReceiver):
         if h["type"] != "pages":
             raise ProtocolError(f"KV producer at {where} sent {h['type']!r} instead of 'pages'")
         shape = self.layout.pages_shape(handle.num_pages)
-        if (tuple(h.get("shape", ())) != shape or h.get("dtype") != self.layout.dtype
-                or n != self.layout.pages_nbytes(handle.num_pages)
-                or h.get("request_id") != handle.request_id):
-            raise ProtocolError(f"KV producer at {where} sent pages {h.get('shape')} "
-                                f"{h.get('dtype')} ({n} bytes) of request {h.get('request_id')!r}; "
-                                f"expected {list(shape)} {self.layout.dtype} of {handle.request_id!r}")
+        if (
+            tuple(h.get("shape", ())) != shape
+            or h.get("dtype") != self.layout.dtype
+            or n != self.layout.pages_nbytes(handle.num_pages)
+            or h.get("request_id") != handle.request_id
+        ):
+            raise ProtocolError(
+                f"KV producer at {where} sent pages {h.get('shape')} "
+                f"{h.get('dtype')} ({n} bytes) of request {h.get('request_id')!r}; "
+                f"expected {list(shape)} {self.layout.dtype} of {handle.request_id!r}"
+            )
         pages = np.empty(shape, dtype_from_name(self.layout.dtype))
         recv_into(sock, memoryview(pages.reshape(-1).view(np.uint8)), d, "KV pages")
         self._ack(sock, handle, where, d)
@@ -629,8 +797,10 @@ class TcpKVReceiver(KVReceiver):
         return PageBatch(handle.request_id, pages, int(h.get("num_tokens", handle.num_tokens)), meta)
 
     def release(self, handle: TransferHandle, timeout_s: float | None = None) -> bool:
-        d = Deadline.after(timeout_s if timeout_s is not None else self.connect_timeout_s + self.io_timeout_s,
-                           self.io_timeout_s)
+        d = Deadline.after(
+            timeout_s if timeout_s is not None else self.connect_timeout_s + self.io_timeout_s,
+            self.io_timeout_s,
+        )
         with self._connect(handle, d) as sock:
             send_frame(sock, {"type": "release", "transfer_id": handle.transfer_id}, deadline=d)
             h, _ = recv_frame(sock, d)

@@ -55,24 +55,44 @@ class TransferHandle:
 
     def to_kv_transfer_params(self) -> dict[str, Any]:
         """vLLM-style ``kv_transfer_params`` a prefill response carries to the decode request."""
-        return {"do_remote_prefill": True, "do_remote_decode": False,
-                "remote_transfer_id": self.transfer_id, "remote_request_id": self.request_id,
-                "remote_host": self.host, "remote_port": self.port,
-                "remote_num_pages": self.num_pages, "remote_num_tokens": self.num_tokens,
-                "layout_digest": self.layout_digest, "transport": self.transport}
+        return {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_transfer_id": self.transfer_id,
+            "remote_request_id": self.request_id,
+            "remote_host": self.host,
+            "remote_port": self.port,
+            "remote_num_pages": self.num_pages,
+            "remote_num_tokens": self.num_tokens,
+            "layout_digest": self.layout_digest,
+            "transport": self.transport,
+        }
 
     @classmethod
-    def from_kv_transfer_params(cls, p: dict[str, Any]) -> "TransferHandle":
+    def from_kv_transfer_params(cls, p: dict[str, Any]) -> TransferHandle:
         """ValueError naming the missing or mistyped key."""
-        spec = {"remote_transfer_id": str, "remote_request_id": str, "remote_host": str,
-                "remote_port": int, "remote_num_pages": int, "remote_num_tokens": int,
-                "layout_digest": str}
+        spec = {
+            "remote_transfer_id": str,
+            "remote_request_id": str,
+            "remote_host": str,
+            "remote_port": int,
+            "remote_num_pages": int,
+            "remote_num_tokens": int,
+            "layout_digest": str,
+        }
         for k, t in spec.items():
             if not isinstance(p.get(k), t) or isinstance(p.get(k), bool):
                 raise ValueError(f"kv_transfer_params.{k} must be a {t.__name__}, got {p.get(k)!r}")
-        return cls(p["remote_transfer_id"], p["remote_request_id"], p["remote_host"],
-                   p["remote_port"], p["remote_num_pages"], p["remote_num_tokens"],
-                   p["layout_digest"], str(p.get("transport", "tcp")))
+        return cls(
+            p["remote_transfer_id"],
+            p["remote_request_id"],
+            p["remote_host"],
+            p["remote_port"],
+            p["remote_num_pages"],
+            p["remote_num_tokens"],
+            p["layout_digest"],
+            str(p.get("transport", "tcp")),
+        )
 
 
 @dataclass
@@ -100,8 +120,14 @@ class KVSender(abc.ABC):
     layout: KVLayout
 
     @abc.abstractmethod
-    def offer(self, request_id: str, pages: np.ndarray | PendingPages, num_tokens: int,
-              meta: dict | None = None, ttl_s: float | None = None) -> TransferHandle:
+    def offer(
+        self,
+        request_id: str,
+        pages: np.ndarray | PendingPages,
+        num_tokens: int,
+        meta: dict | None = None,
+        ttl_s: float | None = None,
+    ) -> TransferHandle:
         """Hold ``pages`` ``[L, n, page_size, C, D]`` for a consumer; returns where to pull them."""
 
     @abc.abstractmethod
@@ -133,8 +159,11 @@ class KVReceiver(abc.ABC):
 
 def as_pages_array(pages: np.ndarray | PendingPages, layout: KVLayout) -> np.ndarray:
     """The ``[L, n, page_size, C, D]`` numpy array behind ``pages``; ValueError if it does not fit."""
-    arr = pages.numpy() if isinstance(pages, PendingPages) and not isinstance(pages, np.ndarray) \
+    arr = (
+        pages.numpy()
+        if isinstance(pages, PendingPages) and not isinstance(pages, np.ndarray)
         else np.asarray(pages)
+    )
     if arr.ndim != 5 or arr.shape != layout.pages_shape(arr.shape[1]):
         l, _, ps, c, d = layout.pages_shape(0)
         raise ValueError(f"pages of shape {arr.shape} do not match the layout's [{l}, n, {ps}, {c}, {d}]")

@@ -40,9 +40,20 @@ class Case:
         return int(self.cu_q_lens[int(self.num_seqs[0])])
 
 
-def make_case(seed: int, seqs, *, num_slots: int, page_size: int, pages_per_seq: int,
-              num_q_heads: int, num_kv_heads: int, head_dim: int, num_tokens: int,
-              dtype=jnp.float32, kv_dtype=None) -> Case:
+def make_case(
+    seed: int,
+    seqs,
+    *,
+    num_slots: int,
+    page_size: int,
+    pages_per_seq: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    num_tokens: int,
+    dtype=jnp.float32,
+    kv_dtype=None,
+) -> Case:
     """seqs: [(q_len, kv_len)] of the live sequences; slots past len(seqs) are padding.
 
     Pages are a random permutation of 1..P-1 (page 0 stays reserved, padding entries point at it);
@@ -59,18 +70,17 @@ def make_case(seed: int, seqs, *, num_slots: int, page_size: int, pages_per_seq:
     used = 0
     for s, (_, kv_len) in enumerate(seqs):
         n = -(-kv_len // page_size)
-        page_indices[s, :n] = perm[used:used + n]
+        page_indices[s, :n] = perm[used : used + n]
         used += n
     cu = np.full(num_slots + 1, total, np.int32)
     cu[0] = 0
-    cu[1:len(seqs) + 1] = np.cumsum(q_lens)
+    cu[1 : len(seqs) + 1] = np.cumsum(q_lens)
     kv_lens = np.zeros(num_slots, np.int32)
-    kv_lens[:len(seqs)] = [kv for _, kv in seqs]
+    kv_lens[: len(seqs)] = [kv for _, kv in seqs]
     shape_kv = (num_pages, page_size, 2 * num_kv_heads, head_dim)
     return Case(
         queries=jnp.asarray(rng.standard_normal((num_tokens, num_q_heads, head_dim)), dtype),
-        new_kv=jnp.asarray(rng.standard_normal((num_tokens, 2 * num_kv_heads, head_dim)),
-                           kv_dtype or dtype),
+        new_kv=jnp.asarray(rng.standard_normal((num_tokens, 2 * num_kv_heads, head_dim)), kv_dtype or dtype),
         kv_pages=jnp.asarray(rng.standard_normal(shape_kv), kv_dtype or dtype),
         kv_lens=jnp.asarray(kv_lens),
         page_indices=jnp.asarray(page_indices),
@@ -82,15 +92,13 @@ def make_case(seed: int, seqs, *, num_slots: int, page_size: int, pages_per_seq:
 @functools.partial(jax.jit, static_argnames=("kwargs",))
 def _expected(queries, new_kv, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, kwargs):
     kv = write_kv_ref(kv_pages, new_kv, kv_lens, page_indices, cu_q_lens, num_seqs)
-    out = ragged_paged_attention_ref(queries, kv, kv_lens, page_indices, cu_q_lens, num_seqs,
-                                     **dict(kwargs))
+    out = ragged_paged_attention_ref(queries, kv, kv_lens, page_indices, cu_q_lens, num_seqs, **dict(kwargs))
     return out, kv
 
 
 def expected(case: Case, **kwargs):
     """(out [T, Hq, D], written kv_pages) from the jnp reference (jitted: eager costs seconds)."""
-    return _expected(case.queries, case.new_kv, case.kv_pages, *case.metadata,
-                     tuple(sorted(kwargs.items())))
+    return _expected(case.queries, case.new_kv, case.kv_pages, *case.metadata, tuple(sorted(kwargs.items())))
 
 
 def oracle(case: Case, kv_pages, **kwargs):
@@ -118,21 +126,40 @@ def tolerance(dtype):
 MIXED = [(1, 9), (5, 11), (4, 4), (1, 1), (2, 21)]  # chunk 6..10 crosses a page; 1 page; 1 token
 CASES = {
     # name: (make_case arguments, attention kwargs)
-    "decode_g8": (dict(seqs=[(1, 1), (1, 8), (1, 13), (1, 24)], num_q_heads=8, num_kv_heads=1,
-                       head_dim=64, num_tokens=6), dict(sm_scale=0.125)),
-    "prefill_g1": (dict(seqs=[(7, 7), (4, 4), (12, 12)], num_q_heads=2, num_kv_heads=2,
-                        head_dim=64, num_tokens=24), dict(sm_scale=0.125)),
-    "mixed_g3_d128": (dict(seqs=MIXED, num_q_heads=6, num_kv_heads=2, head_dim=128,
-                           num_tokens=16), dict(sm_scale=0.09)),
-    "window_g8": (dict(seqs=[(1, 21), (6, 17), (2, 2), (1, 5)], num_q_heads=8, num_kv_heads=1,
-                       head_dim=64, num_tokens=12), dict(sm_scale=0.3, sliding_window=5)),
-    "soft_cap_g1": (dict(seqs=MIXED, num_q_heads=2, num_kv_heads=2, head_dim=64,
-                         num_tokens=16), dict(sm_scale=0.5, soft_cap=2.0)),
-    "bf16_g3_d128": (dict(seqs=MIXED, num_q_heads=6, num_kv_heads=2, head_dim=128,
-                          num_tokens=16, dtype=jnp.bfloat16), dict(sm_scale=0.09)),
-    "fp8_scales_g3": (dict(seqs=MIXED, num_q_heads=6, num_kv_heads=2, head_dim=64,
-                           num_tokens=16, kv_dtype=jnp.float8_e4m3fn),
-                      dict(sm_scale=0.125, k_scale=0.5, v_scale=1.5)),
+    "decode_g8": (
+        dict(
+            seqs=[(1, 1), (1, 8), (1, 13), (1, 24)], num_q_heads=8, num_kv_heads=1, head_dim=64, num_tokens=6
+        ),
+        dict(sm_scale=0.125),
+    ),
+    "prefill_g1": (
+        dict(seqs=[(7, 7), (4, 4), (12, 12)], num_q_heads=2, num_kv_heads=2, head_dim=64, num_tokens=24),
+        dict(sm_scale=0.125),
+    ),
+    "mixed_g3_d128": (
+        dict(seqs=MIXED, num_q_heads=6, num_kv_heads=2, head_dim=128, num_tokens=16),
+        dict(sm_scale=0.09),
+    ),
+    "window_g8": (
+        dict(
+            seqs=[(1, 21), (6, 17), (2, 2), (1, 5)], num_q_heads=8, num_kv_heads=1, head_dim=64, num_tokens=12
+        ),
+        dict(sm_scale=0.3, sliding_window=5),
+    ),
+    "soft_cap_g1": (
+        dict(seqs=MIXED, num_q_heads=2, num_kv_heads=2, head_dim=64, num_tokens=16),
+        dict(sm_scale=0.5, soft_cap=2.0),
+    ),
+    "bf16_g3_d128": (
+        dict(seqs=MIXED, num_q_heads=6, num_kv_heads=2, head_dim=128, num_tokens=16, dtype=jnp.bfloat16),
+        dict(sm_scale=0.09),
+    ),
+    "fp8_scales_g3": (
+        dict(
+            seqs=MIXED, num_q_heads=6, num_kv_heads=2, head_dim=64, num_tokens=16, kv_dtype=jnp.float8_e4m3fn
+        ),
+        dict(sm_scale=0.125, k_scale=0.5, v_scale=1.5),
+    ),
 }
 SHAPES = dict(num_slots=6, page_size=4, pages_per_seq=6)
 

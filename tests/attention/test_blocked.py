@@ -10,45 +10,53 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+import attention_cases as cases  # tests/attention/attention_cases.py
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tpuserve.attention.blocked import (common_prefix_pages, default_pages_per_block,
-                                        ragged_paged_attention_blocked)
+from tpuserve.attention.blocked import (
+    common_prefix_pages,
+    default_pages_per_block,
+    ragged_paged_attention_blocked,
+)
 from tpuserve.attention.dispatch import AttentionParams, ragged_paged_attention, resolve_impl
 from tpuserve.attention.metadata import AttentionMetadata
 from tpuserve.kv_cache.layout import split_kv
-
-import attention_cases as cases  # tests/attention/attention_cases.py
 
 
 # One program per shape and option set, shared by every case of that shape: the metadata is an
 # argument, as in the engine, not a constant (a program per case cost ~15% of this file's time).
 @functools.partial(jax.jit, static_argnames=("options",))
 def _blocked(queries, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, options):
-    return ragged_paged_attention_blocked(queries, kv_pages, kv_lens, page_indices, cu_q_lens,
-                                          num_seqs, **dict(options))
+    return ragged_paged_attention_blocked(
+        queries, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **dict(options)
+    )
 
 
 def check(case, kwargs, dtype, pages_per_block, tile_kv_pages=None, tail_kv_pages=None):
     want, kv = cases.expected(case, **kwargs)
-    options = dict(kwargs, pages_per_block=pages_per_block, tile_kv_pages=tile_kv_pages,
-                   tail_kv_pages=tail_kv_pages)
+    options = dict(
+        kwargs, pages_per_block=pages_per_block, tile_kv_pages=tile_kv_pages, tail_kv_pages=tail_kv_pages
+    )
     out = _blocked(case.queries, kv, *case.metadata, tuple(sorted(options.items())))
     n = case.num_real_tokens
     np.testing.assert_allclose(cases.f32(out), cases.f32(want), **cases.tolerance(dtype))
-    np.testing.assert_allclose(cases.f32(out[:n]), cases.f32(cases.oracle(case, kv, **kwargs)),
-                               **cases.tolerance(dtype))
+    np.testing.assert_allclose(
+        cases.f32(out[:n]), cases.f32(cases.oracle(case, kv, **kwargs)), **cases.tolerance(dtype)
+    )
     assert not np.any(cases.f32(out[n:]))  # padding tokens are zeros
 
 
 # (pages_per_block, tail_kv_pages): one page per block; two; wider than the table; blocks of four
 # pages while over half of one remains, then one-page blocks (both loops of a row's keys run).
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("blocks", [(1, None), (2, None), (8, None), (4, 1)],
-                         ids=lambda b: f"{b[0]}pages" + (f"-tail{b[1]}" if b[1] else ""))
+@pytest.mark.parametrize(
+    "blocks",
+    [(1, None), (2, None), (8, None), (4, 1)],
+    ids=lambda b: f"{b[0]}pages" + (f"-tail{b[1]}" if b[1] else ""),
+)
 @pytest.mark.parametrize("name", list(cases.CASES))
 def test_blocked_matches_reference_and_oracle(name, blocks):
     case, kwargs, dtype = cases.build(name)
@@ -65,8 +73,17 @@ def test_blocked_window_and_cap_together():
 def test_blocked_long_table_short_contexts():
     """64-page table, contexts of 1..70 tokens: the loop stops at the longest live context."""
     seqs = [(1, 70), (3, 3), (1, 1), (9, 40)]
-    case = cases.make_case(5, seqs, num_slots=6, page_size=4, pages_per_seq=64, num_q_heads=4,
-                           num_kv_heads=2, head_dim=64, num_tokens=16)
+    case = cases.make_case(
+        5,
+        seqs,
+        num_slots=6,
+        page_size=4,
+        pages_per_seq=64,
+        num_q_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+        num_tokens=16,
+    )
     check(case, dict(sm_scale=0.125), jnp.float32, pages_per_block=3)
     check(case, dict(sm_scale=0.125, sliding_window=7), jnp.float32, pages_per_block=2)
 
@@ -99,16 +116,16 @@ def test_a_byte_cache_on_tpu_takes_the_reference_and_refuses_the_compiled_kernel
 def test_dispatch_blocked_stacked_cache():
     """dispatch 'blocked' on a 2-layer cache under jit == 'reference'; the other layer untouched."""
     case, kwargs, _ = cases.build("mixed_g3_d128", seed=8)
-    other = jnp.asarray(np.random.default_rng(9).standard_normal(case.kv_pages.shape),
-                        case.kv_pages.dtype)
+    other = jnp.asarray(np.random.default_rng(9).standard_normal(case.kv_pages.shape), case.kv_pages.dtype)
     cache = jnp.stack([other, case.kv_pages])
     new_k, new_v = split_kv(case.new_kv)
     md = AttentionMetadata(*case.metadata)
     params = AttentionParams(**kwargs)
 
     def step(impl):
-        fn = jax.jit(lambda q, k, v, c, layer, md: ragged_paged_attention(
-            q, k, v, c, layer, md, params, impl))
+        fn = jax.jit(
+            lambda q, k, v, c, layer, md: ragged_paged_attention(q, k, v, c, layer, md, params, impl)
+        )
         return fn(case.queries, new_k, new_v, cache, jnp.int32(1), md)
 
     out, got = step("blocked")
@@ -142,23 +159,48 @@ def test_blocked_long_steps_tiled(name):
     assert (SHORT_QUERY_LEN, QUERY_TILES) == (4, (64, 32, 16))  # the cases above are written for these
     seqs = LONG_STEPS[name]
     assert sum(q for q, _ in seqs) <= 96
-    case = cases.make_case(11, seqs, num_slots=20, page_size=4, pages_per_seq=24, num_q_heads=6,
-                           num_kv_heads=2, head_dim=64, num_tokens=96)
+    case = cases.make_case(
+        11,
+        seqs,
+        num_slots=20,
+        page_size=4,
+        pages_per_seq=24,
+        num_q_heads=6,
+        num_kv_heads=2,
+        head_dim=64,
+        num_tokens=96,
+    )
     check(case, dict(sm_scale=0.125), jnp.float32, pages_per_block=2)
     check(case, dict(sm_scale=0.2, sliding_window=9, soft_cap=5.0), jnp.float32, pages_per_block=1)
     # KV blocks of one page: the tiles' online softmax runs over many blocks.
     check(case, dict(sm_scale=0.125), jnp.float32, pages_per_block=2, tile_kv_pages=1)
     check(case, dict(sm_scale=0.2, sliding_window=9), jnp.float32, pages_per_block=3, tile_kv_pages=3)
     # Wide blocks, then two-page ones for the rest of each row's and tile's keys, under a window.
-    check(case, dict(sm_scale=0.2, sliding_window=9), jnp.float32, pages_per_block=4, tile_kv_pages=6,
-          tail_kv_pages=2)
+    check(
+        case,
+        dict(sm_scale=0.2, sliding_window=9),
+        jnp.float32,
+        pages_per_block=4,
+        tile_kv_pages=6,
+        tail_kv_pages=2,
+    )
 
 
 @pytest.mark.timeout(240)
 def test_blocked_long_step_fp8_scales():
     seqs = LONG_STEPS["decodes_then_prefills"]
-    case = cases.make_case(12, seqs, num_slots=20, page_size=4, pages_per_seq=24, num_q_heads=6,
-                           num_kv_heads=2, head_dim=64, num_tokens=64, kv_dtype=jnp.float8_e4m3fn)
+    case = cases.make_case(
+        12,
+        seqs,
+        num_slots=20,
+        page_size=4,
+        pages_per_seq=24,
+        num_q_heads=6,
+        num_kv_heads=2,
+        head_dim=64,
+        num_tokens=64,
+        kv_dtype=jnp.float8_e4m3fn,
+    )
     check(case, dict(sm_scale=0.125, k_scale=0.5, v_scale=1.5), jnp.float32, pages_per_block=None)
 
 
@@ -179,10 +221,19 @@ SHARED_PREFIX = {
 @pytest.mark.parametrize("name", list(SHARED_PREFIX))
 def test_blocked_shared_prefix_cascade(name):
     seqs, shared, want_prefix = SHARED_PREFIX[name]
-    case = cases.make_case(13, seqs, num_slots=6, page_size=4, pages_per_seq=24, num_q_heads=6,
-                           num_kv_heads=2, head_dim=64, num_tokens=96)
+    case = cases.make_case(
+        13,
+        seqs,
+        num_slots=6,
+        page_size=4,
+        pages_per_seq=24,
+        num_q_heads=6,
+        num_kv_heads=2,
+        head_dim=64,
+        num_tokens=96,
+    )
     table = np.asarray(case.page_indices).copy()
-    table[1:len(seqs), :shared] = table[0, :shared]
+    table[1 : len(seqs), :shared] = table[0, :shared]
     case = dataclasses.replace(case, page_indices=jnp.asarray(table))
     found = common_prefix_pages(*case.metadata, page_size=4)
     assert int(found) == want_prefix  # the cascade path really runs (and stops where it must)

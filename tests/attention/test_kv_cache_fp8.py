@@ -16,6 +16,7 @@ import glob
 import os
 import shutil
 
+import attention_cases as cases  # tests/attention/attention_cases.py
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -23,13 +24,10 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
-from tpuserve.attention.dispatch import (AttentionParams, kv_cache_shape, quantize_kv,
-                                         ragged_paged_attention)
+from tpuserve.attention.dispatch import AttentionParams, kv_cache_shape, quantize_kv, ragged_paged_attention
 from tpuserve.attention.metadata import AttentionMetadata
 from tpuserve.kv_cache.layout import KVCacheSpec, split_kv
 from tpuserve.tpu_platform.kv_scales import FP8_E4M3_MAX, scales_from_amax
-
-import attention_cases as cases  # tests/attention/attention_cases.py
 
 FP8 = jnp.float8_e4m3fn
 IMPLS = ["reference", "blocked", "pallas_tpu_interpret", "pallas_gpu"]
@@ -66,15 +64,14 @@ def padded(pages, impl, num_kv_heads, dtype):
     spec = KVCacheSpec(1, pages.shape[0], pages.shape[1], num_kv_heads, pages.shape[3], dtype)
     shape = kv_cache_shape(impl, spec)
     out = np.zeros(shape, np.asarray(pages).dtype)
-    out[0, ..., :pages.shape[2], :] = np.asarray(pages)
+    out[0, ..., : pages.shape[2], :] = np.asarray(pages)
     return jnp.asarray(out)
 
 
 def run(case, impl, cache, params):
     new_k, new_v = split_kv(case.new_kv)
     md = AttentionMetadata(*case.metadata)
-    fn = jax.jit(lambda q, k, v, c, md: ragged_paged_attention(q, k, v, c, jnp.int32(0), md,
-                                                               params, impl))
+    fn = jax.jit(lambda q, k, v, c, md: ragged_paged_attention(q, k, v, c, jnp.int32(0), md, params, impl))
     if impl != "pallas_gpu":
         return fn(case.queries, new_k, new_v, cache, md)
     # On a CPU-only machine the GPU kernel runs in interpret mode (as test_pallas_gpu.py does).
@@ -83,7 +80,8 @@ def run(case, impl, cache, params):
 
     original = dispatch.ragged_paged_attention_gpu_stacked
     dispatch.ragged_paged_attention_gpu_stacked = functools.partial(
-        ragged_paged_attention_gpu_stacked, interpret=True)
+        ragged_paged_attention_gpu_stacked, interpret=True
+    )
     try:
         return fn(case.queries, new_k, new_v, cache, md)
     finally:
@@ -93,8 +91,12 @@ def run(case, impl, cache, params):
 def fp8_case(name="mixed_g3_d128", seed=3):
     case, kwargs, _ = cases.build(name, seed=seed)
     # Scales from the data's own amax (margin 1.25, as calibration would pick them).
-    kv = np.concatenate([np.asarray(case.new_kv).reshape(-1, *case.new_kv.shape[1:]),
-                         np.asarray(case.kv_pages).reshape(-1, *case.kv_pages.shape[2:])])
+    kv = np.concatenate(
+        [
+            np.asarray(case.new_kv).reshape(-1, *case.new_kv.shape[1:]),
+            np.asarray(case.kv_pages).reshape(-1, *case.kv_pages.shape[2:]),
+        ]
+    )
     k_scale, v_scale = scales_from_amax(np.abs(kv[:, 0::2]).max(), np.abs(kv[:, 1::2]).max())
     return case, kwargs, k_scale, v_scale
 
@@ -108,16 +110,16 @@ def test_fp8_cache_matches_f32_cache_and_oracle(impl):
     cache8 = padded(old8, impl, hkv, FP8)
     p8 = AttentionParams(**kwargs, k_scale=k_scale, v_scale=v_scale)
     out8, got8 = run(case, impl, cache8, p8)
-    out32, _ = run(case, impl, padded(case.kv_pages, impl, hkv, jnp.float32),
-                   AttentionParams(**kwargs))
+    out32, _ = run(case, impl, padded(case.kv_pages, impl, hkv, jnp.float32), AttentionParams(**kwargs))
     assert got8.dtype == FP8 and got8.shape == cache8.shape
 
     # The write, bit for bit: this step's K/V quantized, scattered like write_kv_ref does.
     from tpuserve.attention.reference import write_kv_ref
+
     new8 = jnp.asarray(np_quantize_pages(case.new_kv, k_scale, v_scale))
     want8 = write_kv_ref(jnp.asarray(old8), new8, *case.metadata)
-    np.testing.assert_array_equal(bits(got8[0, ..., :2 * hkv, :]), bits(want8))
-    assert not bits(got8[0, ..., 2 * hkv:, :]).any(), "padding heads must stay zero"
+    np.testing.assert_array_equal(bits(got8[0, ..., : 2 * hkv, :]), bits(want8))
+    assert not bits(got8[0, ..., 2 * hkv :, :]).any(), "padding heads must stay zero"
 
     # Exactly the attention of the dequantized cache (jax's own oracle, no scales).
     deq = np.asarray(want8, np.float32)
@@ -174,15 +176,21 @@ PAGE_BYTES_F32 = 2 * 16 * 4 * 16 * 4  # L * page_size * 2*Hkv * D * 4 bytes (tin
 
 def _prompts():
     rng = np.random.default_rng(1)
-    return [{"prompt_token_ids": [int(t) for t in rng.integers(100, 3000, n)]}
-            for n in (5, 17, 33, 60, 9, 24)]
+    return [
+        {"prompt_token_ids": [int(t) for t in rng.integers(100, 3000, n)]} for n in (5, 17, 33, 60, 9, 24)
+    ]
 
 
 def _greedy(llm, max_tokens=8, logprobs=0, prompt_logprobs=None):
     from tpuserve.server.sampling_params import SamplingParams
 
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
-                            logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+    params = SamplingParams(
+        temperature=0,
+        max_tokens=max_tokens,
+        ignore_eos=True,
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
+    )
     return llm.generate(_prompts(), params)
 
 
@@ -210,8 +218,7 @@ def test_engine_fp8_kv_greedy_and_pages(random_checkpoints):
 
     # Teacher-forced: every prompt token's logprob (prefill chunks read earlier chunks back from
     # the fp8 cache) stays close to the f32 cache's. Wrong scales move them by whole units.
-    diffs = np.concatenate([np.abs(_prompt_logprobs(g) - _prompt_logprobs(w))
-                            for g, w in zip(got, want)])
+    diffs = np.concatenate([np.abs(_prompt_logprobs(g) - _prompt_logprobs(w)) for g, w in zip(got, want)])
     assert diffs.max() < 0.25 and diffs.mean() < 0.06, (diffs.max(), diffs.mean())
 
     # Greedy: a tiny random-weight model's logits are nearly flat (top-2 gaps of a few 0.01 over
@@ -243,12 +250,13 @@ def test_engine_reads_checkpoint_kv_scales(random_checkpoints, tmp_path):
     src = random_checkpoints["llama"]
     dst = tmp_path / "ckpt"
     shutil.copytree(src, dst)
-    scales = {"model.layers.0.self_attn.k_scale": np.float32(0.02),
-              "model.layers.1.self_attn.k_scale": np.float32(0.05),
-              "model.layers.0.self_attn.v_scale": np.float32(0.004),
-              "model.layers.1.self_attn.v_scale": np.float32(0.003)}
-    save_file({k: np.asarray(v).reshape(()) for k, v in scales.items()},
-              str(dst / "kv_scales.safetensors"))
+    scales = {
+        "model.layers.0.self_attn.k_scale": np.float32(0.02),
+        "model.layers.1.self_attn.k_scale": np.float32(0.05),
+        "model.layers.0.self_attn.v_scale": np.float32(0.004),
+        "model.layers.1.self_attn.v_scale": np.float32(0.003),
+    }
+    save_file({k: np.asarray(v).reshape(()) for k, v in scales.items()}, str(dst / "kv_scales.safetensors"))
     assert len(glob.glob(os.path.join(dst, "*.safetensors"))) >= 2
     llm = LLM(str(dst), kv_cache_dtype="fp8", num_gpu_blocks=40, **ENGINE)
     assert llm.engine.runner.kv_scales == pytest.approx((0.05, 0.004))
@@ -259,9 +267,13 @@ def test_engine_reads_checkpoint_kv_scales(random_checkpoints, tmp_path):
 
     # Only some layers carrying them is an error for an FP8 cache, not a silent mix; a
     # model-dtype cache does not read them.
-    save_file({"model.layers.0.self_attn.k_scale": np.asarray(0.02, np.float32),
-               "model.layers.0.self_attn.v_scale": np.asarray(0.02, np.float32)},
-              str(dst / "kv_scales.safetensors"))
+    save_file(
+        {
+            "model.layers.0.self_attn.k_scale": np.asarray(0.02, np.float32),
+            "model.layers.0.self_attn.v_scale": np.asarray(0.02, np.float32),
+        },
+        str(dst / "kv_scales.safetensors"),
+    )
     with pytest.raises(ModelConfigError, match="kv_cache_dtype='fp8'.*some layers only"):
         LLM(str(dst), kv_cache_dtype="fp8", num_gpu_blocks=40, **ENGINE)
     llm = LLM(str(dst), num_gpu_blocks=40, **ENGINE)
@@ -273,15 +285,22 @@ def test_checkpoint_scale_names_and_calibration_formula():
     are read too; bad scales are refused; ``scales_from_amax`` maps amax * 1.25 to 448."""
     from tpuserve.tpu_platform.kv_scales import MARGIN, scales_from_checkpoint
 
-    modelopt = {"model.layers.0.self_attn.k_proj.k_scale": np.float32(0.1),
-                "model.layers.0.self_attn.v_proj.v_scale": np.float32(0.2),
-                "model.layers.1.self_attn.k_proj.output_scale": np.full(4, 0.3, np.float32),
-                "model.layers.1.self_attn.v_proj.output_scale": np.float32(0.05)}
+    modelopt = {
+        "model.layers.0.self_attn.k_proj.k_scale": np.float32(0.1),
+        "model.layers.0.self_attn.v_proj.v_scale": np.float32(0.2),
+        "model.layers.1.self_attn.k_proj.output_scale": np.full(4, 0.3, np.float32),
+        "model.layers.1.self_attn.v_proj.output_scale": np.float32(0.05),
+    }
     assert scales_from_checkpoint(modelopt.get, 2) == pytest.approx((0.3, 0.2))
     assert scales_from_checkpoint({}.get, 2) is None
     with pytest.raises(ValueError, match="positive"):
-        scales_from_checkpoint({**modelopt, "model.layers.1.self_attn.v_proj.output_scale":
-                                np.float32(0.0), "model.layers.0.self_attn.v_proj.v_scale":
-                                np.float32(-1.0)}.get, 2)
+        scales_from_checkpoint(
+            {
+                **modelopt,
+                "model.layers.1.self_attn.v_proj.output_scale": np.float32(0.0),
+                "model.layers.0.self_attn.v_proj.v_scale": np.float32(-1.0),
+            }.get,
+            2,
+        )
     k, v = scales_from_amax(448.0, 44.8)
     assert MARGIN == 1.25 and (k, v) == pytest.approx((1.25, 0.125))

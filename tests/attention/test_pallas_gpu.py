@@ -8,6 +8,7 @@ kernel on a GPU.
 
 from __future__ import annotations
 
+import attention_cases as cases  # tests/attention/attention_cases.py
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,12 +16,12 @@ import pytest
 
 from tpuserve.attention.dispatch import AttentionParams, ragged_paged_attention
 from tpuserve.attention.metadata import AttentionMetadata
-from tpuserve.attention.pallas_gpu import (default_config, ragged_paged_attention_gpu,
-                                  ragged_paged_attention_gpu_stacked)
+from tpuserve.attention.pallas_gpu import (
+    default_config,
+    ragged_paged_attention_gpu,
+    ragged_paged_attention_gpu_stacked,
+)
 from tpuserve.kv_cache.layout import split_kv
-
-import attention_cases as cases  # tests/attention/attention_cases.py
-
 
 # (rows_per_tile, pages_per_block, kv_splits) per case. page_size is 4, so 4 pages = 16 tokens,
 # Triton's smallest dot; splits > 1 exercise the flash-decoding merge.
@@ -36,24 +37,26 @@ CONFIGS = {
 
 
 def run_and_check(case, kwargs, dtype, **config):
-    out, kv = ragged_paged_attention_gpu(case.queries, case.new_kv, case.kv_pages, *case.metadata,
-                                         interpret=True, **config, **kwargs)
+    out, kv = ragged_paged_attention_gpu(
+        case.queries, case.new_kv, case.kv_pages, *case.metadata, interpret=True, **config, **kwargs
+    )
     want, want_kv = cases.expected(case, **kwargs)
     np.testing.assert_array_equal(cases.f32(kv), cases.f32(want_kv))
     np.testing.assert_allclose(cases.f32(out), cases.f32(want), **cases.tolerance(dtype))
     n = case.num_real_tokens
-    np.testing.assert_allclose(cases.f32(out[:n]), cases.f32(cases.oracle(case, want_kv, **kwargs)),
-                               **cases.tolerance(dtype))
+    np.testing.assert_allclose(
+        cases.f32(out[:n]), cases.f32(cases.oracle(case, want_kv, **kwargs)), **cases.tolerance(dtype)
+    )
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("name", [
-    pytest.param(n, marks=pytest.mark.slow) if n == "bf16_g3_d128" else n for n in cases.CASES])
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=pytest.mark.slow) if n == "bf16_g3_d128" else n for n in cases.CASES]
+)
 def test_gpu_path_matches_reference_and_oracle(name):
     case, kwargs, dtype = cases.build(name)
     rows, ppb, splits = CONFIGS[name]
-    run_and_check(case, kwargs, dtype, rows_per_tile=rows, num_kv_pages_per_block=ppb,
-                  num_kv_splits=splits)
+    run_and_check(case, kwargs, dtype, rows_per_tile=rows, num_kv_pages_per_block=ppb, num_kv_splits=splits)
 
 
 @pytest.mark.timeout(240)
@@ -72,8 +75,7 @@ def test_dispatch_pallas_gpu_stacked_cache():
     import tpuserve.attention.dispatch as dispatch
 
     case, kwargs, _ = cases.build("decode_g8", seed=8)
-    other = jnp.asarray(np.random.default_rng(9).standard_normal(case.kv_pages.shape),
-                        case.kv_pages.dtype)
+    other = jnp.asarray(np.random.default_rng(9).standard_normal(case.kv_pages.shape), case.kv_pages.dtype)
     cache = jnp.stack([case.kv_pages, other])
     new_k, new_v = split_kv(case.new_kv)
     md = AttentionMetadata(*case.metadata)
@@ -83,8 +85,9 @@ def test_dispatch_pallas_gpu_stacked_cache():
         return ragged_paged_attention_gpu_stacked(*args, interpret=True, **kw)
 
     def step(impl):
-        fn = jax.jit(lambda q, k, v, c, layer, md: ragged_paged_attention(
-            q, k, v, c, layer, md, params, impl))
+        fn = jax.jit(
+            lambda q, k, v, c, layer, md: ragged_paged_attention(q, k, v, c, layer, md, params, impl)
+        )
         return fn(case.queries, new_k, new_v, cache, jnp.int32(0), md)
 
     original = dispatch.ragged_paged_attention_gpu_stacked
@@ -111,10 +114,14 @@ def test_default_config_shapes():
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("kv_dtype,options", [
-    (jnp.bfloat16, dict(num_kv_splits=4)),
-    (jnp.float8_e4m3fn, dict(k_scale=0.5, v_scale=2.0, soft_cap=30.0, sliding_window=128)),
-], ids=["bf16_split", "fp8_window_cap"])
+@pytest.mark.parametrize(
+    "kv_dtype,options",
+    [
+        (jnp.bfloat16, dict(num_kv_splits=4)),
+        (jnp.float8_e4m3fn, dict(k_scale=0.5, v_scale=2.0, soft_cap=30.0, sliding_window=128)),
+    ],
+    ids=["bf16_split", "fp8_window_cap"],
+)
 def test_lowers_to_triton(kv_dtype, options):
     """The kernel lowers through Pallas' Triton lowering (cross-platform, no GPU needed).
 
@@ -122,12 +129,17 @@ def test_lowers_to_triton(kv_dtype, options):
     dynamic loops); Triton's own compile to PTX happens only on a GPU.
     """
     t, slots, hq, hkv, d, layers, pages, ps, pps = 32, 32, 32, 8, 128, 2, 1025, 16, 64
-    args = (jax.ShapeDtypeStruct((t, hq, d), jnp.bfloat16),
-            jax.ShapeDtypeStruct((t, 2 * hkv, d), jnp.bfloat16),
-            jax.ShapeDtypeStruct((layers, pages, ps, 2 * hkv, d), kv_dtype),
-            jax.ShapeDtypeStruct((), jnp.int32), jax.ShapeDtypeStruct((slots,), jnp.int32),
-            jax.ShapeDtypeStruct((slots, pps), jnp.int32),
-            jax.ShapeDtypeStruct((slots + 1,), jnp.int32), jax.ShapeDtypeStruct((1,), jnp.int32))
+    args = (
+        jax.ShapeDtypeStruct((t, hq, d), jnp.bfloat16),
+        jax.ShapeDtypeStruct((t, 2 * hkv, d), jnp.bfloat16),
+        jax.ShapeDtypeStruct((layers, pages, ps, 2 * hkv, d), kv_dtype),
+        jax.ShapeDtypeStruct((), jnp.int32),
+        jax.ShapeDtypeStruct((slots,), jnp.int32),
+        jax.ShapeDtypeStruct((slots, pps), jnp.int32),
+        jax.ShapeDtypeStruct((slots + 1,), jnp.int32),
+        jax.ShapeDtypeStruct((1,), jnp.int32),
+    )
     lowered = ragged_paged_attention_gpu_stacked.trace(*args, sm_scale=0.08, **options).lower(
-        lowering_platforms=("cuda",))
+        lowering_platforms=("cuda",)
+    )
     assert "triton" in lowered.as_text()

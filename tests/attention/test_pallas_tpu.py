@@ -8,34 +8,36 @@ per DMA, so the grids are tiny; a semaphore bug hangs, hence the timeouts.
 
 from __future__ import annotations
 
+import attention_cases as cases  # tests/attention/attention_cases.py
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from pallas_interpret import RACES, fresh_interpreter, races_found  # noqa: F401 (autouse fixture)
 
 from tpuserve.attention.dispatch import AttentionParams, kv_cache_shape, ragged_paged_attention
 from tpuserve.attention.metadata import AttentionMetadata
-from tpuserve.attention.pallas_tpu import (default_block_sizes, ragged_paged_attention_tpu,
-                                  ragged_paged_attention_tpu_stacked)
+from tpuserve.attention.pallas_tpu import (
+    default_block_sizes,
+    ragged_paged_attention_tpu,
+    ragged_paged_attention_tpu_stacked,
+)
 from tpuserve.kv_cache.layout import KVCacheSpec, split_kv
-
-import attention_cases as cases  # tests/attention/attention_cases.py
-
-from pallas_interpret import RACES, fresh_interpreter, races_found  # noqa: E402,F401 (autouse fixture)
 
 
 def run_and_check(case, kwargs, dtype, **block):
     out, kv = ragged_paged_attention_tpu(
-        case.queries, case.new_kv, case.kv_pages, *case.metadata, interpret=RACES, **block,
-        **kwargs)
+        case.queries, case.new_kv, case.kv_pages, *case.metadata, interpret=RACES, **block, **kwargs
+    )
     jax.block_until_ready((out, kv))
     assert not races_found(), "the race detector reported a data race"
     want, want_kv = cases.expected(case, **kwargs)
     np.testing.assert_array_equal(cases.f32(kv), cases.f32(want_kv))
     np.testing.assert_allclose(cases.f32(out), cases.f32(want), **cases.tolerance(dtype))
     n = case.num_real_tokens
-    np.testing.assert_allclose(cases.f32(out[:n]), cases.f32(cases.oracle(case, want_kv, **kwargs)),
-                               **cases.tolerance(dtype))
+    np.testing.assert_allclose(
+        cases.f32(out[:n]), cases.f32(cases.oracle(case, want_kv, **kwargs)), **cases.tolerance(dtype)
+    )
     return out
 
 
@@ -54,8 +56,9 @@ SLOW = {"bf16_g3_d128", "prefill_g1"}
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("name", [
-    pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in cases.CASES])
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in cases.CASES]
+)
 def test_kernel_matches_reference_and_oracle(name):
     case, kwargs, dtype = cases.build(name)
     bq, ppb = BLOCKS[name]
@@ -80,8 +83,15 @@ def test_attend_without_writing():
     """new_kv=None: the cache comes back unchanged and attention reads it as is."""
     case, kwargs, dtype = cases.build("decode_g8", seed=5)
     out, kv = ragged_paged_attention_tpu(
-        case.queries, None, case.kv_pages, *case.metadata, interpret=RACES,
-        num_queries_per_block=2, num_kv_pages_per_block=2, **kwargs)
+        case.queries,
+        None,
+        case.kv_pages,
+        *case.metadata,
+        interpret=RACES,
+        num_queries_per_block=2,
+        num_kv_pages_per_block=2,
+        **kwargs,
+    )
     jax.block_until_ready((out, kv))
     assert not races_found()
     np.testing.assert_array_equal(cases.f32(kv), cases.f32(case.kv_pages))
@@ -94,8 +104,7 @@ def test_dispatch_in_layer_scan():
     """dispatch 'pallas_tpu_interpret' == 'reference' the way the model calls it: a jitted
     lax.scan over layers of a stacked [L, ...] cache, the layer index traced."""
     case, kwargs, _ = cases.build("mixed_g3_d128", seed=6)
-    other = jnp.asarray(np.random.default_rng(7).standard_normal(case.kv_pages.shape),
-                        case.kv_pages.dtype)
+    other = jnp.asarray(np.random.default_rng(7).standard_normal(case.kv_pages.shape), case.kv_pages.dtype)
     cache = jnp.stack([other, case.kv_pages])
     new_k, new_v = split_kv(case.new_kv)
     md = AttentionMetadata(*case.metadata)
@@ -105,9 +114,11 @@ def test_dispatch_in_layer_scan():
         def layer(c, i):
             # Each layer sees different K/V (scaled by its index) so a wrong layer shows up.
             scale = (i + 1).astype(new_k.dtype)
-            out, c = ragged_paged_attention(case.queries, new_k * scale, new_v * scale, c, i, md,
-                                            params, impl)
+            out, c = ragged_paged_attention(
+                case.queries, new_k * scale, new_v * scale, c, i, md, params, impl
+            )
             return c, out
+
         run = jax.jit(lambda c: jax.lax.scan(layer, c, jnp.arange(2, dtype=jnp.int32)))
         return run(cache)
 
@@ -132,45 +143,63 @@ def test_default_block_sizes_per_generation():
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("num_tokens,kv_dtype,options", [
-    (64, jnp.bfloat16, {}),
-    (32, jnp.bfloat16, {}),  # tokens <= slots: the decode path (one token per grid step)
-    (64, jnp.float32, dict(k_scale=0.5, v_scale=2.0, soft_cap=30.0, sliding_window=128)),
-], ids=["mixed_bf16", "decode_bf16", "f32_scales_window_cap"])
+@pytest.mark.parametrize(
+    "num_tokens,kv_dtype,options",
+    [
+        (64, jnp.bfloat16, {}),
+        (32, jnp.bfloat16, {}),  # tokens <= slots: the decode path (one token per grid step)
+        (64, jnp.float32, dict(k_scale=0.5, v_scale=2.0, soft_cap=30.0, sliding_window=128)),
+    ],
+    ids=["mixed_bf16", "decode_bf16", "f32_scales_window_cap"],
+)
 def test_lowers_to_mosaic(num_tokens, kv_dtype, options):
     """The kernel lowers to Mosaic for TPU (cross-platform, no TPU needed), at a Llama-8B-like
     shape with the default block sizes. Mosaic's own layout passes run only on a TPU (which is
     where bf16's strided loads once failed: benchmarks/attention_tpu.py checks there)."""
     slots, hq, hkv, d, layers, pages, ps, pps = 32, 32, 8, 128, 2, 1025, 16, 64
-    args = (jax.ShapeDtypeStruct((num_tokens, hq, d), jnp.bfloat16),
-            jax.ShapeDtypeStruct((num_tokens, 2 * hkv, d), jnp.bfloat16),
-            jax.ShapeDtypeStruct((layers, pages, ps, 2 * hkv, d), kv_dtype),
-            jax.ShapeDtypeStruct((), jnp.int32), jax.ShapeDtypeStruct((slots,), jnp.int32),
-            jax.ShapeDtypeStruct((slots, pps), jnp.int32),
-            jax.ShapeDtypeStruct((slots + 1,), jnp.int32), jax.ShapeDtypeStruct((1,), jnp.int32))
+    args = (
+        jax.ShapeDtypeStruct((num_tokens, hq, d), jnp.bfloat16),
+        jax.ShapeDtypeStruct((num_tokens, 2 * hkv, d), jnp.bfloat16),
+        jax.ShapeDtypeStruct((layers, pages, ps, 2 * hkv, d), kv_dtype),
+        jax.ShapeDtypeStruct((), jnp.int32),
+        jax.ShapeDtypeStruct((slots,), jnp.int32),
+        jax.ShapeDtypeStruct((slots, pps), jnp.int32),
+        jax.ShapeDtypeStruct((slots + 1,), jnp.int32),
+        jax.ShapeDtypeStruct((1,), jnp.int32),
+    )
     lowered = ragged_paged_attention_tpu_stacked.trace(*args, sm_scale=0.08, **options).lower(
-        lowering_platforms=("tpu",))
+        lowering_platforms=("tpu",)
+    )
     assert "tpu_custom_call" in lowered.as_text()
 
 
 def test_compiled_kernel_refuses_an_fp8_cache_naming_the_dtype():
     # Mosaic strides 32-bit words only; interpret mode (the tests above) still runs fp8 caches.
-    args = (jnp.zeros((8, 4, 64), jnp.bfloat16), None,
-            jnp.zeros((1, 9, 16, 32, 64), jnp.float8_e4m3fn), jnp.int32(0),
-            jnp.zeros((2,), jnp.int32), jnp.zeros((2, 4), jnp.int32), jnp.zeros((3,), jnp.int32),
-            jnp.zeros((1,), jnp.int32))
+    args = (
+        jnp.zeros((8, 4, 64), jnp.bfloat16),
+        None,
+        jnp.zeros((1, 9, 16, 32, 64), jnp.float8_e4m3fn),
+        jnp.int32(0),
+        jnp.zeros((2,), jnp.int32),
+        jnp.zeros((2, 4), jnp.int32),
+        jnp.zeros((3,), jnp.int32),
+        jnp.zeros((1,), jnp.int32),
+    )
     with pytest.raises(NotImplementedError, match="float8_e4m3fn"):
-        ragged_paged_attention_tpu_stacked.trace(*args, num_kv_heads=2).lower(
-            lowering_platforms=("tpu",))
+        ragged_paged_attention_tpu_stacked.trace(*args, num_kv_heads=2).lower(lowering_platforms=("tpu",))
 
 
 # ---- the padded cache kv_cache_shape gives the TPU kernel: combined heads padded to the tile ----
 
 PADDED_CASES = {
-    "hkv1_g4": (dict(seqs=[(1, 9), (5, 11), (2, 2)], num_q_heads=4, num_kv_heads=1,
-                     head_dim=64, num_tokens=8), dict(sm_scale=0.125)),
-    "hkv3_g2": (dict(seqs=cases.MIXED, num_q_heads=6, num_kv_heads=3, head_dim=64,
-                     num_tokens=16), dict(sm_scale=0.125, soft_cap=5.0)),
+    "hkv1_g4": (
+        dict(seqs=[(1, 9), (5, 11), (2, 2)], num_q_heads=4, num_kv_heads=1, head_dim=64, num_tokens=8),
+        dict(sm_scale=0.125),
+    ),
+    "hkv3_g2": (
+        dict(seqs=cases.MIXED, num_q_heads=6, num_kv_heads=3, head_dim=64, num_tokens=16),
+        dict(sm_scale=0.125, soft_cap=5.0),
+    ),
 }
 
 
@@ -181,11 +210,14 @@ def pad_heads(kv_pages, heads, fill=0.0):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("name,heads,fill", [
-    ("hkv1_g4", 16, 0.0),  # bf16's tile (16) with f32 data: CPU has no native bf16
-    ("hkv3_g2", None, 0.0),  # the f32 rule: 6 -> 8
-    ("hkv3_g2", 16, float("nan")),  # NaN padding: the output proves padding is never read
-])
+@pytest.mark.parametrize(
+    "name,heads,fill",
+    [
+        ("hkv1_g4", 16, 0.0),  # bf16's tile (16) with f32 data: CPU has no native bf16
+        ("hkv3_g2", None, 0.0),  # the f32 rule: 6 -> 8
+        ("hkv3_g2", 16, float("nan")),  # NaN padding: the output proves padding is never read
+    ],
+)
 def test_kernel_on_padded_cache(name, heads, fill):
     """Padded cache == reference and jax's oracle on the unpadded cache; the padding heads of the
     rows this step writes become zero (a whole tile-aligned row per token), every other padding
@@ -198,22 +230,31 @@ def test_kernel_on_padded_cache(name, heads, fill):
         heads = kv_cache_shape("pallas_tpu", spec)[3]
         assert heads == 8
     out, kv = ragged_paged_attention_tpu(
-        case.queries, case.new_kv, pad_heads(case.kv_pages, heads, fill), *case.metadata,
-        interpret=RACES, num_queries_per_block=4, num_kv_pages_per_block=2, **kwargs)
+        case.queries,
+        case.new_kv,
+        pad_heads(case.kv_pages, heads, fill),
+        *case.metadata,
+        interpret=RACES,
+        num_queries_per_block=4,
+        num_kv_pages_per_block=2,
+        **kwargs,
+    )
     jax.block_until_ready((out, kv))
     assert not races_found(), "the race detector reported a data race"
     assert kv.shape[-2] == heads
     want, want_kv = cases.expected(case, **kwargs)
-    np.testing.assert_array_equal(cases.f32(kv[..., :2 * hkv, :]), cases.f32(want_kv))
+    np.testing.assert_array_equal(cases.f32(kv[..., : 2 * hkv, :]), cases.f32(want_kv))
     written = np.any(cases.f32(want_kv) != cases.f32(case.kv_pages), axis=(-2, -1))  # [P, ps]
     assert written.sum() == case.num_real_tokens  # one row per real token
     pad = np.where(written[..., None, None], 0.0, fill)
-    np.testing.assert_array_equal(cases.f32(kv[..., 2 * hkv:, :]),
-                                  np.broadcast_to(pad, kv[..., 2 * hkv:, :].shape))
+    np.testing.assert_array_equal(
+        cases.f32(kv[..., 2 * hkv :, :]), np.broadcast_to(pad, kv[..., 2 * hkv :, :].shape)
+    )
     np.testing.assert_allclose(cases.f32(out), cases.f32(want), **cases.tolerance(jnp.float32))
     n = case.num_real_tokens
-    np.testing.assert_allclose(cases.f32(out[:n]), cases.f32(cases.oracle(case, want_kv, **kwargs)),
-                               **cases.tolerance(jnp.float32))
+    np.testing.assert_allclose(
+        cases.f32(out[:n]), cases.f32(cases.oracle(case, want_kv, **kwargs)), **cases.tolerance(jnp.float32)
+    )
 
 
 @pytest.mark.timeout(300)
@@ -222,8 +263,16 @@ def test_attend_without_writing_on_padded_cache():
     case_args, kwargs = PADDED_CASES["hkv1_g4"]
     case = cases.make_case(1, **case_args, **cases.SHAPES)
     out, kv = ragged_paged_attention_tpu(
-        case.queries, None, pad_heads(case.kv_pages, 16), *case.metadata, interpret=RACES,
-        num_queries_per_block=8, num_kv_pages_per_block=3, num_kv_heads=1, **kwargs)
+        case.queries,
+        None,
+        pad_heads(case.kv_pages, 16),
+        *case.metadata,
+        interpret=RACES,
+        num_queries_per_block=8,
+        num_kv_pages_per_block=3,
+        num_kv_heads=1,
+        **kwargs,
+    )
     jax.block_until_ready((out, kv))
     assert not races_found()
     np.testing.assert_array_equal(cases.f32(kv), cases.f32(pad_heads(case.kv_pages, 16)))
@@ -245,9 +294,11 @@ def test_dispatch_on_allocated_padded_cache():
     def step(impl):
         def layer(c, i):
             scale = (i + 1).astype(new_k.dtype)  # each layer its own K/V: a wrong layer shows
-            out, c = ragged_paged_attention(case.queries, new_k * scale, new_v * scale, c, i, md,
-                                            params, impl)
+            out, c = ragged_paged_attention(
+                case.queries, new_k * scale, new_v * scale, c, i, md, params, impl
+            )
             return c, out
+
         run = jax.jit(lambda c: jax.lax.scan(layer, c, jnp.arange(2, dtype=jnp.int32)))
         return run(spec.allocate(impl))
 
@@ -264,9 +315,16 @@ def test_dispatch_rejects_padded_cache_for_unpadded_impls():
     case, kwargs, _ = cases.build("decode_g8")
     new_k, new_v = split_kv(case.new_kv)
     with pytest.raises(ValueError, match="combined-head axis"):
-        ragged_paged_attention(case.queries, new_k, new_v, pad_heads(case.kv_pages, 8)[None],
-                               jnp.int32(0), AttentionMetadata(*case.metadata),
-                               AttentionParams(**kwargs), "reference")
+        ragged_paged_attention(
+            case.queries,
+            new_k,
+            new_v,
+            pad_heads(case.kv_pages, 8)[None],
+            jnp.int32(0),
+            AttentionMetadata(*case.metadata),
+            AttentionParams(**kwargs),
+            "reference",
+        )
 
 
 @pytest.mark.timeout(240)
@@ -274,13 +332,18 @@ def test_lowers_to_mosaic_padded_cache():
     """Two KV heads in bf16 on the padded cache (4 -> 16 combined heads) lower to Mosaic."""
     slots, hq, hkv, d, layers, pages, ps, pps, tokens = 8, 8, 2, 128, 2, 65, 16, 8, 32
     spec = KVCacheSpec(layers, pages, ps, hkv, d, jnp.bfloat16)
-    args = (jax.ShapeDtypeStruct((tokens, hq, d), jnp.bfloat16),
-            jax.ShapeDtypeStruct((tokens, 2 * hkv, d), jnp.bfloat16),
-            jax.ShapeDtypeStruct(kv_cache_shape("pallas_tpu", spec), jnp.bfloat16),
-            jax.ShapeDtypeStruct((), jnp.int32), jax.ShapeDtypeStruct((slots,), jnp.int32),
-            jax.ShapeDtypeStruct((slots, pps), jnp.int32),
-            jax.ShapeDtypeStruct((slots + 1,), jnp.int32), jax.ShapeDtypeStruct((1,), jnp.int32))
+    args = (
+        jax.ShapeDtypeStruct((tokens, hq, d), jnp.bfloat16),
+        jax.ShapeDtypeStruct((tokens, 2 * hkv, d), jnp.bfloat16),
+        jax.ShapeDtypeStruct(kv_cache_shape("pallas_tpu", spec), jnp.bfloat16),
+        jax.ShapeDtypeStruct((), jnp.int32),
+        jax.ShapeDtypeStruct((slots,), jnp.int32),
+        jax.ShapeDtypeStruct((slots, pps), jnp.int32),
+        jax.ShapeDtypeStruct((slots + 1,), jnp.int32),
+        jax.ShapeDtypeStruct((1,), jnp.int32),
+    )
     assert args[2].shape[3] == 16
     lowered = ragged_paged_attention_tpu_stacked.trace(*args, sm_scale=0.08).lower(
-        lowering_platforms=("tpu",))
+        lowering_platforms=("tpu",)
+    )
     assert "tpu_custom_call" in lowered.as_text()

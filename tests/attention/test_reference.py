@@ -9,10 +9,9 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from attention_cases import CASES, MIXED, build, expected, f32, oracle, tolerance
 
 from tpuserve.attention.reference import ragged_paged_attention_ref, write_kv_ref
-
-from attention_cases import CASES, MIXED, build, expected, f32, oracle, tolerance
 
 # ---- reference vs oracle ----
 
@@ -34,8 +33,9 @@ def test_reference_window_and_cap_together():
     case, _, _ = build("window_g8", seed=1)
     kwargs = dict(sm_scale=0.3, sliding_window=3, soft_cap=4.0)
     out, kv = expected(case, **kwargs)
-    np.testing.assert_allclose(f32(out[:case.num_real_tokens]), f32(oracle(case, kv, **kwargs)),
-                               atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(
+        f32(out[: case.num_real_tokens]), f32(oracle(case, kv, **kwargs)), atol=1e-5, rtol=1e-5
+    )
 
 
 @pytest.mark.timeout(60)

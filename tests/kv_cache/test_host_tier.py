@@ -11,8 +11,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tpuserve.kv_cache.host_tier import (HostKVTier, HostPagePool, HostSlotIndex, host_memory_kind, page_bytes,
-                                         slots_for_bytes)
+from tpuserve.kv_cache.host_tier import (
+    HostKVTier,
+    HostPagePool,
+    HostSlotIndex,
+    host_memory_kind,
+    page_bytes,
+    slots_for_bytes,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -33,9 +39,11 @@ def _tier(cache, pages: int, **kw) -> HostKVTier:
     return HostKVTier(pages * page_bytes(cache.shape, cache.dtype), cache.shape, cache.dtype, **kw)
 
 
-@pytest.mark.parametrize("c,dtype", [(4, jnp.float32), (16, jnp.bfloat16),
-                                     (32, jnp.float8_e4m3fn)],
-                         ids=["f32-unpadded", "bf16-tpu-padded-C", "fp8-tpu-padded-C"])
+@pytest.mark.parametrize(
+    "c,dtype",
+    [(4, jnp.float32), (16, jnp.bfloat16), (32, jnp.float8_e4m3fn)],
+    ids=["f32-unpadded", "bf16-tpu-padded-C", "fp8-tpu-padded-C"],
+)
 def test_save_then_load_into_other_pages_is_bitwise_equal(c, dtype):
     kv = _cache(c, dtype)
     want = {p: np.asarray(kv[:, p]) for p in (3, 5, 9)}

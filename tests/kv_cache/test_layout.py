@@ -22,16 +22,31 @@ def spec(num_kv_heads, dtype, layers=2, pages=5, page_size=4, head_dim=8):
 
 def test_sublane_tile_per_dtype():
     assert [sublane_tile(d) for d in (jnp.float32, jnp.bfloat16, jnp.float16, F8, jnp.int8)] == [
-        8, 16, 16, 32, 32]
+        8,
+        16,
+        16,
+        32,
+        32,
+    ]
     assert sublane_tile("bfloat16") == 16 and sublane_tile(np.dtype("float32")) == 8
 
 
 @pytest.mark.parametrize("impl", UNPADDED + TPU)
-@pytest.mark.parametrize("dtype,hkv,tpu_heads", [
-    (jnp.float32, 1, 8), (jnp.float32, 4, 8), (jnp.float32, 5, 16),
-    (jnp.bfloat16, 1, 16), (jnp.bfloat16, 3, 16), (jnp.bfloat16, 8, 16), (jnp.bfloat16, 12, 32),
-    (F8, 1, 32), (F8, 16, 32), (F8, 20, 64),
-])
+@pytest.mark.parametrize(
+    "dtype,hkv,tpu_heads",
+    [
+        (jnp.float32, 1, 8),
+        (jnp.float32, 4, 8),
+        (jnp.float32, 5, 16),
+        (jnp.bfloat16, 1, 16),
+        (jnp.bfloat16, 3, 16),
+        (jnp.bfloat16, 8, 16),
+        (jnp.bfloat16, 12, 32),
+        (F8, 1, 32),
+        (F8, 16, 32),
+        (F8, 20, 64),
+    ],
+)
 def test_kv_cache_shape(impl, dtype, hkv, tpu_heads):
     s = spec(hkv, dtype)
     heads = tpu_heads if impl in TPU else 2 * hkv
@@ -67,7 +82,9 @@ def test_split_kv_drops_padding_heads():
 
 def test_shape_module_imports_no_jax():
     """The engine and front ends size the KV cache before touching a device."""
-    code = ("import sys; from tpuserve.attention.kv_cache_shape import kv_cache_shape, resolve_impl; "
-            "assert resolve_impl('auto', 'tpu') == 'pallas_tpu'; "
-            "assert 'jax' not in sys.modules, 'jax imported'")
+    code = (
+        "import sys; from tpuserve.attention.kv_cache_shape import kv_cache_shape, resolve_impl; "
+        "assert resolve_impl('auto', 'tpu') == 'pallas_tpu'; "
+        "assert 'jax' not in sys.modules, 'jax imported'"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -16,12 +16,10 @@ import json
 import os
 import shutil
 
+import ct_oracle as ct  # tests/quant/ct_oracle.py
 import torch
 
-import ct_oracle as ct  # tests/quant/ct_oracle.py
-
-_AUX_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-              "generation_config.json")
+_AUX_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 
 
 def _copy_aux(src: str, dst: str) -> None:
@@ -86,8 +84,13 @@ def write_hf_fp8(src: str, dst: str, scale_fmt: str | None = None) -> str:
     save_file(sd, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(src, "config.json")) as f:
         config = json.load(f)
-    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
-                                     "fmt": "e4m3", "weight_block_size": [128, 128], **kw}
+    config["quantization_config"] = {
+        "quant_method": "fp8",
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "weight_block_size": [128, 128],
+        **kw,
+    }
     with open(os.path.join(dst, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
     _copy_aux(src, dst)

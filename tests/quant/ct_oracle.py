@@ -17,8 +17,13 @@ from compressed_tensors.quantization import preset_name_to_scheme
 from compressed_tensors.quantization.utils.helpers import calculate_qparams, generate_gparam
 
 # preset -> compression format the compressor is registered under
-FORMATS = {"FP8": "float-quantized", "FP8_DYNAMIC": "float-quantized", "FP8_BLOCK": "float-quantized",
-           "NVFP4": "nvfp4-pack-quantized", "MXFP4": "mxfp4-pack-quantized"}
+FORMATS = {
+    "FP8": "float-quantized",
+    "FP8_DYNAMIC": "float-quantized",
+    "FP8_BLOCK": "float-quantized",
+    "NVFP4": "nvfp4-pack-quantized",
+    "MXFP4": "mxfp4-pack-quantized",
+}
 
 
 def scheme(preset: str):

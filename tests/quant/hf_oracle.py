@@ -13,8 +13,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-PROJ_GROUPS = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("self_attn.o_proj",),
-               ("mlp.gate_proj", "mlp.up_proj"), ("mlp.down_proj",))
+PROJ_GROUPS = (
+    ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    ("self_attn.o_proj",),
+    ("mlp.gate_proj", "mlp.up_proj"),
+    ("mlp.down_proj",),
+)
 
 
 def _fp8_channel(w: torch.Tensor) -> torch.Tensor:
@@ -22,17 +26,23 @@ def _fp8_channel(w: torch.Tensor) -> torch.Tensor:
     from compressed_tensors.quantization.lifecycle.forward import dequantize
 
     sd = ct.compress(w, "FP8_DYNAMIC")
-    return dequantize(sd["weight"].to(torch.float32), sd["weight_scale"],
-                      args=ct.scheme("FP8_DYNAMIC").weights, dtype=torch.float32)
+    return dequantize(
+        sd["weight"].to(torch.float32),
+        sd["weight_scale"],
+        args=ct.scheme("FP8_DYNAMIC").weights,
+        dtype=torch.float32,
+    )
 
 
 def _mxfp4(w: torch.Tensor) -> torch.Tensor:
     from torchao.prototype.mx_formats.mx_tensor import MXTensor
+
     return MXTensor.to_mx(w, torch.float4_e2m1fn_x2, block_size=32).dequantize(torch.float32)
 
 
 def _nvfp4(w: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
     from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor, per_tensor_amax_to_scale
+
     t = NVFP4Tensor.to_nvfp4(w, per_tensor_scale=per_tensor_amax_to_scale(amax))
     return t.dequantize(torch.float32)
 
@@ -69,8 +79,9 @@ def hf_logprobs(model, token_ids: list[int]) -> np.ndarray:
 
 def engine_prompt_logprobs(out) -> np.ndarray:
     """A RequestOutput with ``prompt_logprobs=0`` -> logprob of each prompt token after the first."""
-    return np.array([out.prompt_logprobs[j + 1][tok].logprob
-                     for j, tok in enumerate(out.prompt_token_ids[1:])])
+    return np.array(
+        [out.prompt_logprobs[j + 1][tok].logprob for j, tok in enumerate(out.prompt_token_ids[1:])]
+    )
 
 
 def oracle_target_logprobs(lp: np.ndarray, token_ids: list[int]) -> np.ndarray:
@@ -86,13 +97,20 @@ def load_engine_weights_into_hf(model, layers: list[dict], dequant, num_heads: i
     for hf_layer, w in zip(model.model.layers, layers):
         qkv = np.asarray(dequant(w["qkv"]), np.float32)
         h = qkv.shape[0]
-        parts = {"self_attn.q_proj": qkv[:, :, :g].reshape(h, -1), "self_attn.k_proj": qkv[:, :, g].reshape(h, -1),
-                 "self_attn.v_proj": qkv[:, :, g + 1].reshape(h, -1),
-                 "self_attn.o_proj": np.asarray(dequant(w["o"]), np.float32)}
+        parts = {
+            "self_attn.q_proj": qkv[:, :, :g].reshape(h, -1),
+            "self_attn.k_proj": qkv[:, :, g].reshape(h, -1),
+            "self_attn.v_proj": qkv[:, :, g + 1].reshape(h, -1),
+            "self_attn.o_proj": np.asarray(dequant(w["o"]), np.float32),
+        }
         gu = np.asarray(dequant(w["gate_up"]), np.float32)
-        parts.update({"mlp.gate_proj": gu[:, 0], "mlp.up_proj": gu[:, 1],
-                      "mlp.down_proj": np.asarray(dequant(w["down"]), np.float32)})
+        parts.update(
+            {
+                "mlp.gate_proj": gu[:, 0],
+                "mlp.up_proj": gu[:, 1],
+                "mlp.down_proj": np.asarray(dequant(w["down"]), np.float32),
+            }
+        )
         for name, arr in parts.items():
             hf_layer.get_submodule(name).weight.copy_(torch.from_numpy(np.ascontiguousarray(arr.T)))
     return model
-

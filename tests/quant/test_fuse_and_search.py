@@ -62,8 +62,7 @@ def test_equal_nvfp4_globals_stay_one_scalar_and_types_must_match():
 def test_scale_search_never_worse_per_block_and_better_overall(kind):
     w = _w(512, 96, 5)
     ref = (fp4.quantize_mxfp4 if kind == "mxfp4" else fp4.quantize_nvfp4)(jnp.asarray(w))
-    got = (search.quantize_mxfp4_search if kind == "mxfp4" else search.quantize_nvfp4_search)(
-        jnp.asarray(w))
+    got = (search.quantize_mxfp4_search if kind == "mxfp4" else search.quantize_nvfp4_search)(jnp.asarray(w))
     assert type(got) is type(ref) and got.packed.shape == ref.packed.shape
     assert got.scale.dtype == ref.scale.dtype and got.scale.shape == ref.scale.shape
     block = ref.block

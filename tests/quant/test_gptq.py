@@ -54,8 +54,7 @@ def test_identity_hessian_reduces_to_the_block_search(fmt):
     got = gptq_record(w, np.eye(128), fmt)
     want = SEARCH[fmt](w)
     np.testing.assert_array_equal(np.asarray(got.packed), np.asarray(want.packed))
-    np.testing.assert_array_equal(np.asarray(got.scale).view(np.uint8),
-                                  np.asarray(want.scale).view(np.uint8))
+    np.testing.assert_array_equal(np.asarray(got.scale).view(np.uint8), np.asarray(want.scale).view(np.uint8))
     if fmt == "nvfp4":
         np.testing.assert_array_equal(np.asarray(got.global_scale), np.asarray(want.global_scale))
 
@@ -83,6 +82,7 @@ def fp4_block(fmt):
 def test_calibrated_layers_track_the_dense_model_better_than_rtn(fmt):
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "tpu_platform"))
     import tiny_models  # tests/tpu_platform/tiny_models.py
+
     from tpuserve.quant.calibrate import quantize_layers_gptq
     from tpuserve.quant.dispatch import register_quant_linears
     from tpuserve.quant.params import quantize_params
@@ -96,10 +96,18 @@ def test_calibrated_layers_track_the_dense_model_better_than_rtn(fmt):
     held_out = tiny_models.ragged_step(arch, [30, 20], seed=7)
 
     def hidden(p):
-        return np.asarray(decoder.forward(p, tiny_models.empty_kv_cache(arch), held_out["token_ids"],
-                                          held_out["positions"], held_out["md"], arch=arch,
-                                          attn_impl="reference",
-                                          inv_freq=jnp.asarray(arch.inv_freq())).hidden)
+        return np.asarray(
+            decoder.forward(
+                p,
+                tiny_models.empty_kv_cache(arch),
+                held_out["token_ids"],
+                held_out["positions"],
+                held_out["md"],
+                arch=arch,
+                attn_impl="reference",
+                inv_freq=jnp.asarray(arch.inv_freq()),
+            ).hidden
+        )
 
     want = hidden(params)
     gptq = quantize_layers_gptq(params, arch, calib, fmt)
@@ -110,8 +118,10 @@ def test_calibrated_layers_track_the_dense_model_better_than_rtn(fmt):
     assert 0 < err_gptq < err_rtn, (err_gptq, err_rtn)
     # the unrolled tree gets the same records
     unrolled = quantize_layers_gptq(unstack_layers(params), arch, calib, fmt)
-    for a, b in zip(jax.tree_util.tree_leaves(unrolled["layers"][1]["qkv"]),
-                    jax.tree_util.tree_leaves(jax.tree_util.tree_map(lambda x: x[1], gptq["layers"]["qkv"]))):
+    for a, b in zip(
+        jax.tree_util.tree_leaves(unrolled["layers"][1]["qkv"]),
+        jax.tree_util.tree_leaves(jax.tree_util.tree_map(lambda x: x[1], gptq["layers"]["qkv"])),
+    ):
         np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
 
 
@@ -129,6 +139,7 @@ def test_hadamard_blocks_is_orthonormal_and_its_own_inverse():
 
 def test_rotated_mxfp4_record_multiplies_like_its_dequant():
     from tpuserve.quant.dispatch import quant_linear
+
     k, n, t = 128, 40, 512
     rng = np.random.default_rng(6)
     x = rng.standard_normal((t, k)) * rng.uniform(0.2, 3.0, k)
@@ -137,8 +148,7 @@ def test_rotated_mxfp4_record_multiplies_like_its_dequant():
     assert rec.rotated
     deq = np.asarray(fp4.dequantize_mxfp4(rec))  # in the original basis
     xs = jnp.asarray(x[:16], jnp.float32)
-    np.testing.assert_allclose(np.asarray(quant_linear(xs, rec)), np.asarray(xs) @ deq, rtol=1e-4,
-                               atol=1e-4)
+    np.testing.assert_allclose(np.asarray(quant_linear(xs, rec)), np.asarray(xs) @ deq, rtol=1e-4, atol=1e-4)
     # and it approximates w at least as well, on these inputs, as the unrotated GPTQ record
     plain = np.asarray(fp4.dequantize_mxfp4(gptq_record(w, x.T @ x, "mxfp4")))
     assert np.linalg.norm(x @ (deq - w)) < np.linalg.norm(x @ (plain - w)) * 1.1
@@ -154,6 +164,8 @@ def test_singular_hessian_still_factors():
 
 def test_float64_rotation_matches_the_runtime_one():
     from tpuserve.quant.calibrate import _rotate_rows
+
     a = np.random.default_rng(9).standard_normal((96, 5))
-    np.testing.assert_allclose(_rotate_rows(a), np.asarray(fp4.hadamard_blocks(jnp.asarray(a, jnp.float32),
-                                                                               axis=-2)), atol=1e-5)
+    np.testing.assert_allclose(
+        _rotate_rows(a), np.asarray(fp4.hadamard_blocks(jnp.asarray(a, jnp.float32), axis=-2)), atol=1e-5
+    )

@@ -12,12 +12,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from pallas_interpret import RACES, fresh_interpreter, races_found  # noqa: F401 (autouse fixture)
 
 from tpuserve.quant import fp4, fp8
-from tpuserve.quant.pallas_tpu_matmul import (fp4_matmul_ref, fp4_matmul_tpu, fp8_matmul_ref,
-                                              fp8_matmul_tpu)
-
-from pallas_interpret import RACES, fresh_interpreter, races_found  # noqa: E402,F401 (autouse fixture)
+from tpuserve.quant.pallas_tpu_matmul import fp4_matmul_ref, fp4_matmul_tpu, fp8_matmul_ref, fp8_matmul_tpu
 
 
 def data(m, k, n, seed=0):
@@ -31,8 +29,7 @@ def check(y, want, dtype=jnp.float32):
     assert not races_found(), "the race detector reported a data race"
     tol = dict(rtol=2e-5, atol=2e-5) if dtype == jnp.float32 else dict(rtol=2e-2, atol=3e-2)
     scale = float(jnp.max(jnp.abs(want)))
-    np.testing.assert_allclose(np.asarray(y, np.float32) / scale, np.asarray(want, np.float32) / scale,
-                               **tol)
+    np.testing.assert_allclose(np.asarray(y, np.float32) / scale, np.asarray(want, np.float32) / scale, **tol)
 
 
 # name: (M, K, N, quantize kwargs, tiles)
@@ -107,6 +104,7 @@ def test_rotated_mxfp4_through_quant_linear_matches_reference():
     import dataclasses
 
     from tpuserve.quant.dispatch import quant_linear
+
     x, w = data(8, 256, 128, seed=11)
     rec = dataclasses.replace(fp4.quantize_mxfp4(fp4.hadamard_blocks(w, axis=-2)), rotated=True)
     y = quant_linear(x, rec, impl="pallas_tpu", interpret=RACES)

@@ -23,13 +23,13 @@ import torch
 
 pytest.importorskip("compressed_tensors")
 
-import ckpt_writers as cw  # noqa: E402  (tests/quant/ckpt_writers.py)
-import hf_oracle as oracle  # noqa: E402
-from conftest import build_random_checkpoint  # noqa: E402
+import ckpt_writers as cw
+import hf_oracle as oracle
+from conftest import build_random_checkpoint
 
-from tpuserve.server.llm import LLM  # noqa: E402
-from tpuserve.server.sampling_params import SamplingParams  # noqa: E402
-from tpuserve.tpu_platform.config import ConfigError  # noqa: E402
+from tpuserve.server.llm import LLM
+from tpuserve.server.sampling_params import SamplingParams
+from tpuserve.tpu_platform.config import ConfigError
 
 PROMPT = "The quick brown fox jumps over the lazy dog again and again, until the sun goes down."
 ENGINE = dict(max_model_len=128, max_num_batched_tokens=64, max_num_seqs=4, num_gpu_blocks=24)
@@ -54,30 +54,37 @@ def source(tmp_path_factory):
 
 def _hf(path: str, name: str):
     import transformers
+
     if name.startswith("hf-"):
         q = transformers.FineGrainedFP8Config(dequantize=True)
     else:
         q = transformers.CompressedTensorsConfig(run_compressed=False)
-    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
-                                                             quantization_config=q).eval()
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, quantization_config=q
+    ).eval()
 
 
 @torch.no_grad()
 def _ct_nvfp4_f32(model, path: str):
     """Replace each quantized Linear's weight by compressed-tensors' own f32 dequant of the file."""
+    import ct_oracle as ct
     from compressed_tensors.compressors.nvfp4.helpers import unpack_fp4_from_uint8
     from compressed_tensors.quantization.lifecycle.forward import dequantize
     from safetensors.torch import load_file
 
-    import ct_oracle as ct
     sd = load_file(os.path.join(path, "model.safetensors"))
     for name, m in model.named_modules():
         if name + ".weight_packed" not in sd:
             continue
         out, k = m.weight.shape
         q = unpack_fp4_from_uint8(sd[name + ".weight_packed"], out, k, dtype=torch.float32)
-        w = dequantize(q, sd[name + ".weight_scale"].to(torch.float32), args=ct.scheme("NVFP4").weights,
-                       global_scale=sd[name + ".weight_global_scale"], dtype=torch.float32)
+        w = dequantize(
+            q,
+            sd[name + ".weight_scale"].to(torch.float32),
+            args=ct.scheme("NVFP4").weights,
+            global_scale=sd[name + ".weight_global_scale"],
+            dtype=torch.float32,
+        )
         bf16_ours = w.to(torch.bfloat16).float()
         assert torch.equal(m.weight.float(), bf16_ours), name  # transformers' weights = bf16(exact)
         m.weight.copy_(w)
@@ -102,6 +109,7 @@ def test_checkpoint_loads_and_matches_transformers(source, tmp_path, name):
     np.testing.assert_allclose(got, want, atol=1e-4)
     # and the checkpoint really is quantized: the dense source model scores differently
     import transformers
+
     dense = transformers.AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
     base = oracle.oracle_target_logprobs(oracle.hf_logprobs(dense, ids), ids)
     assert np.abs(got - base).max() > 1e-3

@@ -20,7 +20,7 @@ from tpuserve.quant.dispatch import quant_linear, register_quant_linears
 from tpuserve.tpu_platform.models import linear as linear_mod
 from tpuserve.tpu_platform.models.linear import linear
 
-K, OUT = 256, (3, 5, 16)   # multi-axis output like qkv's [Hkv, G+2, D]; N = 240
+K, OUT = 256, (3, 5, 16)  # multi-axis output like qkv's [Hkv, G+2, D]; N = 240
 N = int(np.prod(OUT))
 
 QUANTIZERS = {
@@ -57,8 +57,13 @@ def activations(seed=1, shape=(2, 3)):
 
 
 def expected(x, rec, bias=None):
-    deq = (fp8.dequantize_fp8(rec) if isinstance(rec, fp8.Fp8Weight) else
-           fp4.dequantize_mxfp4(rec) if isinstance(rec, fp4.Mxfp4Weight) else fp4.dequantize_nvfp4(rec))
+    deq = (
+        fp8.dequantize_fp8(rec)
+        if isinstance(rec, fp8.Fp8Weight)
+        else fp4.dequantize_mxfp4(rec)
+        if isinstance(rec, fp4.Mxfp4Weight)
+        else fp4.dequantize_nvfp4(rec)
+    )
     xf = x.reshape(-1, K)
     if getattr(rec, "act_quant", False):
         xq, sx = fp8.quantize_per_token(xf)
@@ -91,18 +96,18 @@ def test_linear_out_dtype_and_bf16_activations():
     assert y.dtype == jnp.bfloat16
     y32 = linear(x, rec, out_dtype=jnp.float32)
     assert y32.dtype == jnp.float32
-    np.testing.assert_allclose(np.asarray(y32), np.asarray(expected(x.astype(jnp.float32), rec)),
-                               rtol=2e-2, atol=2e-2)
+    np.testing.assert_allclose(
+        np.asarray(y32), np.asarray(expected(x.astype(jnp.float32), rec)), rtol=2e-2, atol=2e-2
+    )
 
 
 @pytest.mark.timeout(120)
 def test_per_token_activation_quant_matches_compressed_tensors():
     pytest.importorskip("compressed_tensors")
+    import ct_oracle as ct
     import torch
     from compressed_tensors.quantization.lifecycle.forward import quantize
     from compressed_tensors.quantization.utils.helpers import compute_dynamic_scales_and_zp
-
-    import ct_oracle as ct
 
     rng = np.random.default_rng(4)
     x = (rng.standard_normal((1, 12, K)) * np.exp(rng.uniform(-6, 6, (1, 12, 1)))).astype(np.float32)
@@ -120,9 +125,11 @@ def test_per_token_activation_quant_matches_compressed_tensors():
 def test_stacked_records_run_under_scan_like_the_decoder(fmt):
     rng = np.random.default_rng(5)
     ws = jnp.asarray((rng.standard_normal((3, K, *OUT)) / 16).astype(np.float32))
-    q = {"fp8_block": lambda w: fp8.quantize_fp8(w, "block", block_size=128, num_lead=1),
-         "mxfp4": lambda w: fp4.quantize_mxfp4(w, num_lead=1),
-         "nvfp4": lambda w: fp4.quantize_nvfp4(w, num_lead=1)}[fmt]
+    q = {
+        "fp8_block": lambda w: fp8.quantize_fp8(w, "block", block_size=128, num_lead=1),
+        "mxfp4": lambda w: fp4.quantize_mxfp4(w, num_lead=1),
+        "nvfp4": lambda w: fp4.quantize_nvfp4(w, num_lead=1),
+    }[fmt]
     stacked = q(ws)
     x = activations(shape=(4,))
 
@@ -140,12 +147,12 @@ def test_stacked_records_run_under_scan_like_the_decoder(fmt):
 @pytest.mark.parametrize("fmt", ["fp8_block_w8a8", "nvfp4"])
 def test_pallas_route_through_linear_in_interpret_mode(fmt):
     from jax.experimental.pallas import tpu as pltpu
+
     pltpu.reset_tpu_interpret_mode_state()
     register_quant_linears("pallas_tpu", interpret=pltpu.InterpretParams(detect_races=True))
     rec = QUANTIZERS[fmt](dense_weight())
     x = activations(shape=(5,))
-    np.testing.assert_allclose(np.asarray(linear(x, rec)), np.asarray(expected(x, rec)),
-                               rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(np.asarray(linear(x, rec)), np.asarray(expected(x, rec)), rtol=2e-5, atol=2e-5)
     pltpu.reset_tpu_interpret_mode_state()
 
 

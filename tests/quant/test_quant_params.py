@@ -28,17 +28,33 @@ def tree(dtype=jnp.float32):
     rng = np.random.default_rng(0)
 
     def a(*shape):
-        return jnp.asarray((rng.standard_normal(shape) / np.sqrt(shape[1] if len(shape) > 1 else 1))
-                           .astype(np.float32), dtype)
+        return jnp.asarray(
+            (rng.standard_normal(shape) / np.sqrt(shape[1] if len(shape) > 1 else 1)).astype(np.float32),
+            dtype,
+        )
 
-    return {"embed": a(V, H), "final_norm": a(H), "lm_head": a(H, V),
-            "layers": {"qkv": a(L, H, HKV, G + 2, D), "o": a(L, HKV * G * D, H),
-                       "gate_up": a(L, H, 2, F), "down": a(L, F, H),
-                       "input_norm": a(L, H), "post_norm": a(L, H)}}
+    return {
+        "embed": a(V, H),
+        "final_norm": a(H),
+        "lm_head": a(H, V),
+        "layers": {
+            "qkv": a(L, H, HKV, G + 2, D),
+            "o": a(L, HKV * G * D, H),
+            "gate_up": a(L, H, 2, F),
+            "down": a(L, F, H),
+            "input_norm": a(L, H),
+            "post_norm": a(L, H),
+        },
+    }
 
 
-REC = {"fp8": fp8.Fp8Weight, "fp8_w8a8": fp8.Fp8Weight, "fp8_block": fp8.Fp8Weight,
-       "mxfp4": fp4.Mxfp4Weight, "nvfp4": fp4.Nvfp4Weight}
+REC = {
+    "fp8": fp8.Fp8Weight,
+    "fp8_w8a8": fp8.Fp8Weight,
+    "fp8_block": fp8.Fp8Weight,
+    "mxfp4": fp4.Mxfp4Weight,
+    "nvfp4": fp4.Nvfp4Weight,
+}
 MAX_RATIO = {"fp8": 0.52, "fp8_w8a8": 0.52, "fp8_block": 0.52, "mxfp4": 0.30, "nvfp4": 0.30}
 REL_ERR = {"fp8": 0.04, "fp8_w8a8": 0.06, "fp8_block": 0.04, "mxfp4": 0.2, "nvfp4": 0.15}
 
@@ -67,8 +83,10 @@ def test_quantize_params_stacked(method):
 @pytest.mark.timeout(120)
 def test_quantize_params_unrolled_layers_and_report():
     params = tree()
-    unrolled = {**params, "layers": [jax.tree_util.tree_map(lambda a: a[i], params["layers"])
-                                     for i in range(L)]}
+    unrolled = {
+        **params,
+        "layers": [jax.tree_util.tree_map(lambda a: a[i], params["layers"]) for i in range(L)],
+    }
     q, report = quantize_params(unrolled, "nvfp4")
     assert all(isinstance(layer["down"], fp4.Nvfp4Weight) for layer in q["layers"])
     assert q["layers"][0]["down"].packed.shape == (F // 2, H)

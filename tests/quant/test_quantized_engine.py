@@ -24,11 +24,11 @@ import torch
 pytest.importorskip("torchao")
 pytest.importorskip("compressed_tensors")
 
-import hf_oracle as oracle  # noqa: E402  (tests/quant/hf_oracle.py)
+import hf_oracle as oracle
 
-from tpuserve.server.llm import LLM  # noqa: E402
-from tpuserve.server.sampling_params import SamplingParams  # noqa: E402
-from tpuserve.tpu_platform.config import ConfigError  # noqa: E402
+from tpuserve.server.llm import LLM
+from tpuserve.server.sampling_params import SamplingParams
+from tpuserve.tpu_platform.config import ConfigError
 
 PROMPT = "The quick brown fox jumps over the lazy dog, and then it runs far away into the woods."
 ENGINE = dict(max_model_len=128, max_num_batched_tokens=64, max_num_seqs=4, num_gpu_blocks=24)
@@ -43,6 +43,7 @@ def _engine_logprobs(path, method):
 @pytest.fixture(scope="module")
 def dense(random_checkpoints):
     import transformers
+
     path = random_checkpoints["llama"]
     _, out = _engine_logprobs(path, None)
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -54,6 +55,7 @@ def dense(random_checkpoints):
 @pytest.mark.parametrize("method", ["fp8", "mxfp4", "nvfp4"])
 def test_online_quantization_matches_fake_quantized_transformers(dense, method, caplog):
     import transformers
+
     path, ids, dense_lp, dense_hf = dense
     np.testing.assert_allclose(dense_lp, dense_hf, atol=1e-4)  # the unquantized baseline agrees
     with caplog.at_level(logging.INFO, logger="tpuserve.tpu_platform.worker"):
@@ -65,10 +67,12 @@ def test_online_quantization_matches_fake_quantized_transformers(dense, method, 
         hf = oracle.fake_quantize_hf(hf, method)
     else:
         from tpuserve.quant import fp4
+
         deq = fp4.dequantize_mxfp4 if method == "mxfp4" else fp4.dequantize_nvfp4
         arch = llm.engine.worker.arch
-        hf = oracle.load_engine_weights_into_hf(hf, llm.engine.runner.params["layers"], deq,
-                                                arch.num_heads, arch.num_kv_heads)
+        hf = oracle.load_engine_weights_into_hf(
+            hf, llm.engine.runner.params["layers"], deq, arch.num_heads, arch.num_kv_heads
+        )
     want = oracle.oracle_target_logprobs(oracle.hf_logprobs(hf, ids), ids)
     np.testing.assert_allclose(got, want, atol=2e-4)
     # quantization happened (the logprobs moved off the dense ones), and not wildly

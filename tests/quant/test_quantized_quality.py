@@ -66,8 +66,10 @@ def quality_prompts() -> list[str]:
 def prompt_nlls(llm: LLM, prompts: list[str]) -> list[list[float]]:
     """Per prompt, the negative log-likelihood of each token after the first (prompt logprobs)."""
     outs = llm.generate(prompts, SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
-    return [[-out.prompt_logprobs[j + 1][t].logprob for j, t in enumerate(out.prompt_token_ids[1:])]
-            for out in outs]
+    return [
+        [-out.prompt_logprobs[j + 1][t].logprob for j, t in enumerate(out.prompt_token_ids[1:])]
+        for out in outs
+    ]
 
 
 def perplexity(nlls: list[list[float]]) -> float:
@@ -81,18 +83,30 @@ def results():
     res = {}
     for key in (*METHODS, *(f"{m}:rtn" for m in RTN)):
         method, _, calibration = (key or "").partition(":")
-        llm = LLM(None, quantization=method or None, quantization_calibration=calibration or "gptq",
-                  **ENGINE)
+        llm = LLM(None, quantization=method or None, quantization_calibration=calibration or "gptq", **ENGINE)
         nlls = prompt_nlls(llm, prompts)
         ppl, ppl_all = perplexity(nlls[:1]), perplexity(nlls)
-        ans = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=4),
-                           use_tqdm=False)[0].outputs[0].text
-        res[key] = dict(ppl=ppl, ppl_all=ppl_all, tokens=len(nlls[0]) + 1,
-                        tokens_all=sum(len(x) + 1 for x in nlls), answer=ans,
-                        report=llm.engine.worker.quant_report)
-        print(key, f"ppl {ppl:.3f} over {res[key]['tokens']} tokens, {ppl_all:.3f} over "
-              f"{res[key]['tokens_all']}, answer {ans!r}",
-              res[key]["report"].summary() if method else "")
+        ans = (
+            llm.generate(
+                ["The capital of France is"], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False
+            )[0]
+            .outputs[0]
+            .text
+        )
+        res[key] = dict(
+            ppl=ppl,
+            ppl_all=ppl_all,
+            tokens=len(nlls[0]) + 1,
+            tokens_all=sum(len(x) + 1 for x in nlls),
+            answer=ans,
+            report=llm.engine.worker.quant_report,
+        )
+        print(
+            key,
+            f"ppl {ppl:.3f} over {res[key]['tokens']} tokens, {ppl_all:.3f} over "
+            f"{res[key]['tokens_all']}, answer {ans!r}",
+            res[key]["report"].summary() if method else "",
+        )
         del llm
         gc.collect()
     return res

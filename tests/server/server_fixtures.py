@@ -13,8 +13,12 @@ def running_server(tmp_path_factory, name: str, *serve_args: str, env: dict | No
     plus ``env``), yielded once ready; on teardown it must exit cleanly."""
     port = free_port()
     log = str(tmp_path_factory.mktemp(name) / "server.log")
-    srv = ServerProcess(tpuserve_argv("serve", *serve_args, "--port", str(port)), port,
-                        env={"JAX_PLATFORMS": "cpu", **(env or {})}, log_path=log)
+    srv = ServerProcess(
+        tpuserve_argv("serve", *serve_args, "--port", str(port)),
+        port,
+        env={"JAX_PLATFORMS": "cpu", **(env or {})},
+        log_path=log,
+    )
     srv.start()
     yield srv
     assert srv.stop() == 0, srv.log_tail()

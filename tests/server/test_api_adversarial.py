@@ -12,8 +12,8 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
-
 from server_fixtures import openai_client, running_server  # tests/server/server_fixtures.py
+
 from tpuserve.server.launcher import free_port
 
 pytestmark = pytest.mark.timeout(600)
@@ -26,10 +26,22 @@ LIMIT = MAX_MODEL_LEN * CHARS_PER_TOKEN
 
 @pytest.fixture(scope="module")
 def server(random_checkpoints, tmp_path_factory):
-    yield from running_server(tmp_path_factory, "adversarial-server", random_checkpoints["qwen3"],
-                              "--served-model-name", MODEL, "--no-warmup",
-                              "--max-model-len", str(MAX_MODEL_LEN), "--max-num-batched-tokens", "64",
-                              "--max-num-seqs", "4", "--max-prompt-chars-per-token", str(CHARS_PER_TOKEN))
+    yield from running_server(
+        tmp_path_factory,
+        "adversarial-server",
+        random_checkpoints["qwen3"],
+        "--served-model-name",
+        MODEL,
+        "--no-warmup",
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
+        "--max-num-batched-tokens",
+        "64",
+        "--max-num-seqs",
+        "4",
+        "--max-prompt-chars-per-token",
+        str(CHARS_PER_TOKEN),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -40,8 +52,9 @@ def client(server):
 def _raw_post(base: str, path: str, body: str) -> httpx.Response:
     """POST JSON text as written: ``json.dumps`` escapes a lone surrogate as ``\\ud800``, which is
     how a client (or an attacker) sends one."""
-    return httpx.post(base + path, content=body.encode("ascii"),
-                      headers={"content-type": "application/json"}, timeout=120)
+    return httpx.post(
+        base + path, content=body.encode("ascii"), headers={"content-type": "application/json"}, timeout=120
+    )
 
 
 def _error(r: httpx.Response, status: int) -> dict:
@@ -57,13 +70,17 @@ SURROGATE_CASES = [
     ("/v1/completions", {"model": MODEL, "prompt": LONE, "max_tokens": 2}, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": ["fine", LONE], "max_tokens": 2}, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "stop": [LONE], "max_tokens": 2}, "stop"),
-    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": LONE}]},
-     "messages.0.content"),
-    ("/v1/chat/completions",
-     {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text", "text": LONE}]}]},
-     "messages.0.content.list[ContentPart].0.text"),
-    ("/v1/chat/completions", {"model": LONE, "messages": [{"role": "user", "content": "hi"}]},
-     "model"),
+    (
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": [{"role": "user", "content": LONE}]},
+        "messages.0.content",
+    ),
+    (
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text", "text": LONE}]}]},
+        "messages.0.content.list[ContentPart].0.text",
+    ),
+    ("/v1/chat/completions", {"model": LONE, "messages": [{"role": "user", "content": "hi"}]}, "model"),
     ("/tokenize", {"prompt": "\udfff"}, "prompt"),
     ("/tokenize", {"messages": [{"role": "user", "content": LONE}]}, "messages.0.content"),
 ]
@@ -85,23 +102,28 @@ def test_surrogate_as_raw_utf8_bytes_and_valid_astral_text(server, client):
     # The bytes ED A0 80 (U+D800 encoded as if it were a character): Python's JSON parser lets them
     # through as a lone surrogate too.
     body = b'{"model": "tiny", "prompt": "x \xed\xa0\x80 y", "max_tokens": 2}'
-    r = httpx.post(server.base_url + "/v1/completions", content=body,
-                   headers={"content-type": "application/json"}, timeout=60)
+    r = httpx.post(
+        server.base_url + "/v1/completions",
+        content=body,
+        headers={"content-type": "application/json"},
+        timeout=60,
+    )
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == "prompt"
     # The openai client refuses to encode a lone surrogate itself; a valid astral character (a
     # surrogate *pair* in JSON) goes through it and is served.
-    r = client.completions.create(model=MODEL, prompt="smile \U0001F600", max_tokens=2,
-                                  temperature=0)
+    r = client.completions.create(model=MODEL, prompt="smile \U0001f600", max_tokens=2, temperature=0)
     assert r.choices[0].finish_reason in ("length", "stop")
-    assert _raw_post(server.base_url, "/tokenize",
-                     json.dumps({"prompt": "smile \U0001F600"})).status_code == 200
+    assert (
+        _raw_post(server.base_url, "/tokenize", json.dumps({"prompt": "smile \U0001f600"})).status_code == 200
+    )
 
 
 def test_huge_prompt_does_not_stall_small_requests(server, client):
     def small():
-        r = client.completions.create(model=MODEL, prompt="hello", max_tokens=2, temperature=0,
-                                      extra_body={"ignore_eos": True})
+        r = client.completions.create(
+            model=MODEL, prompt="hello", max_tokens=2, temperature=0, extra_body={"ignore_eos": True}
+        )
         assert r.usage.completion_tokens == 2
         return time.monotonic()
 
@@ -133,10 +155,14 @@ def test_huge_prompt_does_not_stall_small_requests(server, client):
     # prompt above (which had 2.5x fewer characters to tokenize).
     over = "hello world " * (10_000_000 // 12)
     for path, body, param in (
-            ("/v1/completions", {"model": MODEL, "prompt": over}, "prompt"),
-            ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user",
-                                                                    "content": over}]}, "messages"),
-            ("/tokenize", {"prompt": over}, "prompt")):
+        ("/v1/completions", {"model": MODEL, "prompt": over}, "prompt"),
+        (
+            "/v1/chat/completions",
+            {"model": MODEL, "messages": [{"role": "user", "content": over}]},
+            "messages",
+        ),
+        ("/tokenize", {"prompt": over}, "prompt"),
+    ):
         t0 = time.monotonic()
         r = httpx.post(server.base_url + path, json=body, timeout=300)
         elapsed = time.monotonic() - t0
@@ -170,8 +196,11 @@ def test_megabyte_stop_string_is_a_quick_400_and_the_server_lives_on(server, cli
     (every prefix of every stop string was stored)."""
     for stop in (["x" * 1_000_000], ["y" * 4000] * 5):
         t0 = time.monotonic()
-        r = httpx.post(server.base_url + "/v1/completions", timeout=60,
-                       json={"model": MODEL, "prompt": "hi", "max_tokens": 2, "stop": stop})
+        r = httpx.post(
+            server.base_url + "/v1/completions",
+            timeout=60,
+            json={"model": MODEL, "prompt": "hi", "max_tokens": 2, "stop": stop},
+        )
         err = _error(r, 400)
         assert time.monotonic() - t0 < 10
         assert err["param"] == "stop" and "characters" in err["message"]
@@ -181,29 +210,34 @@ def test_megabyte_stop_string_is_a_quick_400_and_the_server_lives_on(server, cli
     assert out.choices[0].finish_reason == "length"
 
 
-@pytest.mark.parametrize("body,param", [
-    ({"prompt": [True, False]}, "prompt"),  # lax parsing read these as token ids 1 and 0
-    ({"prompt": [[1, True]]}, "prompt"),
-    ({"prompt": "hi", "stop_token_ids": [10 ** 9]}, "stop_token_ids"),
-    ({"prompt": "hi", "stop_token_ids": [True]}, "stop_token_ids"),
-])
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ({"prompt": [True, False]}, "prompt"),  # lax parsing read these as token ids 1 and 0
+        ({"prompt": [[1, True]]}, "prompt"),
+        ({"prompt": "hi", "stop_token_ids": [10**9]}, "stop_token_ids"),
+        ({"prompt": "hi", "stop_token_ids": [True]}, "stop_token_ids"),
+    ],
+)
 def test_token_ids_are_integers_inside_the_vocabulary(server, body, param):
-    r = httpx.post(server.base_url + "/v1/completions", timeout=60,
-                   json={"model": MODEL, "max_tokens": 2, **body})
+    r = httpx.post(
+        server.base_url + "/v1/completions", timeout=60, json={"model": MODEL, "max_tokens": 2, **body}
+    )
     # A union field's param carries the member that failed first ("prompt.str").
     assert _error(r, 400)["param"].split(".")[0] == param
 
 
-NO_TEXT = [{"regex": "[^\\s\\S]"}, {"json": {"$ref": "#"}},
-           {"grammar": "root ::= [^\\x00-\\U0010FFFF]"}]
+NO_TEXT = [{"regex": "[^\\s\\S]"}, {"json": {"$ref": "#"}}, {"grammar": "root ::= [^\\x00-\\U0010FFFF]"}]
 
 
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("so", NO_TEXT, ids=["regex", "ref-loop", "ebnf"])
 def test_grammar_that_matches_nothing_is_400_before_any_token(server, so, stream):
-    r = httpx.post(server.base_url + "/v1/completions", timeout=60,
-                   json={"model": MODEL, "prompt": "hi", "max_tokens": 4, "stream": stream,
-                         "structured_outputs": so})
+    r = httpx.post(
+        server.base_url + "/v1/completions",
+        timeout=60,
+        json={"model": MODEL, "prompt": "hi", "max_tokens": 4, "stream": stream, "structured_outputs": so},
+    )
     assert "matches no text" in _error(r, 400)["message"]
 
 
@@ -211,10 +245,12 @@ def test_deeply_nested_schema_is_a_quick_400_and_small_requests_keep_their_pace(
     """A json_schema of 900 nested arrays (~25 KB) once took 27 s to compile, and 8 small
     completions sent meanwhile (0.1 s each) took 25-27 s: the compile held the one lane their
     tokenization needed. Now the schema is refused at once and the small ones run at their pace."""
+
     def small():
         t0 = time.monotonic()
-        r = client.completions.create(model=MODEL, prompt="hello", max_tokens=2, temperature=0,
-                                      extra_body={"ignore_eos": True})
+        r = client.completions.create(
+            model=MODEL, prompt="hello", max_tokens=2, temperature=0, extra_body={"ignore_eos": True}
+        )
         assert r.usage.completion_tokens == 2
         return time.monotonic() - t0
 
@@ -222,9 +258,14 @@ def test_deeply_nested_schema_is_a_quick_400_and_small_requests_keep_their_pace(
     schema: dict = {"type": "string"}
     for _ in range(900):
         schema = {"type": "array", "items": schema}
-    body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 4,
-                       "response_format": {"type": "json_schema",
-                                           "json_schema": {"name": "deep", "schema": schema}}})
+    body = json.dumps(
+        {
+            "model": MODEL,
+            "prompt": "hi",
+            "max_tokens": 4,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "deep", "schema": schema}},
+        }
+    )
     with ThreadPoolExecutor(9) as pool:
         t0 = time.monotonic()
         deep = pool.submit(_raw_post, server.base_url, "/v1/completions", body)
@@ -242,13 +283,13 @@ def test_deeply_nested_schema_is_a_quick_400_and_small_requests_keep_their_pace(
 def test_grammar_dead_end_while_decoding_ends_the_request_with_a_400(server, client):
     """'a' is admitted, then nothing: found only while decoding; the request ends with a clear
     error (not a 500), streamed as an error event, and the server serves the next request."""
-    so = {"grammar": "root ::= \"a\" [^\\x00-\\U0010FFFF]"}
-    body = {"model": MODEL, "prompt": "hi", "max_tokens": 4, "temperature": 0,
-            "structured_outputs": so}
+    so = {"grammar": 'root ::= "a" [^\\x00-\\U0010FFFF]'}
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 4, "temperature": 0, "structured_outputs": so}
     r = httpx.post(server.base_url + "/v1/completions", json=body, timeout=60)
     assert "matches no complete text" in _error(r, 400)["message"]
-    with httpx.stream("POST", server.base_url + "/v1/completions", json={**body, "stream": True},
-                      timeout=60) as s:
+    with httpx.stream(
+        "POST", server.base_url + "/v1/completions", json={**body, "stream": True}, timeout=60
+    ) as s:
         events = [line for line in s.iter_lines() if line.startswith("data: {")]
     errors = [json.loads(e[6:])["error"] for e in events if '"error"' in e]
     assert errors and errors[0]["code"] == 400 and "matches no complete text" in errors[0]["message"]
@@ -256,6 +297,7 @@ def test_grammar_dead_end_while_decoding_ends_the_request_with_a_400(server, cli
 
 
 # ---- a 503 from an engine whose loop died: in-process server, fake engine ----
+
 
 class _DyingEngine:
     """Just enough of LLMEngine for AsyncEngine; its step fails, which stops the engine loop."""
@@ -267,6 +309,7 @@ class _DyingEngine:
         self.requests: dict = {}
         self.pool = SimpleNamespace(num_free=10, num_usable=10, usage=lambda: 0.0)
         from tpuserve.server.engine import EngineStats
+
         self.stats = EngineStats()
         self.scheduler = SimpleNamespace(waiting=[])
         self.num_running = self.num_waiting = 0
@@ -307,8 +350,10 @@ def test_every_503_has_retry_after():
             if httpx.get(base + "/health").status_code == 503:
                 break
             time.sleep(0.05)
-        for method, path, body in (("GET", "/health", None),
-                                   ("POST", "/v1/completions", {"prompt": [1, 2], "max_tokens": 2})):
+        for method, path, body in (
+            ("GET", "/health", None),
+            ("POST", "/v1/completions", {"prompt": [1, 2], "max_tokens": 2}),
+        ):
             r = httpx.request(method, base + path, json=body, timeout=60)
             err = _error(r, 503)
             assert err["type"] == "ServiceUnavailableError"

@@ -7,7 +7,6 @@ import json
 
 import httpx
 import pytest
-
 from server_fixtures import openai_client, running_server  # tests/server/server_fixtures.py
 
 pytestmark = pytest.mark.timeout(600)
@@ -17,8 +16,17 @@ MODEL = "SmolLM2-135M-Instruct"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    yield from running_server(tmp_path_factory, "chat-server", "--no-warmup", "--max-model-len", "1024",
-                              "--max-num-batched-tokens", "128", "--max-num-seqs", "8")
+    yield from running_server(
+        tmp_path_factory,
+        "chat-server",
+        "--no-warmup",
+        "--max-model-len",
+        "1024",
+        "--max-num-batched-tokens",
+        "128",
+        "--max-num-seqs",
+        "8",
+    )
 
 
 @pytest.fixture(scope="module")
@@ -26,8 +34,10 @@ def client(server):
     return openai_client(server)
 
 
-MESSAGES = [{"role": "system", "content": "You are a concise assistant."},
-            {"role": "user", "content": "What is the capital of France?"}]
+MESSAGES = [
+    {"role": "system", "content": "You are a concise assistant."},
+    {"role": "user", "content": "What is the capital of France?"},
+]
 
 
 def test_chat_greedy_stream_equals_non_stream(client):
@@ -37,9 +47,16 @@ def test_chat_greedy_stream_equals_non_stream(client):
     assert msg.role == "assistant" and msg.content and not msg.tool_calls
     assert "Paris" in msg.content  # the real model knows this one
     assert r.usage.completion_tokens <= 12 and r.usage.prompt_tokens > 10
-    chunks = list(client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12,
-                                                 temperature=0, stream=True,
-                                                 stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=MESSAGES,
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == msg.content
@@ -48,9 +65,17 @@ def test_chat_greedy_stream_equals_non_stream(client):
 
 
 def test_chat_n_and_logprobs(client):
-    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=5, n=2,
-                                       temperature=0.8, seed=3, logprobs=True, top_logprobs=2,
-                                       extra_body={"ignore_eos": True})
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,
+        max_tokens=5,
+        n=2,
+        temperature=0.8,
+        seed=3,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"ignore_eos": True},
+    )
     assert [c.index for c in r.choices] == [0, 1]
     for c in r.choices:
         content = c.logprobs.content
@@ -62,14 +87,16 @@ def test_chat_n_and_logprobs(client):
 
 
 def _content_ids(server, text: str) -> list[int]:
-    r = httpx.post(server.base_url + "/tokenize", json={"prompt": text, "add_special_tokens": False},
-                   timeout=60)
+    r = httpx.post(
+        server.base_url + "/tokenize", json={"prompt": text, "add_special_tokens": False}, timeout=60
+    )
     return r.json()["tokens"]
 
 
 def test_chat_logprobs_cover_the_content_not_the_end_token(server, client):
-    kwargs = dict(model=MODEL, messages=MESSAGES, max_tokens=100, temperature=0, logprobs=True,
-                  top_logprobs=1)
+    kwargs = dict(
+        model=MODEL, messages=MESSAGES, max_tokens=100, temperature=0, logprobs=True, top_logprobs=1
+    )
     r = client.chat.completions.create(**kwargs)
     choice = r.choices[0]
     assert choice.finish_reason == "stop" and choice.stop_reason is None  # the model's EOS
@@ -82,20 +109,21 @@ def test_chat_logprobs_cover_the_content_not_the_end_token(server, client):
     assert "<|im_end|>" not in [e.token for e in entries]
 
     chunks = list(client.chat.completions.create(stream=True, **kwargs))
-    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs
-                for e in c.choices[0].logprobs.content]
+    streamed = [
+        e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content
+    ]
     assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in entries]
 
     # A stop token id ends the answer the same way: it is neither in the content nor listed.
     ids = _content_ids(server, content)
     k = ids.index(ids[2])
     for stream in (False, True):
-        res = client.chat.completions.create(stream=stream, extra_body={"stop_token_ids": [ids[2]]},
-                                             **kwargs)
+        res = client.chat.completions.create(stream=stream, extra_body={"stop_token_ids": [ids[2]]}, **kwargs)
         if stream:
             res = list(res)
-            got = [e for c in res if c.choices and c.choices[0].logprobs
-                   for e in c.choices[0].logprobs.content]
+            got = [
+                e for c in res if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content
+            ]
             text = "".join(c.choices[0].delta.content or "" for c in res if c.choices)
             last = [c.choices[0] for c in res if c.choices][-1]
             assert last.finish_reason == "stop" and last.stop_reason == ids[2]
@@ -108,10 +136,10 @@ def test_chat_logprobs_cover_the_content_not_the_end_token(server, client):
 def test_completion_logprobs_keep_the_end_token_as_vllm_does(server, client):
     # /v1/completions follows vLLM: the EOS is not in the text, but its logprob entry is listed
     # (and counted in usage), at the text offset where the text ends.
-    prompt = httpx.post(server.base_url + "/tokenize", json={"messages": MESSAGES},
-                        timeout=60).json()["tokens"]
-    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=100, temperature=0,
-                                  logprobs=0)
+    prompt = httpx.post(server.base_url + "/tokenize", json={"messages": MESSAGES}, timeout=60).json()[
+        "tokens"
+    ]
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=100, temperature=0, logprobs=0)
     choice = r.choices[0]
     assert choice.finish_reason == "stop" and choice.stop_reason is None
     lp = choice.logprobs
@@ -121,17 +149,25 @@ def test_completion_logprobs_keep_the_end_token_as_vllm_does(server, client):
 
 
 def test_chat_json_schema_output_parses_and_validates(client):
-    schema = {"type": "object",
-              "properties": {"city": {"type": "string", "maxLength": 20},
-                             "country": {"type": "string", "enum": ["France", "Germany", "Spain"]},
-                             "population_millions": {"type": "integer", "minimum": 0,
-                                                     "maximum": 100}},
-              "required": ["city", "country", "population_millions"], "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "maxLength": 20},
+            "country": {"type": "string", "enum": ["France", "Germany", "Spain"]},
+            "population_millions": {"type": "integer", "minimum": 0, "maximum": 100},
+        },
+        "required": ["city", "country", "population_millions"],
+        "additionalProperties": False,
+    }
     r = client.chat.completions.create(
-        model=MODEL, max_tokens=60, temperature=0,
-        messages=[{"role": "user", "content": "Describe Paris as JSON with city, country and "
-                                              "population_millions."}],
-        response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": schema}})
+        model=MODEL,
+        max_tokens=60,
+        temperature=0,
+        messages=[
+            {"role": "user", "content": "Describe Paris as JSON with city, country and population_millions."}
+        ],
+        response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": schema}},
+    )
     assert r.choices[0].finish_reason == "stop"
     obj = json.loads(r.choices[0].message.content)
     assert set(obj) == {"city", "country", "population_millions"}
@@ -142,20 +178,34 @@ def test_chat_json_schema_output_parses_and_validates(client):
 
 def test_chat_json_object(client):
     r = client.chat.completions.create(
-        model=MODEL, max_tokens=40, temperature=0, response_format={"type": "json_object"},
-        messages=[{"role": "user", "content": "Give me a JSON object with a key 'answer'."}])
+        model=MODEL,
+        max_tokens=40,
+        temperature=0,
+        response_format={"type": "json_object"},
+        messages=[{"role": "user", "content": "Give me a JSON object with a key 'answer'."}],
+    )
     if r.choices[0].finish_reason == "stop":
         assert isinstance(json.loads(r.choices[0].message.content), dict)
     else:  # out of tokens mid-object: still a JSON prefix
         assert r.choices[0].message.content.lstrip().startswith("{")
 
 
-WEATHER_TOOL = {"type": "function", "function": {
-    "name": "get_weather", "description": "Current weather for a city",
-    "parameters": {"type": "object",
-                   "properties": {"city": {"type": "string", "enum": ["Paris", "London", "Tokyo"]},
-                                  "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
-                   "required": ["city", "unit"], "additionalProperties": False}}}
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather for a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "enum": ["Paris", "London", "Tokyo"]},
+                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
 TOOL_MESSAGES = [{"role": "user", "content": "What's the weather like in Paris today, in celsius?"}]
 
 
@@ -165,8 +215,14 @@ def test_tool_call_parsed_into_tool_calls(client):
     # server constrain its output with a grammar to a Hermes-style <tool_call>{...}</tool_call>; the
     # same parser that handles free-form ("auto") output then turns it into tool_calls. SmolLM2's
     # template has no tools section, so the server describes the tools in the system message.
-    r = client.chat.completions.create(model=MODEL, messages=TOOL_MESSAGES, tools=[WEATHER_TOOL],
-                                       tool_choice="required", max_tokens=60, temperature=0)
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=TOOL_MESSAGES,
+        tools=[WEATHER_TOOL],
+        tool_choice="required",
+        max_tokens=60,
+        temperature=0,
+    )
     choice = r.choices[0]
     assert choice.finish_reason == "tool_calls"
     (call,) = choice.message.tool_calls
@@ -176,9 +232,17 @@ def test_tool_call_parsed_into_tool_calls(client):
     assert args["city"] in ("Paris", "London", "Tokyo") and args["unit"] in ("celsius", "fahrenheit")
 
     # Streaming: the call arrives as tool_calls deltas; no raw <tool_call> text leaks into content.
-    chunks = list(client.chat.completions.create(model=MODEL, messages=TOOL_MESSAGES,
-                                                 tools=[WEATHER_TOOL], tool_choice="required",
-                                                 max_tokens=60, temperature=0, stream=True))
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=TOOL_MESSAGES,
+            tools=[WEATHER_TOOL],
+            tool_choice="required",
+            max_tokens=60,
+            temperature=0,
+            stream=True,
+        )
+    )
     content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert "<tool_call>" not in content
     deltas = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
@@ -191,25 +255,45 @@ def test_tool_call_parsed_into_tool_calls(client):
 @pytest.mark.slow
 def test_named_tool_choice_and_tool_result_turn(client):
     r = client.chat.completions.create(
-        model=MODEL, messages=TOOL_MESSAGES, tools=[WEATHER_TOOL], max_tokens=60, temperature=0,
-        tool_choice={"type": "function", "function": {"name": "get_weather"}})
+        model=MODEL,
+        messages=TOOL_MESSAGES,
+        tools=[WEATHER_TOOL],
+        max_tokens=60,
+        temperature=0,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+    )
     call = r.choices[0].message.tool_calls[0]
     assert call.function.name == "get_weather"
     # Feed the call and its result back: the conversation renders and the model answers in text.
     follow = client.chat.completions.create(
-        model=MODEL, max_tokens=8, temperature=0, tools=[WEATHER_TOOL],
-        messages=TOOL_MESSAGES + [
-            {"role": "assistant", "content": None,
-             "tool_calls": [{"id": call.id, "type": "function",
-                             "function": {"name": "get_weather", "arguments": call.function.arguments}}]},
-            {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 21}'}])
+        model=MODEL,
+        max_tokens=8,
+        temperature=0,
+        tools=[WEATHER_TOOL],
+        messages=TOOL_MESSAGES
+        + [
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": call.id,
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": call.function.arguments},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 21}'},
+        ],
+    )
     assert follow.choices[0].message.content is not None or follow.choices[0].message.tool_calls
 
 
 @pytest.mark.slow
 def test_tool_choice_auto_is_well_formed(client):
-    r = client.chat.completions.create(model=MODEL, messages=TOOL_MESSAGES, tools=[WEATHER_TOOL],
-                                       max_tokens=40, temperature=0)
+    r = client.chat.completions.create(
+        model=MODEL, messages=TOOL_MESSAGES, tools=[WEATHER_TOOL], max_tokens=40, temperature=0
+    )
     choice = r.choices[0]
     if choice.message.tool_calls:
         assert choice.finish_reason == "tool_calls"

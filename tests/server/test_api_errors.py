@@ -25,13 +25,32 @@ MAX_BODY = 64 * 1024
 def server(random_checkpoints, tmp_path_factory):
     port = free_port()
     log = str(tmp_path_factory.mktemp("err-server") / "server.log")
-    srv = ServerProcess(tpuserve_argv("serve", random_checkpoints["qwen3"], "--port", str(port),
-                                      "--api-key", KEY, "--served-model-name", "tiny",
-                                      "--max-body-bytes", str(MAX_BODY),
-                                      "--max-waiting-requests", "2", "--no-warmup",
-                                      "--max-model-len", "128", "--max-num-batched-tokens", "32",
-                                      "--max-num-seqs", "1"),
-                        port, env={"JAX_PLATFORMS": "cpu"}, log_path=log)
+    srv = ServerProcess(
+        tpuserve_argv(
+            "serve",
+            random_checkpoints["qwen3"],
+            "--port",
+            str(port),
+            "--api-key",
+            KEY,
+            "--served-model-name",
+            "tiny",
+            "--max-body-bytes",
+            str(MAX_BODY),
+            "--max-waiting-requests",
+            "2",
+            "--no-warmup",
+            "--max-model-len",
+            "128",
+            "--max-num-batched-tokens",
+            "32",
+            "--max-num-seqs",
+            "1",
+        ),
+        port,
+        env={"JAX_PLATFORMS": "cpu"},
+        log_path=log,
+    )
     srv.start()
     yield srv
     assert srv.stop() == 0, srv.log_tail()
@@ -51,8 +70,12 @@ def _assert_error(r: httpx.Response, status: int, param: str | None = "", contai
 
 def _v1_routes(base: str) -> list[tuple[str, str]]:
     spec = httpx.get(base + "/openapi.json").json()
-    routes = [(method.upper(), path) for path, ops in spec["paths"].items() for method in ops
-              if path.startswith("/v1")]
+    routes = [
+        (method.upper(), path)
+        for path, ops in spec["paths"].items()
+        for method in ops
+        if path.startswith("/v1")
+    ]
     assert ("POST", "/v1/completions") in routes and ("GET", "/v1/models") in routes
     return routes + [("GET", "/v1/no-such-route"), ("POST", "/v1/embeddings")]
 
@@ -73,8 +96,11 @@ def test_api_key_required_on_every_v1_route(server):
     assert client.models.list().data[0].id == "tiny"
 
 
-KEYED_ROUTES = [("POST", "/tokenize", {"prompt": "hi"}), ("POST", "/detokenize", {"tokens": [1, 2]}),
-                ("GET", "/metrics", None)]
+KEYED_ROUTES = [
+    ("POST", "/tokenize", {"prompt": "hi"}),
+    ("POST", "/detokenize", {"tokens": [1, 2]}),
+    ("GET", "/metrics", None),
+]
 
 
 @pytest.mark.parametrize("method, path, body", KEYED_ROUTES)
@@ -108,9 +134,17 @@ BAD_COMPLETIONS = [
     ({"prompt": "hi", "stop": ["x"] * 100}, "stop", ""),
     ({"prompt": "hi", "logit_bias": {"1": 5}}, "logit_bias", "not supported"),
     ({"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options", ""),
-    ({"prompt": "hi", "response_format": {"type": "json_schema",
-                                          "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
-     "response_format", "does not compile"),
+    (
+        {
+            "prompt": "hi",
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "nope"}},
+            },
+        },
+        "response_format",
+        "does not compile",
+    ),
     ({"prompt": "hi", "guided_regex": "("}, None, "does not compile"),
     ({"prompt": []}, "prompt", ""),
     ({"prompt": [10**9]}, "prompt", "vocabulary"),
@@ -127,8 +161,9 @@ def test_prompt_over_the_character_limit_is_400_before_tokenizing(server):
     _assert_error(r, 400, "prompt", "limit of 4096 characters")
     r = httpx.post(base + "/v1/completions", json={"prompt": ["ok", text]}, headers=AUTH)
     _assert_error(r, 400, "prompt", "--max-prompt-chars-per-token")
-    r = httpx.post(base + "/v1/chat/completions", headers=AUTH,
-                   json={"messages": [{"role": "user", "content": text}]})
+    r = httpx.post(
+        base + "/v1/chat/completions", headers=AUTH, json={"messages": [{"role": "user", "content": text}]}
+    )
     _assert_error(r, 400, "messages", "limit of 4096 characters")
     r = httpx.post(base + "/tokenize", json={"prompt": text}, headers=AUTH)
     _assert_error(r, 400, "prompt", "limit of 4096 characters")
@@ -150,12 +185,22 @@ BAD_CHATS = [
     ({"messages": [{"role": "user", "content": LONG}]}, None, "maximum context length"),
     ({"messages": []}, "messages", ""),
     ({"messages": [{"role": "wizard", "content": "hi"}]}, None, ""),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
-     "messages", "only text"),
+    (
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+        "messages",
+        "only text",
+    ),
     ({"messages": MSG, "top_logprobs": 2}, "top_logprobs", ""),
     ({"messages": MSG, "tool_choice": "required"}, "tool_choice", ""),
-    ({"messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}],
-      "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice", "no tool named"),
+    (
+        {
+            "messages": MSG,
+            "tools": [{"type": "function", "function": {"name": "f"}}],
+            "tool_choice": {"type": "function", "function": {"name": "g"}},
+        },
+        "tool_choice",
+        "no tool named",
+    ),
     ({"messages": MSG, "response_format": {"type": "json_schema"}}, "response_format", ""),
     ({}, "messages", ""),
 ]
@@ -203,6 +248,7 @@ def test_body_too_large_is_413(server):
         for _ in range(MAX_BODY // 1024 + 2):
             yield b"a" * 1024
         yield b'"}'
+
     r = httpx.post(url, content=chunked(), headers={**AUTH, "content-type": "application/json"})
     _assert_error(r, 413)
 
@@ -234,11 +280,26 @@ def test_full_waiting_queue_is_503(server):
 @pytest.mark.slow
 def test_sigterm_finishes_in_flight_requests_and_exits_zero(random_checkpoints, tmp_path):
     port = free_port()
-    srv = ServerProcess(tpuserve_argv("serve", random_checkpoints["qwen3"], "--port", str(port),
-                                      "--no-warmup", "--max-model-len", "128",
-                                      "--max-num-batched-tokens", "32", "--max-num-seqs", "4",
-                                      "--shutdown-timeout", "60"),
-                        port, env={"JAX_PLATFORMS": "cpu"}, log_path=str(tmp_path / "server.log"))
+    srv = ServerProcess(
+        tpuserve_argv(
+            "serve",
+            random_checkpoints["qwen3"],
+            "--port",
+            str(port),
+            "--no-warmup",
+            "--max-model-len",
+            "128",
+            "--max-num-batched-tokens",
+            "32",
+            "--max-num-seqs",
+            "4",
+            "--shutdown-timeout",
+            "60",
+        ),
+        port,
+        env={"JAX_PLATFORMS": "cpu"},
+        log_path=str(tmp_path / "server.log"),
+    )
     srv.start()
     try:
         client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="x", max_retries=0, timeout=120)
@@ -247,9 +308,13 @@ def test_sigterm_finishes_in_flight_requests_and_exits_zero(random_checkpoints, 
 
         def stream():
             chunks = []
-            for chunk in client.completions.create(model=random_checkpoints["qwen3"], prompt="go",
-                                                   max_tokens=50, stream=True,
-                                                   extra_body={"ignore_eos": True}):
+            for chunk in client.completions.create(
+                model=random_checkpoints["qwen3"],
+                prompt="go",
+                max_tokens=50,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            ):
                 chunks.append(chunk)
                 started.set()
             result["chunks"] = chunks

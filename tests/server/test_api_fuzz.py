@@ -22,11 +22,26 @@ def fuzz_target_server(random_checkpoints, tmp_path_factory, name: str):
     port = free_port()
     log = str(tmp_path_factory.mktemp(name) / "server.log")
     # A short context bounds the work any one generated request can ask for.
-    srv = ServerProcess(tpuserve_argv("serve", random_checkpoints["qwen3"], "--port", str(port),
-                                      "--no-warmup", "--max-model-len", "48",
-                                      "--max-num-batched-tokens", "64", "--max-num-seqs", "32",
-                                      "--max-body-bytes", str(256 * 1024)),
-                        port, env={"JAX_PLATFORMS": "cpu"}, log_path=log)
+    srv = ServerProcess(
+        tpuserve_argv(
+            "serve",
+            random_checkpoints["qwen3"],
+            "--port",
+            str(port),
+            "--no-warmup",
+            "--max-model-len",
+            "48",
+            "--max-num-batched-tokens",
+            "64",
+            "--max-num-seqs",
+            "32",
+            "--max-body-bytes",
+            str(256 * 1024),
+        ),
+        port,
+        env={"JAX_PLATFORMS": "cpu"},
+        log_path=log,
+    )
     srv.start()
     yield srv
     alive = srv.proc.poll() is None
@@ -51,8 +66,11 @@ def _bounded(body):
         for key in ("max_tokens", "max_completion_tokens"):
             if isinstance(body.get(key), int) and body[key] > 2:
                 body[key] = 1 + body[key] % 2
-        if "messages" in body and body.get("max_tokens") is None \
-                and body.get("max_completion_tokens") is None:
+        if (
+            "messages" in body
+            and body.get("max_tokens") is None
+            and body.get("max_completion_tokens") is None
+        ):
             body["max_tokens"] = 2
         if isinstance(body.get("best_of"), int) and body["best_of"] > 2:
             body["best_of"] = 1 + body["best_of"] % 2
@@ -68,14 +86,20 @@ schema = schemathesis.pytest.from_fixture("api_schema")
 
 
 @schema.parametrize()
-@settings(max_examples=EXAMPLES_PER_OPERATION, deadline=None, database=None, derandomize=True,
-          suppress_health_check=list(HealthCheck))
+@settings(
+    max_examples=EXAMPLES_PER_OPERATION,
+    deadline=None,
+    database=None,
+    derandomize=True,
+    suppress_health_check=list(HealthCheck),
+)
 def test_no_server_errors(case, server):
     case.body = _bounded(case.body)
     response = case.call(base_url=server.base_url, timeout=120)
     assert response.status_code < 500, (
         f"{case.method} {case.path} -> {response.status_code}: {response.text[:500]}\n"
-        f"body: {str(case.body)[:500]}\n{server.log_tail(20)}")
+        f"body: {str(case.body)[:500]}\n{server.log_tail(20)}"
+    )
     if response.status_code >= 400:
         err = response.json()["error"]
         assert {"message", "type", "param", "code"} <= set(err)

@@ -20,11 +20,27 @@ MODEL = "tiny"
 def server(random_checkpoints, tmp_path_factory):
     port = free_port()
     log = str(tmp_path_factory.mktemp("load-server") / "server.log")
-    srv = ServerProcess(tpuserve_argv("serve", random_checkpoints["qwen3"], "--port", str(port),
-                                      "--served-model-name", MODEL, "--max-model-len", "512",
-                                      "--max-num-batched-tokens", "128", "--max-num-seqs", "64",
-                                      "--num-gpu-blocks", "1200"),
-                        port, env={"JAX_PLATFORMS": "cpu"}, log_path=log)
+    srv = ServerProcess(
+        tpuserve_argv(
+            "serve",
+            random_checkpoints["qwen3"],
+            "--port",
+            str(port),
+            "--served-model-name",
+            MODEL,
+            "--max-model-len",
+            "512",
+            "--max-num-batched-tokens",
+            "128",
+            "--max-num-seqs",
+            "64",
+            "--num-gpu-blocks",
+            "1200",
+        ),
+        port,
+        env={"JAX_PLATFORMS": "cpu"},
+        log_path=log,
+    )
     srv.start()
     yield srv
     assert srv.stop() == 0, srv.log_tail()
@@ -37,8 +53,11 @@ TIMEOUT = 300.0
 
 def _metrics(base: str) -> dict[str, float]:
     text = httpx.get(base + "/metrics", timeout=TIMEOUT).text
-    return {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-            if line and not line.startswith("#") and "{" in line}
+    return {
+        line.split("{")[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line and not line.startswith("#") and "{" in line
+    }
 
 
 def _wait_until(base: str, done, timeout: float = TIMEOUT) -> dict[str, float]:
@@ -52,21 +71,32 @@ def _wait_until(base: str, done, timeout: float = TIMEOUT) -> dict[str, float]:
 
 
 def _idle(free_idle: float):
-    return lambda m: (m["vllm:num_requests_running"] == 0 and m["vllm:num_requests_waiting"] == 0
-                      and m["tpuserve:kv_cache_free_blocks"] == free_idle)
+    return lambda m: (
+        m["vllm:num_requests_running"] == 0
+        and m["vllm:num_requests_waiting"] == 0
+        and m["tpuserve:kv_cache_free_blocks"] == free_idle
+    )
 
 
 @pytest.mark.slow
 def test_64_concurrent_streams_complete_without_lost_or_duplicated_tokens(server):
     n_clients, max_tokens = 64, 16
-    client = openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0,
-                                timeout=TIMEOUT, http_client=None)
+    client = openai.AsyncOpenAI(
+        base_url=server.base_url + "/v1", api_key="x", max_retries=0, timeout=TIMEOUT, http_client=None
+    )
 
     async def one(i: int):
         stream = await client.completions.create(
-            model=MODEL, prompt=f"Client {i} says:", max_tokens=max_tokens, temperature=0.7,
-            seed=i, logprobs=0, stream=True, stream_options={"include_usage": True},
-            extra_body={"ignore_eos": True})
+            model=MODEL,
+            prompt=f"Client {i} says:",
+            max_tokens=max_tokens,
+            temperature=0.7,
+            seed=i,
+            logprobs=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
         text, n_tokens, finish, usage = "", 0, [], None
         async for chunk in stream:
             if chunk.usage is not None:
@@ -85,16 +115,20 @@ def test_64_concurrent_streams_complete_without_lost_or_duplicated_tokens(server
             await client.close()
 
     results = asyncio.run(run_all())
-    sync = openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0,
-                         timeout=TIMEOUT)
+    sync = openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0, timeout=TIMEOUT)
     for i, (text, n_tokens, finish, usage) in enumerate(results):
         assert finish == ["length"], (i, finish)
         assert n_tokens == max_tokens, (i, n_tokens)  # every position streamed exactly once
         assert usage.completion_tokens == max_tokens
         if i % 8 == 0:  # seeded sampling: the same request again, unstreamed, gives the same text
-            again = sync.completions.create(model=MODEL, prompt=f"Client {i} says:",
-                                            max_tokens=max_tokens, temperature=0.7, seed=i,
-                                            extra_body={"ignore_eos": True})
+            again = sync.completions.create(
+                model=MODEL,
+                prompt=f"Client {i} says:",
+                max_tokens=max_tokens,
+                temperature=0.7,
+                seed=i,
+                extra_body={"ignore_eos": True},
+            )
             assert again.choices[0].text == text, i
 
 
@@ -107,8 +141,13 @@ def test_disconnected_clients_free_their_kv_blocks(server):
     n_streams, n_plain = 6, 2
 
     def body(i: int, stream: bool) -> dict:
-        return {"model": MODEL, "prompt": f"Long story {i}:", "max_tokens": max_tokens,
-                "ignore_eos": True, "stream": stream}
+        return {
+            "model": MODEL,
+            "prompt": f"Long story {i}:",
+            "max_tokens": max_tokens,
+            "ignore_eos": True,
+            "stream": stream,
+        }
 
     async def stream_then_drop(c: httpx.AsyncClient, i: int) -> int:
         async with c.stream("POST", base + "/v1/completions", json=body(i, True)) as r:
@@ -127,12 +166,19 @@ def test_disconnected_clients_free_their_kv_blocks(server):
             assert seen == [3] * n_streams
             # Non-streaming: leave once the server shows both requests generating (not after a
             # fixed time, which a slow machine might spend before they even start).
-            plain = [asyncio.ensure_future(c.post(base + "/v1/completions", json=body(100 + i, False)))
-                     for i in range(n_plain)]
+            plain = [
+                asyncio.ensure_future(c.post(base + "/v1/completions", json=body(100 + i, False)))
+                for i in range(n_plain)
+            ]
             start = _metrics(base)["vllm:generation_tokens_total"]
-            m = await asyncio.to_thread(_wait_until, base, lambda m: (
-                m["vllm:num_requests_running"] == n_plain
-                and m["vllm:generation_tokens_total"] >= start + n_plain))
+            m = await asyncio.to_thread(
+                _wait_until,
+                base,
+                lambda m: (
+                    m["vllm:num_requests_running"] == n_plain
+                    and m["vllm:generation_tokens_total"] >= start + n_plain
+                ),
+            )
             assert m["vllm:num_requests_running"] == n_plain, m
             assert not any(t.done() for t in plain)  # 400 tokens each: still generating
             for t in plain:
@@ -147,6 +193,9 @@ def test_disconnected_clients_free_their_kv_blocks(server):
     # The requests were aborted, not run to their 8 x 400 tokens.
     assert m["vllm:generation_tokens_total"] - before < (n_streams + n_plain) * max_tokens / 2
     # And the server still serves.
-    r = httpx.post(base + "/v1/completions", json={"model": MODEL, "prompt": "still there?",
-                                                   "max_tokens": 3}, timeout=TIMEOUT)
+    r = httpx.post(
+        base + "/v1/completions",
+        json={"model": MODEL, "prompt": "still there?", "max_tokens": 3},
+        timeout=TIMEOUT,
+    )
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3

@@ -20,15 +20,18 @@ pytestmark = pytest.mark.timeout(300)
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 
 
-@pytest.mark.parametrize("text, content, names", [
-    ("just text", "just text", []),
-    (CALL, None, ["get_weather"]),
-    ("Let me check.\n" + CALL, "Let me check.", ["get_weather"]),
-    (CALL + "\n" + CALL.replace("Paris", "Oslo"), None, ["get_weather", "get_weather"]),
-    ("<tool_call>not json</tool_call>", "<tool_call>not json</tool_call>", []),
-    ('<tool_call>{"name": "f", "arguments": {}}', None, ["f"]),  # unclosed but complete JSON
-    ("a < b <tool", "a < b <tool", []),
-])
+@pytest.mark.parametrize(
+    "text, content, names",
+    [
+        ("just text", "just text", []),
+        (CALL, None, ["get_weather"]),
+        ("Let me check.\n" + CALL, "Let me check.", ["get_weather"]),
+        (CALL + "\n" + CALL.replace("Paris", "Oslo"), None, ["get_weather", "get_weather"]),
+        ("<tool_call>not json</tool_call>", "<tool_call>not json</tool_call>", []),
+        ('<tool_call>{"name": "f", "arguments": {}}', None, ["f"]),  # unclosed but complete JSON
+        ("a < b <tool", "a < b <tool", []),
+    ],
+)
 def test_parse_tool_calls(text, content, names):
     got_content, calls = parse_tool_calls(text)
     assert got_content == content
@@ -37,10 +40,18 @@ def test_parse_tool_calls(text, content, names):
         assert isinstance(json.loads(c.arguments), dict) and c.id.startswith("call_")
 
 
-@pytest.mark.parametrize("text", [
-    "plain answer without calls", CALL, "Sure: " + CALL, CALL + CALL, "x <tool_c y",
-    "<tool_call>{broken</tool_call> tail", '<tool_call>{"name": "f", "arguments": {"a": 1}}',
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "plain answer without calls",
+        CALL,
+        "Sure: " + CALL,
+        CALL + CALL,
+        "x <tool_c y",
+        "<tool_call>{broken</tool_call> tail",
+        '<tool_call>{"name": "f", "arguments": {"a": 1}}',
+    ],
+)
 def test_streaming_parser_agrees_with_whole_text_parser(text):
     rng = random.Random(0)
     for _ in range(20):
@@ -66,9 +77,11 @@ def test_streaming_parser_agrees_with_whole_text_parser(text):
 
 # ---- grammars ----
 
+
 @pytest.fixture(scope="module")
 def tokenizer():
     from conftest import real_tokenizer
+
     return real_tokenizer("qwen3")
 
 
@@ -85,8 +98,11 @@ def _greedy_walk(matcher, tokenizer, vocab, limit=200) -> str:
             break
         allowed = _allowed(matcher.fill_bitmask(), vocab)
         assert len(allowed) > 0
-        tok = int(allowed[0]) if len(allowed) == 1 else int(
-            max(allowed[:5000], key=lambda t: (len(tokenizer.decode([int(t)])), -int(t))))
+        tok = (
+            int(allowed[0])
+            if len(allowed) == 1
+            else int(max(allowed[:5000], key=lambda t: (len(tokenizer.decode([int(t)])), -int(t))))
+        )
         if tok == tokenizer.convert_tokens_to_ids("<|im_end|>") or matcher.is_terminated():
             assert matcher.accept(tok)
             break
@@ -114,17 +130,25 @@ def test_json_schema_matcher_produces_valid_json(tokenizer):
     from tpuserve.server.sampling_params import StructuredOutputParams
     from tpuserve.server.structured_output import make_grammar_matcher
 
-    schema = {"type": "object", "properties": {"ok": {"type": "boolean"},
-                                               "tag": {"type": "string", "enum": ["a", "b"]}},
-              "required": ["ok", "tag"], "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}, "tag": {"type": "string", "enum": ["a", "b"]}},
+        "required": ["ok", "tag"],
+        "additionalProperties": False,
+    }
     m = make_grammar_matcher(StructuredOutputParams(json=schema), tokenizer, len(tokenizer))
     obj = json.loads(_greedy_walk(m, tokenizer, len(tokenizer)))
     assert set(obj) == {"ok", "tag"} and obj["tag"] in ("a", "b")
 
 
-@pytest.mark.parametrize("so, field", [
-    ({"regex": "("}, "regex"), ({"grammar": "root ::= ("}, "grammar"), ({"json": {"type": 5}}, "json"),
-])
+@pytest.mark.parametrize(
+    "so, field",
+    [
+        ({"regex": "("}, "regex"),
+        ({"grammar": "root ::= ("}, "grammar"),
+        ({"json": {"type": 5}}, "json"),
+    ],
+)
 def test_bad_grammars_raise_value_error_naming_the_field(tokenizer, so, field):
     from tpuserve.server.sampling_params import StructuredOutputParams
     from tpuserve.server.structured_output import make_grammar_matcher
@@ -137,9 +161,19 @@ def test_tool_call_grammar_forces_a_parseable_call(tokenizer):
     from tpuserve.server.sampling_params import StructuredOutputParams
     from tpuserve.server.structured_output import make_grammar_matcher, tool_call_grammar
 
-    grammar = tool_call_grammar([{"name": "lookup", "parameters": {
-        "type": "object", "properties": {"q": {"type": "string", "enum": ["x", "y"]}},
-        "required": ["q"], "additionalProperties": False}}])
+    grammar = tool_call_grammar(
+        [
+            {
+                "name": "lookup",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"q": {"type": "string", "enum": ["x", "y"]}},
+                    "required": ["q"],
+                    "additionalProperties": False,
+                },
+            }
+        ]
+    )
     m = make_grammar_matcher(StructuredOutputParams(grammar=grammar), tokenizer, len(tokenizer))
     text = _greedy_walk(m, tokenizer, len(tokenizer))
     content, calls = parse_tool_calls(text)
@@ -148,6 +182,7 @@ def test_tool_call_grammar_forces_a_parseable_call(tokenizer):
 
 
 # ---- request models and errors ----
+
 
 def test_request_models_ignore_unknown_fields_and_bound_numbers():
     from pydantic import ValidationError
@@ -167,11 +202,15 @@ def test_request_models_ignore_unknown_fields_and_bound_numbers():
 def test_sampling_params_mapping_and_errors():
     from tpuserve.server.api_errors import APIError
     from tpuserve.server.protocol import CompletionRequest
-    from tpuserve.server.serving_common import (make_sampling_params, resolve_max_tokens,
-                                       structured_from_request)
+    from tpuserve.server.serving_common import (
+        make_sampling_params,
+        resolve_max_tokens,
+        structured_from_request,
+    )
 
-    req = CompletionRequest(prompt="hi", temperature=0, stop="END", top_k=-1, seed=3,
-                            repetition_penalty=1.1, ignore_eos=True)
+    req = CompletionRequest(
+        prompt="hi", temperature=0, stop="END", top_k=-1, seed=3, repetition_penalty=1.1, ignore_eos=True
+    )
     p = make_sampling_params(req, max_tokens=5, logprobs=2)
     assert (p.temperature, p.stop, p.top_k, p.seed, p.max_tokens, p.logprobs) == (0, ["END"], 0, 3, 5, 2)
     assert p.repetition_penalty == pytest.approx(1.1) and p.ignore_eos
@@ -193,14 +232,16 @@ def test_sampling_params_mapping_and_errors():
 def test_error_body_shape():
     from tpuserve.server.api_errors import error_body, param_of
 
-    assert error_body(404, "nope", "model") == {"error": {"message": "nope", "type": "NotFoundError",
-                                                          "param": "model", "code": 404}}
+    assert error_body(404, "nope", "model") == {
+        "error": {"message": "nope", "type": "NotFoundError", "param": "model", "code": 404}
+    }
     assert error_body(418, "tea")["error"]["type"] == "ImATeapotError"
     assert param_of("top_p must be in (0, 1], got 2") == "top_p"
     assert param_of("prompt: too long") == "prompt"
 
 
 # ---- async engine (with a fake engine: no model needed) ----
+
 
 class _FakeEngine:
     """Just enough of LLMEngine: each request emits one token per step until max_tokens."""
@@ -216,6 +257,7 @@ class _FakeEngine:
         self.max_running = max_running
         self.pool = SimpleNamespace(num_free=10, num_usable=10, usage=lambda: 0.0)
         from tpuserve.server.engine import EngineStats
+
         self.stats = EngineStats()
         self.scheduler = SimpleNamespace(waiting=[])
 
@@ -229,7 +271,8 @@ class _FakeEngine:
 
     def _sync_waiting(self):
         from types import SimpleNamespace
-        self.scheduler.waiting = [SimpleNamespace(request_id=r) for r in self.order[self.max_running:]]
+
+        self.scheduler.waiting = [SimpleNamespace(request_id=r) for r in self.order[self.max_running :]]
 
     def add_request(self, rid, prompt, params, prompt_token_ids=None, **extra):
         if not prompt_token_ids:
@@ -251,12 +294,18 @@ class _FakeEngine:
 
     def _out(self, rid, toks, reason):
         from tpuserve.server.outputs import CompletionOutput, RequestOutput
-        return RequestOutput(rid, None, [1], [CompletionOutput(0, "x" * len(toks), list(toks),
-                                                               finish_reason=reason)],
-                             finished=reason is not None)
+
+        return RequestOutput(
+            rid,
+            None,
+            [1],
+            [CompletionOutput(0, "x" * len(toks), list(toks), finish_reason=reason)],
+            finished=reason is not None,
+        )
 
     def step(self):
         import time as _t
+
         _t.sleep(0.002)
         outs = []
         for rid in list(self.order[: self.max_running]):
@@ -285,8 +334,9 @@ def test_async_engine_streams_bounds_queue_and_aborts():
             with pytest.raises(ValueError, match="prompt"):
                 await ae.add_request("bad", None, SamplingParams(), [])
             # One running + two waiting; the fourth is refused.
-            streams = [await ae.add_request(f"q{i}", None, SamplingParams(max_tokens=200), [1])
-                       for i in range(3)]
+            streams = [
+                await ae.add_request(f"q{i}", None, SamplingParams(max_tokens=200), [1]) for i in range(3)
+            ]
             with pytest.raises(QueueFullError):
                 await ae.add_request("q3", None, SamplingParams(max_tokens=200), [1])
             # Leaving a stream early aborts its request.
@@ -318,8 +368,11 @@ def test_deeply_nested_schemas_are_refused_before_compiling(tokenizer):
     import time
 
     from tpuserve.server.sampling_params import StructuredOutputParams
-    from tpuserve.server.structured_output import (MAX_SCHEMA_DEPTH, compile_structured_output,
-                                                   tool_call_grammar)
+    from tpuserve.server.structured_output import (
+        MAX_SCHEMA_DEPTH,
+        compile_structured_output,
+        tool_call_grammar,
+    )
 
     t0 = time.monotonic()
     for schema in (_nested_arrays(900), json.dumps(_nested_arrays(900))):
@@ -329,8 +382,9 @@ def test_deeply_nested_schemas_are_refused_before_compiling(tokenizer):
         tool_call_grammar([{"name": "f", "parameters": _nested_arrays(900)}])
     assert time.monotonic() - t0 < 2.0
     # At the limit it compiles (and quickly).
-    compile_structured_output(StructuredOutputParams(json=_nested_arrays(MAX_SCHEMA_DEPTH - 1)),
-                              tokenizer, len(tokenizer))
+    compile_structured_output(
+        StructuredOutputParams(json=_nested_arrays(MAX_SCHEMA_DEPTH - 1)), tokenizer, len(tokenizer)
+    )
 
 
 class _SlowCompiles:
@@ -341,6 +395,7 @@ class _SlowCompiles:
 
     def __call__(self, so, tokenizer, vocab_size):
         import time
+
         self.calls += 1
         time.sleep(self.seconds)
 
@@ -349,6 +404,7 @@ def _context(timeout_s: float):
     from types import SimpleNamespace
 
     from tpuserve.server.serving_common import ServingContext
+
     engine = SimpleNamespace(tokenizer=None, vocab_size=100, max_model_len=64)
     return ServingContext(engine=engine, model_name="m", model_root="m", grammar_timeout_s=timeout_s)
 

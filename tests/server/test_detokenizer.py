@@ -81,7 +81,7 @@ def _stream(detok: IncrementalDetokenizer, ids: list[int], chunks: list[int] | N
     sizes = iter(chunks or [])
     while i < len(ids):
         n = next(sizes, 1)
-        deltas.append(detok.add_tokens(ids[i:i + n]))
+        deltas.append(detok.add_tokens(ids[i : i + n]))
         i += n
     return deltas
 
@@ -125,7 +125,7 @@ def test_partial_character_is_held_then_released(tok):
     detok = IncrementalDetokenizer(tok, prompt_token_ids=[])
     # Every prefix of the ids must emit exactly the complete characters so far.
     for n in range(1, len(ids) + 1):
-        detok.add_tokens(ids[n - 1:n])
+        detok.add_tokens(ids[n - 1 : n])
         expected = tok.decode(ids[:n]).rstrip(FFFD)
         assert detok.text == expected
     assert detok.text == "x 👋!"
@@ -330,7 +330,7 @@ def _expected_cut(text: str, stops: list[str], include: bool) -> tuple[str, str 
         done = [s for s in stops if text[:end].endswith(s)]
         if done:
             stop = max(done, key=len)
-            return text[:end] if include else text[:end - len(stop)], stop
+            return text[:end] if include else text[: end - len(stop)], stop
     return text, None
 
 
@@ -380,7 +380,7 @@ def test_long_self_similar_stop_strings_cost_linear_time():
     text = "a" * 200_000 + "b"
     matcher = StopStringMatcher(stops, include_stop_str_in_output=False)
     t0 = time.perf_counter()
-    out = "".join(matcher.feed(text[i: i + 3])[0] for i in range(0, len(text), 3))
+    out = "".join(matcher.feed(text[i : i + 3])[0] for i in range(0, len(text), 3))
     assert time.perf_counter() - t0 < 10
     assert matcher.matched == stops[0] and out == "a" * (200_000 - 4095)
 
@@ -392,8 +392,10 @@ def test_stop_string_memory_is_linear_in_their_length():
 
     from tpuserve.server.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_TOTAL_CHARS
 
-    stops = [chr(ord("a") + i) * MAX_STOP_STRING_CHARS
-             for i in range(MAX_STOP_TOTAL_CHARS // MAX_STOP_STRING_CHARS)]
+    stops = [
+        chr(ord("a") + i) * MAX_STOP_STRING_CHARS
+        for i in range(MAX_STOP_TOTAL_CHARS // MAX_STOP_STRING_CHARS)
+    ]
     tracemalloc.start()
     try:
         matcher = StopStringMatcher(stops, include_stop_str_in_output=False)
@@ -407,12 +409,14 @@ def test_stop_string_memory_is_linear_in_their_length():
 def test_stop_string_bounds_are_clear_errors():
     from tpuserve.server.sampling_params import SamplingParams
 
-    with pytest.raises(ValueError, match=r"^stop: each stop string may have at most 4096 "
-                                         r"characters, got one of 1000000$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^stop: each stop string may have at most 4096 "
+        r"characters, got one of 1000000$",
+    ):
         SamplingParams(stop=["x" * 1_000_000])
     with pytest.raises(ValueError, match=r"at most 16384 characters in all, got 20000"):
         SamplingParams(stop=["y" * 4000] * 5)
     with pytest.raises(ValueError, match=r"at most 64 stop strings, got 65"):
         SamplingParams(stop=["s"] * 65)
     assert SamplingParams(stop=["z" * 4096] * 4).stop == ["z" * 4096] * 4
-

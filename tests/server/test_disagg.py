@@ -15,20 +15,33 @@ from tpuserve.server.launcher import ServerProcess, free_port, tpuserve_argv
 pytestmark = pytest.mark.timeout(600)
 
 SECRET = "pd-test-secret-0123456789abcdef"
-FLAGS = ["--max-model-len", "256", "--max-num-batched-tokens", "64", "--max-num-seqs", "8",
-         "--no-warmup", "--served-model-name", "tiny"]
-PROMPTS = ["The history of the lighthouse on the northern cape begins in 1871 when",
-           "A short list of things to pack for a week of hiking in the mountains: water, ",
-           "Once upon a time"]
+FLAGS = [
+    "--max-model-len",
+    "256",
+    "--max-num-batched-tokens",
+    "64",
+    "--max-num-seqs",
+    "8",
+    "--no-warmup",
+    "--served-model-name",
+    "tiny",
+]
+PROMPTS = [
+    "The history of the lighthouse on the northern cape begins in 1871 when",
+    "A short list of things to pack for a week of hiking in the mountains: water, ",
+    "Once upon a time",
+]
 
 
 def _serve(ckpt, logs, name, role, policy="fail", secret=SECRET):
     port = free_port()
     cfg = json.dumps({"kv_role": role, "kv_port": 0, "kv_load_failure_policy": policy})
-    srv = ServerProcess(tpuserve_argv("serve", ckpt, *FLAGS, "--port", str(port),
-                                      "--kv-transfer-config", cfg), port,
-                        env={"JAX_PLATFORMS": "cpu", "TPUSERVE_KV_SECRET": secret},
-                        log_path=str(logs / f"{name}.log"))
+    srv = ServerProcess(
+        tpuserve_argv("serve", ckpt, *FLAGS, "--port", str(port), "--kv-transfer-config", cfg),
+        port,
+        env={"JAX_PLATFORMS": "cpu", "TPUSERVE_KV_SECRET": secret},
+        log_path=str(logs / f"{name}.log"),
+    )
     srv.start()
     return srv
 
@@ -44,9 +57,20 @@ def pd(random_checkpoints, tmp_path_factory):
         procs["recompute"] = _serve(ckpt, logs, "recompute", "kv_consumer", policy="recompute")
         procs["wrong_secret"] = _serve(ckpt, logs, "wrong", "kv_consumer", secret="another-secret-0123456789")
         port = free_port()
-        router = ServerProcess(tpuserve_argv("router", "--prefill", procs["prefill"].base_url,
-                                             "--decode", procs["decode"].base_url, "--port", str(port)),
-                               port, log_path=str(logs / "router.log"), startup_timeout=120)
+        router = ServerProcess(
+            tpuserve_argv(
+                "router",
+                "--prefill",
+                procs["prefill"].base_url,
+                "--decode",
+                procs["decode"].base_url,
+                "--port",
+                str(port),
+            ),
+            port,
+            log_path=str(logs / "router.log"),
+            startup_timeout=120,
+        )
         router.start()
         procs["router"] = router
         yield procs
@@ -60,8 +84,15 @@ def _post(srv, body, path="/v1/completions"):
 
 
 def _prefill(pd, prompt):
-    r = _post(pd["prefill"], {"prompt": prompt, "max_tokens": 1, "temperature": 0,
-                              "kv_transfer_params": {"do_remote_decode": True}})
+    r = _post(
+        pd["prefill"],
+        {
+            "prompt": prompt,
+            "max_tokens": 1,
+            "temperature": 0,
+            "kv_transfer_params": {"do_remote_decode": True},
+        },
+    )
     assert r.status_code == 200, r.text
     params = r.json()["kv_transfer_params"]
     assert params["do_remote_prefill"] and params["remote_host"] == "127.0.0.1"

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from draft_checkpoints import with_mtp_layer, write_eagle3  # tests/draft_checkpoints.py
 from spec_checks import check_preemption_then_abort  # tests/spec_checks.py
+
 from tpuserve.server.llm import LLM
 from tpuserve.server.sampling_params import SamplingParams
 
@@ -35,8 +35,10 @@ def heads(random_checkpoints, tmp_path_factory):
     target = random_checkpoints["llama"]
     eagle = write_eagle3(target, str(root / "eagle3"), draft_vocab=5000, aux_layer_ids=(1, 0, 1), seed=4)
     mtp = with_mtp_layer(target, str(root / "mtp"), seed=5, own_head=False)
-    return {"eagle3": (target, {"method": "eagle3", "model": eagle, "num_speculative_tokens": K}),
-            "mtp": (mtp, {"method": "mtp", "num_speculative_tokens": K})}
+    return {
+        "eagle3": (target, {"method": "eagle3", "model": eagle, "num_speculative_tokens": K}),
+        "mtp": (mtp, {"method": "mtp", "num_speculative_tokens": K}),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -74,11 +76,13 @@ def _swap_drafts(engine, monkeypatch, pick):
 def test_greedy_output_is_identical_in_a_mixed_batch(spec_llm, random_checkpoints):
     e = spec_llm.engine
     assert e.draft_runner is not None
-    params = [GREEDY,
-              SamplingParams(temperature=0, max_tokens=10, logprobs=2, ignore_eos=True),
-              SamplingParams(temperature=0, max_tokens=12, repetition_penalty=1.3, ignore_eos=True),
-              SamplingParams(temperature=0, max_tokens=20, n=2, ignore_eos=True),
-              GREEDY]
+    params = [
+        GREEDY,
+        SamplingParams(temperature=0, max_tokens=10, logprobs=2, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=12, repetition_penalty=1.3, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=20, n=2, ignore_eos=True),
+        GREEDY,
+    ]
     want = LLM(random_checkpoints["llama"], **BASE).generate(_prompts(), params, use_tqdm=False)
     d0 = e.stats.spec_num_draft_tokens
     got = spec_llm.generate(_prompts(), params, use_tqdm=False)
@@ -94,7 +98,7 @@ def test_right_drafts_are_all_accepted(spec_llm, reference, monkeypatch):
 
     def right(tokens, k):
         cont = next(f for f in full if f[: len(tokens)] == tokens)
-        return cont[len(tokens): len(tokens) + k]
+        return cont[len(tokens) : len(tokens) + k]
 
     _swap_drafts(e, monkeypatch, right)
     st = e.stats
@@ -123,8 +127,11 @@ def test_wrong_drafts_are_rejected_at_position_zero(spec_llm, reference, monkeyp
 @pytest.mark.parametrize("method", ["eagle3", "mtp"])
 def test_preemption_and_abort(heads, reference, method):
     path, spec = heads[method]
-    small = LLM(path, speculative_config=spec, **{**BASE, "num_gpu_blocks": 9, "max_num_seqs": 5,
-                                                   "max_model_len": 128})
+    small = LLM(
+        path,
+        speculative_config=spec,
+        **{**BASE, "num_gpu_blocks": 9, "max_num_seqs": 5, "max_model_len": 128},
+    )
     assert _tokens(small) == reference
     check_preemption_then_abort(small.engine, _prompts()[0]["prompt_token_ids"])
 

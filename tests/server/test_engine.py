@@ -16,25 +16,41 @@ pytestmark = pytest.mark.timeout(300)
 
 @pytest.fixture(scope="module")
 def llm(random_checkpoints):
-    return LLM(random_checkpoints["qwen3"], max_model_len=256, max_num_batched_tokens=64,
-               max_num_seqs=8, num_gpu_blocks=80)
+    return LLM(
+        random_checkpoints["qwen3"],
+        max_model_len=256,
+        max_num_batched_tokens=64,
+        max_num_seqs=8,
+        num_gpu_blocks=80,
+    )
 
 
 def test_batch_with_bad_request_fails_alone(llm):
     too_long = "word " * 400
-    outs = llm.generate(["Hello there", too_long, {"prompt_token_ids": [10**9]}, "Goodbye"],
-                        SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False)
+    outs = llm.generate(
+        ["Hello there", too_long, {"prompt_token_ids": [10**9]}, "Goodbye"],
+        SamplingParams(temperature=0, max_tokens=5, ignore_eos=True),
+        use_tqdm=False,
+    )
     assert outs[0].error is None and len(outs[0].outputs[0].token_ids) == 5
     assert "max_model_len" in outs[1].error
     assert "vocabulary" in outs[2].error
     assert outs[3].error is None and len(outs[3].outputs[0].token_ids) == 5
 
 
-@pytest.mark.parametrize("kwargs, name", [
-    (dict(max_tokens=-1), "max_tokens"), (dict(top_p=1.5), "top_p"), (dict(temperature=-1), "temperature"),
-    (dict(n=0), "n"), (dict(min_p=2.0), "min_p"), (dict(top_k=-5), "top_k"),
-    (dict(min_tokens=10, max_tokens=5), "min_tokens"), (dict(repetition_penalty=0.0), "repetition_penalty"),
-])
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        (dict(max_tokens=-1), "max_tokens"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(temperature=-1), "temperature"),
+        (dict(n=0), "n"),
+        (dict(min_p=2.0), "min_p"),
+        (dict(top_k=-5), "top_k"),
+        (dict(min_tokens=10, max_tokens=5), "min_tokens"),
+        (dict(repetition_penalty=0.0), "repetition_penalty"),
+    ],
+)
 def test_invalid_sampling_params_name_the_parameter(kwargs, name):
     with pytest.raises(ValueError, match=name):
         SamplingParams(**kwargs)
@@ -60,44 +76,62 @@ def test_seeded_sampling_reproduces_and_n_gives_distinct_samples(llm):
     p = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=12, seed=1234, n=3, ignore_eos=True)
     a = llm.generate(["Once upon a time"], p, use_tqdm=False)[0]
     # Same request again, now sharing the batch with other work: same tokens.
-    b = llm.generate(["Once upon a time", "Other prompt"], [p, SamplingParams(temperature=0.7, seed=5)],
-                     use_tqdm=False)[0]
+    b = llm.generate(
+        ["Once upon a time", "Other prompt"], [p, SamplingParams(temperature=0.7, seed=5)], use_tqdm=False
+    )[0]
     assert [o.token_ids for o in a.outputs] == [o.token_ids for o in b.outputs]
     assert len(a.outputs) == 3 and len({tuple(o.token_ids) for o in a.outputs}) == 3
 
 
 def test_stop_token_ids_max_tokens_and_min_tokens(llm):
-    greedy = llm.generate(["Count: one two three"], SamplingParams(temperature=0, max_tokens=20,
-                                                                   ignore_eos=True), use_tqdm=False)[0]
+    greedy = llm.generate(
+        ["Count: one two three"],
+        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+        use_tqdm=False,
+    )[0]
     ids = greedy.outputs[0].token_ids
     stop_id = ids[5]
     first = ids.index(stop_id)
-    out = llm.generate(["Count: one two three"], SamplingParams(temperature=0, max_tokens=20,
-                                                                stop_token_ids=[stop_id]), use_tqdm=False)[0]
+    out = llm.generate(
+        ["Count: one two three"],
+        SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[stop_id]),
+        use_tqdm=False,
+    )[0]
     c = out.outputs[0]
     assert c.finish_reason == "stop" and c.stop_reason == stop_id
     assert c.token_ids == ids[: first + 1]
     # min_tokens bans the stop id until enough tokens are out.
-    out = llm.generate(["Count: one two three"], SamplingParams(
-        temperature=0, max_tokens=20, stop_token_ids=[stop_id], min_tokens=first + 2), use_tqdm=False)[0]
+    out = llm.generate(
+        ["Count: one two three"],
+        SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[stop_id], min_tokens=first + 2),
+        use_tqdm=False,
+    )[0]
     assert len(out.outputs[0].token_ids) >= first + 2
     assert stop_id not in out.outputs[0].token_ids[: first + 2]
 
 
 def test_stop_strings_cut_text(llm):
-    greedy = llm.generate(["Tell me"], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
-                          use_tqdm=False)[0].outputs[0]
+    greedy = llm.generate(
+        ["Tell me"], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False
+    )[0].outputs[0]
     text = greedy.text
     assert len(text) > 6, text
     stop = text[3:6]
     idx = text.index(stop)
-    out = llm.generate(["Tell me"], SamplingParams(temperature=0, max_tokens=24, stop=[stop],
-                                                   ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    out = llm.generate(
+        ["Tell me"],
+        SamplingParams(temperature=0, max_tokens=24, stop=[stop], ignore_eos=True),
+        use_tqdm=False,
+    )[0].outputs[0]
     assert out.finish_reason == "stop" and out.stop_reason == stop
     assert out.text == text[:idx]
-    out = llm.generate(["Tell me"], SamplingParams(temperature=0, max_tokens=24, stop=[stop],
-                                                   include_stop_str_in_output=True, ignore_eos=True),
-                       use_tqdm=False)[0].outputs[0]
+    out = llm.generate(
+        ["Tell me"],
+        SamplingParams(
+            temperature=0, max_tokens=24, stop=[stop], include_stop_str_in_output=True, ignore_eos=True
+        ),
+        use_tqdm=False,
+    )[0].outputs[0]
     assert out.text == text[: idx + len(stop)]
 
 
@@ -123,10 +157,11 @@ def test_prompt_logprobs_match_full_logits(llm, random_checkpoints):
     """Prompt logprobs equal transformers' log_softmax at each position (independent oracle)."""
     import torch
     import transformers
-    out = llm.generate(["A B C D E F G"], SamplingParams(max_tokens=1, prompt_logprobs=0),
-                       use_tqdm=False)[0]
-    hf = transformers.AutoModelForCausalLM.from_pretrained(random_checkpoints["qwen3"],
-                                                           dtype=torch.float32).eval()
+
+    out = llm.generate(["A B C D E F G"], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        random_checkpoints["qwen3"], dtype=torch.float32
+    ).eval()
     with torch.no_grad():
         lp = torch.log_softmax(hf(torch.tensor([out.prompt_token_ids])).logits[0], -1).numpy()
     for j, tok in enumerate(out.prompt_token_ids[1:]):
@@ -159,8 +194,13 @@ def test_steady_state_compiles_nothing_new(random_checkpoints):
     several lengths, penalties, min_tokens (EOS held back) and a grammar."""
     from tpuserve.server.sampling_params import StructuredOutputParams
 
-    llm = LLM(random_checkpoints["llama"], max_model_len=128, max_num_batched_tokens=32,
-              max_num_seqs=4, num_gpu_blocks=40)
+    llm = LLM(
+        random_checkpoints["llama"],
+        max_model_len=128,
+        max_num_batched_tokens=32,
+        max_num_seqs=4,
+        num_gpu_blocks=40,
+    )
     from jax import monitoring
 
     compiled = llm.engine.warmup()
@@ -175,19 +215,35 @@ def test_steady_state_compiles_nothing_new(random_checkpoints):
 
     monitoring.register_event_duration_secs_listener(on_event)
     rng = np.random.default_rng(0)
-    extras = [dict(), dict(logprobs=1), dict(logprobs=2), dict(logprobs=3), dict(logprobs=5),
-              dict(logprobs=20), dict(prompt_logprobs=0), dict(prompt_logprobs=2),
-              dict(repetition_penalty=1.3), dict(presence_penalty=0.5, frequency_penalty=0.2),
-              dict(min_tokens=3, ignore_eos=False), dict(top_k=5), dict(min_p=0.1),
-              dict(structured_outputs=StructuredOutputParams(regex="(yes|no)[a-z ]{0,20}"))]
-    for round_ in range(6):
+    extras = [
+        dict(),
+        dict(logprobs=1),
+        dict(logprobs=2),
+        dict(logprobs=3),
+        dict(logprobs=5),
+        dict(logprobs=20),
+        dict(prompt_logprobs=0),
+        dict(prompt_logprobs=2),
+        dict(repetition_penalty=1.3),
+        dict(presence_penalty=0.5, frequency_penalty=0.2),
+        dict(min_tokens=3, ignore_eos=False),
+        dict(top_k=5),
+        dict(min_p=0.1),
+        dict(structured_outputs=StructuredOutputParams(regex="(yes|no)[a-z ]{0,20}")),
+    ]
+    for _round in range(6):
         n = int(rng.integers(1, 7))
-        prompts = [{"prompt_token_ids": rng.integers(0, 1000, int(rng.integers(2, 60))).tolist()}
-                   for _ in range(n)]
+        prompts = [
+            {"prompt_token_ids": rng.integers(0, 1000, int(rng.integers(2, 60))).tolist()} for _ in range(n)
+        ]
         params = []
         for _ in prompts:
-            kw = dict(temperature=float(rng.choice([0.0, 0.8])), top_p=float(rng.choice([1.0, 0.9])),
-                      max_tokens=int(rng.integers(1, 40)), ignore_eos=True)
+            kw = dict(
+                temperature=float(rng.choice([0.0, 0.8])),
+                top_p=float(rng.choice([1.0, 0.9])),
+                max_tokens=int(rng.integers(1, 40)),
+                ignore_eos=True,
+            )
             kw.update(extras[int(rng.integers(0, len(extras)))])
             params.append(SamplingParams(**kw))
         outs = llm.generate(prompts, params, use_tqdm=False)
@@ -221,20 +277,21 @@ def test_async_scheduling_gives_the_same_outputs(random_checkpoints):
     assert all(len(e) in (3, 4) for e in b[2].outputs[0].logprobs)  # top 3 (+ the chosen token)
     # A stop string found on the host ends the request even though the next step was already sent.
     text = a[0].outputs[0].text
-    stop = text[len(text) // 2: len(text) // 2 + 3]
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
     if stop.strip():
-        x = sync.generate(["Hello there"], SamplingParams(temperature=0, max_tokens=12, stop=[stop]),
-                          use_tqdm=False)[0].outputs[0]
-        y = overlapped.generate(["Hello there"], SamplingParams(temperature=0, max_tokens=12, stop=[stop]),
-                                use_tqdm=False)[0].outputs[0]
+        x = sync.generate(
+            ["Hello there"], SamplingParams(temperature=0, max_tokens=12, stop=[stop]), use_tqdm=False
+        )[0].outputs[0]
+        y = overlapped.generate(
+            ["Hello there"], SamplingParams(temperature=0, max_tokens=12, stop=[stop]), use_tqdm=False
+        )[0].outputs[0]
         assert (x.text, x.token_ids, x.finish_reason) == (y.text, y.token_ids, y.finish_reason)
     assert overlapped.engine.pool.num_free == sync.engine.pool.num_free  # nothing leaked
 
 
 def test_async_scheduling_survives_preemption(random_checkpoints):
     """A pool too small for the batch forces preemption while tokens are still on the device."""
-    kw = dict(max_model_len=128, max_num_batched_tokens=32, max_num_seqs=4, num_gpu_blocks=13,
-              block_size=16)
+    kw = dict(max_model_len=128, max_num_batched_tokens=32, max_num_seqs=4, num_gpu_blocks=13, block_size=16)
     prompts = [{"prompt_token_ids": list(range(10 + 7 * i, 40 + 7 * i))} for i in range(4)]
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     outs = {}

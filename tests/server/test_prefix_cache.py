@@ -41,8 +41,13 @@ def _conversations(num: int, turns: int, system_len: int = 40):
 
 
 def _run_rounds(llm: LLM, rounds) -> list[list[list[int]]]:
-    return [[o.outputs[0].token_ids for o in llm.generate(
-        [{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)] for prompts in rounds]
+    return [
+        [
+            o.outputs[0].token_ids
+            for o in llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+        ]
+        for prompts in rounds
+    ]
 
 
 def _llm(path, **kw):
@@ -65,8 +70,7 @@ def reference(random_checkpoints, rounds):
     return out
 
 
-def test_device_cache_gives_identical_greedy_output_and_counts_hits(random_checkpoints, rounds,
-                                                                    reference):
+def test_device_cache_gives_identical_greedy_output_and_counts_hits(random_checkpoints, rounds, reference):
     llm = _llm(random_checkpoints["llama"], num_gpu_blocks=64)
     assert _run_rounds(llm, rounds) == reference
     st = llm.engine.stats
@@ -78,8 +82,7 @@ def test_device_cache_gives_identical_greedy_output_and_counts_hits(random_check
     assert llm.engine.pool.num_free == llm.engine.pool.num_usable
 
 
-def test_host_tier_recovers_evicted_pages_with_identical_output(random_checkpoints, rounds,
-                                                                reference):
+def test_host_tier_recovers_evicted_pages_with_identical_output(random_checkpoints, rounds, reference):
     # 14 device pages cannot hold 6 conversations' histories: later turns find them on the host.
     llm = _llm(random_checkpoints["llama"], num_gpu_blocks=15, kv_offloading_size=_page_gib(200))
     e = llm.engine
@@ -119,12 +122,17 @@ def test_full_host_pool_evicts_without_errors(random_checkpoints, rounds, refere
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
 def test_reloaded_pages_are_bitwise_equal_to_the_originals(random_checkpoints, kv_cache_dtype):
     # fp8: the host tier moves e4m3 pages as they are; the engine's one k/v scale pair reads them.
-    llm = _llm(random_checkpoints["llama"], num_gpu_blocks=9, kv_offloading_size=_page_gib(64),
-               kv_cache_dtype=kv_cache_dtype)
+    llm = _llm(
+        random_checkpoints["llama"],
+        num_gpu_blocks=9,
+        kv_offloading_size=_page_gib(64),
+        kv_cache_dtype=kv_cache_dtype,
+    )
     e = llm.engine
     prompt = [int(t) for t in np.random.default_rng(1).integers(100, 5000, 70)]  # 4 full pages
     llm.generate([{"prompt_token_ids": prompt}], GREEDY, use_tqdm=False)
     from tpuserve.kv_cache.prefix_hash import page_hashes
+
     hashes = page_hashes(prompt, PAGE)
     pages = e.pool.match(hashes)
     assert len(pages) == 4
@@ -209,6 +217,7 @@ def test_64_concurrent_streams_sharing_a_system_prompt_lose_nothing(random_check
                 if out.finished:
                     assert out.outputs[0].finish_reason == "length"
             return toks
+
         engine.start()
         try:
             return await asyncio.gather(*(one(i) for i in range(64)))
@@ -217,8 +226,7 @@ def test_64_concurrent_streams_sharing_a_system_prompt_lose_nothing(random_check
 
     results = {}
     for caching in (True, False):
-        engine = AsyncEngine(_llm(random_checkpoints["llama"], enable_prefix_caching=caching,
-                                  **kw).engine)
+        engine = AsyncEngine(_llm(random_checkpoints["llama"], enable_prefix_caching=caching, **kw).engine)
         results[caching] = asyncio.run(serve_all(engine))
         if caching:
             assert engine.engine.stats.prefix_cache_hits >= 60 * 64

@@ -25,6 +25,7 @@ P1, P2, D1 = "http://p1:1", "http://p2:2", "http://d1:3"
 
 # ---- in process, mocked backends ----
 
+
 class Backends:
     """A mock transport: records every request; ``dead`` hosts refuse connections."""
 
@@ -47,8 +48,11 @@ class Backends:
                 out["kv_transfer_params"] = self.kv_params
             return httpx.Response(200, json=out)
         if body.get("stream"):
-            return httpx.Response(200, content=b"data: {\"a\": 1}\n\ndata: [DONE]\n\n",
-                                  headers={"content-type": "text/event-stream"})
+            return httpx.Response(
+                200,
+                content=b'data: {"a": 1}\n\ndata: [DONE]\n\n',
+                headers={"content-type": "text/event-stream"},
+            )
         return httpx.Response(200, json={"from": host, "choices": [{"text": "decoded"}]})
 
     def posts(self):
@@ -64,23 +68,43 @@ def test_prefill_gets_one_token_and_decode_gets_the_prefills_kv_params():
     kv = {"do_remote_prefill": True, "remote_transfer_id": "abc"}
     b = Backends(kv_params=kv)
     with _client(b) as c:
-        body = {"model": "m", "prompt": "hi", "max_tokens": 9, "stream": False,
-                "kv_transfer_params": {"client": "must not pass"}}
+        body = {
+            "model": "m",
+            "prompt": "hi",
+            "max_tokens": 9,
+            "stream": False,
+            "kv_transfer_params": {"client": "must not pass"},
+        }
         r = c.post("/v1/completions", json=body)
     assert r.status_code == 200 and r.json()["from"] == "d1"
     (p_host, p_path, p_body), (d_host, d_path, d_body) = b.posts()
     assert (p_host, p_path, d_host, d_path) == ("p1", "/v1/completions", "d1", "/v1/completions")
-    assert p_body == {"model": "m", "prompt": "hi", "max_tokens": 1, "stream": False,
-                      "kv_transfer_params": {"do_remote_decode": True}}
-    assert d_body == {"model": "m", "prompt": "hi", "max_tokens": 9, "stream": False,
-                      "kv_transfer_params": kv}
+    assert p_body == {
+        "model": "m",
+        "prompt": "hi",
+        "max_tokens": 1,
+        "stream": False,
+        "kv_transfer_params": {"do_remote_decode": True},
+    }
+    assert d_body == {
+        "model": "m",
+        "prompt": "hi",
+        "max_tokens": 9,
+        "stream": False,
+        "kv_transfer_params": kv,
+    }
 
 
 def test_without_kv_params_from_prefill_decode_gets_the_plain_request():
     b = Backends()
     with _client(b) as c:
-        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 5,
-                "stream": True, "stream_options": {"include_usage": True}}
+        body = {
+            "model": "m",
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_completion_tokens": 5,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         r = c.post("/v1/chat/completions", json=body)
     assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n")
     (_, _, p_body), (_, _, d_body) = b.posts()
@@ -143,8 +167,11 @@ def test_client_mistakes_get_the_servers_error_shape_not_a_500():
     FastAPI's {"detail": ...}."""
     b = Backends()
     with _client(b) as c:
-        r = c.post("/v1/completions", content=b'{"prompt": "bad \\ud800 text", "max_tokens": 2}',
-                   headers={"content-type": "application/json"})
+        r = c.post(
+            "/v1/completions",
+            content=b'{"prompt": "bad \\ud800 text", "max_tokens": 2}',
+            headers={"content-type": "application/json"},
+        )
         assert r.status_code == 200  # forwarded for the server to judge (it answers 400)
         (_, _, p_body), (_, _, d_body) = b.posts()
         assert p_body["prompt"] == d_body["prompt"] == "bad \ud800 text"
@@ -194,8 +221,17 @@ def test_pool_and_config_validation():
 
 # ---- end to end: two real servers and the router CLI, each in its own process ----
 
-ENGINE_FLAGS = ["--served-model-name", "tiny", "--no-warmup", "--max-model-len", "256",
-                "--max-num-batched-tokens", "64", "--max-num-seqs", "8"]
+ENGINE_FLAGS = [
+    "--served-model-name",
+    "tiny",
+    "--no-warmup",
+    "--max-model-len",
+    "256",
+    "--max-num-batched-tokens",
+    "64",
+    "--max-num-seqs",
+    "8",
+]
 
 
 @pytest.fixture(scope="module")
@@ -206,20 +242,38 @@ def servers(random_checkpoints, tmp_path_factory):
     try:
         for name in ("prefill", "decode"):
             port = free_port()
-            procs.append(ServerProcess(tpuserve_argv("serve", random_checkpoints["qwen3"], *ENGINE_FLAGS,
-                                                     "--port", str(port)), port,
-                                       env={"JAX_PLATFORMS": "cpu"}, log_path=str(logs / f"{name}.log")))
+            procs.append(
+                ServerProcess(
+                    tpuserve_argv("serve", random_checkpoints["qwen3"], *ENGINE_FLAGS, "--port", str(port)),
+                    port,
+                    env={"JAX_PLATFORMS": "cpu"},
+                    log_path=str(logs / f"{name}.log"),
+                )
+            )
         for p in procs:  # start both before waiting: they load in parallel
             with open(p.log_path, "wb") as log:
-                p.proc = subprocess.Popen(p.argv, stdout=log, stderr=subprocess.STDOUT, env=p.env,
-                                          start_new_session=True)
+                p.proc = subprocess.Popen(
+                    p.argv, stdout=log, stderr=subprocess.STDOUT, env=p.env, start_new_session=True
+                )
         for p in procs:
             p.wait_ready()
         port = free_port()
-        router = ServerProcess(tpuserve_argv("router", "--prefill", procs[0].base_url, "--decode",
-                                             procs[1].base_url, "--port", str(port),
-                                             "--health-interval", "0.5"),
-                               port, log_path=str(logs / "router.log"), startup_timeout=120)
+        router = ServerProcess(
+            tpuserve_argv(
+                "router",
+                "--prefill",
+                procs[0].base_url,
+                "--decode",
+                procs[1].base_url,
+                "--port",
+                str(port),
+                "--health-interval",
+                "0.5",
+            ),
+            port,
+            log_path=str(logs / "router.log"),
+            startup_timeout=120,
+        )
         router.start()
         procs.append(router)
         yield tuple(procs)
@@ -240,7 +294,10 @@ def test_greedy_completions_through_the_router_equal_a_direct_request(servers):
     _, decode, router = servers
     for prompt in PROMPTS:
         body = {"model": "tiny", "prompt": prompt, "max_tokens": 12, **GREEDY}
-        via, direct = _post(router.base_url, "/v1/completions", body), _post(decode.base_url, "/v1/completions", body)
+        via, direct = (
+            _post(router.base_url, "/v1/completions", body),
+            _post(decode.base_url, "/v1/completions", body),
+        )
         assert via.status_code == 200, via.text
         assert via.json()["choices"][0]["text"] == direct.json()["choices"][0]["text"]
         assert via.json()["usage"] == direct.json()["usage"]
@@ -251,10 +308,16 @@ def test_greedy_completions_through_the_router_equal_a_direct_request(servers):
 
 def test_chat_through_the_router_equals_a_direct_request(servers):
     prefill, _, router = servers
-    body = {"model": "tiny", "messages": [{"role": "user", "content": "Say something"}],
-            "max_tokens": 10, **GREEDY}
-    via, direct = _post(router.base_url, "/v1/chat/completions", body), \
-        _post(prefill.base_url, "/v1/chat/completions", body)
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "Say something"}],
+        "max_tokens": 10,
+        **GREEDY,
+    }
+    via, direct = (
+        _post(router.base_url, "/v1/chat/completions", body),
+        _post(prefill.base_url, "/v1/chat/completions", body),
+    )
     assert via.status_code == 200, via.text
     assert via.json()["choices"][0]["message"] == direct.json()["choices"][0]["message"]
 
@@ -264,9 +327,12 @@ def test_streaming_passes_through(servers):
     body = {"model": "tiny", "prompt": "Streaming test", "max_tokens": 10, **GREEDY}
     whole = _post(router.base_url, "/v1/completions", body).json()["choices"][0]["text"]
     chunks = []
-    with httpx.stream("POST", router.base_url + "/v1/completions",
-                      json={**body, "stream": True, "stream_options": {"include_usage": True}},
-                      timeout=120) as r:
+    with httpx.stream(
+        "POST",
+        router.base_url + "/v1/completions",
+        json={**body, "stream": True, "stream_options": {"include_usage": True}},
+        timeout=120,
+    ) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         for line in r.iter_lines():
             if line.startswith("data: "):

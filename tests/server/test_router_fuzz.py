@@ -11,8 +11,8 @@ import pytest
 
 schemathesis = pytest.importorskip("schemathesis")
 from hypothesis import HealthCheck, settings  # noqa: E402  (schemathesis brings hypothesis)
-
 from test_api_fuzz import EXAMPLES_PER_OPERATION, _bounded, fuzz_target_server  # noqa: E402  (tests/server/test_api_fuzz.py)
+
 from tpuserve.server.launcher import ServerProcess, free_port, tpuserve_argv  # noqa: E402
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]
@@ -30,9 +30,22 @@ def router(backend, tmp_path_factory):
     log = str(tmp_path_factory.mktemp("router-fuzz-router") / "router.log")
     # A long health interval: a check that happens to time out while the CPU is busy must not mark
     # the only backend unhealthy (a 503 that says nothing about the request fuzzed).
-    proc = ServerProcess(tpuserve_argv("router", "--prefill", backend.base_url, "--decode",
-                                       backend.base_url, "--port", str(port), "--health-interval", "3600"),
-                         port, log_path=log, startup_timeout=120)
+    proc = ServerProcess(
+        tpuserve_argv(
+            "router",
+            "--prefill",
+            backend.base_url,
+            "--decode",
+            backend.base_url,
+            "--port",
+            str(port),
+            "--health-interval",
+            "3600",
+        ),
+        port,
+        log_path=log,
+        startup_timeout=120,
+    )
     proc.start()
     yield proc
     alive = proc.proc.poll() is None
@@ -49,15 +62,21 @@ schema = schemathesis.pytest.from_fixture("router_schema")
 
 
 @schema.parametrize()
-@settings(max_examples=EXAMPLES_PER_OPERATION, deadline=None, database=None, derandomize=True,
-          suppress_health_check=list(HealthCheck))
+@settings(
+    max_examples=EXAMPLES_PER_OPERATION,
+    deadline=None,
+    database=None,
+    derandomize=True,
+    suppress_health_check=list(HealthCheck),
+)
 def test_no_router_errors(case, router, backend):
     case.body = _bounded(case.body)
     response = case.call(base_url=router.base_url, timeout=120)
     assert response.status_code < 500, (
         f"{case.method} {case.path} -> {response.status_code}: {response.text[:500]}\n"
         f"body: {str(case.body)[:500]}\nrouter log:\n{router.log_tail(20)}\n"
-        f"server log:\n{backend.log_tail(20)}")
+        f"server log:\n{backend.log_tail(20)}"
+    )
     if response.status_code >= 400:
         err = response.json()["error"]
         assert {"message", "type", "param", "code"} <= set(err), response.text[:500]
@@ -68,8 +87,7 @@ def test_no_router_errors(case, router, backend):
 # decoder's depth limit (re-encoding it for the backends, a few frames deeper, hit RecursionError).
 RAW_BODIES = {
     "huge integer": b'{"model": "m", "prompt": "x", "max_tokens": ' + b"1" * 5000 + b"}",
-    **{f"nested {depth}": b'{"prompt": ' + b"[" * depth + b"]" * depth + b"}"
-       for depth in range(900, 1001)},
+    **{f"nested {depth}": b'{"prompt": ' + b"[" * depth + b"]" * depth + b"}" for depth in range(900, 1001)},
 }
 
 
@@ -78,10 +96,12 @@ def test_raw_bodies_get_4xx_in_the_error_shape(router, backend, path):
     wrong = []
     for name, body in RAW_BODIES.items():
         for who, target in (("router", router), ("server", backend)):
-            r = httpx.post(target.base_url + path, content=body,
-                           headers={"content-type": "application/json"}, timeout=60)
-            shaped = r.headers.get("content-type") == "application/json" and \
-                set(r.json().get("error", {})) == {"message", "type", "param", "code"}
+            r = httpx.post(
+                target.base_url + path, content=body, headers={"content-type": "application/json"}, timeout=60
+            )
+            shaped = r.headers.get("content-type") == "application/json" and set(
+                r.json().get("error", {})
+            ) == {"message", "type", "param", "code"}
             if not (400 <= r.status_code < 500 and shaped):
                 wrong.append(f"{who} {name}: {r.status_code} {r.text[:200]}")
     assert not wrong, "\n".join(wrong)

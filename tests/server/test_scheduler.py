@@ -3,12 +3,19 @@
 from tpuserve.kv_cache.block_pool import BlockPool
 from tpuserve.server.sampling_params import SamplingParams
 from tpuserve.server.scheduler import Scheduler
-from tpuserve.server.sequence import Sequence, SeqStatus
+from tpuserve.server.sequence import SeqStatus, Sequence
 
 
 def _seq(i, prompt_len):
-    return Sequence(seq_id=str(i), request_id=str(i), index=0, prompt_token_ids=list(range(prompt_len)),
-                    params=SamplingParams(), seed=0, arrival=float(i))
+    return Sequence(
+        seq_id=str(i),
+        request_id=str(i),
+        index=0,
+        prompt_token_ids=list(range(prompt_len)),
+        params=SamplingParams(),
+        seed=0,
+        arrival=float(i),
+    )
 
 
 def _run(sched, out):
@@ -69,9 +76,18 @@ def test_finish_releases_pages():
 
 # ---- prefix caching ----
 
+
 def _req(rid, tokens, index=0, salt=None, **params):
-    return Sequence(seq_id=f"{rid}#{index}", request_id=rid, index=index, prompt_token_ids=list(tokens),
-                    params=SamplingParams(**params), seed=0, arrival=0.0, cache_salt=salt)
+    return Sequence(
+        seq_id=f"{rid}#{index}",
+        request_id=rid,
+        index=index,
+        prompt_token_ids=list(tokens),
+        params=SamplingParams(**params),
+        seed=0,
+        arrival=0.0,
+        cache_salt=salt,
+    )
 
 
 def _drain(sched):

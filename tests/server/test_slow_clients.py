@@ -11,8 +11,8 @@ import time
 
 import httpx
 import pytest
-
 from server_fixtures import openai_client, running_server  # tests/server/server_fixtures.py
+
 from tpuserve.server.launcher import ServerProcess, free_port, tpuserve_argv
 
 HEADER_TIMEOUT_S = 2.0
@@ -21,20 +21,36 @@ BODY_TIMEOUT_S = 3.0
 BACKSTOP_S = BODY_TIMEOUT_S + 1.0
 # How late past a deadline a cut may come (CI has 2 busy cores).
 SLACK_S = 10.0
-DEADLINE_FLAGS = ["--http-header-timeout", str(HEADER_TIMEOUT_S),
-                  "--http-body-timeout", str(BODY_TIMEOUT_S)]
+DEADLINE_FLAGS = ["--http-header-timeout", str(HEADER_TIMEOUT_S), "--http-body-timeout", str(BODY_TIMEOUT_S)]
 MODEL = "tiny"
-COMPLETION = {"model": MODEL, "prompt": "Hello there", "max_tokens": 4, "temperature": 0.0,
-              "ignore_eos": True}
+COMPLETION = {
+    "model": MODEL,
+    "prompt": "Hello there",
+    "max_tokens": 4,
+    "temperature": 0.0,
+    "ignore_eos": True,
+}
 
 pytestmark = pytest.mark.timeout(300)
 
 
 @pytest.fixture(scope="module")
 def server(random_checkpoints, tmp_path_factory):
-    gen = running_server(tmp_path_factory, "slow-clients-server", random_checkpoints["qwen3"],
-                         "--served-model-name", MODEL, "--no-warmup", "--max-model-len", "128",
-                         "--max-num-batched-tokens", "64", "--max-num-seqs", "8", *DEADLINE_FLAGS)
+    gen = running_server(
+        tmp_path_factory,
+        "slow-clients-server",
+        random_checkpoints["qwen3"],
+        "--served-model-name",
+        MODEL,
+        "--no-warmup",
+        "--max-model-len",
+        "128",
+        "--max-num-batched-tokens",
+        "64",
+        "--max-num-seqs",
+        "8",
+        *DEADLINE_FLAGS,
+    )
     srv = next(gen)
     try:
         # Compile the completion shapes now, so that "promptly" below measures serving, not XLA.
@@ -49,10 +65,23 @@ def router(server, tmp_path_factory):
     """A router with the same deadlines, in front of ``server`` (as both prefill and decode)."""
     port = free_port()
     log = str(tmp_path_factory.mktemp("slow-clients-router") / "router.log")
-    proc = ServerProcess(tpuserve_argv("router", "--prefill", server.base_url, "--decode",
-                                       server.base_url, "--port", str(port), "--health-interval", "0.5",
-                                       *DEADLINE_FLAGS),
-                         port, log_path=log, startup_timeout=120)
+    proc = ServerProcess(
+        tpuserve_argv(
+            "router",
+            "--prefill",
+            server.base_url,
+            "--decode",
+            server.base_url,
+            "--port",
+            str(port),
+            "--health-interval",
+            "0.5",
+            *DEADLINE_FLAGS,
+        ),
+        port,
+        log_path=log,
+        startup_timeout=120,
+    )
     proc.start()
     yield proc
     proc.stop()
@@ -78,8 +107,9 @@ def _head(path: str, content_length: int | None = None) -> bytes:
     return ("\r\n".join(lines) + "\r\n\r\n").encode()
 
 
-def _until_closed(sock: socket.socket, limit_s: float, trickle: bytes = b"",
-                  every_s: float = 0.5) -> tuple[bytes, float]:
+def _until_closed(
+    sock: socket.socket, limit_s: float, trickle: bytes = b"", every_s: float = 0.5
+) -> tuple[bytes, float]:
     """Everything the server sends until it closes the connection, and when it closed (monotonic),
     sending the next byte of ``trickle`` every ``every_s`` meanwhile (a client that is slow, not
     silent). Fails if the connection is still open after ``limit_s``."""
@@ -163,8 +193,7 @@ def test_a_head_sent_a_byte_at_a_time_is_cut_after_the_header_deadline(server):
     """Slowloris proper: bytes keep coming, but the head never completes in time."""
     t0 = time.monotonic()
     sock = _connect(server)
-    got, closed_at = _until_closed(sock, HEADER_TIMEOUT_S + SLACK_S, trickle=_head("/health"),
-                                   every_s=0.2)
+    got, closed_at = _until_closed(sock, HEADER_TIMEOUT_S + SLACK_S, trickle=_head("/health"), every_s=0.2)
     assert got == b""
     _assert_cut_in_time(t0, closed_at, HEADER_TIMEOUT_S)
     sock.close()
@@ -189,6 +218,7 @@ def test_the_next_keep_alive_head_has_its_own_deadline(server):
 
 
 # ---- the request body ----
+
 
 @pytest.mark.timeout(120)
 def test_a_stalled_body_gets_408_after_the_body_deadline(server):
@@ -228,7 +258,7 @@ def test_a_slow_body_within_the_deadline_is_served(server):
     sock.sendall(_head("/v1/completions", content_length=len(body)))
     for i in range(0, len(body), len(body) // 3 + 1):  # in three pieces, 0.5 s apart
         time.sleep(0.5)
-        sock.sendall(body[i:i + len(body) // 3 + 1])
+        sock.sendall(body[i : i + len(body) // 3 + 1])
     got = _read_response(sock)
     status, _, answer = _split_response(got)
     assert status == 200, got
@@ -237,6 +267,7 @@ def test_a_slow_body_within_the_deadline_is_served(server):
 
 
 # ---- many at once; slow readers ----
+
 
 @pytest.mark.timeout(180)
 def test_fifty_stalled_clients_do_not_delay_a_normal_request(server):
@@ -285,6 +316,7 @@ def test_a_slow_reader_of_a_stream_is_not_cut(server):
 
 # ---- the router ----
 
+
 @pytest.mark.timeout(120)
 def test_router_cuts_a_stalled_head_and_408s_a_stalled_body(router):
     t0 = time.monotonic()
@@ -307,8 +339,9 @@ def test_router_cuts_a_stalled_head_and_408s_a_stalled_body(router):
 
 def test_openai_client_through_the_deadlines(server):
     """The official client (head and body in separate writes) is unaffected."""
-    r = openai_client(server).completions.create(model=MODEL, prompt="Hi", max_tokens=3,
-                                                 extra_body={"ignore_eos": True})
+    r = openai_client(server).completions.create(
+        model=MODEL, prompt="Hi", max_tokens=3, extra_body={"ignore_eos": True}
+    )
     assert r.usage.completion_tokens == 3
 
 

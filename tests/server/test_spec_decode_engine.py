@@ -10,16 +10,15 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from spec_checks import check_preemption_then_abort  # tests/spec_checks.py
+
 from tpuserve.server.llm import LLM
 from tpuserve.server.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.timeout(600)
 
 K = 3
-NGRAM = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1,
-         "prompt_lookup_max": 3}
+NGRAM = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 
 
 def _llm(path, spec=None, **kw):
@@ -78,7 +77,7 @@ def test_replayed_continuation_is_fully_accepted(spec_llm, reference):
         for key, cont in full.items():
             n = len(key)
             if tuple(tokens[:n]) == key and list(tokens) == cont[: len(tokens)]:
-                return cont[len(tokens): len(tokens) + k]
+                return cont[len(tokens) : len(tokens) + k]
         raise AssertionError("unknown sequence")
 
     e.drafter = replay
@@ -97,8 +96,7 @@ def test_replayed_continuation_is_fully_accepted(spec_llm, reference):
 def test_wrong_drafts_are_rejected_at_position_zero(spec_llm, reference):
     e = spec_llm.engine
     vocab = e.arch.vocab_size
-    ref_of = {len(p["prompt_token_ids"]): (p["prompt_token_ids"], r)
-              for p, r in zip(_prompts(), reference)}
+    ref_of = {len(p["prompt_token_ids"]): (p["prompt_token_ids"], r) for p, r in zip(_prompts(), reference)}
 
     def adversarial(tokens, k):
         # The right next token plus one: never what greedy decoding picks.
@@ -120,12 +118,14 @@ def test_wrong_drafts_are_rejected_at_position_zero(spec_llm, reference):
 def test_mixed_batch_with_non_drafting_requests(spec_llm, random_checkpoints):
     """Logprobs, penalties and stop strings ride in the same batches as drafting sequences."""
     prompts = _prompts()
-    params = [GREEDY,
-              SamplingParams(temperature=0, max_tokens=10, logprobs=2, ignore_eos=True),
-              SamplingParams(temperature=0, max_tokens=12, repetition_penalty=1.3, ignore_eos=True),
-              SamplingParams(temperature=0, max_tokens=16, min_tokens=8, ignore_eos=True),
-              SamplingParams(temperature=0, max_tokens=20, n=2, ignore_eos=True),
-              GREEDY]
+    params = [
+        GREEDY,
+        SamplingParams(temperature=0, max_tokens=10, logprobs=2, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=12, repetition_penalty=1.3, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=16, min_tokens=8, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=20, n=2, ignore_eos=True),
+        GREEDY,
+    ]
     plain = _llm(random_checkpoints["llama"])
     want = plain.generate(prompts, params, use_tqdm=False)
     got = spec_llm.generate(prompts, params, use_tqdm=False)
@@ -139,8 +139,7 @@ def test_mixed_batch_with_non_drafting_requests(spec_llm, random_checkpoints):
 
 
 def test_preemption_and_abort_during_speculation(random_checkpoints, reference):
-    small = _llm(random_checkpoints["llama"], NGRAM, num_gpu_blocks=9, max_num_seqs=6,
-                 max_model_len=128)
+    small = _llm(random_checkpoints["llama"], NGRAM, num_gpu_blocks=9, max_num_seqs=6, max_model_len=128)
     assert _tokens(small) == reference
     check_preemption_then_abort(small.engine, _prompts()[0]["prompt_token_ids"])
 
@@ -170,14 +169,16 @@ def test_drafts_under_a_grammar(spec_llm, random_checkpoints):
     so = StructuredOutputParams(regex="(red|green|blue)(, (red|green|blue)){8,40}\\.")
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, structured_outputs=so)
     prompts = _prompts()[:4]
-    want = [o.outputs[0].token_ids
-            for o in _llm(random_checkpoints["llama"]).generate(prompts, params, use_tqdm=False)]
+    want = [
+        o.outputs[0].token_ids
+        for o in _llm(random_checkpoints["llama"]).generate(prompts, params, use_tqdm=False)
+    ]
     e = spec_llm.engine
     full = [p["prompt_token_ids"] + w for p, w in zip(prompts, want)]
 
     def replay(tokens, k):
         cont = next(f for f in full if f[: len(tokens)] == list(tokens))
-        return cont[len(tokens): len(tokens) + k]
+        return cont[len(tokens) : len(tokens) + k]
 
     def violating(tokens, k):  # the right token's neighbours: outside the grammar or wrong
         cont = next(f for f in full if f[: len(tokens)] == list(tokens))

@@ -13,7 +13,6 @@ import sys
 from types import ModuleType
 
 import pytest
-
 from server_fixtures import running_server  # tests/server/server_fixtures.py
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -43,8 +42,13 @@ def bench() -> ModuleType:
 @pytest.fixture(scope="module")
 def vllm_python() -> str:
     # First run builds the venv (minutes); later runs reuse the cached one.
-    built = subprocess.run(["bash", os.path.join(REPO, "scripts", "vllm_env.sh")], capture_output=True,
-                           text=True, timeout=1200, cwd=REPO)
+    built = subprocess.run(
+        ["bash", os.path.join(REPO, "scripts", "vllm_env.sh")],
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        cwd=REPO,
+    )
     assert built.returncode == 0, f"scripts/vllm_env.sh failed:\n{built.stderr[-4000:]}"
     return built.stdout.strip().splitlines()[-1]
 
@@ -52,31 +56,54 @@ def vllm_python() -> str:
 @pytest.fixture(scope="module")
 def tokenizer_dir() -> str:
     from tpuserve.tpu_platform.loader.export import default_model_hf_dir
+
     return default_model_hf_dir()
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    yield from running_server(tmp_path_factory, "vllm-bench-server", "--no-warmup",
-                              "--max-model-len", "512", "--max-num-batched-tokens", "128",
-                              "--max-num-seqs", "8")
+    yield from running_server(
+        tmp_path_factory,
+        "vllm-bench-server",
+        "--no-warmup",
+        "--max-model-len",
+        "512",
+        "--max-num-batched-tokens",
+        "128",
+        "--max-num-seqs",
+        "8",
+    )
 
 
 def _check(result: dict, num_prompts: int) -> None:
     assert result["completed"] == num_prompts, result
     assert result["failed"] == 0, [e for e in result.get("errors", []) if e][:3]
     assert result["total_output_tokens"] > 0
-    for key in ("request_throughput", "output_throughput", "total_token_throughput", "duration",
-                "mean_ttft_ms", "median_ttft_ms"):
+    for key in (
+        "request_throughput",
+        "output_throughput",
+        "total_token_throughput",
+        "duration",
+        "mean_ttft_ms",
+        "median_ttft_ms",
+    ):
         value = float(result[key])
         assert value > 0 and value != float("inf"), (key, result[key])
 
 
 def test_random_dataset_completions(bench, vllm_python, tokenizer_dir, server, tmp_path):
     n, out_len = 8, 16
-    cfg = bench.BenchServeConfig(base_url=server.base_url, model=MODEL, tokenizer=tokenizer_dir,
-                                 num_prompts=n, dataset="random", random_input_len=32,
-                                 random_output_len=out_len, ignore_eos=True, temperature=0.0)
+    cfg = bench.BenchServeConfig(
+        base_url=server.base_url,
+        model=MODEL,
+        tokenizer=tokenizer_dir,
+        num_prompts=n,
+        dataset="random",
+        random_input_len=32,
+        random_output_len=out_len,
+        ignore_eos=True,
+        temperature=0.0,
+    )
     result, output = bench.run_bench_serve(vllm_python, cfg, str(tmp_path), "random", timeout=800)
     print(bench.report_block(output))
     _check(result, n)
@@ -86,15 +113,25 @@ def test_random_dataset_completions(bench, vllm_python, tokenizer_dir, server, t
     assert result["output_lens"] == [out_len] * n
 
 
-@pytest.mark.parametrize("backend,endpoint", [("openai", "/v1/completions"),
-                                              ("openai-chat", "/v1/chat/completions")])
+@pytest.mark.parametrize(
+    "backend,endpoint", [("openai", "/v1/completions"), ("openai-chat", "/v1/chat/completions")]
+)
 def test_sharegpt_dataset(bench, vllm_python, tokenizer_dir, server, tmp_path, backend, endpoint):
     n = 12  # every conversation in the file
-    cfg = bench.BenchServeConfig(base_url=server.base_url, model=MODEL, tokenizer=tokenizer_dir,
-                                 num_prompts=n, dataset="sharegpt", dataset_path=SHAREGPT,
-                                 sharegpt_output_len=16, backend=backend, endpoint=endpoint)
-    result, output = bench.run_bench_serve(vllm_python, cfg, str(tmp_path), f"sharegpt-{backend}",
-                                           timeout=800)
+    cfg = bench.BenchServeConfig(
+        base_url=server.base_url,
+        model=MODEL,
+        tokenizer=tokenizer_dir,
+        num_prompts=n,
+        dataset="sharegpt",
+        dataset_path=SHAREGPT,
+        sharegpt_output_len=16,
+        backend=backend,
+        endpoint=endpoint,
+    )
+    result, output = bench.run_bench_serve(
+        vllm_python, cfg, str(tmp_path), f"sharegpt-{backend}", timeout=800
+    )
     print(bench.report_block(output))
     _check(result, n)
     assert all(0 < k <= 16 for k in result["output_lens"]), result["output_lens"]

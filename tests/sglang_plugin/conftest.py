@@ -37,8 +37,9 @@ def run_python(code: str, env: dict[str, str] | None = None, timeout: float = 24
     full_env = {k: v for k, v in os.environ.items() if k != "SGLANG_PLATFORM"}
     full_env.setdefault("JAX_PLATFORMS", "cpu")
     full_env.update(env or {})
-    out = subprocess.run([sys.executable, "-c", code], env=full_env, capture_output=True,
-                         text=True, timeout=timeout)
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=full_env, capture_output=True, text=True, timeout=timeout
+    )
     if out.returncode != 0:
         raise AssertionError(f"subprocess failed ({out.returncode}):\n{out.stdout}\n{out.stderr[-4000:]}")
     return out.stdout
@@ -54,6 +55,7 @@ def run_py():
 def hf_dir() -> str:
     """The default model (SmolLM2-135M-Instruct) as a Hugging Face directory, as SGLang reads it."""
     from tpuserve.tpu_platform.loader.export import default_model_hf_dir
+
     return default_model_hf_dir()
 
 
@@ -72,8 +74,7 @@ def _wait_ready(server: Server, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if server.proc.poll() is not None:
-            raise RuntimeError(f"SGLang server exited with {server.proc.returncode}:\n"
-                               f"{server.log()[-6000:]}")
+            raise RuntimeError(f"SGLang server exited with {server.proc.returncode}:\n{server.log()[-6000:]}")
         try:
             if requests.get(server.url + "/model_info", timeout=2).status_code == 200:
                 return
@@ -96,13 +97,25 @@ def launch_sglang(hf_dir: str, log_path: str, *extra: str):
     port = _free_port()
     env = dict(os.environ, SGLANG_PLATFORM="tpuserve")
     env.setdefault("JAX_PLATFORMS", "cpu")
-    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", hf_dir,
-           "--max-total-tokens", "4096", "--skip-server-warmup", "--host", "127.0.0.1",
-           "--port", str(port), *SCAN_ARGS, *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        hf_dir,
+        "--max-total-tokens",
+        "4096",
+        "--skip-server-warmup",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        *SCAN_ARGS,
+        *extra,
+    ]
     with open(log_path, "w") as log:
         # A session of its own, so teardown can stop the launcher and the processes it spawned.
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     server = Server(proc, f"http://127.0.0.1:{port}", log_path)
     try:
         _wait_ready(server, SERVER_START_TIMEOUT_S)
@@ -130,4 +143,5 @@ def sglang_server(hf_dir, tmp_path_factory):
 def reference_llm(hf_dir):
     """Our standalone engine on the same weights (f32, as the server runs on CPU)."""
     from tpuserve.server.llm import LLM
+
     return LLM(hf_dir, dtype="float32", layer_loop="scan")

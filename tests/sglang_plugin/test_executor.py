@@ -21,16 +21,27 @@ def executor(hf_dir):
     from tpuserve.tpu_platform.sglang_plugin.executor import ExecutorConfig, JaxExecutor
 
     # 16-token steps: every prompt below spans several steps, as a long SGLang chunk would.
-    return JaxExecutor(ExecutorConfig(model_path=hf_dir, page_size=PAGE, max_model_len=8192,
-                                      dtype="float32", max_total_tokens=1024, max_num_seqs=4,
-                                      max_num_batched_tokens=16, layer_loop="scan"))
+    return JaxExecutor(
+        ExecutorConfig(
+            model_path=hf_dir,
+            page_size=PAGE,
+            max_model_len=8192,
+            dtype="float32",
+            max_total_tokens=1024,
+            max_num_seqs=4,
+            max_num_batched_tokens=16,
+            layer_loop="scan",
+        )
+    )
 
 
 def _greedy(executor, prompts: list[list[int]], pages: list[list[int]], steps: int):
     """Prefill every prompt in one call (split inside the executor), then decode in lockstep."""
     outs = [[] for _ in prompts]
-    work = [ScheduledSeq(token_ids=p, num_computed=0, page_ids=pg[: -(-len(p) // PAGE)],
-                         sampling=SamplingRow()) for p, pg in zip(prompts, pages)]
+    work = [
+        ScheduledSeq(token_ids=p, num_computed=0, page_ids=pg[: -(-len(p) // PAGE)], sampling=SamplingRow())
+        for p, pg in zip(prompts, pages)
+    ]
     for _ in range(steps):
         sampled = executor.run(work)
         for o, tok in zip(outs, sampled):
@@ -38,8 +49,14 @@ def _greedy(executor, prompts: list[list[int]], pages: list[list[int]], steps: i
         work = []
         for p, pg, o in zip(prompts, pages, outs):
             total = len(p) + len(o)
-            work.append(ScheduledSeq(token_ids=[o[-1]], num_computed=total - 1,
-                                     page_ids=pg[: -(-total // PAGE)], sampling=SamplingRow()))
+            work.append(
+                ScheduledSeq(
+                    token_ids=[o[-1]],
+                    num_computed=total - 1,
+                    page_ids=pg[: -(-total // PAGE)],
+                    sampling=SamplingRow(),
+                )
+            )
     return outs
 
 
@@ -52,9 +69,11 @@ def test_scattered_pages_and_split_steps_match_standalone(executor, reference_ll
     assert len(prompts[1]) > 2 * 16  # spans several 16-token steps
     pages = [[37, 5, 61, 2, 19], [8, 44, 3, 50, 12, 27]]  # as an allocator might hand them out
     got = _greedy(executor, prompts, pages, steps=10)
-    ref = reference_llm.generate([{"prompt_token_ids": p} for p in prompts],
-                                 SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True),
-                                 use_tqdm=False)
+    ref = reference_llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True),
+        use_tqdm=False,
+    )
     assert got == [list(r.outputs[0].token_ids) for r in ref]
     assert executor.model_calls > 10  # prefill really was split
 

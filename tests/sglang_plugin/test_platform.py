@@ -16,15 +16,18 @@ from tpuserve.tpu_platform.sglang_plugin import activation, register_platform
 
 needs_sglang = pytest.mark.skipif(
     importlib.util.find_spec("sglang") is None,
-    reason="sglang is not installed here; run with \"$(bash scripts/sglang_env.sh)\"")
+    reason='sglang is not installed here; run with "$(bash scripts/sglang_env.sh)"',
+)
 
 pytestmark = pytest.mark.timeout(300)
 
 
 def test_import_has_no_side_effects(run_py):
     """Importing the plugin (as SGLang's entry-point loader does) pulls in neither SGLang, JAX nor torch."""
-    out = run_py("import sys, tpu_platform.sglang_plugin\n"
-                 "print(sorted({m.split('.')[0] for m in sys.modules} & {'sglang', 'jax', 'torch'}))")
+    out = run_py(
+        "import sys, tpu_platform.sglang_plugin\n"
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'sglang', 'jax', 'torch'}))"
+    )
     assert out.strip() == "[]"
 
 
@@ -82,7 +85,7 @@ _RESOLVE = textwrap.dedent("""
 def _resolve_in_subprocess(run_py, hf_dir, env):
     out = run_py(_RESOLVE.replace("sys.argv[1]", repr(hf_dir)), env=env)
     line = [ln for ln in out.splitlines() if ln.startswith("RESULT")][-1]
-    return json.loads(line[len("RESULT"):])
+    return json.loads(line[len("RESULT") :])
 
 
 @needs_sglang
@@ -97,9 +100,14 @@ def test_sglang_without_opt_in_keeps_its_platform(run_py, hf_dir):
 def test_sglang_resolves_our_defaults(run_py, hf_dir):
     res = _resolve_in_subprocess(run_py, hf_dir, env={"SGLANG_PLATFORM": "tpuserve"})
     assert res["platform"] == "TpuServeSRTPlatform" and res["oot"]
-    assert res["default"] == {"device": "cpu", "page_size": 16, "chunked_prefill_size": 256,
-                              "max_running_requests": 32, "disable_overlap_schedule": True,
-                              "attention_backend": "tpuserve"}
+    assert res["default"] == {
+        "device": "cpu",
+        "page_size": 16,
+        "chunked_prefill_size": 256,
+        "max_running_requests": 32,
+        "disable_overlap_schedule": True,
+        "attention_backend": "tpuserve",
+    }
     # No TPU here: --device tpu is refused rather than quietly run on the CPU.
     assert "no TPU is visible" in res["device_tpu"]["error"]
     # Where a TPU is visible, --device tpu is served; SGLang's own tensors stay on torch's cpu.

@@ -24,12 +24,13 @@ import sys
 import textwrap
 
 import pytest
-
 from conftest import launch_sglang
 
 pytestmark = [
-    pytest.mark.skipif(importlib.util.find_spec("sglang") is None,
-                       reason="sglang is not installed here; run with \"$(bash scripts/sglang_env.sh)\""),
+    pytest.mark.skipif(
+        importlib.util.find_spec("sglang") is None,
+        reason='sglang is not installed here; run with "$(bash scripts/sglang_env.sh)"',
+    ),
     pytest.mark.timeout(900),
 ]
 
@@ -53,9 +54,21 @@ def _free_port() -> int:
 
 
 def _launch_cmd(hf_dir: str, port: int, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "sglang.launch_server", "--model-path", hf_dir,
-            "--max-total-tokens", "4096", "--skip-server-warmup", "--host", "127.0.0.1",
-            "--port", str(port), *extra]
+    return [
+        sys.executable,
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        hf_dir,
+        "--max-total-tokens",
+        "4096",
+        "--skip-server-warmup",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        *extra,
+    ]
 
 
 @contextlib.contextmanager
@@ -65,16 +78,20 @@ def _server(hf_dir: str, log_path: str, *extra: str):
         yield server.url
 
 
-def _serve_and_generate(hf_dir: str, log_path: str, *extra: str, prompts=PROMPTS,
-                        max_new: int = MAX_NEW) -> dict:
+def _serve_and_generate(
+    hf_dir: str, log_path: str, *extra: str, prompts=PROMPTS, max_new: int = MAX_NEW
+) -> dict:
     """Launch, answer ``prompts`` greedily one by one, read the server info, stop; return it all."""
     import requests
 
     with _server(hf_dir, log_path, *extra) as url:
         outs = []
         for text in prompts:
-            r = requests.post(url + "/generate", timeout=600, json={
-                "text": text, "sampling_params": {"temperature": 0, "max_new_tokens": max_new}})
+            r = requests.post(
+                url + "/generate",
+                timeout=600,
+                json={"text": text, "sampling_params": {"temperature": 0, "max_new_tokens": max_new}},
+            )
             r.raise_for_status()
             outs.append(r.json())
         info = requests.get(url + "/get_server_info", timeout=30).json()
@@ -94,14 +111,21 @@ def _reference(hf_dir: str, prompts=PROMPTS, max_new: int = MAX_NEW, **engine):
 
 @pytest.fixture(scope="module")
 def fp8_weights_run(hf_dir, tmp_path_factory):
-    return _serve_and_generate(hf_dir, str(tmp_path_factory.mktemp("sglang-fp8") / "server.log"),
-                               "--quantization", "fp8")
+    return _serve_and_generate(
+        hf_dir, str(tmp_path_factory.mktemp("sglang-fp8") / "server.log"), "--quantization", "fp8"
+    )
 
 
 @pytest.fixture(scope="module")
 def fp8_kv_run(hf_dir, tmp_path_factory):
-    return _serve_and_generate(hf_dir, str(tmp_path_factory.mktemp("sglang-kv") / "server.log"),
-                               "--kv-cache-dtype", "fp8_e4m3", prompts=KV_PROMPTS, max_new=KV_MAX_NEW)
+    return _serve_and_generate(
+        hf_dir,
+        str(tmp_path_factory.mktemp("sglang-kv") / "server.log"),
+        "--kv-cache-dtype",
+        "fp8_e4m3",
+        prompts=KV_PROMPTS,
+        max_new=KV_MAX_NEW,
+    )
 
 
 def test_quantization_fp8_quantizes_and_matches_standalone(fp8_weights_run, hf_dir):
@@ -109,8 +133,11 @@ def test_quantization_fp8_quantizes_and_matches_standalone(fp8_weights_run, hf_d
     # SGLang's model config took our resolution, and our worker really quantized the weights.
     assert "tpuserve: --quantization fp8 -> weights served as fp8" in log, log[-4000:]
     assert "quantized online in" in log, log[-4000:]
-    assert re.search(r"tpuserve JAX executor ready .*weights=fp8, KV cache \(30, 257, 16, 6, 64\) "
-                     r"in JAX \(256 pages x 16 tokens, [\d.]+ MiB, float32\)", log), log[-4000:]
+    assert re.search(
+        r"tpuserve JAX executor ready .*weights=fp8, KV cache \(30, 257, 16, 6, 64\) "
+        r"in JAX \(256 pages x 16 tokens, [\d.]+ MiB, float32\)",
+        log,
+    ), log[-4000:]
     assert "SGLang scheduler -> TpuServeTpModelWorker (JAX cpu backend, weights fp8" in log
     ref, llm = _reference(hf_dir, quantization="fp8")
     assert llm.engine.worker.quantization == "fp8"
@@ -120,9 +147,12 @@ def test_quantization_fp8_quantizes_and_matches_standalone(fp8_weights_run, hf_d
 
 def test_kv_cache_dtype_fp8_e4m3_matches_standalone(fp8_kv_run, hf_dir):
     log = fp8_kv_run["log"]
-    m = re.search(r"tpuserve JAX executor ready .*weights=dense, KV cache \(30, 257, 16, 6, 64\) in "
-                  r"JAX \(256 pages x 16 tokens, [\d.]+ MiB, float8_e4m3fn, k_scale ([\d.e+-]+), "
-                  r"v_scale ([\d.e+-]+)\)", log)
+    m = re.search(
+        r"tpuserve JAX executor ready .*weights=dense, KV cache \(30, 257, 16, 6, 64\) in "
+        r"JAX \(256 pages x 16 tokens, [\d.]+ MiB, float8_e4m3fn, k_scale ([\d.e+-]+), "
+        r"v_scale ([\d.e+-]+)\)",
+        log,
+    )
     assert m, log[-4000:]
     # SGLang's bookkeeping records the FP8 dtype and still holds no torch KV buffer.
     assert "kv_cache_dtype=torch.float8_e4m3fn); torch KV pool bytes: 0" in log
@@ -130,8 +160,7 @@ def test_kv_cache_dtype_fp8_e4m3_matches_standalone(fp8_kv_run, hf_dir):
     mem = fp8_kv_run["info"]["internal_states"][0]["memory_usage"]
     assert mem["kvcache"] == 0 and mem["token_capacity"] == 4096, mem
     # A cache about the server's size (ours must hold one 8192-token sequence: 512 pages + page 0).
-    ref, llm = _reference(hf_dir, KV_PROMPTS, KV_MAX_NEW, kv_cache_dtype="fp8_e4m3",
-                          num_gpu_blocks=513)
+    ref, llm = _reference(hf_dir, KV_PROMPTS, KV_MAX_NEW, kv_cache_dtype="fp8_e4m3", num_gpu_blocks=513)
     runner = llm.engine.runner
     assert runner.kv_cache.dtype.itemsize == 1
     assert float(m.group(1)) == pytest.approx(runner.kv_scales[0], rel=1e-5)
@@ -141,8 +170,13 @@ def test_kv_cache_dtype_fp8_e4m3_matches_standalone(fp8_kv_run, hf_dir):
 
 
 def test_unsupported_quantization_refused_at_launch(hf_dir):
-    proc = subprocess.run(_launch_cmd(hf_dir, _free_port(), "--quantization", "awq"), env=_env(),
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        _launch_cmd(hf_dir, _free_port(), "--quantization", "awq"),
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out[-4000:]
     assert "--quantization awq is not supported by the tpuserve SGLang platform" in out, out[-4000:]
@@ -189,17 +223,37 @@ def _checkpoint_with(hf_dir: str, dest: str, quant_config: dict) -> str:
 
 
 def test_methods_and_kv_dtypes_at_resolution(hf_dir, tmp_path):
-    hf_fp8 = _checkpoint_with(hf_dir, str(tmp_path / "hf-fp8"), {
-        "quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
-        "weight_block_size": [128, 128]})
-    ct_nvfp4 = _checkpoint_with(hf_dir, str(tmp_path / "ct-nvfp4"), {
-        "quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized",
-        "config_groups": {"group_0": {"targets": ["Linear"], "format": "nvfp4-pack-quantized",
-                                      "weights": {"num_bits": 4, "type": "float",
-                                                  "strategy": "tensor_group", "group_size": 16}}},
-        "ignore": ["lm_head"]})
-    awq = _checkpoint_with(hf_dir, str(tmp_path / "awq"), {
-        "quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"})
+    hf_fp8 = _checkpoint_with(
+        hf_dir,
+        str(tmp_path / "hf-fp8"),
+        {
+            "quant_method": "fp8",
+            "activation_scheme": "dynamic",
+            "fmt": "e4m3",
+            "weight_block_size": [128, 128],
+        },
+    )
+    ct_nvfp4 = _checkpoint_with(
+        hf_dir,
+        str(tmp_path / "ct-nvfp4"),
+        {
+            "quant_method": "compressed-tensors",
+            "format": "nvfp4-pack-quantized",
+            "config_groups": {
+                "group_0": {
+                    "targets": ["Linear"],
+                    "format": "nvfp4-pack-quantized",
+                    "weights": {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16},
+                }
+            },
+            "ignore": ["lm_head"],
+        },
+    )
+    awq = _checkpoint_with(
+        hf_dir,
+        str(tmp_path / "awq"),
+        {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"},
+    )
     cases = {
         "mxfp4": (hf_dir, ["--quantization", "mxfp4"]),
         "nvfp4": (hf_dir, ["--quantization", "nvfp4"]),
@@ -215,11 +269,15 @@ def test_methods_and_kv_dtypes_at_resolution(hf_dir, tmp_path):
         "ct_nvfp4_sglang_name": (ct_nvfp4, ["--quantization", "compressed-tensors"]),
         "awq_ckpt": (awq, []),
     }
-    proc = subprocess.run([sys.executable, "-c", _RESOLVE, json.dumps(list(cases.values()))],
-                          env=_env(), capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", _RESOLVE, json.dumps(list(cases.values()))],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    lines = [json.loads(ln[len("RESULT"):]) for ln in proc.stdout.splitlines()
-             if ln.startswith("RESULT")]
+    lines = [json.loads(ln[len("RESULT") :]) for ln in proc.stdout.splitlines() if ln.startswith("RESULT")]
     assert len(lines) == len(cases), proc.stdout[-3000:] + proc.stderr[-3000:]
     res = dict(zip(cases, lines))
     # Online methods our worker serves: SGLang's model config carries them (mxfp4 is "Unknown" to

@@ -12,14 +12,18 @@ import importlib.util
 import pytest
 
 pytestmark = [
-    pytest.mark.skipif(importlib.util.find_spec("sglang") is None,
-                       reason="sglang is not installed here; run with \"$(bash scripts/sglang_env.sh)\""),
+    pytest.mark.skipif(
+        importlib.util.find_spec("sglang") is None,
+        reason='sglang is not installed here; run with "$(bash scripts/sglang_env.sh)"',
+    ),
     pytest.mark.timeout(600),
 ]
 
 MAX_NEW = 24
-STORY = ("In a small village in the mountains, the villagers grow apples and pears, keep bees for "
-         "honey, and sell what they make at the market in the town below every Saturday. ")
+STORY = (
+    "In a small village in the mountains, the villagers grow apples and pears, keep bees for "
+    "honey, and sell what they make at the market in the town below every Saturday. "
+)
 
 
 def _generate(server, text: str, max_new: int = MAX_NEW, **extra) -> dict:
@@ -73,8 +77,9 @@ def test_generate_matches_standalone(sglang_server, reference_llm):
 
 def test_concurrent_requests_batch_and_match(sglang_server, reference_llm):
     """Continuous batching: requests in flight together still give each its own greedy answer."""
-    prompts = [f"Write one sentence about {t}." for t in
-               ("the sea", "mountains", "a cat", "rain", "music", "bread")]
+    prompts = [
+        f"Write one sentence about {t}." for t in ("the sea", "mountains", "a cat", "rain", "music", "bread")
+    ]
     ref = _reference(reference_llm, prompts, max_new=16)
     with cf.ThreadPoolExecutor(len(prompts)) as pool:
         got = list(pool.map(lambda p: _generate(sglang_server, p, max_new=16), prompts))
@@ -84,7 +89,7 @@ def test_concurrent_requests_batch_and_match(sglang_server, reference_llm):
 def test_chunked_prefill_long_prompt(sglang_server, reference_llm):
     """A prompt longer than SGLang's 256-token prefill chunk runs as several chunks."""
     text = STORY * 20 + "Summary:"
-    (prompt_ids, out_ids, _), = _reference(reference_llm, [text], max_new=12)
+    ((prompt_ids, out_ids, _),) = _reference(reference_llm, [text], max_new=12)
     assert len(prompt_ids) > 2 * 256
     got = _generate(sglang_server, text, max_new=12)
     assert got["output_ids"] == out_ids
@@ -93,7 +98,7 @@ def test_chunked_prefill_long_prompt(sglang_server, reference_llm):
 def test_prefix_cache_hit_gives_same_text(sglang_server, reference_llm):
     prefix = STORY * 4
     first, second = prefix + "Question: Where is the market?\nAnswer:", prefix + "The villagers"
-    (_, _, ref_text), = _reference(reference_llm, [second])
+    ((_, _, ref_text),) = _reference(reference_llm, [second])
     assert ref_text.strip(), "the reference answer should not be empty, or the check means little"
     _generate(sglang_server, first)
     got = _generate(sglang_server, second)
@@ -111,10 +116,12 @@ def test_openai_chat_matches_standalone(sglang_server, reference_llm):
     from tpuserve.server.sampling_params import SamplingParams
 
     client = openai.OpenAI(base_url=sglang_server.url + "/v1", api_key="none")
-    resp = client.chat.completions.create(model="default", messages=_chat_messages(),
-                                          temperature=0, max_tokens=MAX_NEW)
-    ref = reference_llm.chat(_chat_messages(), SamplingParams(temperature=0.0, max_tokens=MAX_NEW),
-                             use_tqdm=False)[0]
+    resp = client.chat.completions.create(
+        model="default", messages=_chat_messages(), temperature=0, max_tokens=MAX_NEW
+    )
+    ref = reference_llm.chat(
+        _chat_messages(), SamplingParams(temperature=0.0, max_tokens=MAX_NEW), use_tqdm=False
+    )[0]
     assert resp.usage.prompt_tokens == len(ref.prompt_token_ids)
     assert resp.choices[0].message.content == ref.outputs[0].text
     assert resp.usage.completion_tokens == len(ref.outputs[0].token_ids)
@@ -124,10 +131,12 @@ def test_openai_chat_streaming(sglang_server):
     import openai
 
     client = openai.OpenAI(base_url=sglang_server.url + "/v1", api_key="none")
-    whole = client.chat.completions.create(model="default", messages=_chat_messages(),
-                                           temperature=0, max_tokens=MAX_NEW)
-    stream = client.chat.completions.create(model="default", messages=_chat_messages(),
-                                            temperature=0, max_tokens=MAX_NEW, stream=True)
+    whole = client.chat.completions.create(
+        model="default", messages=_chat_messages(), temperature=0, max_tokens=MAX_NEW
+    )
+    stream = client.chat.completions.create(
+        model="default", messages=_chat_messages(), temperature=0, max_tokens=MAX_NEW, stream=True
+    )
     pieces = [c.choices[0].delta.content for c in stream if c.choices and c.choices[0].delta.content]
     assert len(pieces) > 1, "streaming should deliver the answer in several chunks"
     assert "".join(pieces) == whole.choices[0].message.content
@@ -137,9 +146,10 @@ def test_openai_completions(sglang_server, reference_llm):
     import openai
 
     client = openai.OpenAI(base_url=sglang_server.url + "/v1", api_key="none")
-    resp = client.completions.create(model="default", prompt="The capital of France is",
-                                     temperature=0, max_tokens=MAX_NEW)
-    (_, _, ref_text), = _reference(reference_llm, ["The capital of France is"])
+    resp = client.completions.create(
+        model="default", prompt="The capital of France is", temperature=0, max_tokens=MAX_NEW
+    )
+    ((_, _, ref_text),) = _reference(reference_llm, ["The capital of France is"])
     assert resp.choices[0].text == ref_text
 
 
@@ -148,13 +158,21 @@ def test_unsupported_features_refused_not_crashing(sglang_server):
     import openai
     import requests
 
-    r = requests.post(sglang_server.url + "/generate", timeout=60, json={
-        "text": "Hi", "return_logprob": True, "sampling_params": {"max_new_tokens": 4}})
+    r = requests.post(
+        sglang_server.url + "/generate",
+        timeout=60,
+        json={"text": "Hi", "return_logprob": True, "sampling_params": {"max_new_tokens": 4}},
+    )
     assert r.status_code == 400 and "logprobs" in r.text
     client = openai.OpenAI(base_url=sglang_server.url + "/v1", api_key="none")
     with pytest.raises(openai.BadRequestError, match="json_schema"):
         client.chat.completions.create(
-            model="default", messages=_chat_messages(), max_tokens=4,
-            response_format={"type": "json_schema",
-                             "json_schema": {"name": "x", "schema": {"type": "object"}}})
+            model="default",
+            messages=_chat_messages(),
+            max_tokens=4,
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "object"}},
+            },
+        )
     assert _generate(sglang_server, "The capital of France is", max_new=4)["text"]

@@ -40,9 +40,12 @@ def test_page_zero_is_never_used():
 
 
 def _seq(n, computed=0, pages=None):
-    return ScheduledSeq(token_ids=list(range(100, 100 + n)), num_computed=computed,
-                        page_ids=pages or list(range(1, 1 + (computed + n + 3) // 4)),
-                        sampling=SamplingRow())
+    return ScheduledSeq(
+        token_ids=list(range(100, 100 + n)),
+        num_computed=computed,
+        page_ids=pages or list(range(1, 1 + (computed + n + 3) // 4)),
+        sampling=SamplingRow(),
+    )
 
 
 def test_plan_keeps_small_batches_whole():

@@ -11,10 +11,10 @@ import os
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from safetensors.numpy import load_file
-
 from conftest import build_random_checkpoint
 from draft_checkpoints import with_mtp_layer, write_eagle3
+from safetensors.numpy import load_file
+
 from tpuserve.spec_decode.draft_model import default_aux_layer_ids, load_draft, to_target_ids
 from tpuserve.spec_decode.draft_runner import CatchUpSeq
 from tpuserve.tpu_platform.config import ConfigError, EngineConfig
@@ -32,15 +32,23 @@ PAGE = 16
 def ckpts(tmp_path_factory):
     root = tmp_path_factory.mktemp("drafts")
     deep = build_random_checkpoint("llama", str(root / "llama8"), num_hidden_layers=8)
-    return {"target": deep,
-            "eagle3": write_eagle3(deep, str(root / "eagle3"), draft_vocab=3000, seed=1),
-            "mtp": with_mtp_layer(deep, str(root / "mtp"), seed=2)}
+    return {
+        "target": deep,
+        "eagle3": write_eagle3(deep, str(root / "eagle3"), draft_vocab=3000, seed=1),
+        "mtp": with_mtp_layer(deep, str(root / "mtp"), seed=2),
+    }
 
 
 def _worker(path, spec):
-    config = EngineConfig.from_kwargs(model=path, max_num_batched_tokens=64, max_num_seqs=4,
-                                      block_size=PAGE, max_model_len=256, num_gpu_blocks=32,
-                                      speculative_config=json.dumps(spec))
+    config = EngineConfig.from_kwargs(
+        model=path,
+        max_num_batched_tokens=64,
+        max_num_seqs=4,
+        block_size=PAGE,
+        max_model_len=256,
+        num_gpu_blocks=32,
+        speculative_config=json.dumps(spec),
+    )
     w = Worker(config)
     w.load()
     w.init_kv_cache(32)
@@ -68,8 +76,9 @@ def test_eagle3_features_are_transformers_hidden_states_of_the_default_layers(ck
 
 def test_eagle3_checkpoint_layout_and_d2t(ckpts):
     loaded = load_model(ckpts["target"], jnp.float32)
-    head, params = load_draft("eagle3", ckpts["eagle3"], ckpts["target"], loaded.arch, loaded.params,
-                              jnp.float32)
+    head, params = load_draft(
+        "eagle3", ckpts["eagle3"], ckpts["target"], loaded.arch, loaded.params, jnp.float32
+    )
     raw = load_file(os.path.join(ckpts["eagle3"], "model.safetensors"))
     assert head.draft_vocab_size == 3000 and head.feature_width == 3 * 64
     # d2t holds offsets: draft id i is target id i + d2t[i], the ids t2d marks, in order.
@@ -95,6 +104,7 @@ def test_draft_checkpoints_are_checked(ckpts, tmp_path):
 
 
 # ---- a dense numpy forward of the two heads, from the published definitions ----
+
 
 def _rms(x, w, eps=1e-6):
     return w * (x / np.sqrt((x * x).mean(-1, keepdims=True) + eps))
@@ -136,13 +146,18 @@ def _dense_head(method, t, embed, tokens, hidden, pos, heads, kv_heads, inv_freq
     if method == "eagle3":
         p = "midlayer."
         h = np.stack([t["fc.weight"] @ r if r.shape[0] != embed.shape[1] else r for r in hidden])
-        x = np.concatenate([_rms(e, t[p + "input_layernorm.weight"]), _rms(h, t[p + "hidden_norm.weight"])], -1)
+        x = np.concatenate(
+            [_rms(e, t[p + "input_layernorm.weight"]), _rms(h, t[p + "hidden_norm.weight"])], -1
+        )
         h = h + _attention(t, p, x, pos, heads, kv_heads, inv_freq)
     else:
         p = prefix
         e = np.where((pos == 0)[:, None], 0.0, e)
         hid = np.stack(hidden)
-        h = np.concatenate([_rms(e, t[p + "enorm.weight"]), _rms(hid, t[p + "hnorm.weight"])], -1) @ t[p + "eh_proj.weight"].T
+        h = (
+            np.concatenate([_rms(e, t[p + "enorm.weight"]), _rms(hid, t[p + "hnorm.weight"])], -1)
+            @ t[p + "eh_proj.weight"].T
+        )
         h = h + _attention(t, p, _rms(h, t[p + "input_layernorm.weight"]), pos, heads, kv_heads, inv_freq)
     return h + _mlp(t, p, _rms(h, t[p + "post_attention_layernorm.weight"]))
 
@@ -152,7 +167,11 @@ def _dense_next(method, t, out_row, prefix):
         logits = t["lm_head.weight"] @ _rms(out_row, t["norm.weight"])
         i = int(np.argmax(logits))
         return i + int(t["d2t"][i])
-    return int(np.argmax(t[prefix + "shared_head.head.weight"] @ _rms(out_row, t[prefix + "shared_head.norm.weight"])))
+    return int(
+        np.argmax(
+            t[prefix + "shared_head.head.weight"] @ _rms(out_row, t[prefix + "shared_head.norm.weight"])
+        )
+    )
 
 
 @pytest.mark.parametrize("method", ["eagle3", "mtp"])
@@ -171,8 +190,12 @@ def test_paged_catch_up_and_drafting_equal_a_dense_forward(ckpts, method):
     t = {}
     for f in sorted(os.listdir(draft_dir)):
         if f.endswith(".safetensors"):
-            t.update({n: a.astype(np.float64) if a.dtype.kind == "f" else a
-                      for n, a in load_file(os.path.join(draft_dir, f)).items()})
+            t.update(
+                {
+                    n: a.astype(np.float64) if a.dtype.kind == "f" else a
+                    for n, a in load_file(os.path.join(draft_dir, f)).items()
+                }
+            )
     prefix = "model.layers.8."
     embed = np.asarray(runner.params["embed"], np.float64)
     d_arch = w.draft_head.arch
@@ -184,8 +207,10 @@ def test_paged_catch_up_and_drafting_equal_a_dense_forward(ckpts, method):
     batch = runner.build_batch([ScheduledSeq(p, 0, pg, SamplingRow()) for p, pg in zip(prompts, pages)])
     fwd = runner.forward(batch)
     feats = np.asarray(fwd.features, np.float64)
-    items = [CatchUpSeq(0, 0, prompts[0][1:] + [bonus[0]], pages[0]),
-             CatchUpSeq(21, 0, prompts[1][1:] + [bonus[1]], pages[1])]
+    items = [
+        CatchUpSeq(0, 0, prompts[0][1:] + [bonus[0]], pages[0]),
+        CatchUpSeq(21, 0, prompts[1][1:] + [bonus[1]], pages[1]),
+    ]
     seeds = dr.catch_up(fwd.features, items)
     drafts = dr.propose(seeds, [21, 9], pages, k)
     for i, (prompt, seed) in enumerate(zip(prompts, seeds)):
@@ -194,8 +219,18 @@ def test_paged_catch_up_and_drafting_equal_a_dense_forward(ckpts, method):
         hidden = [feats[row0 + j] for j in range(n)]
         want = []
         for j in range(k):
-            out = _dense_head(method, t, embed, np.asarray(tokens), hidden, np.arange(len(tokens), dtype=np.float64),
-                              d_arch.num_heads, d_arch.num_kv_heads, inv_freq, prefix)
+            out = _dense_head(
+                method,
+                t,
+                embed,
+                np.asarray(tokens),
+                hidden,
+                np.arange(len(tokens), dtype=np.float64),
+                d_arch.num_heads,
+                d_arch.num_kv_heads,
+                inv_freq,
+                prefix,
+            )
             want.append(_dense_next(method, t, out[-1], prefix))
             if j == 0:
                 assert seed.first_token == want[0]

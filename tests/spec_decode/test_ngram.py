@@ -10,30 +10,34 @@ from tpuserve.spec_decode.ngram import NgramProposer, propose_ngram, resolve_loo
 
 
 def draft(tokens, min_n, max_n, k, max_model_len=1000):
-    return propose_ngram(np.asarray(tokens), min_n=min_n, max_n=max_n, k=k,
-                         max_model_len=max_model_len).tolist()
+    return propose_ngram(
+        np.asarray(tokens), min_n=min_n, max_n=max_n, k=k, max_model_len=max_model_len
+    ).tolist()
 
 
-@pytest.mark.parametrize("tokens, min_n, max_n, k, want", [
-    # The suffix [1, 2, 3] occurred at the start: propose what followed it.
-    ([1, 2, 3, 4, 1, 2, 3], 1, 3, 3, [4, 1, 2]),
-    # The longest match wins over an earlier shorter one: [9, 7, 5, 3] at index 2 beats [5, 3] at 0 ...
-    ([5, 3, 9, 7, 5, 3, 8, 9, 7, 5, 3], 1, 4, 3, [8, 9, 7]),
-    # ... unless the lookup range stops at 2: then [5, 3] at index 0 is the earliest.
-    ([5, 3, 9, 7, 5, 3, 8, 9, 7, 5, 3], 1, 2, 3, [9, 7, 5]),
-    # Two occurrences of the same length: the earliest.
-    ([1, 2, 7, 1, 2, 8, 1, 2], 2, 2, 2, [7, 1]),
-    # Fewer than k tokens follow the match.
-    ([4, 4], 1, 3, 3, [4]),
-    ([4, 4, 4], 1, 2, 3, [4]),
-    # A match may overlap the suffix itself.
-    ([1, 1, 1, 1], 1, 3, 3, [1]),
-    # No match as long as prompt_lookup_min.
-    ([1, 2, 3, 1, 2], 3, 4, 3, []),
-    ([1, 2, 3], 1, 2, 3, []),
-    ([7], 1, 1, 3, []),
-    ([], 1, 1, 3, []),
-])
+@pytest.mark.parametrize(
+    "tokens, min_n, max_n, k, want",
+    [
+        # The suffix [1, 2, 3] occurred at the start: propose what followed it.
+        ([1, 2, 3, 4, 1, 2, 3], 1, 3, 3, [4, 1, 2]),
+        # The longest match wins over an earlier shorter one: [9, 7, 5, 3] at index 2 beats [5, 3] at 0 ...
+        ([5, 3, 9, 7, 5, 3, 8, 9, 7, 5, 3], 1, 4, 3, [8, 9, 7]),
+        # ... unless the lookup range stops at 2: then [5, 3] at index 0 is the earliest.
+        ([5, 3, 9, 7, 5, 3, 8, 9, 7, 5, 3], 1, 2, 3, [9, 7, 5]),
+        # Two occurrences of the same length: the earliest.
+        ([1, 2, 7, 1, 2, 8, 1, 2], 2, 2, 2, [7, 1]),
+        # Fewer than k tokens follow the match.
+        ([4, 4], 1, 3, 3, [4]),
+        ([4, 4, 4], 1, 2, 3, [4]),
+        # A match may overlap the suffix itself.
+        ([1, 1, 1, 1], 1, 3, 3, [1]),
+        # No match as long as prompt_lookup_min.
+        ([1, 2, 3, 1, 2], 3, 4, 3, []),
+        ([1, 2, 3], 1, 2, 3, []),
+        ([7], 1, 1, 3, []),
+        ([], 1, 1, 3, []),
+    ],
+)
 def test_hand_worked_drafts(tokens, min_n, max_n, k, want):
     assert draft(tokens, min_n, max_n, k) == want
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from chi_square import chi2_critical, goodness_of_fit
+
 from tpuserve.spec_decode import rejection_sampler as rs
 from tpuserve.tpu_platform import sampler
 from tpuserve.tpu_platform.step_batch import SamplingBatch
@@ -27,11 +27,13 @@ N = 100_000
 K = 2
 V = 6
 
-P_ROWS = np.array([
-    [0.30, 0.25, 0.20, 0.15, 0.10, 0.00],  # token 5 is impossible (as if masked by top-k)
-    [0.05, 0.10, 0.40, 0.05, 0.20, 0.20],
-    [0.50, 0.02, 0.03, 0.15, 0.00, 0.30],
-])
+P_ROWS = np.array(
+    [
+        [0.30, 0.25, 0.20, 0.15, 0.10, 0.00],  # token 5 is impossible (as if masked by top-k)
+        [0.05, 0.10, 0.40, 0.05, 0.20, 0.20],
+        [0.50, 0.02, 0.03, 0.15, 0.00, 0.30],
+    ]
+)
 
 
 def log(p: np.ndarray) -> np.ndarray:
@@ -51,15 +53,22 @@ def rows_for(num_seqs: int, k: int, temperature: float = 1.0, seed0: int = 0, **
     return rows
 
 
-def verify(x_rows: np.ndarray, drafts: np.ndarray, q: np.ndarray | None = None, *, rows=None,
-           wrong: bool = False) -> tuple[np.ndarray, np.ndarray]:
+def verify(
+    x_rows: np.ndarray, drafts: np.ndarray, q: np.ndarray | None = None, *, rows=None, wrong: bool = False
+) -> tuple[np.ndarray, np.ndarray]:
     """Every sequence verifies drafts [N, K] against the same logits rows x_rows [K+1, V]."""
     n, k = drafts.shape
     logits = jnp.asarray(np.tile(x_rows, (n, 1)))
     cu = np.arange(0, n * (k + 1) + 1, k + 1, dtype=np.int32)
     rows = rows if rows is not None else rows_for(n, k)
-    v = rs.verify_async(logits, rows, drafts.astype(np.int32), cu, None if q is None else jnp.asarray(q),
-                        resample_from_target=wrong)
+    v = rs.verify_async(
+        logits,
+        rows,
+        drafts.astype(np.int32),
+        cu,
+        None if q is None else jnp.asarray(q),
+        resample_from_target=wrong,
+    )
     return np.asarray(v.token_ids), np.asarray(v.num_accepted)
 
 
@@ -98,8 +107,9 @@ def test_random_draft_distributions():
 def test_draft_distribution_far_from_target():
     """q puts most of its mass where p has little or none (token 5 is impossible at position 0)."""
     rng = np.random.default_rng(1)
-    q_rows = np.array([[0.02, 0.02, 0.02, 0.04, 0.20, 0.70],
-                       [0.40, 0.05, 0.05, 0.40, 0.05, 0.05]], np.float32)
+    q_rows = np.array(
+        [[0.02, 0.02, 0.02, 0.04, 0.20, 0.70], [0.40, 0.05, 0.05, 0.40, 0.05, 0.05]], np.float32
+    )
     q = np.broadcast_to(q_rows, (N, K, V)).copy()
     drafts = sample_drafts(rng, q)
     tokens, accepted = verify(log(P_ROWS), drafts, q)
@@ -109,8 +119,7 @@ def test_draft_distribution_far_from_target():
 
 # How the one-hot tests pick drafts (skewed: with uniform drafts, resampling from p would happen to
 # give p too, and the negative control could not tell).
-DRAFT_CHOICE = np.array([[0.10, 0.10, 0.10, 0.30, 0.30, 0.10],
-                         [0.05, 0.05, 0.60, 0.10, 0.10, 0.10]])
+DRAFT_CHOICE = np.array([[0.10, 0.10, 0.10, 0.30, 0.30, 0.10], [0.05, 0.05, 0.60, 0.10, 0.10, 0.10]])
 
 
 def test_one_hot_drafts():
@@ -201,7 +210,7 @@ def test_greedy_rows_follow_the_argmax(mixed):
     drafts = np.full((len(n_drafts) + (1 if mixed else 0), k_slots), -1, np.int32)
     targets, draft_lists = [], []
     for i, n in enumerate(n_drafts):
-        t = argmax[cu[i]: cu[i] + n + 1]
+        t = argmax[cu[i] : cu[i] + n + 1]
         # Mostly right drafts with an occasional wrong one, so every acceptance length shows up.
         d = np.where(rng.random(n) < 0.75, t[:n], (t[:n] + 1) % vocab)
         drafts[i, :n] = d
@@ -217,7 +226,7 @@ def test_greedy_rows_follow_the_argmax(mixed):
     want = greedy_reference(targets, draft_lists)
     got = [token_ids[i, : accepted[i] + 1].tolist() for i in range(len(n_drafts))]
     assert got == want
-    assert all((token_ids[i, accepted[i] + 1:] == -1).all() for i in range(len(n_drafts)))
+    assert all((token_ids[i, accepted[i] + 1 :] == -1).all() for i in range(len(n_drafts)))
     assert sorted(set(accepted[: len(n_drafts)].tolist())) != [0]  # some accepted, some not
 
 
@@ -231,10 +240,10 @@ def test_same_seed_and_steps_give_the_same_tokens_anywhere_in_the_batch():
 
     def run(slot: int, num_seqs: int, neighbour_seed: int):
         rows = rows_for(num_seqs, k, seed0=neighbour_seed)
-        rows.seeds[slot * (k + 1):(slot + 1) * (k + 1)] = 777
-        rows.steps[slot * (k + 1):(slot + 1) * (k + 1)] = np.arange(10, 10 + k + 1)
+        rows.seeds[slot * (k + 1) : (slot + 1) * (k + 1)] = 777
+        rows.steps[slot * (k + 1) : (slot + 1) * (k + 1)] = np.arange(10, 10 + k + 1)
         logits = np.tile(rng.normal(size=(k + 1, vocab)).astype(np.float32), (num_seqs, 1))
-        logits[slot * (k + 1):(slot + 1) * (k + 1)] = x
+        logits[slot * (k + 1) : (slot + 1) * (k + 1)] = x
         all_drafts = rng.integers(0, vocab, size=(num_seqs, k)).astype(np.int32)
         all_drafts[slot] = drafts
         cu = np.arange(0, num_seqs * (k + 1) + 1, k + 1, dtype=np.int32)
@@ -286,8 +295,13 @@ def test_logprobs_score_the_emitted_tokens():
     logits = rng.normal(size=(k + 1, vocab)).astype(np.float32)
     rows = rows_for(1, k, seed0=3)
     rows.num_logprobs = 2
-    v = rs.verify_async(jnp.asarray(logits), rows, np.array([[4, 9]], np.int32),
-                        np.array([0, k + 1], np.int32), max_logprobs=5)
+    v = rs.verify_async(
+        jnp.asarray(logits),
+        rows,
+        np.array([[4, 9]], np.int32),
+        np.array([0, k + 1], np.int32),
+        max_logprobs=5,
+    )
     token_ids, n = np.asarray(v.token_ids)[0], int(np.asarray(v.num_accepted)[0])
     lp = np.asarray(v.logprobs[0])
     ref = logits - np.log(np.exp(logits).sum(axis=1, keepdims=True))

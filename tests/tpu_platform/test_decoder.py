@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 import transformers
-
 from tiny_models import empty_kv_cache, ragged_step, tiny_model  # tests/tpu_platform/tiny_models.py
+
 from tpuserve.tpu_platform.loader import load_model
 from tpuserve.tpu_platform.models.decoder import DecoderOutput, compute_logits, forward, rms_norm
 from tpuserve.tpu_platform.models.weights import unstack_layers
@@ -19,8 +19,9 @@ from tpuserve.tpu_platform.models.weights import unstack_layers
 
 def _run(arch, params, step, kv, aux=()):
     fn = jax.jit(functools.partial(forward, arch=arch, attn_impl="blocked", aux_layer_ids=aux))
-    return fn(params, kv, step["token_ids"], step["positions"], step["md"],
-              inv_freq=jnp.asarray(arch.inv_freq()))
+    return fn(
+        params, kv, step["token_ids"], step["positions"], step["md"], inv_freq=jnp.asarray(arch.inv_freq())
+    )
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
@@ -36,13 +37,15 @@ def test_weight_layout_groups_heads_by_kv_head(kind):
         for kv in range(2):
             for j in range(g):  # query head kv*G + j: HF's GQA order
                 h = kv * g + j
-                np.testing.assert_array_equal(lay["qkv"][i, :, kv, j], q[h * d:(h + 1) * d].T)
-            np.testing.assert_array_equal(lay["qkv"][i, :, kv, g], k[kv * d:(kv + 1) * d].T)
-            np.testing.assert_array_equal(lay["qkv"][i, :, kv, g + 1], v[kv * d:(kv + 1) * d].T)
+                np.testing.assert_array_equal(lay["qkv"][i, :, kv, j], q[h * d : (h + 1) * d].T)
+            np.testing.assert_array_equal(lay["qkv"][i, :, kv, g], k[kv * d : (kv + 1) * d].T)
+            np.testing.assert_array_equal(lay["qkv"][i, :, kv, g + 1], v[kv * d : (kv + 1) * d].T)
             if arch.qkv_bias:
                 bias = lay["qkv_bias"][i, kv]
-                np.testing.assert_array_equal(bias[1], t[p + "q_proj.bias"][(kv * g + 1) * d:(kv * g + 2) * d])
-                np.testing.assert_array_equal(bias[g + 1], t[p + "v_proj.bias"][kv * d:(kv + 1) * d])
+                np.testing.assert_array_equal(
+                    bias[1], t[p + "q_proj.bias"][(kv * g + 1) * d : (kv * g + 2) * d]
+                )
+                np.testing.assert_array_equal(bias[g + 1], t[p + "v_proj.bias"][kv * d : (kv + 1) * d])
         np.testing.assert_array_equal(lay["gate_up"][i, :, 0], t[f"model.layers.{i}.mlp.gate_proj.weight"].T)
         np.testing.assert_array_equal(lay["gate_up"][i, :, 1], t[f"model.layers.{i}.mlp.up_proj.weight"].T)
         np.testing.assert_array_equal(lay["o"][i], t[p + "o_proj.weight"].T)
@@ -79,7 +82,10 @@ def test_hidden_and_aux_hidden_match_transformers(random_checkpoints, loop):
     # id L: the last layer's output before the final norm
     np.testing.assert_allclose(
         np.asarray(rms_norm(out.aux_hidden[2], params["final_norm"], arch.rms_norm_eps)),
-        np.asarray(out.hidden), rtol=1e-6, atol=1e-6)
+        np.asarray(out.hidden),
+        rtol=1e-6,
+        atol=1e-6,
+    )
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])

@@ -152,7 +152,9 @@ def hf_model() -> Any:
     import transformers
 
     directory, filename = os.path.split(default_model_path())
-    return transformers.AutoModelForCausalLM.from_pretrained(directory, gguf_file=filename, dtype=torch.float32)
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        directory, gguf_file=filename, dtype=torch.float32
+    )
 
 
 @pytest.fixture(scope="module")
@@ -301,7 +303,12 @@ def test_tokenizer_special_tokens(ckpt: Checkpoint) -> None:
     assert (tok.eos_token, tok.eos_token_id) == ("<|im_end|>", 2)
     assert (tok.pad_token, tok.pad_token_id) == ("<|im_end|>", 2)
     assert len(tok) == 49152
-    for special, token_id in (("<|endoftext|>", 0), ("<|im_start|>", 1), ("<|im_end|>", 2), ("<file_sep>", 5)):
+    for special, token_id in (
+        ("<|endoftext|>", 0),
+        ("<|im_start|>", 1),
+        ("<|im_end|>", 2),
+        ("<file_sep>", 5),
+    ):
         assert tok.encode(special) == [token_id]
     assert tok.encode("hi")[0] != tok.bos_token_id  # SmolLM2 does not prepend BOS
     ids = tok.encode("<|im_start|>user\nhi<|im_end|>")

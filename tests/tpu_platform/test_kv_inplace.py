@@ -22,12 +22,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.experimental.layout import Format, Layout
-
 from tiny_models import tiny_model
+
 from tpuserve.kv_cache.host_tier import HostPagePool
-from tpuserve.kv_cache.layout import KVCacheSpec, cache_out_format, kv_cache_format
-from tpuserve.kv_cache.transfer.device_pages import (DevicePageMover, moves_bits, page_gather,
-                                                     page_scatter)
+from tpuserve.kv_cache.layout import cache_out_format, kv_cache_format
+from tpuserve.kv_cache.transfer.device_pages import DevicePageMover, moves_bits, page_gather, page_scatter
 from tpuserve.tpu_platform.config import ConfigError, EngineConfig
 from tpuserve.tpu_platform.device import DeviceInfo
 from tpuserve.tpu_platform.model_runner import ModelRunner
@@ -40,14 +39,22 @@ GIB = 1 << 30
 
 
 def _runner(impl: str, loop: str = "scan", device=TPU, num_pages=None, kv_scales=None, **kw):
-    arch, _, params = tiny_model("llama", layers=2, hidden=128, heads=4, kv_heads=2, head_dim=64,
-                                 ffn=256, vocab=512)
+    arch, _, params = tiny_model(
+        "llama", layers=2, hidden=128, heads=4, kv_heads=2, head_dim=64, ffn=256, vocab=512
+    )
     params = jax.tree.map(lambda a: a.astype(jnp.bfloat16), params)
-    cfg = EngineConfig.from_kwargs(attention_impl=impl, layer_loop=loop, max_num_seqs=8,
-                                   max_num_batched_tokens=64, max_model_len=256, **kw)
+    cfg = EngineConfig.from_kwargs(
+        attention_impl=impl,
+        layer_loop=loop,
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        max_model_len=256,
+        **kw,
+    )
     kv_dtype = jnp.float8_e4m3fn if kw.get("kv_cache_dtype") == "fp8" else None
-    return ModelRunner(cfg, arch, params, device, jnp.bfloat16, num_pages, 256,
-                       kv_cache_dtype=kv_dtype, kv_scales=kv_scales)
+    return ModelRunner(
+        cfg, arch, params, device, jnp.bfloat16, num_pages, 256, kv_cache_dtype=kv_dtype, kv_scales=kv_scales
+    )
 
 
 def test_kv_cache_format_is_row_major_for_the_compiled_tpu_kernel_only():
@@ -68,9 +75,20 @@ def test_tpu_step_takes_and_returns_the_cache_row_major_and_donated(loop):
     put = r._put
     shape = r._cache_spec(64).shape_for(r.attn_impl)
     cache = jax.ShapeDtypeStruct(shape, jnp.bfloat16)
-    text = r._step.trace(r.params, cache, put(b.token_ids), put(np.full(8, -1, np.int32)),
-                         r._no_feed, put(b.positions), r._metadata(b),
-                         put(b.logits_indices)).lower(lowering_platforms=("tpu",)).as_text()
+    text = (
+        r._step.trace(
+            r.params,
+            cache,
+            put(b.token_ids),
+            put(np.full(8, -1, np.int32)),
+            r._no_feed,
+            put(b.positions),
+            r._metadata(b),
+            put(b.logits_indices),
+        )
+        .lower(lowering_platforms=("tpu",))
+        .as_text()
+    )
     main = next(line for line in text.splitlines() if "func.func public @main" in line)
     cache_type = "tensor<" + "x".join(map(str, shape)) + "xbf16>"
     row_major = 'mhlo.layout_mode = "{4,3,2,1,0:T(8,128)(2,1)}"'
@@ -85,8 +103,7 @@ def test_tpu_step_takes_and_returns_the_cache_row_major_and_donated(loop):
 def _moved_format_case(mover: str):
     """A committed CPU cache in a non-default layout through one load / import."""
     shape = (2, 16, 4, 4, 8)
-    fmt = Format(Layout(major_to_minor=(1, 0, 2, 3, 4)),
-                 jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+    fmt = Format(Layout(major_to_minor=(1, 0, 2, 3, 4)), jax.sharding.SingleDeviceSharding(jax.devices()[0]))
     kv = jax.jit(lambda: jnp.zeros(shape, jnp.float32), out_shardings=fmt)()
     assert kv.committed and cache_out_format(kv) == kv.format
     pages = np.arange(2 * 2 * 4 * 4 * 8, dtype=np.float32).reshape(2, 2, 4, 4, 8)
@@ -136,9 +153,16 @@ def step_cache_analysis(r, num_pages: int):
     spec = r._cache_spec(num_pages)
     cache = jax.ShapeDtypeStruct(spec.shape_for(r.attn_impl), r.kv_cache_dtype, sharding=r._kv_sharding)
     put = r._put
-    compiled = r._step.lower(r.params, cache, put(batch.token_ids), put(np.full(t, -1, np.int32)),
-                             r._no_feed, put(batch.positions), r._metadata(batch),
-                             put(batch.logits_indices)).compile()
+    compiled = r._step.lower(
+        r.params,
+        cache,
+        put(batch.token_ids),
+        put(np.full(t, -1, np.int32)),
+        r._no_feed,
+        put(batch.positions),
+        r._metadata(batch),
+        put(batch.logits_indices),
+    ).compile()
     return compiled.memory_analysis(), int(np.prod(cache.shape)) * jnp.dtype(cache.dtype).itemsize
 
 
@@ -150,12 +174,23 @@ def test_fp8_cache_pages_are_read_without_widening_the_cache(impl):
     Known and not fixed here: the fp8 write (a uint8 scatter between two bitcasts) still costs one
     1-byte copy of the cache per step on XLA:CPU; a TPU refuses an fp8 cache today (issue 30)."""
     cpu = DeviceInfo("cpu", 1, "cpu", None)
-    arch, _, params = tiny_model("llama", layers=2, hidden=128, heads=4, kv_heads=2, head_dim=64,
-                                 ffn=256, vocab=512)
-    cfg = EngineConfig.from_kwargs(attention_impl=impl, layer_loop="scan", max_num_seqs=8,
-                                   max_num_batched_tokens=64, max_model_len=256)
-    r = ModelRunner(cfg, arch, params, cpu, jnp.float32, None, 256,
-                    kv_cache_dtype=jnp.float8_e4m3fn, kv_scales=(0.05, 0.05))
+    arch, _, params = tiny_model(
+        "llama", layers=2, hidden=128, heads=4, kv_heads=2, head_dim=64, ffn=256, vocab=512
+    )
+    cfg = EngineConfig.from_kwargs(
+        attention_impl=impl, layer_loop="scan", max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256
+    )
+    r = ModelRunner(
+        cfg,
+        arch,
+        params,
+        cpu,
+        jnp.float32,
+        None,
+        256,
+        kv_cache_dtype=jnp.float8_e4m3fn,
+        kv_scales=(0.05, 0.05),
+    )
     small, small_bytes = step_cache_analysis(r, 64)
     big, big_bytes = step_cache_analysis(r, 1024)
     assert big.alias_size_in_bytes >= big_bytes and small.alias_size_in_bytes >= small_bytes
@@ -187,9 +222,13 @@ def _cfg(**kw):
 
 
 def test_memory_plan_subtracts_measured_step_needs():
-    plan = plan_memory(_cfg(gpu_memory_utilization=0.9), memory_bytes=16 * GIB,
-                       weight_bytes=2 * GIB, step_bytes={"forward": GIB, "prompt_logits": GIB // 2},
-                       vocab_size=49152)
+    plan = plan_memory(
+        _cfg(gpu_memory_utilization=0.9),
+        memory_bytes=16 * GIB,
+        weight_bytes=2 * GIB,
+        step_bytes={"forward": GIB, "prompt_logits": GIB // 2},
+        vocab_size=49152,
+    )
     sampler = 128 * 49152 * 4 * 4
     assert plan.usable == int(0.9 * 16 * GIB)
     assert plan.activations == GIB + sampler + int(0.02 * 16 * GIB)
@@ -198,22 +237,40 @@ def test_memory_plan_subtracts_measured_step_needs():
 
 
 def test_memory_plan_refuses_weights_that_do_not_fit_naming_numbers_and_flags():
-    with pytest.raises(ConfigError, match=r"weights alone take 15\.00 GiB.*0\.5 x 16\.00 GiB"
-                                          r".*--gpu-memory-utilization.*--quantization"):
-        plan_memory(_cfg(gpu_memory_utilization=0.5), memory_bytes=16 * GIB,
-                    weight_bytes=15 * GIB, step_bytes={}, vocab_size=1000)
+    with pytest.raises(
+        ConfigError,
+        match=r"weights alone take 15\.00 GiB.*0\.5 x 16\.00 GiB"
+        r".*--gpu-memory-utilization.*--quantization",
+    ):
+        plan_memory(
+            _cfg(gpu_memory_utilization=0.5),
+            memory_bytes=16 * GIB,
+            weight_bytes=15 * GIB,
+            step_bytes={},
+            vocab_size=1000,
+        )
     with pytest.raises(ConfigError, match=r"no device memory left.*--max-num-batched-tokens"):
-        plan_memory(_cfg(gpu_memory_utilization=0.5), memory_bytes=16 * GIB,
-                    weight_bytes=7 * GIB, step_bytes={"forward": 2 * GIB}, vocab_size=1000)
+        plan_memory(
+            _cfg(gpu_memory_utilization=0.5),
+            memory_bytes=16 * GIB,
+            weight_bytes=7 * GIB,
+            step_bytes={"forward": 2 * GIB},
+            vocab_size=1000,
+        )
 
 
 def test_worker_sizes_the_cache_from_the_measured_plan(random_checkpoints, monkeypatch):
     from tpuserve.tpu_platform import worker as worker_mod
 
     monkeypatch.setattr(worker_mod, "_MARGIN_FRACTION", 0.0)  # activations then fixed in bytes
-    cfg = EngineConfig.from_kwargs(model=random_checkpoints["llama"], attention_impl="blocked",
-                                   gpu_memory_utilization=0.9, max_num_seqs=4,
-                                   max_num_batched_tokens=32, max_model_len=256)
+    cfg = EngineConfig.from_kwargs(
+        model=random_checkpoints["llama"],
+        attention_impl="blocked",
+        gpu_memory_utilization=0.9,
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+        max_model_len=256,
+    )
     w = worker_mod.Worker(cfg)
     w.load()
     w.device = DeviceInfo("tpu", 1, "fake", 64 * GIB)  # an accelerator: the plan decides
@@ -223,8 +280,9 @@ def test_worker_sizes_the_cache_from_the_measured_plan(random_checkpoints, monke
     assert runner is not None and runner.kv_cache is None  # measured before any cache exists
     # A device whose 0.9 leaves room for exactly 40 pages after weights and measured activations.
     want = 40
-    w.device = DeviceInfo("tpu", 1, "fake",
-                          int((first.weights + first.activations + want * w.page_bytes()) / 0.9) + 2)
+    w.device = DeviceInfo(
+        "tpu", 1, "fake", int((first.weights + first.activations + want * w.page_bytes()) / 0.9) + 2
+    )
     w._plan = None
     assert w.num_pages(need_full_sequence=False) == want
     assert w.init_kv_cache(want) is runner and runner.kv_spec.num_pages == want  # built once

@@ -15,11 +15,13 @@ from tpuserve.tpu_platform.model_runner import ModelRunner
 from tpuserve.tpu_platform.step_batch import SamplingRow, ScheduledSeq
 
 ARCHS = ["llama", "qwen2", "qwen3"]
-PROMPTS = ["The quick brown fox jumps over the lazy dog.",
-           "Hello",
-           "In 2024, 17 researchers published 3 papers on paged attention for TPUs and GPUs alike, "
-           "with code, benchmarks and a long discussion of memory bandwidth.",
-           "日本語のテキストと emoji 🎉 mixed."]
+PROMPTS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Hello",
+    "In 2024, 17 researchers published 3 papers on paged attention for TPUs and GPUs alike, "
+    "with code, benchmarks and a long discussion of memory bandwidth.",
+    "日本語のテキストと emoji 🎉 mixed.",
+]
 
 
 def _hf_model(path):
@@ -45,8 +47,15 @@ def hf_greedy(model, ids: list[int], n: int) -> list[int]:
 def test_last_position_logits_match_transformers(random_checkpoints, arch):
     path = random_checkpoints[arch]
     loaded = load_model(path, jnp.float32)
-    runner = ModelRunner(EngineConfig.from_kwargs(model=path, max_num_batched_tokens=128), loaded.arch,
-                         loaded.params, discover(), jnp.float32, num_pages=64, max_model_len=512)
+    runner = ModelRunner(
+        EngineConfig.from_kwargs(model=path, max_num_batched_tokens=128),
+        loaded.arch,
+        loaded.params,
+        discover(),
+        jnp.float32,
+        num_pages=64,
+        max_model_len=512,
+    )
     tok = loaded.tokenizer
     prompts = [tok.encode(p) for p in PROMPTS]
     assert len({len(p) for p in prompts}) == len(prompts), "want mixed lengths"
@@ -71,8 +80,9 @@ def test_greedy_64_tokens_match_with_chunking_and_preemption(random_checkpoints,
     from tpuserve.server.sampling_params import SamplingParams
 
     path = random_checkpoints[arch]
-    llm = LLM(path, max_model_len=128, max_num_batched_tokens=16, max_num_seqs=4,
-              num_gpu_blocks=12, block_size=16)
+    llm = LLM(
+        path, max_model_len=128, max_num_batched_tokens=16, max_num_seqs=4, num_gpu_blocks=12, block_size=16
+    )
     params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
     outs = llm.generate(PROMPTS, params, use_tqdm=False)
     assert llm.engine.scheduler.num_preemptions > 0, "the tiny pool should have forced preemption"
@@ -91,9 +101,11 @@ def smollm2_hf():
     import os
 
     from tpuserve.tpu_platform.loader.gguf_loader import default_model_path
+
     path = default_model_path()
     return transformers.AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32).eval()
+        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
+    ).eval()
 
 
 @pytest.mark.slow
@@ -105,8 +117,14 @@ def test_smollm2_logits_and_greedy_match_transformers(smollm2_hf):
     # Layers in a scan: unrolled, each of this test's ~7 programs compiled 30 layer copies (~3 min
     # in all). The unrolled CPU default runs the same model below (the capital-of-France test), and
     # scan == unroll is checked on tiny models (tests/tpu_platform/tp_child.py).
-    llm = LLM(None, max_model_len=256, max_num_batched_tokens=16, max_num_seqs=4, num_gpu_blocks=20,
-              layer_loop="scan")
+    llm = LLM(
+        None,
+        max_model_len=256,
+        max_num_batched_tokens=16,
+        max_num_seqs=4,
+        num_gpu_blocks=20,
+        layer_loop="scan",
+    )
     tok = llm.get_tokenizer()
     prompts = [tok.encode(p) for p in PROMPTS]
     runner = llm.engine.runner
@@ -126,8 +144,9 @@ def test_smollm2_logits_and_greedy_match_transformers(smollm2_hf):
     runner.token_buckets = llm.config.token_buckets
     runner.max_num_seqs = 4
 
-    outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True),
-                        use_tqdm=False)
+    outs = llm.generate(
+        PROMPTS, SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True), use_tqdm=False
+    )
     assert llm.engine.scheduler.num_preemptions > 0
     for p, out in zip(prompts, outs):
         assert out.outputs[0].token_ids == hf_greedy(smollm2_hf, p, 64)
@@ -139,6 +158,7 @@ def test_smollm2_knows_the_capital_of_france():
     from tpuserve.server.sampling_params import SamplingParams
 
     llm = LLM(max_model_len=128, max_num_batched_tokens=32)
-    out = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=4),
-                       use_tqdm=False)[0]
+    out = llm.generate(
+        "The capital of France is", SamplingParams(temperature=0, max_tokens=4), use_tqdm=False
+    )[0]
     assert out.outputs[0].text.startswith(" Paris")

@@ -218,7 +218,9 @@ def test_different_steps_and_seeds_give_different_draws():
     vocab = 64
     n = 256
     logits = jnp.zeros((n, vocab), jnp.float32)  # uniform distribution
-    by_step = make_batch(n, temperature=1.0, seeds=np.full(n, 99, np.uint32), steps=np.arange(n, dtype=np.int32))
+    by_step = make_batch(
+        n, temperature=1.0, seeds=np.full(n, 99, np.uint32), steps=np.arange(n, dtype=np.int32)
+    )
     by_seed = make_batch(n, temperature=1.0, seeds=np.arange(n, dtype=np.uint32), steps=np.zeros(n, np.int32))
     for batch in (by_step, by_seed):
         tokens = sampler.sample(logits, batch).token_ids
@@ -302,7 +304,9 @@ def test_greedy_rows_ignore_filters_but_small_temperature_is_random():
 def penalty_fixture(num_rows: int, vocab: int, seed: int):
     rng = np.random.default_rng(seed)
     logits = (rng.normal(size=(num_rows, vocab)) * 2.0).astype(np.float32)
-    counts = (rng.integers(0, 4, size=(num_rows, vocab)) * (rng.random((num_rows, vocab)) < 0.3)).astype(np.int32)
+    counts = (rng.integers(0, 4, size=(num_rows, vocab)) * (rng.random((num_rows, vocab)) < 0.3)).astype(
+        np.int32
+    )
     prompt = rng.random((num_rows, vocab)) < 0.2
     rep = rng.uniform(1.0, 2.0, size=num_rows).astype(np.float32)
     pres = rng.uniform(0.0, 1.0, size=num_rows).astype(np.float32)
@@ -314,8 +318,12 @@ def penalty_fixture(num_rows: int, vocab: int, seed: int):
 def test_penalty_values_match_numpy():
     logits, counts, prompt, rep, pres, freq = penalty_fixture(16, 40, seed=3)
     got = sampler._apply_penalties(
-        jnp.asarray(logits), jnp.asarray(rep), output_counts=jnp.asarray(counts),
-        prompt_mask=jnp.asarray(prompt), presence=jnp.asarray(pres), frequency=jnp.asarray(freq),
+        jnp.asarray(logits),
+        jnp.asarray(rep),
+        output_counts=jnp.asarray(counts),
+        prompt_mask=jnp.asarray(prompt),
+        presence=jnp.asarray(pres),
+        frequency=jnp.asarray(freq),
     )
     want = np_penalize(logits, counts, prompt, rep, pres, freq)
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
@@ -331,7 +339,8 @@ def test_penalized_greedy_matches_numpy(which):
     batch.output_counts = counts if use_counts else None
     batch.prompt_mask = prompt if use_prompt else None
     want = np.argmax(
-        np_penalize(logits, counts if use_counts else None, prompt if use_prompt else None, rep, pres, freq), axis=-1
+        np_penalize(logits, counts if use_counts else None, prompt if use_prompt else None, rep, pres, freq),
+        axis=-1,
     )
     got = sampler.sample(jnp.asarray(logits), batch).token_ids
     np.testing.assert_array_equal(got, want)

@@ -15,8 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
-
 from tiny_models import empty_kv_cache, ragged_step, tiny_model  # tests/tpu_platform/tiny_models.py
+
 from tpuserve.tpu_platform.models.sharding import kv_cache_partition_spec, param_partition_specs
 from tpuserve.tpu_platform.models.weights import unstack_layers
 
@@ -49,9 +49,19 @@ def _step_fn(arch):
     from tpuserve.tpu_platform.models.decoder import compute_logits, forward
 
     def step(params, kv, token_ids, positions, md, logits_indices):
-        out = forward(params, kv, token_ids, positions, md, arch=arch, attn_impl="blocked",
-                      inv_freq=jnp.asarray(arch.inv_freq()), aux_layer_ids=(1,))
+        out = forward(
+            params,
+            kv,
+            token_ids,
+            positions,
+            md,
+            arch=arch,
+            attn_impl="blocked",
+            inv_freq=jnp.asarray(arch.inv_freq()),
+            aux_layer_ids=(1,),
+        )
         return compute_logits(params, out.hidden[logits_indices], arch=arch), out.aux_hidden, out.kv_cache
+
     return jax.jit(step)
 
 
@@ -94,8 +104,14 @@ def _sharded_matches_unsharded():
 def test_two_device_sharded_forward_matches_unsharded():
     flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags.strip())
-    res = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=280,
-                         cwd=os.path.dirname(os.path.abspath(__file__)))
+    res = subprocess.run(
+        [sys.executable, __file__],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=280,
+        cwd=os.path.dirname(os.path.abspath(__file__)),
+    )
     assert res.returncode == 0, f"subprocess failed:\n{res.stdout}\n{res.stderr[-4000:]}"
     assert res.stdout.count("sharded logits match") == 3, res.stdout
 
@@ -114,15 +130,14 @@ def test_specs_for_quantized_records(method):
     for tree, lead in ((q, (None,)), (unstack_layers(q), ())):
         specs = param_partition_specs(tree, axis="tp")
         # one spec per array, in the record's own structure (what jax.tree.map over both needs)
-        assert (jax.tree.structure(specs, is_leaf=lambda x: isinstance(x, P))
-                == jax.tree.structure(tree))
+        assert jax.tree.structure(specs, is_leaf=lambda x: isinstance(x, P)) == jax.tree.structure(tree)
         lay = specs["layers"] if lead else specs["layers"][1]
         data = "qweight" if method == "fp8" else "packed"
-        assert getattr(lay["qkv"], data) == P(*lead, None, "tp")     # N: by KV head
-        assert getattr(lay["o"], data) == P(*lead, "tp", None)       # K rows: contracted
+        assert getattr(lay["qkv"], data) == P(*lead, None, "tp")  # N: by KV head
+        assert getattr(lay["o"], data) == P(*lead, "tp", None)  # K rows: contracted
         assert getattr(lay["down"], data) == P(*lead, "tp", None)
-        assert getattr(lay["gate_up"], data) == P()                  # [2, F] flattened: replicated
+        assert getattr(lay["gate_up"], data) == P()  # [2, F] flattened: replicated
         if method == "fp8":  # per-channel scale [1, N]: one row, split only along N
             assert lay["qkv"].scale == P(*lead, None, "tp") and lay["o"].scale == P()
-        else:                # global scale [1, 1]: never split
+        else:  # global scale [1, 1]: never split
             assert lay["qkv"].global_scale == P() and lay["o"].scale == P(*lead, "tp", None)

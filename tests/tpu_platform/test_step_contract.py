@@ -27,15 +27,16 @@ PAGE = 16
 def runner(random_checkpoints):
     path = random_checkpoints["llama"]
     loaded = load_model(path, jnp.float32)
-    config = EngineConfig.from_kwargs(model=path, max_num_batched_tokens=32, max_num_seqs=4,
-                                      block_size=PAGE)
-    return ModelRunner(config, loaded.arch, loaded.params, discover(), jnp.float32, num_pages=64,
-                       max_model_len=256)
+    config = EngineConfig.from_kwargs(model=path, max_num_batched_tokens=32, max_num_seqs=4, block_size=PAGE)
+    return ModelRunner(
+        config, loaded.arch, loaded.params, discover(), jnp.float32, num_pages=64, max_model_len=256
+    )
 
 
 def _seq(tokens, computed, pages, **kw):
-    return ScheduledSeq(token_ids=list(tokens), num_computed=computed, page_ids=list(pages),
-                        sampling=SamplingRow(), **kw)
+    return ScheduledSeq(
+        token_ids=list(tokens), num_computed=computed, page_ids=list(pages), sampling=SamplingRow(), **kw
+    )
 
 
 def test_build_batch_padding_contract(runner):
@@ -73,12 +74,15 @@ def test_build_batch_with_drafts_and_feeds(runner):
     np.testing.assert_array_equal(b.feed_rows[:6], [-1, -1, -1, -1, -1, 2])
 
 
-@pytest.mark.parametrize("seqs, match", [
-    ([], "at least one sequence"),
-    ([_seq([], 0, [1])], "at least one token"),
-    ([_seq([1] * 20, 0, [1])], "cannot hold"),
-    ([_seq([1], 0, [1])] * 5, "exceed"),
-])
+@pytest.mark.parametrize(
+    "seqs, match",
+    [
+        ([], "at least one sequence"),
+        ([_seq([], 0, [1])], "at least one token"),
+        ([_seq([1] * 20, 0, [1])], "cannot hold"),
+        ([_seq([1], 0, [1])] * 5, "exceed"),
+    ],
+)
 def test_build_batch_refuses_bad_work(runner, seqs, match):
     with pytest.raises(ValueError, match=match):
         runner.build_batch(seqs)
@@ -98,8 +102,7 @@ def _greedy_reference(runner, prompt, pages, n, row=None):
     tokens = [int(out.token_ids[0, 0])]
     for _ in range(n - 1):
         done = len(prompt) + len(tokens) - 1
-        out = runner.execute(runner.build_batch([ScheduledSeq([tokens[-1]], done, list(pages),
-                                                              row(tokens))]))
+        out = runner.execute(runner.build_batch([ScheduledSeq([tokens[-1]], done, list(pages), row(tokens))]))
         tokens.append(int(out.token_ids[0, 0]))
     return tokens
 
@@ -112,8 +115,7 @@ def test_multi_token_steps_verify_drafts_and_roll_back(runner):
     # Prefill, then the true continuation as drafts: every draft accepted, plus the bonus token.
     out = runner.execute(runner.build_batch([_seq(prompt, 0, pages)]))
     assert out.new_tokens(0) == ref[:1] and int(out.num_accepted[0]) == 0
-    out = runner.execute(runner.build_batch([_seq([ref[0]], len(prompt), pages,
-                                                   draft_token_ids=ref[1:4])]))
+    out = runner.execute(runner.build_batch([_seq([ref[0]], len(prompt), pages, draft_token_ids=ref[1:4])]))
     assert int(out.num_accepted[0]) == 3 and out.new_tokens(0) == ref[:5][1:]
     done = len(prompt) + 4  # prompt + ref[0..3] are in the cache
     # Wrong drafts from the first position: none accepted, the target's own token comes back.
@@ -135,20 +137,27 @@ def test_random_rows_verify_drafts(runner):
     ref = _greedy_reference(runner, prompt, pages, 6)
     ref_other = _greedy_reference(runner, other, other_pages, 4)
     hot = SamplingRow(temperature=1e-4, seed=5)
-    out = runner.execute(runner.build_batch([ScheduledSeq(list(prompt), 0, pages, hot),
-                                             _seq(other, 0, other_pages)]))
+    out = runner.execute(
+        runner.build_batch([ScheduledSeq(list(prompt), 0, pages, hot), _seq(other, 0, other_pages)])
+    )
     assert out.new_tokens(0) == ref[:1] and out.new_tokens(1) == ref_other[:1]
     hot = SamplingRow(temperature=1e-4, seed=5, step=1)
-    out = runner.execute(runner.build_batch([
-        ScheduledSeq([ref[0]], len(prompt), pages, hot, draft_token_ids=ref[1:4]),
-        _seq([ref_other[0]], len(other), other_pages, draft_token_ids=[ref_other[1], 7, 7])]))
+    out = runner.execute(
+        runner.build_batch(
+            [
+                ScheduledSeq([ref[0]], len(prompt), pages, hot, draft_token_ids=ref[1:4]),
+                _seq([ref_other[0]], len(other), other_pages, draft_token_ids=[ref_other[1], 7, 7]),
+            ]
+        )
+    )
     assert int(out.num_accepted[0]) == 3 and out.new_tokens(0) == ref[1:5]
     assert int(out.num_accepted[1]) == 1 and out.new_tokens(1) == ref_other[1:3]
     done = len(prompt) + 4
     wrong = (ref[5] + 1) % runner.arch.vocab_size
     hot = SamplingRow(temperature=1e-4, seed=5, step=5)
-    out = runner.execute(runner.build_batch([ScheduledSeq([ref[4]], done, pages, hot,
-                                                          draft_token_ids=[wrong, wrong])]))
+    out = runner.execute(
+        runner.build_batch([ScheduledSeq([ref[4]], done, pages, hot, draft_token_ids=[wrong, wrong])])
+    )
     assert int(out.num_accepted[0]) == 0 and out.new_tokens(0) == [ref[5]]
 
 
@@ -158,13 +167,17 @@ def test_penalties_count_earlier_drafts(runner):
     prompt, pages = [7, 7, 3, 9, 7, 3], [4, 5]
 
     def row(output_ids):
-        return sampling_row(prompt_ids=prompt, output_ids=list(output_ids), repetition_penalty=3.0,
-                            frequency_penalty=0.5)
+        return sampling_row(
+            prompt_ids=prompt, output_ids=list(output_ids), repetition_penalty=3.0, frequency_penalty=0.5
+        )
 
     ref = _greedy_reference(runner, prompt, pages, 7, row)
     runner.execute(runner.build_batch([ScheduledSeq(list(prompt), 0, pages, row([]))]))
-    out = runner.execute(runner.build_batch([ScheduledSeq([ref[0]], len(prompt), pages, row(ref[:1]),
-                                                          draft_token_ids=ref[1:6])]))
+    out = runner.execute(
+        runner.build_batch(
+            [ScheduledSeq([ref[0]], len(prompt), pages, row(ref[:1]), draft_token_ids=ref[1:6])]
+        )
+    )
     assert int(out.num_accepted[0]) == 5 and out.new_tokens(0) == ref[1:7]
 
 
@@ -173,8 +186,9 @@ def test_fed_steps_equal_host_steps(runner):
     prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8]]
     pages = [[3, 4], [5, 6]]
     refs = [_greedy_reference(runner, p, pg, 5) for p, pg in zip(prompts, pages)]
-    step = runner.sample(runner.forward(runner.build_batch(
-        [_seq(p, 0, pg) for p, pg in zip(prompts, pages)])))
+    step = runner.sample(
+        runner.forward(runner.build_batch([_seq(p, 0, pg) for p, pg in zip(prompts, pages)]))
+    )
     got = [[], []]
     for j in range(4):
         # Slot i's next input is the token still on the device: fed, never read by the host first.
@@ -204,10 +218,17 @@ def test_drafted_steps_compile_nothing_after_warmup(random_checkpoints):
 
     path = random_checkpoints["llama"]
     loaded = load_model(path, jnp.float32)
-    config = EngineConfig.from_kwargs(model=path, max_num_batched_tokens=16, max_num_seqs=4,
-                                      block_size=PAGE)
-    runner = ModelRunner(config, loaded.arch, loaded.params, discover(), jnp.float32, num_pages=64,
-                         max_model_len=256, num_speculative_tokens=3)
+    config = EngineConfig.from_kwargs(model=path, max_num_batched_tokens=16, max_num_seqs=4, block_size=PAGE)
+    runner = ModelRunner(
+        config,
+        loaded.arch,
+        loaded.params,
+        discover(),
+        jnp.float32,
+        num_pages=64,
+        max_model_len=256,
+        num_speculative_tokens=3,
+    )
     assert runner.warmup() > 0
     before = runner.compile_count
     compiles = []
@@ -223,18 +244,29 @@ def test_drafted_steps_compile_nothing_after_warmup(random_checkpoints):
         pages = [[1 + 2 * i, 2 + 2 * i] for i in range(4)]
         runner.execute(runner.build_batch([_seq(p, 0, pg) for p, pg in list(zip(prompts, pages))[:2]]))
         runner.execute(runner.build_batch([_seq(p, 0, pg) for p, pg in list(zip(prompts, pages))[2:]]))
-        rows = [SamplingRow(), SamplingRow(temperature=0.8, top_p=0.9, seed=1, step=1),
-                SamplingRow(temperature=1.0, seed=2, step=1, num_logprobs=2),
-                sampling_row(prompt_ids=prompts[3], output_ids=[1], repetition_penalty=1.3,
-                             temperature=0.7, seed=3)]
+        rows = [
+            SamplingRow(),
+            SamplingRow(temperature=0.8, top_p=0.9, seed=1, step=1),
+            SamplingRow(temperature=1.0, seed=2, step=1, num_logprobs=2),
+            sampling_row(
+                prompt_ids=prompts[3], output_ids=[1], repetition_penalty=1.3, temperature=0.7, seed=3
+            ),
+        ]
         for round_ in range(6):
             n = int(rng.integers(1, 5))
             chosen = rng.permutation(4)[:n]
             seqs = []
             for i in chosen:
                 k = int(rng.integers(1, 4))
-                seqs.append(ScheduledSeq([int(rng.integers(0, 1000))], 5 + 4 * round_, pages[i], rows[i],
-                                         draft_token_ids=rng.integers(0, 1000, k).tolist()))
+                seqs.append(
+                    ScheduledSeq(
+                        [int(rng.integers(0, 1000))],
+                        5 + 4 * round_,
+                        pages[i],
+                        rows[i],
+                        draft_token_ids=rng.integers(0, 1000, k).tolist(),
+                    )
+                )
             out = runner.execute(runner.build_batch(seqs))
             assert ((out.num_accepted[:n] >= 0) & (out.num_accepted[:n] <= 3)).all()
         # Plain steps stay warm too.

@@ -15,14 +15,17 @@ import sys
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from tiny_models import tiny_model  # tests/tpu_platform/tiny_models.py
+
 from tpuserve.tpu_platform.collectives import Collective, collectives, ring_bytes_sent
 from tpuserve.tpu_platform.config import ConfigError, EngineConfig
 from tpuserve.tpu_platform.mesh import plan_devices
 from tpuserve.tpu_platform.models.decoder import compute_logits, forward
-from tpuserve.tpu_platform.models.sharding import (group_gate_up_by_device, kv_head_replicas,
-                                                    replicate_kv_heads)
+from tpuserve.tpu_platform.models.sharding import (
+    group_gate_up_by_device,
+    kv_head_replicas,
+    replicate_kv_heads,
+)
 from tpuserve.tpu_platform.models.weights import unstack_layers
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -31,8 +34,14 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 def _child(*args: str, devices: int = 8, timeout: float = 600) -> str:
     flags = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices}"
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags.strip())
-    res = subprocess.run([sys.executable, os.path.join(HERE, "tp_child.py"), *args], env=env,
-                         capture_output=True, text=True, timeout=timeout, cwd=HERE)
+    res = subprocess.run(
+        [sys.executable, os.path.join(HERE, "tp_child.py"), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=HERE,
+    )
     assert res.returncode == 0, f"tp_child {args} failed:\n{res.stdout}\n{res.stderr[-6000:]}"
     return res.stdout
 
@@ -56,8 +65,9 @@ def test_tp_engine_greedy_output_equals_single_device(tmp_path):
     from conftest import build_random_checkpoint
 
     # Llama-3's tokenizer: V = 128256 splits over 2 and 4; 8 query heads over 2 KV heads.
-    path = build_random_checkpoint("llama", str(tmp_path / "llama"), num_attention_heads=8,
-                                   num_key_value_heads=2)
+    path = build_random_checkpoint(
+        "llama", str(tmp_path / "llama"), num_attention_heads=8, num_key_value_heads=2
+    )
     out = _child("engine", path)
     assert "OK engine greedy TP=2 == TP=1" in out and "OK engine greedy TP=4 == TP=1" in out, out
 
@@ -75,8 +85,16 @@ def test_replicated_kv_heads_and_grouped_gate_up_compute_the_same_model():
     assert grouped["layers"][0]["gate_up"].shape == (64, 4, 2, 24)
     outs = []
     for a, p in ((arch, params), (rep_arch, rep_params), (arch, grouped)):
-        out = forward(p, empty_kv_cache(a), batch["token_ids"], batch["positions"], batch["md"], arch=a,
-                      attn_impl="blocked", inv_freq=jnp.asarray(a.inv_freq()))
+        out = forward(
+            p,
+            empty_kv_cache(a),
+            batch["token_ids"],
+            batch["positions"],
+            batch["md"],
+            arch=a,
+            attn_impl="blocked",
+            inv_freq=jnp.asarray(a.inv_freq()),
+        )
         outs.append(np.asarray(compute_logits(p, out.hidden[batch["logits_indices"]], arch=a)))
     np.testing.assert_allclose(outs[1], outs[0], rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(outs[2], outs[0], rtol=1e-5, atol=1e-5)
@@ -110,8 +128,11 @@ def test_collectives_parser_and_ring_bytes():
   %not = f32[8,64]{1,0} add(%a, %b)
 """
     ops = collectives(hlo)
-    assert ops == [Collective("all-reduce", (("f32", (8, 64)),)), Collective("all-gather", (("bf16", (4, 128)),)),
-                   Collective("all-reduce", (("f32", (2,)),))]
+    assert ops == [
+        Collective("all-reduce", (("f32", (8, 64)),)),
+        Collective("all-gather", (("bf16", (4, 128)),)),
+        Collective("all-reduce", (("f32", (2,)),)),
+    ]
     assert ops[0].shape == (8, 64) and ops[0].nbytes == 8 * 64 * 4 and ops[1].nbytes == 4 * 128 * 2
     assert ring_bytes_sent(ops[0], 4) == 2 * 3 / 4 * ops[0].nbytes
     assert ring_bytes_sent(ops[1], 4) == 3 / 4 * ops[1].nbytes and ring_bytes_sent(ops[0], 1) == 0

@@ -14,8 +14,8 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
-
 from tiny_models import tiny_model
+
 from tpuserve.tpu_platform.collectives import collectives
 from tpuserve.tpu_platform.config import EngineConfig
 from tpuserve.tpu_platform.device import discover
@@ -28,8 +28,7 @@ LAYERS, HEADS, VOCAB = 2, 8, 128
 
 
 def make_runner(kv_heads: int, tp: int, quantization: str | None = None, **config) -> ModelRunner:
-    arch, _, params = tiny_model("qwen3", layers=LAYERS, heads=HEADS, kv_heads=kv_heads, ffn=128,
-                                 vocab=VOCAB)
+    arch, _, params = tiny_model("qwen3", layers=LAYERS, heads=HEADS, kv_heads=kv_heads, ffn=128, vocab=VOCAB)
     mesh = None
     if tp > 1:
         params, arch = replicate_kv_heads(params, arch, tp)
@@ -37,14 +36,20 @@ def make_runner(kv_heads: int, tp: int, quantization: str | None = None, **confi
     if quantization is not None:  # after replication and grouping, as Worker.load does
         from tpuserve.quant.dispatch import register_quant_linears
         from tpuserve.quant.params import quantize_params
+
         register_quant_linears()
         if tp > 1:
             params = group_gate_up_by_device(params, tp)
         params, _ = quantize_params(params, quantization, register=False)
-    cfg = EngineConfig.from_kwargs(model="tiny", tensor_parallel_size=tp, max_num_batched_tokens=32,
-                                   max_num_seqs=4, block_size=16, **config)
-    return ModelRunner(cfg, arch, params, discover(), jnp.float32, num_pages=16, max_model_len=64,
-                       mesh=mesh)
+    cfg = EngineConfig.from_kwargs(
+        model="tiny",
+        tensor_parallel_size=tp,
+        max_num_batched_tokens=32,
+        max_num_seqs=4,
+        block_size=16,
+        **config,
+    )
+    return ModelRunner(cfg, arch, params, discover(), jnp.float32, num_pages=16, max_model_len=64, mesh=mesh)
 
 
 PROMPTS = [list(np.random.RandomState(0).randint(0, VOCAB, n)) for n in (7, 12, 3)]
@@ -56,8 +61,12 @@ def two_steps(r: ModelRunner):
     prefill = r.build_batch([ScheduledSeq(p, 0, pg, SamplingRow()) for p, pg in zip(PROMPTS, pages)])
     logits = r.compute_logits(prefill)
     first = logits.argmax(-1)
-    decode = r.build_batch([ScheduledSeq([int(t)], len(p), pg, SamplingRow(temperature=0.8, seed=3))
-                            for t, p, pg in zip(first, PROMPTS, pages)])
+    decode = r.build_batch(
+        [
+            ScheduledSeq([int(t)], len(p), pg, SamplingRow(temperature=0.8, seed=3))
+            for t, p, pg in zip(first, PROMPTS, pages)
+        ]
+    )
     decode_logits = r.compute_logits(decode)
     return logits, decode_logits
 
@@ -70,12 +79,17 @@ def check_runner() -> None:
             r = make_runner(kv_heads, tp)
             got = two_steps(r)
             for name, a, b in (("prefill", got[0], ref[0]), ("decode", got[1], ref[1])):
-                np.testing.assert_allclose(a, b, rtol=1e-5, atol=2e-5, err_msg=f"Hkv={kv_heads} TP={tp} {name}")
+                np.testing.assert_allclose(
+                    a, b, rtol=1e-5, atol=2e-5, err_msg=f"Hkv={kv_heads} TP={tp} {name}"
+                )
                 assert (a.argmax(-1) == b.argmax(-1)).all(), (kv_heads, tp, name)
             shard = r.kv_cache.addressable_shards[0].data.shape
             assert shard[3] == 2 * max(kv_heads, tp) // tp, (kv_heads, tp, shard)  # heads per device
-            print(f"OK logits Hkv={kv_heads} TP={tp} max|diff|="
-                  f"{max(np.abs(got[0] - ref[0]).max(), np.abs(got[1] - ref[1]).max()):.2e}", flush=True)
+            print(
+                f"OK logits Hkv={kv_heads} TP={tp} max|diff|="
+                f"{max(np.abs(got[0] - ref[0]).max(), np.abs(got[1] - ref[1]).max()):.2e}",
+                flush=True,
+            )
 
     # Scanned layers (the accelerator default): the sharded [L, ...] stacks under lax.scan.
     ref = two_steps(make_runner(2, 1))
@@ -89,18 +103,30 @@ def check_runner() -> None:
     assert r.warmup() > 0
     before = r.compile_count
     pages = [[1 + 2 * i, 2 + 2 * i] for i in range(len(PROMPTS))]
-    rows = [SamplingRow(), SamplingRow(temperature=1.0, seed=1, num_logprobs=2),
-            SamplingRow(top_k=5, temperature=0.7, seed=2)]
+    rows = [
+        SamplingRow(),
+        SamplingRow(temperature=1.0, seed=1, num_logprobs=2),
+        SamplingRow(top_k=5, temperature=0.7, seed=2),
+    ]
     out = r.execute(r.build_batch([ScheduledSeq(p, 0, pg, row) for p, pg, row in zip(PROMPTS, pages, rows)]))
-    step = r.forward(r.build_batch([ScheduledSeq([int(t)], len(p), pg, row) for t, p, pg, row
-                                    in zip(out.token_ids[:, 0], PROMPTS, pages, rows)]))
+    step = r.forward(
+        r.build_batch(
+            [
+                ScheduledSeq([int(t)], len(p), pg, row)
+                for t, p, pg, row in zip(out.token_ids[:, 0], PROMPTS, pages, rows)
+            ]
+        )
+    )
     r.fetch(r.sample(step))
     assert r.compile_count == before, f"compiled {r.compile_count - before} programs after warm-up"
     print("OK no compile after warm-up (TP=4)", flush=True)
 
     t, h, rows = check_collectives(r)
-    print(f"OK collectives: {2 * LAYERS + 1} all-reduces of [{t}, {h}] for {LAYERS} layers, "
-          f"one all-gather of [{rows}, {VOCAB}] logits", flush=True)
+    print(
+        f"OK collectives: {2 * LAYERS + 1} all-reduces of [{t}, {h}] for {LAYERS} layers, "
+        f"one all-gather of [{rows}, {VOCAB}] logits",
+        flush=True,
+    )
 
     # Quantized weights shard like dense ones (scales alike) and compute what TP=1 computes.
     for method in ("fp8", "nvfp4"):
@@ -147,9 +173,15 @@ def check_engine(checkpoint: str) -> None:
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "1, 2, 3, 4,"]
     results = {}
     for tp in (1, 2, 4):
-        engine = LLMEngine(EngineConfig.from_kwargs(model=checkpoint, tensor_parallel_size=tp,
-                                                    max_model_len=128, max_num_batched_tokens=64,
-                                                    max_num_seqs=4))
+        engine = LLMEngine(
+            EngineConfig.from_kwargs(
+                model=checkpoint,
+                tensor_parallel_size=tp,
+                max_model_len=128,
+                max_num_batched_tokens=64,
+                max_num_seqs=4,
+            )
+        )
         for i, p in enumerate(prompts):
             engine.add_request(str(i), p, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
         done = {}

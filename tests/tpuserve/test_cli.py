@@ -11,15 +11,33 @@ pytestmark = pytest.mark.timeout(300)
 
 def test_generate_jsonl_roundtrip(random_checkpoints, tmp_path, capsys):
     inp = tmp_path / "in.jsonl"
-    inp.write_text("\n".join([
-        json.dumps({"prompt": "Hello"}),
-        json.dumps({"messages": [{"role": "user", "content": "hi"}]}),
-        json.dumps({"prompt": "x", "sampling_params": {"top_p": 7}}),
-        json.dumps({"prompt_token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 2}}),
-    ]) + "\n")
+    inp.write_text(
+        "\n".join(
+            [
+                json.dumps({"prompt": "Hello"}),
+                json.dumps({"messages": [{"role": "user", "content": "hi"}]}),
+                json.dumps({"prompt": "x", "sampling_params": {"top_p": 7}}),
+                json.dumps({"prompt_token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 2}}),
+            ]
+        )
+        + "\n"
+    )
     out = tmp_path / "out.jsonl"
-    rc = main(["generate", random_checkpoints["qwen2"], "--input", str(inp), "--output", str(out),
-               "--max-tokens", "4", "--max-model-len", "128", "--quiet"])
+    rc = main(
+        [
+            "generate",
+            random_checkpoints["qwen2"],
+            "--input",
+            str(inp),
+            "--output",
+            str(out),
+            "--max-tokens",
+            "4",
+            "--max-model-len",
+            "128",
+            "--quiet",
+        ]
+    )
     assert rc == 0
     recs = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["index"] for r in recs] == [0, 1, 2, 3]

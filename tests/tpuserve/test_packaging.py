@@ -20,12 +20,25 @@ def wheel(tmp_path_factory) -> zipfile.ZipFile:
     for name in ("setup.py", "pyproject.toml", "README.md"):
         shutil.copy(REPO / name, src / name)
     for folder in FOLDERS:
-        shutil.copytree(REPO / folder, src / folder,
-                        ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        shutil.copytree(REPO / folder, src / folder, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     out = tmp_path_factory.mktemp("wheel")
     # No build isolation: the venv's setuptools builds it offline (CI needs no extra download).
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
-                    "-w", str(out), str(src)], check=True, timeout=300)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(out),
+            str(src),
+        ],
+        check=True,
+        timeout=300,
+    )
     (path,) = out.glob("tpuserve-*.whl")
     return zipfile.ZipFile(path)
 

@@ -19,7 +19,8 @@ pytestmark = pytest.mark.timeout(300)
 
 def vllm_draft(tokens: np.ndarray, min_n: int, max_n: int, k: int, max_model_len: int) -> list[int]:
     out = ngram_proposer._find_longest_matched_ngram_and_propose_tokens(
-        origin_tokens=tokens, min_ngram=min_n, max_ngram=max_n, max_model_len=max_model_len, k=k)
+        origin_tokens=tokens, min_ngram=min_n, max_ngram=max_n, max_model_len=max_model_len, k=k
+    )
     return [int(t) for t in out]
 
 
@@ -64,8 +65,10 @@ def test_proposer_defaults_and_batch_match_vllm():
     proposer = NgramProposer.create(num_speculative_tokens=4, max_model_len=4096)
     assert (proposer.prompt_lookup_min, proposer.prompt_lookup_max) == (5, 5)
     motif = rng.integers(0, 1000, 12)
-    contexts = [np.concatenate([rng.integers(0, 1000, 30), motif, rng.integers(0, 1000, 9), motif[:6]])
-                for _ in range(8)] + [rng.integers(0, 3, 60) for _ in range(8)]
+    contexts = [
+        np.concatenate([rng.integers(0, 1000, 30), motif, rng.integers(0, 1000, 9), motif[:6]])
+        for _ in range(8)
+    ] + [rng.integers(0, 3, 60) for _ in range(8)]
     contexts = [c.astype(np.int32) for c in contexts]
     got = [d.tolist() for d in proposer.propose_batch(contexts)]
     want = [vllm_draft(c, 5, 5, 4, 4096) for c in contexts]

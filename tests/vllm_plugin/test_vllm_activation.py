@@ -34,8 +34,9 @@ def test_bad_env_value_is_an_error():
         decide(environ={ENV_VAR: "maybe"}, argv=[], tpu=False)
 
 
-@pytest.mark.parametrize("argv", [["vllm", "serve", "m", "--device", "tpu"],
-                                  ["vllm", "serve", "--device=TPU", "m"]])
+@pytest.mark.parametrize(
+    "argv", [["vllm", "serve", "m", "--device", "tpu"], ["vllm", "serve", "--device=TPU", "m"]]
+)
 def test_device_flag_opts_in(argv):
     d = decide(environ={}, argv=argv, tpu=False)
     assert d.active and "--device" in d.reason
@@ -56,6 +57,7 @@ def test_register_pins_the_choice_for_child_processes(monkeypatch):
     monkeypatch.setattr("sys.argv", ["vllm", "serve", "m", "--device", "tpu"])
     assert register() == PLATFORM_QUALNAME
     import os
+
     assert os.environ[ENV_VAR] == "1"
 
 

@@ -13,20 +13,20 @@ import pytest
 
 pytest.importorskip("vllm")  # runs in the vLLM venv; test_vllm_venv_suite.py runs it from the main one
 
-import torch  # noqa: E402
-import transformers  # noqa: E402
-
-from vllm_helpers import PROMPTS, SCAN, hf_greedy, run_driver  # noqa: E402
+import torch
+import transformers
+from vllm_helpers import PROMPTS, SCAN, hf_greedy, run_driver
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
-PREFIX = ("Background notes. The museum opens at nine in the morning and closes at six in the "
-          "evening. Tickets cost twelve euros for adults and six for children. The east wing holds "
-          "paintings from the seventeenth century, the west wing holds sculpture, and the basement "
-          "holds a collection of old maps, clocks and scientific instruments. Guided tours leave "
-          "every hour from the main hall. ")
-QUESTIONS = ["Question: When does the museum open?\nAnswer:",
-             "Question: What is in the basement?\nAnswer:"]
+PREFIX = (
+    "Background notes. The museum opens at nine in the morning and closes at six in the "
+    "evening. Tickets cost twelve euros for adults and six for children. The east wing holds "
+    "paintings from the seventeenth century, the west wing holds sculpture, and the basement "
+    "holds a collection of old maps, clocks and scientific instruments. Guided tours leave "
+    "every hour from the main hall. "
+)
+QUESTIONS = ["Question: When does the museum open?\nAnswer:", "Question: What is in the basement?\nAnswer:"]
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 SEEDED = dict(temperature=1.0, top_p=0.9, top_k=50, seed=1234, max_tokens=12, ignore_eos=True)
 
@@ -63,25 +63,41 @@ def smol(default_hf_dir, tmp_path_factory):
         # A 12-page pool (page 0 is vLLM's null block) for 4 sequences needing 15 pages at full
         # length forces preemption; a 32-token step budget chunks every longer prompt (the third
         # one, the shared-prefix ones).
-        "engine": dict(model=default_hf_dir, dtype="float32", max_model_len=160, max_num_seqs=4,
-                       max_num_batched_tokens=32, num_gpu_blocks_override=13, seed=0,
-                       enable_prefix_caching=True, disable_log_stats=False,
-                       additional_config={"warmup": True, **SCAN}),  # warm-up is off by default on CPU
+        "engine": dict(
+            model=default_hf_dir,
+            dtype="float32",
+            max_model_len=160,
+            max_num_seqs=4,
+            max_num_batched_tokens=32,
+            num_gpu_blocks_override=13,
+            seed=0,
+            enable_prefix_caching=True,
+            disable_log_stats=False,
+            additional_config={"warmup": True, **SCAN},
+        ),  # warm-up is off by default on CPU
         "jobs": [
             {"kind": "generate", "prompts": PROMPTS, "params": dict(greedy, logprobs=2)},
-            {"kind": "generate", "prompts": [PROMPTS[2]],
-             "params": dict(temperature=0.0, max_tokens=1, prompt_logprobs=2)},
+            {
+                "kind": "generate",
+                "prompts": [PROMPTS[2]],
+                "params": dict(temperature=0.0, max_tokens=1, prompt_logprobs=2),
+            },
             {"kind": "metrics"},
             {"kind": "generate", "prompts": [PREFIX + QUESTIONS[0]], "params": dict(greedy, max_tokens=16)},
             {"kind": "generate", "prompts": [PREFIX + QUESTIONS[1]], "params": dict(greedy, max_tokens=16)},
             {"kind": "metrics"},
             {"kind": "chat", "messages": CHAT, "params": dict(temperature=0.0, max_tokens=16)},
-            {"kind": "generate", "prompts": ["Is the sky blue? Answer:"],
-             "params": dict(temperature=0.0, max_tokens=8,
-                            structured_outputs={"choice": ["maybe", "never"]})},
+            {
+                "kind": "generate",
+                "prompts": ["Is the sky blue? Answer:"],
+                "params": dict(
+                    temperature=0.0, max_tokens=8, structured_outputs={"choice": ["maybe", "never"]}
+                ),
+            },
             {"kind": "generate", "prompts": PROMPTS[:2], "params": SEEDED},
             {"kind": "generate", "prompts": PROMPTS[:2][::-1], "params": SEEDED},
-        ]}
+        ],
+    }
     return run_driver(spec, str(tmp_path_factory.mktemp("vllm-smol")))
 
 
@@ -94,8 +110,16 @@ def smol_hf(default_hf_dir):
 def smol_ours(smol, default_hf_dir):
     """Our standalone engine on the vLLM run's prompt ids (greedy) and its chat prompt."""
     prompt_ids = [r["prompt_token_ids"] for r in smol["jobs"][0]["out"]]
-    return ours(default_hf_dir, [{"prompt_token_ids": p} for p in prompt_ids], 32, chat=CHAT,
-                max_model_len=160, max_num_batched_tokens=32, max_num_seqs=4, layer_loop="scan")
+    return ours(
+        default_hf_dir,
+        [{"prompt_token_ids": p} for p in prompt_ids],
+        32,
+        chat=CHAT,
+        max_model_len=160,
+        max_num_batched_tokens=32,
+        max_num_seqs=4,
+        layer_loop="scan",
+    )
 
 
 def test_plugin_was_the_platform(smol):
@@ -179,20 +203,42 @@ def test_seeded_sampling_reproduces_whatever_the_batch(smol):
 @pytest.fixture(scope="module")
 def qwen3(qwen3_dir, tmp_path_factory):
     spec = {
-        "engine": dict(model=qwen3_dir, dtype="float32", max_model_len=128, max_num_seqs=4,
-                       max_num_batched_tokens=16, num_gpu_blocks_override=12, block_size=16, seed=0,
-                       disable_log_stats=False),
-        "jobs": [{"kind": "generate", "prompts": PROMPTS,
-                  "params": dict(temperature=0.0, max_tokens=64, ignore_eos=True)},
-                 {"kind": "metrics"}]}
+        "engine": dict(
+            model=qwen3_dir,
+            dtype="float32",
+            max_model_len=128,
+            max_num_seqs=4,
+            max_num_batched_tokens=16,
+            num_gpu_blocks_override=12,
+            block_size=16,
+            seed=0,
+            disable_log_stats=False,
+        ),
+        "jobs": [
+            {
+                "kind": "generate",
+                "prompts": PROMPTS,
+                "params": dict(temperature=0.0, max_tokens=64, ignore_eos=True),
+            },
+            {"kind": "metrics"},
+        ],
+    }
     return run_driver(spec, str(tmp_path_factory.mktemp("vllm-qwen3-run")))
 
 
 def test_random_qwen3_greedy_equals_ours_and_transformers(qwen3, qwen3_dir):
     recs = qwen3["jobs"][0]["out"]
     prompt_ids = [r["prompt_token_ids"] for r in recs]
-    mine, _ = ours(qwen3_dir, [{"prompt_token_ids": p} for p in prompt_ids], 64, max_model_len=128,
-                   max_num_batched_tokens=16, max_num_seqs=4, num_gpu_blocks=12, block_size=16)
+    mine, _ = ours(
+        qwen3_dir,
+        [{"prompt_token_ids": p} for p in prompt_ids],
+        64,
+        max_model_len=128,
+        max_num_batched_tokens=16,
+        max_num_seqs=4,
+        num_gpu_blocks=12,
+        block_size=16,
+    )
     hf = hf_model(qwen3_dir)
     for r, p, m in zip(recs, prompt_ids, mine):
         assert r["token_ids"] == m

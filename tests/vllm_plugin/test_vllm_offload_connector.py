@@ -16,7 +16,7 @@ import pytest
 
 pytest.importorskip("vllm")  # runs in the vLLM venv; test_vllm_venv_suite.py runs it from the main one
 
-from vllm_helpers import child_env  # noqa: E402
+from vllm_helpers import child_env
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -30,11 +30,19 @@ def _connector(role_name: str, num_slots: int):
     from tpuserve.tpu_platform.vllm_plugin.offload_connector import TpuserveHostOffloadConnector
 
     layer_bytes = BS * C * D * 4  # f32
-    cfg = SimpleNamespace(kv_transfer_config=SimpleNamespace(
-        kv_connector_extra_config={"cpu_bytes_to_use": num_slots * L * layer_bytes}))
-    kv_cfg = SimpleNamespace(kv_cache_groups=[SimpleNamespace(
-        kv_cache_spec=SimpleNamespace(page_size_bytes=layer_bytes, block_size=BS),
-        layer_names=[f"l{i}" for i in range(L)])])
+    cfg = SimpleNamespace(
+        kv_transfer_config=SimpleNamespace(
+            kv_connector_extra_config={"cpu_bytes_to_use": num_slots * L * layer_bytes}
+        )
+    )
+    kv_cfg = SimpleNamespace(
+        kv_cache_groups=[
+            SimpleNamespace(
+                kv_cache_spec=SimpleNamespace(page_size_bytes=layer_bytes, block_size=BS),
+                layer_names=[f"l{i}" for i in range(L)],
+            )
+        ]
+    )
     return TpuserveHostOffloadConnector(cfg, getattr(KVConnectorRole, role_name), kv_cfg)
 
 
@@ -55,10 +63,14 @@ def _step(new=(), cached=(), blocks=None):
     blocks = blocks or {}
     return SimpleNamespace(
         scheduled_new_reqs=[SimpleNamespace(req_id=r, num_computed_tokens=c) for r, c, _ in new],
-        scheduled_cached_reqs=SimpleNamespace(req_ids=[r for r, _, _ in cached], resumed_req_ids=set(),
-                                              num_computed_tokens=[c for _, c, _ in cached]),
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=[r for r, _, _ in cached],
+            resumed_req_ids=set(),
+            num_computed_tokens=[c for _, c, _ in cached],
+        ),
         num_scheduled_tokens={r: n for r, _, n in (*new, *cached)},
-        kv_connector_block_state=SimpleNamespace(get_block_ids=lambda rid: (blocks[rid],)))
+        kv_connector_block_state=SimpleNamespace(get_block_ids=lambda rid: (blocks[rid],)),
+    )
 
 
 class _Runner:
@@ -162,8 +174,9 @@ def test_full_host_evicts_lru_but_never_a_block_loading_this_step(pair):
     c = _request("C", [_h("c0"), _h("c1"), _h("c2")], num_tokens=12)
     assert sched.get_num_new_matched_tokens(c, 0)[0] == 0
     sched.update_state_after_alloc(c, _Blocks([11, 12, 13]), 0)
-    meta = sched.build_connector_meta(_step(new=[("B", 4, 2), ("C", 0, 12)],
-                                            blocks={"B": [9, 10], "C": [11, 12, 13]}))
+    meta = sched.build_connector_meta(
+        _step(new=[("B", 4, 2), ("C", 0, 12)], blocks={"B": [9, 10], "C": [11, 12, 13]})
+    )
     assert meta.load_blocks == [9]
     # a0 is pinned (and just touched): a1 and a2 go, and only two of C's blocks fit (c2 wins c0's slot).
     assert sorted(meta.store_blocks) == [12, 13] and len(meta.store_slots) == 2
@@ -199,12 +212,15 @@ for bad in (dict(kv_transfer_config=KVTransferConfig(kv_connector="NixlConnector
     except Exception as e:
         print("REFUSED", str(e).replace(chr(10), " ")[:400])
 """
-    proc = subprocess.run([sys.executable, "-c", code], env=child_env(plugin=True), capture_output=True,
-                          text=True, timeout=240)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=child_env(plugin=True), capture_output=True, text=True, timeout=240
+    )
     out = proc.stdout
     assert proc.returncode == 0, out + proc.stderr
-    assert ("OURS TpuserveHostOffloadConnector tpuserve.tpu_platform.vllm_plugin.offload_connector "
-            f"kv_both {1 << 29} None") in out, out
+    assert (
+        "OURS TpuserveHostOffloadConnector tpuserve.tpu_platform.vllm_plugin.offload_connector "
+        f"kv_both {1 << 29} None"
+    ) in out, out
     assert "NATIVE TpuserveHostOffloadConnector" in out, out
     refused = [line for line in out.splitlines() if line.startswith("REFUSED")]
     assert "ACCEPTED" not in out and len(refused) == 3, out

@@ -29,9 +29,11 @@ def _connector(role: str, kv_role: str, secret: str, monkeypatch):
 
     monkeypatch.setenv("TPUSERVE_KV_SECRET", secret)  # read when the worker side registers
     cfg = SimpleNamespace(
-        kv_transfer_config=SimpleNamespace(kv_role=kv_role, kv_port=0,
-                                           kv_connector_extra_config={"pull_timeout_s": 3}),
-        model_config=SimpleNamespace(model="tiny"))
+        kv_transfer_config=SimpleNamespace(
+            kv_role=kv_role, kv_port=0, kv_connector_extra_config={"pull_timeout_s": 3}
+        ),
+        model_config=SimpleNamespace(model="tiny"),
+    )
     kv_cfg = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=SimpleNamespace(block_size=BS))])
     return TpuservePDConnector(cfg, getattr(KVConnectorRole, role), kv_cfg)
 
@@ -40,7 +42,9 @@ class _Runner:
     def __init__(self, seed):
         import jax.numpy as jnp
 
-        self.kv_cache = jnp.asarray(np.random.default_rng(seed).standard_normal((L, P, BS, C, D)).astype(np.float32))
+        self.kv_cache = jnp.asarray(
+            np.random.default_rng(seed).standard_normal((L, P, BS, C, D)).astype(np.float32)
+        )
 
 
 class _Blocks:
@@ -53,8 +57,14 @@ class _Blocks:
 
 def _request(rid, params, num_prompt, num_computed=0, finished=False):
     status = SimpleNamespace(name="FINISHED_LENGTH_CAPPED" if finished else "WAITING")
-    return SimpleNamespace(request_id=rid, kv_transfer_params=params, num_prompt_tokens=num_prompt,
-                           num_computed_tokens=num_computed, status=status, is_finished=lambda: finished)
+    return SimpleNamespace(
+        request_id=rid,
+        kv_transfer_params=params,
+        num_prompt_tokens=num_prompt,
+        num_computed_tokens=num_computed,
+        status=status,
+        is_finished=lambda: finished,
+    )
 
 
 def _side(kv_role, seed, secret, monkeypatch):
@@ -68,7 +78,8 @@ def _side(kv_role, seed, secret, monkeypatch):
 
 def _finish_prefill(sched, rid, blocks, num_tokens):
     delay, params = sched.request_finished(
-        _request(rid, {"do_remote_decode": True}, num_tokens, num_tokens, finished=True), blocks)
+        _request(rid, {"do_remote_decode": True}, num_tokens, num_tokens, finished=True), blocks
+    )
     assert delay is True  # vLLM keeps the blocks until the worker reports the send
     return params
 
@@ -169,7 +180,10 @@ def test_requests_without_params_pass_through(monkeypatch):
     try:
         req = _request("plain", None, 10)
         assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
-        assert sched.request_finished(_request("plain", None, 10, 10, finished=True), [1, 2, 3]) == (False, None)
+        assert sched.request_finished(_request("plain", None, 10, 10, finished=True), [1, 2, 3]) == (
+            False,
+            None,
+        )
         # An aborted prefill offers nothing.
         aborted = _request("ab", {"do_remote_decode": True}, 10, 10, finished=True)
         aborted.status = SimpleNamespace(name="FINISHED_ABORTED")

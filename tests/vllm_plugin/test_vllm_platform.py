@@ -15,7 +15,7 @@ import pytest
 
 pytest.importorskip("vllm")  # runs in the vLLM venv; test_vllm_venv_suite.py runs it from the main one
 
-from vllm_helpers import child_env  # noqa: E402
+from vllm_helpers import child_env
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -25,8 +25,13 @@ WHICH = "from vllm.platforms import current_platform; print('PLATFORM', type(cur
 
 def python(code: str, plugin: bool, argv: list[str] | None = None, timeout: float = 120) -> str:
     prefix = f"import sys; sys.argv = {argv!r}\n" if argv else ""
-    proc = subprocess.run([sys.executable, "-c", prefix + code], env=child_env(plugin),
-                          capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, "-c", prefix + code],
+        env=child_env(plugin),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stdout
 
@@ -46,14 +51,24 @@ def test_opt_in_by_environment():
 
 def test_device_tpu_on_the_command_line_opts_in_and_adds_the_flag():
     # No environment opt-in: `--device tpu` alone selects the platform, which adds the flag.
-    helped = subprocess.run([VLLM_CLI, "serve", "--device", "tpu", "--help=device"],
-                            env=child_env(plugin=False), capture_output=True, text=True, timeout=120)
+    helped = subprocess.run(
+        [VLLM_CLI, "serve", "--device", "tpu", "--help=device"],
+        env=child_env(plugin=False),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert "--device {tpu}" in helped.stdout, helped.stdout + helped.stderr
 
 
 def test_device_flag_value_is_validated():
-    bad = subprocess.run([VLLM_CLI, "serve", "/nonexistent", "--device", "cuda"], env=child_env(plugin=True),
-                         capture_output=True, text=True, timeout=120)
+    bad = subprocess.run(
+        [VLLM_CLI, "serve", "/nonexistent", "--device", "cuda"],
+        env=child_env(plugin=True),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert bad.returncode != 0 and "invalid choice: 'cuda'" in bad.stderr, bad.stderr
 
 

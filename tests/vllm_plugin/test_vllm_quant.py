@@ -21,7 +21,7 @@ import pytest
 
 pytest.importorskip("vllm")  # runs in the vLLM venv; test_vllm_venv_suite.py runs it from the main one
 
-from vllm_helpers import PROMPTS, child_env, run_driver  # noqa: E402
+from vllm_helpers import PROMPTS, child_env, run_driver
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
@@ -37,9 +37,11 @@ def ours(path, prompt_ids, **engine):
     from tpuserve.server.sampling_params import SamplingParams
 
     llm = LLM(path, **ENGINE, **engine)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompt_ids],
-                        SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True),
-                        use_tqdm=False)
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompt_ids],
+        SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True),
+        use_tqdm=False,
+    )
     return [list(o.outputs[0].token_ids) for o in outs], llm
 
 
@@ -53,9 +55,12 @@ def fp8_page_bytes(path: str, block_size: int = 16) -> int:
 
 @pytest.fixture(scope="module")
 def fp8_weights(qwen3_dir, tmp_path_factory):
-    spec = {"engine": dict(model=qwen3_dir, dtype="float32", quantization="fp8", seed=0,
-                           num_gpu_blocks_override=24, **ENGINE),
-            "jobs": [{"kind": "generate", "prompts": PROMPTS, "params": GREEDY}]}
+    spec = {
+        "engine": dict(
+            model=qwen3_dir, dtype="float32", quantization="fp8", seed=0, num_gpu_blocks_override=24, **ENGINE
+        ),
+        "jobs": [{"kind": "generate", "prompts": PROMPTS, "params": GREEDY}],
+    }
     return run_driver(spec, str(tmp_path_factory.mktemp("vllm-quant-fp8")))
 
 
@@ -65,9 +70,17 @@ KV_PAGES = 100
 
 @pytest.fixture(scope="module")
 def fp8_kv(qwen3_dir, tmp_path_factory):
-    spec = {"engine": dict(model=qwen3_dir, dtype="float32", kv_cache_dtype="fp8", seed=0,
-                           kv_cache_memory_bytes=KV_PAGES * fp8_page_bytes(qwen3_dir), **ENGINE),
-            "jobs": [{"kind": "generate", "prompts": PROMPTS, "params": GREEDY}]}
+    spec = {
+        "engine": dict(
+            model=qwen3_dir,
+            dtype="float32",
+            kv_cache_dtype="fp8",
+            seed=0,
+            kv_cache_memory_bytes=KV_PAGES * fp8_page_bytes(qwen3_dir),
+            **ENGINE,
+        ),
+        "jobs": [{"kind": "generate", "prompts": PROMPTS, "params": GREEDY}],
+    }
     return run_driver(spec, str(tmp_path_factory.mktemp("vllm-kv-fp8")))
 
 
@@ -87,8 +100,11 @@ def test_quantization_fp8_greedy_equals_our_engine(fp8_weights, qwen3_dir):
 def test_kv_cache_dtype_fp8_greedy_equals_our_engine_and_blocks_are_fp8_sized(fp8_kv, qwen3_dir):
     log = fp8_kv["log"]
     # vLLM sized its blocks by our FP8 page: the budget holds KV_PAGES of them (not KV_PAGES / 4).
-    pages = re.search(r"KV cache: (\d+) pages of 16 tokens, float8_e4m3fn \(k_scale ([\d.e+-]+), "
-                      r"v_scale ([\d.e+-]+)\)", log)
+    pages = re.search(
+        r"KV cache: (\d+) pages of 16 tokens, float8_e4m3fn \(k_scale ([\d.e+-]+), "
+        r"v_scale ([\d.e+-]+)\)",
+        log,
+    )
     assert pages, log[-3000:]
     assert int(pages.group(1)) == KV_PAGES
     recs = fp8_kv["jobs"][0]["out"]
@@ -119,29 +135,71 @@ def _with_quant_config(src: str, dst: str, qc: dict) -> str:
     return dst
 
 
-CT_GROUP = {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "float", "strategy": "channel",
-                                                "symmetric": True, "dynamic": False}}
+CT_GROUP = {
+    "targets": ["Linear"],
+    "weights": {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True, "dynamic": False},
+}
 
 
 def test_config_time_acceptance_and_refusals_by_name(qwen3_dir, tmp_path):
-    ct_fp8 = _with_quant_config(qwen3_dir, str(tmp_path / "ct-fp8"), {
-        "quant_method": "compressed-tensors", "format": "float-quantized",
-        "config_groups": {"group_0": dict(CT_GROUP, format="float-quantized")}, "ignore": ["lm_head"]})
-    ct_int4 = _with_quant_config(qwen3_dir, str(tmp_path / "ct-int4"), {
-        "quant_method": "compressed-tensors", "format": "pack-quantized",
-        "config_groups": {"group_0": {"targets": ["Linear"], "format": "pack-quantized",
-                                      "weights": {"num_bits": 4, "type": "int", "strategy": "group",
-                                                  "group_size": 128, "symmetric": True}}},
-        "ignore": ["lm_head"]})
-    hf_fp8 = _with_quant_config(qwen3_dir, str(tmp_path / "hf-fp8"), {
-        "quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [128, 128]})
-    awq = _with_quant_config(qwen3_dir, str(tmp_path / "awq"), {
-        "quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"})
+    ct_fp8 = _with_quant_config(
+        qwen3_dir,
+        str(tmp_path / "ct-fp8"),
+        {
+            "quant_method": "compressed-tensors",
+            "format": "float-quantized",
+            "config_groups": {"group_0": dict(CT_GROUP, format="float-quantized")},
+            "ignore": ["lm_head"],
+        },
+    )
+    ct_int4 = _with_quant_config(
+        qwen3_dir,
+        str(tmp_path / "ct-int4"),
+        {
+            "quant_method": "compressed-tensors",
+            "format": "pack-quantized",
+            "config_groups": {
+                "group_0": {
+                    "targets": ["Linear"],
+                    "format": "pack-quantized",
+                    "weights": {
+                        "num_bits": 4,
+                        "type": "int",
+                        "strategy": "group",
+                        "group_size": 128,
+                        "symmetric": True,
+                    },
+                }
+            },
+            "ignore": ["lm_head"],
+        },
+    )
+    hf_fp8 = _with_quant_config(
+        qwen3_dir,
+        str(tmp_path / "hf-fp8"),
+        {
+            "quant_method": "fp8",
+            "activation_scheme": "dynamic",
+            "fmt": "e4m3",
+            "weight_block_size": [128, 128],
+        },
+    )
+    awq = _with_quant_config(
+        qwen3_dir,
+        str(tmp_path / "awq"),
+        {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"},
+    )
     pd = {"kv_transfer_config": {"kv_connector": "TpuservePDConnector", "kv_role": "kv_both"}}
     cases = [(qwen3_dir, dict(quantization=q)) for q in ("fp8", "mxfp4", "nvfp4", "awq", "gptq")]
     cases += [(qwen3_dir, dict(kv_cache_dtype=k)) for k in ("fp8", "fp8_e4m3", "fp8_e5m2")]
-    cases += [(qwen3_dir, dict(kv_cache_dtype="fp8", **pd)), (ct_fp8, {}), (hf_fp8, {}),
-              (hf_fp8, dict(quantization="fp8")), (ct_int4, {}), (awq, {})]
+    cases += [
+        (qwen3_dir, dict(kv_cache_dtype="fp8", **pd)),
+        (ct_fp8, {}),
+        (hf_fp8, {}),
+        (hf_fp8, dict(quantization="fp8")),
+        (ct_int4, {}),
+        (awq, {}),
+    ]
     code = f"""
 from vllm.engine.arg_utils import EngineArgs
 for model, kw in {cases!r}:
@@ -152,19 +210,23 @@ for model, kw in {cases!r}:
     except Exception as e:
         print("REFUSED", str(e).replace(chr(10), " ")[:600])
 """
-    proc = subprocess.run([sys.executable, "-c", code], env=child_env(plugin=True), capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=child_env(plugin=True), capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(("ACCEPTED", "REFUSED"))]
     assert len(lines) == len(cases), proc.stdout + proc.stderr[-3000:]
-    (fp8, mxfp4, nvfp4, awq_flag, gptq, kv_fp8, kv_e4m3, kv_e5m2, kv_pd, ct, hf, hf_flag, int4,
-     awq_ckpt) = lines
+    (fp8, mxfp4, nvfp4, awq_flag, gptq, kv_fp8, kv_e4m3, kv_e5m2, kv_pd, ct, hf, hf_flag, int4, awq_ckpt) = (
+        lines
+    )
     # online methods on a dense f32 checkpoint: vLLM holds our marker config, not its torch one
     assert fp8 == "ACCEPTED fp8 TpuserveQuantConfig auto"
     assert mxfp4 == "ACCEPTED mxfp4 TpuserveQuantConfig auto"
     assert nvfp4 == "ACCEPTED nvfp4 TpuserveQuantConfig auto"  # not a vLLM name: registered by us
     for line, name in ((awq_flag, "awq"), (gptq, "gptq")):
-        assert line.startswith("REFUSED") and f"quantization {name!r} is not supported on the tpuserve" in line
+        assert (
+            line.startswith("REFUSED") and f"quantization {name!r} is not supported on the tpuserve" in line
+        )
     assert kv_fp8 == "ACCEPTED None NoneType fp8" and kv_e4m3 == "ACCEPTED None NoneType fp8_e4m3"
     assert kv_e5m2.startswith("REFUSED") and "kv_cache_dtype='fp8_e5m2'" in kv_e5m2
     assert kv_pd.startswith("REFUSED") and "TpuservePDConnector" in kv_pd and "k/v scales" in kv_pd
@@ -177,12 +239,17 @@ for model, kw in {cases!r}:
 
 
 def test_vllm_serve_refuses_an_unsupported_method_by_name(qwen3_dir):
-    proc = subprocess.run([VLLM_CLI, "serve", qwen3_dir, "--device", "tpu", "--quantization", "gptq",
-                           "--max-model-len", "128"], env=child_env(plugin=False), capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run(
+        [VLLM_CLI, "serve", qwen3_dir, "--device", "tpu", "--quantization", "gptq", "--max-model-len", "128"],
+        env=child_env(plugin=False),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode != 0
-    assert "quantization 'gptq' is not supported on the tpuserve platform" in proc.stdout + proc.stderr, \
-        (proc.stdout + proc.stderr)[-3000:]
+    assert "quantization 'gptq' is not supported on the tpuserve platform" in proc.stdout + proc.stderr, (
+        proc.stdout + proc.stderr
+    )[-3000:]
 
 
 @pytest.fixture(scope="module")
@@ -198,18 +265,24 @@ def ct_checkpoint(tmp_path_factory):
     finally:
         sys.path.remove(quant_tests)
     base = tmp_path_factory.mktemp("vllm-ct")
-    src = root_conftest().build_random_checkpoint("llama", str(base / "src"), hidden_size=256,
-                                                  intermediate_size=384, num_attention_heads=4,
-                                                  num_key_value_heads=2)
+    src = root_conftest().build_random_checkpoint(
+        "llama",
+        str(base / "src"),
+        hidden_size=256,
+        intermediate_size=384,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     return cw.write_compressed_tensors(src, str(base / "ct-fp8"), "FP8_DYNAMIC")
 
 
 def test_prequantized_checkpoint_greedy_equals_our_engine(ct_checkpoint, tmp_path):
     # No flag: vLLM reads the checkpoint's quantization_config and names it "compressed-tensors";
     # our loader reads the FP8 records itself.
-    spec = {"engine": dict(model=ct_checkpoint, dtype="float32", seed=0, num_gpu_blocks_override=24,
-                           **ENGINE),
-            "jobs": [{"kind": "generate", "prompts": PROMPTS, "params": GREEDY}]}
+    spec = {
+        "engine": dict(model=ct_checkpoint, dtype="float32", seed=0, num_gpu_blocks_override=24, **ENGINE),
+        "jobs": [{"kind": "generate", "prompts": PROMPTS, "params": GREEDY}],
+    }
     run = run_driver(spec, str(tmp_path))
     assert "weights: fp8" in run["log"], run["log"][-3000:]
     recs = run["jobs"][0]["out"]

@@ -22,40 +22,77 @@ BS = 4  # block size
 
 
 def params(**kw):
-    base = dict(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=None, repetition_penalty=1.0,
-                presence_penalty=0.0, frequency_penalty=0.0, min_tokens=0, all_stop_token_ids={2},
-                logprobs=None, prompt_logprobs=None, allowed_token_ids=None, logit_bias=None,
-                bad_words=None, logprob_token_ids=None, prompt_logprob_start=None,
-                thinking_token_budget=None, watermarking=None, trace_decode_token_ids=None)
+    base = dict(
+        temperature=0.0,
+        top_k=0,
+        top_p=1.0,
+        min_p=0.0,
+        seed=None,
+        repetition_penalty=1.0,
+        presence_penalty=0.0,
+        frequency_penalty=0.0,
+        min_tokens=0,
+        all_stop_token_ids={2},
+        logprobs=None,
+        prompt_logprobs=None,
+        allowed_token_ids=None,
+        logit_bias=None,
+        bad_words=None,
+        logprob_token_ids=None,
+        prompt_logprob_start=None,
+        thinking_token_budget=None,
+        watermarking=None,
+        trace_decode_token_ids=None,
+    )
     base.update(kw)
     return SimpleNamespace(**base)
 
 
 def new_req(rid, prompt, blocks, computed=0, **sp):
-    return SimpleNamespace(req_id=rid, prompt_token_ids=list(prompt), sampling_params=params(**sp),
-                           pooling_params=None, lora_request=None, block_ids=(list(blocks),),
-                           num_computed_tokens=computed, prefill_token_ids=None)
+    return SimpleNamespace(
+        req_id=rid,
+        prompt_token_ids=list(prompt),
+        sampling_params=params(**sp),
+        pooling_params=None,
+        lora_request=None,
+        block_ids=(list(blocks),),
+        num_computed_tokens=computed,
+        prefill_token_ids=None,
+    )
 
 
 def cached(entries=(), resumed=(), all_tokens=None):
     """entries: (req_id, new_blocks or None, num_computed)."""
     return SimpleNamespace(
-        req_ids=[e[0] for e in entries], resumed_req_ids=set(resumed), new_token_ids=[],
+        req_ids=[e[0] for e in entries],
+        resumed_req_ids=set(resumed),
+        new_token_ids=[],
         all_token_ids=dict(all_tokens or {}),
         new_block_ids=[None if e[1] is None else (list(e[1]),) for e in entries],
-        num_computed_tokens=[e[2] for e in entries], num_output_tokens=[0] * len(entries))
+        num_computed_tokens=[e[2] for e in entries],
+        num_output_tokens=[0] * len(entries),
+    )
 
 
 def sched(new=(), cached_reqs=None, num=None, finished=(), preempted=None):
-    return SimpleNamespace(scheduled_new_reqs=list(new), scheduled_cached_reqs=cached_reqs or cached(),
-                           num_scheduled_tokens=dict(num or {}), scheduled_spec_decode_tokens={},
-                           finished_req_ids=set(finished), preempted_req_ids=preempted)
+    return SimpleNamespace(
+        scheduled_new_reqs=list(new),
+        scheduled_cached_reqs=cached_reqs or cached(),
+        num_scheduled_tokens=dict(num or {}),
+        scheduled_spec_decode_tokens={},
+        finished_req_ids=set(finished),
+        preempted_req_ids=preempted,
+    )
 
 
 def step_out(tokens, logprobs=None, prompt_logprobs=None):
     ids = np.asarray(tokens, np.int32)[:, None]
-    return StepOutput(token_ids=ids, num_accepted=np.zeros(len(ids), np.int32), logprobs=logprobs,
-                      prompt_logprobs=prompt_logprobs)
+    return StepOutput(
+        token_ids=ids,
+        num_accepted=np.zeros(len(ids), np.int32),
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
+    )
 
 
 def run(table, so, tokens, **kw):
@@ -108,8 +145,9 @@ def test_preempted_request_resumes_with_new_blocks_and_recomputes():
     run(t, sched(cached_reqs=cached([("a", None, 3)]), num={"a": 1}), [5])
     # Preempted (pages freed), then resumed: fresh blocks replace the old ones, and V1 sends the
     # scheduler's full token list because the request was not scheduled in the previous step.
-    so = sched(cached_reqs=cached([("a", [7, 8], 0)], resumed=["a"], all_tokens={"a": [1, 2, 3, 4, 5]}),
-               num={"a": 5})
+    so = sched(
+        cached_reqs=cached([("a", [7, 8], 0)], resumed=["a"], all_tokens={"a": [1, 2, 3, 4, 5]}), num={"a": 5}
+    )
     _, seqs, res = run(t, so, [6])
     assert seqs[0].token_ids == [1, 2, 3, 4, 5] and seqs[0].num_computed == 0
     assert seqs[0].page_ids == [7, 8]
@@ -132,11 +170,15 @@ def test_preemption_keeps_state_until_resent_as_new():
 
 def test_batch_order_and_logprob_columns():
     t = RequestTable(BS, vocab_size=100)
-    so = sched(new=[new_req("a", [1, 2], [1], logprobs=2), new_req("b", [3, 4, 5], [2])],
-               num={"a": 2, "b": 3})
-    lp = Logprobs(token_logprobs=np.array([-0.1, -0.2], np.float32), token_ranks=np.array([1, 2], np.int32),
-                  top_ids=np.array([[7, 8], [9, 10]], np.int32),
-                  top_logprobs=np.array([[-0.1, -1.0], [-0.05, -0.2]], np.float32))
+    so = sched(
+        new=[new_req("a", [1, 2], [1], logprobs=2), new_req("b", [3, 4, 5], [2])], num={"a": 2, "b": 3}
+    )
+    lp = Logprobs(
+        token_logprobs=np.array([-0.1, -0.2], np.float32),
+        token_ranks=np.array([1, 2], np.int32),
+        top_ids=np.array([[7, 8], [9, 10]], np.int32),
+        top_logprobs=np.array([[-0.1, -1.0], [-0.05, -0.2]], np.float32),
+    )
     _, seqs, res = run(t, so, [7, 10], logprobs=lp)
     assert seqs[0].sampling.num_logprobs == 2 and seqs[1].sampling.num_logprobs is None
     assert res.req_ids == ["a", "b"] and res.sampled_token_ids == [[7], [10]]
@@ -153,17 +195,23 @@ def test_prompt_logprobs_accumulate_over_chunks():
     seqs = plan.scheduled(t)
     # Rows 0..2 of the chunk want the logprobs of prompt tokens 1..3.
     assert seqs[0].prompt_logprob_targets == [12, 13, 14] and seqs[0].num_prompt_logprobs == 1
-    pl = Logprobs(token_logprobs=np.array([-1, -2, -3], np.float32),
-                  token_ranks=np.array([3, 1, 2], np.int32),
-                  top_ids=np.array([[50], [13], [60]], np.int32),
-                  top_logprobs=np.array([[-0.5], [-2], [-1]], np.float32))
+    pl = Logprobs(
+        token_logprobs=np.array([-1, -2, -3], np.float32),
+        token_ranks=np.array([3, 1, 2], np.int32),
+        top_ids=np.array([[50], [13], [60]], np.int32),
+        top_logprobs=np.array([[-0.5], [-2], [-1]], np.float32),
+    )
     res = plan.finish(t, step_out([0], prompt_logprobs=pl))
     assert res.prompt_logprobs == {} and res.sampled_token_ids == [[]]
     plan = t.plan(sched(cached_reqs=cached([("a", None, 3)]), num={"a": 2}))
     seqs = plan.scheduled(t)
     assert seqs[0].prompt_logprob_targets == [15]  # the last prompt token has no successor in the prompt
-    pl2 = Logprobs(token_logprobs=np.array([-4], np.float32), token_ranks=np.array([5], np.int32),
-                   top_ids=np.array([[70]], np.int32), top_logprobs=np.array([[-0.1]], np.float32))
+    pl2 = Logprobs(
+        token_logprobs=np.array([-4], np.float32),
+        token_ranks=np.array([5], np.int32),
+        top_ids=np.array([[70]], np.int32),
+        top_logprobs=np.array([[-0.1]], np.float32),
+    )
     res = plan.finish(t, step_out([21], prompt_logprobs=pl2))
     buf = res.prompt_logprobs["a"]
     np.testing.assert_array_equal(buf.token_ids, [[12, 50], [13, 13], [14, 60], [15, 70]])
@@ -175,8 +223,13 @@ def test_prompt_logprobs_accumulate_over_chunks():
 
 def test_min_tokens_bans_stop_ids_and_seeds():
     t = RequestTable(BS, vocab_size=100, seed=3)
-    so = sched(new=[new_req("a", [1, 2], [1], min_tokens=2, temperature=0.7, seed=1234),
-                    new_req("b", [1, 2], [2], temperature=1.0)], num={"a": 2, "b": 2})
+    so = sched(
+        new=[
+            new_req("a", [1, 2], [1], min_tokens=2, temperature=0.7, seed=1234),
+            new_req("b", [1, 2], [2], temperature=1.0),
+        ],
+        num={"a": 2, "b": 2},
+    )
     plan = t.plan(so)
     rows = [s.sampling for s in plan.scheduled(t)]
     assert rows[0].banned_ids == [2] and rows[0].seed == 1234 and rows[0].step == 0

@@ -35,9 +35,12 @@ DEVICE_BLOCKS = 56  # vLLM's block 0 is reserved: 55 usable, four of the prompts
 
 def _doc(topic: str, n: int = 8) -> str:
     """About 160 tokens (10 full blocks) whose first block already differs by topic."""
-    lines = [f"Notes on the {topic}, kept by the archive." +
-             "".join(f" Entry {i} of the {topic} file says item {i * 7} arrived on day {i + 3}."
-                     for i in range(n))]
+    lines = [
+        f"Notes on the {topic}, kept by the archive."
+        + "".join(
+            f" Entry {i} of the {topic} file says item {i * 7} arrived on day {i + 3}." for i in range(n)
+        )
+    ]
     return lines[0] + "\nQuestion: which item arrived on day 5?\nAnswer:"
 
 
@@ -55,25 +58,53 @@ def _free_port() -> int:
 def server(default_hf_dir, tmp_path_factory):
     port = _free_port()
     log_path = tmp_path_factory.mktemp("vllm-offload") / "server.log"
-    cmd = [VLLM_CLI, "serve", default_hf_dir, "--device", "tpu", "--host", "127.0.0.1",
-           "--port", str(port), "--dtype", "float32", "--max-model-len", "512", "--max-num-seqs", "4",
-           "--max-num-batched-tokens", "128", "--num-gpu-blocks-override", str(DEVICE_BLOCKS),
-           "--kv-offloading-size", "1", "--enable-prompt-tokens-details", "--served-model-name", "m", *SCAN_ARGS]
+    cmd = [
+        VLLM_CLI,
+        "serve",
+        default_hf_dir,
+        "--device",
+        "tpu",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "512",
+        "--max-num-seqs",
+        "4",
+        "--max-num-batched-tokens",
+        "128",
+        "--num-gpu-blocks-override",
+        str(DEVICE_BLOCKS),
+        "--kv-offloading-size",
+        "1",
+        "--enable-prompt-tokens-details",
+        "--served-model-name",
+        "m",
+        *SCAN_ARGS,
+    ]
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, env=child_env(plugin=False), stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, env=child_env(plugin=False), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=300)
     deadline = time.monotonic() + 600
     try:
         while True:
             if proc.poll() is not None:
-                raise AssertionError(f"vllm serve exited (rc={proc.returncode}):\n{log_path.read_text()[-6000:]}")
+                raise AssertionError(
+                    f"vllm serve exited (rc={proc.returncode}):\n{log_path.read_text()[-6000:]}"
+                )
             try:
                 client.models.list()
                 break
             except openai.APIConnectionError:
                 if time.monotonic() > deadline:
-                    raise AssertionError(f"vllm serve did not come up:\n{log_path.read_text()[-6000:]}")
+                    raise AssertionError(
+                        f"vllm serve did not come up:\n{log_path.read_text()[-6000:]}"
+                    ) from None
                 time.sleep(2)
         yield client, port, log_path
     finally:
@@ -128,10 +159,12 @@ def test_evicted_prefixes_come_back_from_host_with_identical_greedy_output(serve
         assert text == cold[p][0], (p[:40], text, cold[p][0])
         # Every full block before the one holding the last prompt token: from device or host.
         assert cached == (n_prompt - 1) // BLOCK * BLOCK, (p[:40], cached, n_prompt)
-    host_tokens = after["vllm:prompt_tokens_cached_by_source_total:host"] - \
-        before.get("vllm:prompt_tokens_cached_by_source_total:host", 0.0)
-    loaded = after["vllm:tpuserve_host_tier_loaded_blocks_total"] - \
-        before.get("vllm:tpuserve_host_tier_loaded_blocks_total", 0.0)
+    host_tokens = after["vllm:prompt_tokens_cached_by_source_total:host"] - before.get(
+        "vllm:prompt_tokens_cached_by_source_total:host", 0.0
+    )
+    loaded = after["vllm:tpuserve_host_tier_loaded_blocks_total"] - before.get(
+        "vllm:tpuserve_host_tier_loaded_blocks_total", 0.0
+    )
     assert host_tokens > 0 and loaded > 0, (host_tokens, loaded)
     assert loaded * BLOCK == host_tokens  # what the scheduler counted is what the worker moved
     assert after["vllm:tpuserve_host_tier_stored_blocks_total"] >= len(PROMPTS + FLOOD) * 10

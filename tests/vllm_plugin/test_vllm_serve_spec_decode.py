@@ -18,14 +18,23 @@ pytest.importorskip("vllm")  # runs in the vLLM venv; test_vllm_venv_suite.py ru
 pytest.importorskip("openai")
 pytest.importorskip("httpx")
 
-from vllm_helpers import SCAN_ARGS, child_env  # noqa: E402
-from vllm_server import serve_cmd, vllm_servers  # noqa: E402
+from vllm_helpers import SCAN_ARGS, child_env
+from vllm_server import serve_cmd, vllm_servers
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
 SPEC = '{"method":"ngram","num_speculative_tokens":3,"prompt_lookup_min":2,"prompt_lookup_max":4}'
-COMMON = ["--dtype", "float32", "--max-model-len", "512", "--max-num-seqs", "8",
-          "--max-num-batched-tokens", "64", *SCAN_ARGS]
+COMMON = [
+    "--dtype",
+    "float32",
+    "--max-model-len",
+    "512",
+    "--max-num-seqs",
+    "8",
+    "--max-num-batched-tokens",
+    "64",
+    *SCAN_ARGS,
+]
 # Input-grounded prompts: the continuation repeats what the prompt holds, so n-grams match.
 REPETITIVE = [
     "Repeat the list exactly.\nList: apple, banana, cherry, grape, lemon, mango, peach, plum.\n"
@@ -39,9 +48,12 @@ REPETITIVE = [
 @pytest.fixture(scope="module")
 def servers(default_hf_dir, tmp_path_factory):
     logs = tmp_path_factory.mktemp("vllm-spec")
-    with vllm_servers([([default_hf_dir, *COMMON], logs / "plain.log", None),
-                       ([default_hf_dir, *COMMON, "--speculative-config", SPEC], logs / "spec.log", None),
-                       ]) as (plain, spec):
+    with vllm_servers(
+        [
+            ([default_hf_dir, *COMMON], logs / "plain.log", None),
+            ([default_hf_dir, *COMMON, "--speculative-config", SPEC], logs / "spec.log", None),
+        ]
+    ) as (plain, spec):
         yield plain, spec
 
 
@@ -53,8 +65,10 @@ def _complete(srv, prompt: str, **kw):
 
 def _spec_counters(srv) -> dict[str, float]:
     c = srv.counters()
-    return {k: c.get(f"vllm:spec_decode_{k}_total", 0.0)
-            for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
+    return {
+        k: c.get(f"vllm:spec_decode_{k}_total", 0.0)
+        for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+    }
 
 
 def test_greedy_output_equals_plain_and_vllm_counts_accepted_drafts(servers):
@@ -77,15 +91,25 @@ def test_concurrent_mixed_batch_equals_plain(servers):
     (counts the drafts before each position), a grammar (verifies no drafts) and random sampling."""
     plain, spec = servers
     jobs = [(p, dict(max_tokens=32)) for p in REPETITIVE]
-    jobs += [(REPETITIVE[0], dict(max_tokens=24, logprobs=2)),
-             (REPETITIVE[1], dict(max_tokens=24, extra_body={"repetition_penalty": 1.3})),
-             ("Count: 1, 2, 3, 1, 2, 3, 1, 2,", dict(max_tokens=8,
-                                                     extra_body={"structured_outputs": {"regex": "[0-9]{3}"}}))]
+    jobs += [
+        (REPETITIVE[0], dict(max_tokens=24, logprobs=2)),
+        (REPETITIVE[1], dict(max_tokens=24, extra_body={"repetition_penalty": 1.3})),
+        (
+            "Count: 1, 2, 3, 1, 2, 3, 1, 2,",
+            dict(max_tokens=8, extra_body={"structured_outputs": {"regex": "[0-9]{3}"}}),
+        ),
+    ]
 
     def run(srv):
         with ThreadPoolExecutor(len(jobs) + 1) as pool:
-            random = pool.submit(srv.client.completions.create, model="m", prompt=REPETITIVE[2],
-                                 max_tokens=16, temperature=0.8, seed=7)
+            random = pool.submit(
+                srv.client.completions.create,
+                model="m",
+                prompt=REPETITIVE[2],
+                max_tokens=16,
+                temperature=0.8,
+                seed=7,
+            )
             outs = list(pool.map(lambda j: _complete(srv, j[0], **j[1]), jobs))
             return outs, random.result().choices[0]
 
@@ -108,8 +132,13 @@ def test_eagle3_is_refused_by_name(default_hf_dir):
     # test_vllm_spec_decode_table.py covers our message for every other method.)
     method = "eagle3"
     cfg = f'{{"method":"{method}","num_speculative_tokens":2,"model":"{default_hf_dir}"}}'
-    proc = subprocess.run(serve_cmd(default_hf_dir, 1, *COMMON, "--speculative-config", cfg),
-                          env=child_env(plugin=False), capture_output=True, text=True, timeout=280)
+    proc = subprocess.run(
+        serve_cmd(default_hf_dir, 1, *COMMON, "--speculative-config", cfg),
+        env=child_env(plugin=False),
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
     log = proc.stdout + proc.stderr
     assert proc.returncode != 0
     assert f"method={method!r}" in log and "'ngram' only" in log, log[-4000:]

@@ -24,8 +24,16 @@ from vllm_server import VllmServer, fake_devices_env, free_port, serve_cmd, vllm
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
-COMMON = ["--dtype", "float32", "--max-model-len", "128", "--max-num-seqs", "4",
-          "--max-num-batched-tokens", "64"]
+COMMON = [
+    "--dtype",
+    "float32",
+    "--max-model-len",
+    "128",
+    "--max-num-seqs",
+    "4",
+    "--max-num-batched-tokens",
+    "64",
+]
 PROMPTS = ["The quick brown fox jumps over the lazy dog.", "In 2024, 17 researchers published"]
 MAX_TOKENS = 8
 
@@ -34,15 +42,17 @@ MAX_TOKENS = 8
 def qwen3_tp_dir(tmp_path_factory) -> str:
     """The random Qwen3 with the real Qwen3's vocab_size (151936, its tokenizer has 151669 ids):
     the engine splits the vocab over the TP devices, so it must divide by N."""
-    return root_conftest().build_random_checkpoint("qwen3", str(tmp_path_factory.mktemp("vllm-qwen3-tp")),
-                                                   vocab_size=151936)
+    return root_conftest().build_random_checkpoint(
+        "qwen3", str(tmp_path_factory.mktemp("vllm-qwen3-tp")), vocab_size=151936
+    )
 
 
 @pytest.fixture(scope="module")
 def tp2(qwen3_tp_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("vllm-tp") / "tp2.log"
-    with vllm_servers([([qwen3_tp_dir, *COMMON, "--tensor-parallel-size", "2"], log,
-                        fake_devices_env(2))]) as (srv,):
+    with vllm_servers(
+        [([qwen3_tp_dir, *COMMON, "--tensor-parallel-size", "2"], log, fake_devices_env(2))]
+    ) as (srv,):
         yield srv
 
 
@@ -53,8 +63,13 @@ def test_greedy_completions_equal_transformers(tp2, qwen3_tp_dir):
     assert "tensor parallel 2 over mesh {'data': 1, 'model': 2}" in log
     hf = transformers.AutoModelForCausalLM.from_pretrained(qwen3_tp_dir, dtype=torch.float32).eval()
     for prompt in PROMPTS:
-        r = tp2.client.completions.create(model="m", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
-                                          extra_body={"ignore_eos": True, "return_token_ids": True})
+        r = tp2.client.completions.create(
+            model="m",
+            prompt=prompt,
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            extra_body={"ignore_eos": True, "return_token_ids": True},
+        )
         choice = r.choices[0]
         prompt_ids, token_ids = choice.model_extra["prompt_token_ids"], choice.model_extra["token_ids"]
         assert len(token_ids) == MAX_TOKENS and r.usage.completion_tokens == MAX_TOKENS
@@ -63,8 +78,12 @@ def test_greedy_completions_equal_transformers(tp2, qwen3_tp_dir):
 
 def test_more_devices_than_there_are_fails_start_up_with_the_reason(qwen3_tp_dir, tmp_path):
     port = free_port()
-    srv = VllmServer.spawn(serve_cmd(qwen3_tp_dir, port, *COMMON, "--tensor-parallel-size", "4"),
-                           tmp_path / "tp4.log", port, child_env(plugin=False, **fake_devices_env(2)))
+    srv = VllmServer.spawn(
+        serve_cmd(qwen3_tp_dir, port, *COMMON, "--tensor-parallel-size", "4"),
+        tmp_path / "tp4.log",
+        port,
+        child_env(plugin=False, **fake_devices_env(2)),
+    )
     rc = srv.wait_exit(timeout=600)
     log = srv.log(tail=200_000)
     assert rc != 0, log[-4000:]

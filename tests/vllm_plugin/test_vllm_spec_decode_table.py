@@ -12,12 +12,11 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-
 from test_vllm_request_state import BS, cached, new_req, sched
+
 from tpuserve.tpu_platform.step_batch import Logprobs, StepOutput
 from tpuserve.tpu_platform.vllm_plugin.request_state import RequestTable
-from tpuserve.tpu_platform.vllm_plugin.spec_decode import (DraftPlanner, NgramSettings,
-                                                           unsupported_speculative)
+from tpuserve.tpu_platform.vllm_plugin.spec_decode import DraftPlanner, NgramSettings, unsupported_speculative
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -78,10 +77,12 @@ def test_logprob_rows_follow_each_requests_positions():
     prefill(t, "b", [1, 2, 3], [3, 4], 4, logprobs=1)
     plan = t.plan(spec_sched([("a", None, 3, 3), ("b", None, 3, 1)], {"a": [5, 6]}))
     # Logits rows: a's three positions, then b's one.
-    lp = Logprobs(token_logprobs=np.array([-0.1, -0.2, -0.3, -0.4, 0], np.float32),
-                  token_ranks=np.array([1, 1, 2, 1, 0], np.int32),
-                  top_ids=np.array([[5], [6], [8], [11], [0]], np.int32),
-                  top_logprobs=np.array([[-0.1], [-0.2], [-0.01], [-0.4], [0]], np.float32))
+    lp = Logprobs(
+        token_logprobs=np.array([-0.1, -0.2, -0.3, -0.4, 0], np.float32),
+        token_ranks=np.array([1, 1, 2, 1, 0], np.int32),
+        top_ids=np.array([[5], [6], [8], [11], [0]], np.int32),
+        top_logprobs=np.array([[-0.1], [-0.2], [-0.01], [-0.4], [0]], np.float32),
+    )
     res = plan.finish(t, out([[5, 7, -1], [11]], [1, 0], logprobs=lp))
     assert res.sampled_token_ids == [[5, 7], [11]]
     assert res.cu_num_generated_tokens == [0, 3, 4]
@@ -104,8 +105,13 @@ def test_drafter_proposes_for_sampled_requests_it_can_verify():
 
 def test_only_ngram_is_accepted():
     def sc(**kw):
-        base = dict(method="ngram", num_speculative_tokens=3, num_speculative_tokens_per_batch_size=None,
-                    rejection_sample_method="standard", parallel_drafting=False)
+        base = dict(
+            method="ngram",
+            num_speculative_tokens=3,
+            num_speculative_tokens_per_batch_size=None,
+            rejection_sample_method="standard",
+            parallel_drafting=False,
+        )
         base.update(kw)
         return SimpleNamespace(**base)
 

@@ -16,7 +16,7 @@ import pytest
 
 pytest.importorskip("vllm")  # runs in the vLLM venv; test_vllm_venv_suite.py runs it from the main one
 
-from vllm_helpers import child_env  # noqa: E402
+from vllm_helpers import child_env
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -63,11 +63,16 @@ print("RESULT " + json.dumps(out))
 @pytest.fixture(scope="module")
 def translated(qwen3_dir):
     # The random Qwen3 has 4 attention heads and 2 KV heads: TP=2 divides both, TP=3 neither.
-    proc = subprocess.run([sys.executable, "-c", CHILD, qwen3_dir], env=child_env(plugin=True),
-                          capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(
+        [sys.executable, "-c", CHILD, qwen3_dir],
+        env=child_env(plugin=True),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))
-    return json.loads(line[len("RESULT "):]), proc.stdout + proc.stderr
+    return json.loads(line[len("RESULT ") :]), proc.stdout + proc.stderr
 
 
 def test_tp2_is_one_uni_worker_whose_engine_shards_over_two_devices(translated):

@@ -21,21 +21,33 @@ INNER_TIMEOUT_S = 3000
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(INNER_TIMEOUT_S + 1200)]
 
 
-@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None,
-                    reason="already in the vLLM venv: the plugin tests run directly here")
+@pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is not None,
+    reason="already in the vLLM venv: the plugin tests run directly here",
+)
 def test_plugin_suite_passes_in_the_vllm_venv(tmp_path):
     # First run builds the venv (~4 min, several GB); later runs reuse it and reinstall us editable.
-    built = subprocess.run(["bash", os.path.join(REPO, "scripts", "vllm_env.sh")], capture_output=True,
-                           text=True, timeout=1200, cwd=REPO)
+    built = subprocess.run(
+        ["bash", os.path.join(REPO, "scripts", "vllm_env.sh")],
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        cwd=REPO,
+    )
     assert built.returncode == 0, f"scripts/vllm_env.sh failed:\n{built.stderr[-4000:]}"
     python = built.stdout.strip().splitlines()[-1]
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
     env.pop("TPUSERVE_VLLM_PLATFORM", None)  # each test picks its platform itself
     log = tmp_path / "vllm_plugin_tests.log"
     with open(log, "w") as out:
-        proc = subprocess.run([python, "-m", "pytest", HERE, "-q", "-p", "no:cacheprovider", "-rs",
-                               "--durations=5"], cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
-                              timeout=INNER_TIMEOUT_S)
+        proc = subprocess.run(
+            [python, "-m", "pytest", HERE, "-q", "-p", "no:cacheprovider", "-rs", "--durations=5"],
+            cwd=REPO,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            timeout=INNER_TIMEOUT_S,
+        )
     text = log.read_text()
     summary = text.strip().splitlines()[-1] if text.strip() else "(no output)"
     print(f"vLLM venv: {python}\n{summary}")

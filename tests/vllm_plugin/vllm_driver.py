@@ -29,17 +29,24 @@ COUNTERS = ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:num_pre
 def _lp(entries):
     if entries is None:
         return None
-    return [None if pos is None else {str(t): float(lp.logprob) for t, lp in pos.items()}
-            for pos in entries]
+    return [None if pos is None else {str(t): float(lp.logprob) for t, lp in pos.items()} for pos in entries]
 
 
 def _records(outs):
     recs = []
     for o in outs:
         c = o.outputs[0]
-        recs.append(dict(text=c.text, token_ids=list(c.token_ids), prompt_token_ids=list(o.prompt_token_ids),
-                         num_cached_tokens=o.num_cached_tokens, finish_reason=c.finish_reason,
-                         logprobs=_lp(c.logprobs), prompt_logprobs=_lp(o.prompt_logprobs)))
+        recs.append(
+            dict(
+                text=c.text,
+                token_ids=list(c.token_ids),
+                prompt_token_ids=list(o.prompt_token_ids),
+                num_cached_tokens=o.num_cached_tokens,
+                finish_reason=c.finish_reason,
+                logprobs=_lp(c.logprobs),
+                prompt_logprobs=_lp(o.prompt_logprobs),
+            )
+        )
     return recs
 
 
@@ -69,8 +76,7 @@ def main(spec_path: str, out_path: str) -> None:
         spec = json.load(f)
     t0 = time.perf_counter()
     llm = LLM(**spec["engine"])
-    result = {"platform": type(current_platform).__name__, "startup_s": time.perf_counter() - t0,
-              "jobs": []}
+    result = {"platform": type(current_platform).__name__, "startup_s": time.perf_counter() - t0, "jobs": []}
     for job in spec["jobs"]:
         t = time.perf_counter()
         if job["kind"] == "generate":

@@ -16,11 +16,13 @@ TESTS = os.path.dirname(HERE)
 DRIVER = os.path.join(HERE, "vllm_driver.py")
 
 # The prompts of tests/tpu_platform/test_model_parity.py: mixed lengths, digits, non-ASCII.
-PROMPTS = ["The quick brown fox jumps over the lazy dog.",
-           "Hello",
-           "In 2024, 17 researchers published 3 papers on paged attention for TPUs and GPUs alike, "
-           "with code, benchmarks and a long discussion of memory bandwidth.",
-           "日本語のテキストと emoji 🎉 mixed."]
+PROMPTS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Hello",
+    "In 2024, 17 researchers published 3 papers on paged attention for TPUs and GPUs alike, "
+    "with code, benchmarks and a long discussion of memory bandwidth.",
+    "日本語のテキストと emoji 🎉 mixed.",
+]
 
 
 # The default model's servers here run its 30 layers in a scan: a cold XLA cache (CI's) then compiles
@@ -48,8 +50,14 @@ def run_driver(spec: dict, workdir: str, plugin: bool = True, timeout: float = 9
     out_path = os.path.join(workdir, "out.json")
     with open(spec_path, "w") as f:
         json.dump(spec, f)
-    proc = subprocess.run([sys.executable, DRIVER, spec_path, out_path], env=child_env(plugin),
-                          capture_output=True, text=True, timeout=timeout, cwd=workdir)
+    proc = subprocess.run(
+        [sys.executable, DRIVER, spec_path, out_path],
+        env=child_env(plugin),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=workdir,
+    )
     log = proc.stdout + proc.stderr
     with open(os.path.join(workdir, "driver.log"), "w") as f:
         f.write(log)

@@ -15,10 +15,10 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 from vllm_helpers import child_env
 
@@ -44,6 +44,7 @@ class VllmServer:
     @property
     def client(self):
         import openai
+
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", timeout=300, max_retries=0)
 
     def log(self, tail: int = 6000) -> str:
@@ -63,10 +64,17 @@ class VllmServer:
         return out
 
     @classmethod
-    def spawn(cls, cmd: list[str], log_path: Path, port: int, env: dict[str, str] | None = None) -> "VllmServer":
+    def spawn(
+        cls, cmd: list[str], log_path: Path, port: int, env: dict[str, str] | None = None
+    ) -> VllmServer:
         with open(log_path, "w") as log:
-            proc = subprocess.Popen(cmd, env=env or child_env(plugin=False), stdout=log,
-                                    stderr=subprocess.STDOUT, start_new_session=True)
+            proc = subprocess.Popen(
+                cmd,
+                env=env or child_env(plugin=False),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         return cls(proc, port, Path(log_path))
 
     def wait_ready(self, timeout: float = 600, path: str = "/v1/models") -> None:
@@ -91,7 +99,7 @@ class VllmServer:
             return self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             self.stop()
-            raise AssertionError(f"server still running after {timeout:.0f} s:\n{self.log()}")
+            raise AssertionError(f"server still running after {timeout:.0f} s:\n{self.log()}") from None
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -111,8 +119,20 @@ def fake_devices_env(n: int) -> dict[str, str]:
 
 
 def serve_cmd(model: str, port: int, *args: str) -> list[str]:
-    return [VLLM_CLI, "serve", model, "--device", "tpu", "--host", "127.0.0.1", "--port", str(port),
-            "--served-model-name", "m", *args]
+    return [
+        VLLM_CLI,
+        "serve",
+        model,
+        "--device",
+        "tpu",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--served-model-name",
+        "m",
+        *args,
+    ]
 
 
 @contextmanager
@@ -124,8 +144,11 @@ def vllm_servers(specs: list[tuple[list[str], Path, dict[str, str] | None]]) -> 
         for args, log_path, env in specs:
             port = free_port()
             model, rest = args[0], args[1:]
-            servers.append(VllmServer.spawn(serve_cmd(model, port, *rest), log_path, port,
-                                            child_env(plugin=False, **(env or {}))))
+            servers.append(
+                VllmServer.spawn(
+                    serve_cmd(model, port, *rest), log_path, port, child_env(plugin=False, **(env or {}))
+                )
+            )
         for s in servers:
             s.wait_ready()
         yield servers

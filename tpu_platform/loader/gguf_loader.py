@@ -235,7 +235,9 @@ def _read_header(path: str) -> tuple[dict[str, Any], list[_TensorInfo]]:
         block_size, type_size = GGML_QUANT_SIZES[qtype]
         n_elements = int(np.prod(shape))
         if shape[-1] % block_size:
-            raise ValueError(f"{path}: tensor {name} row of {shape[-1]} is not a multiple of {qtype.name} blocks")
+            raise ValueError(
+                f"{path}: tensor {name} row of {shape[-1]} is not a multiple of {qtype.name} blocks"
+            )
         info = _TensorInfo(name, shape, qtype, data_start + rel_offset, n_elements // block_size * type_size)
         if info.offset + info.nbytes > file_size:
             raise ValueError(f"{path}: tensor {name} extends past the end of the file (truncated?)")
@@ -271,7 +273,9 @@ def _rope_scaling(metadata: dict[str, Any], arch: str) -> dict[str, Any] | None:
         return {
             "rope_type": "yarn",
             "factor": factor,
-            "original_max_position_embeddings": _int_field(metadata, f"{arch}.rope.scaling.original_context_length"),
+            "original_max_position_embeddings": _int_field(
+                metadata, f"{arch}.rope.scaling.original_context_length"
+            ),
         }
     raise ValueError(f"unsupported GGUF rope scaling type {kind!r}")
 
@@ -288,7 +292,9 @@ def _llama_config(metadata: dict[str, Any], tensor_names: set[str]) -> dict[str,
     head_dim = _int_field(metadata, f"{arch}.attention.key_length", hidden // n_heads)
     rope_dim = _int_field(metadata, f"{arch}.rope.dimension_count", head_dim)
     if rope_dim != head_dim:
-        raise ValueError(f"partial rotary embeddings (rope dim {rope_dim} != head_dim {head_dim}) are not supported")
+        raise ValueError(
+            f"partial rotary embeddings (rope dim {rope_dim} != head_dim {head_dim}) are not supported"
+        )
     tokens = metadata.get("tokenizer.ggml.tokens", [])
     return {
         "architectures": ["LlamaForCausalLM"],
@@ -442,7 +448,11 @@ def _build_tokenizer(metadata: dict[str, Any], config: dict[str, Any]) -> PreTra
         [AddedToken(t, special=True, normalized=False) for t, kind_ in types if kind_ == _TOKEN_TYPE_CONTROL]
     )
     backend.add_tokens(
-        [AddedToken(t, special=False, normalized=False) for t, kind_ in types if kind_ == _TOKEN_TYPE_USER_DEFINED]
+        [
+            AddedToken(t, special=False, normalized=False)
+            for t, kind_ in types
+            if kind_ == _TOKEN_TYPE_USER_DEFINED
+        ]
     )
 
     return PreTrainedTokenizerFast(

@@ -34,8 +34,12 @@ import numpy as np
 from tpuserve.tpu_platform.models.arch import ModelConfigError
 
 PRODUCERS = ("fp8", "compressed-tensors", "modelopt")
-_CT_FORMATS = {"float-quantized": "fp8", "naive-quantized": "fp8", "nvfp4-pack-quantized": "nvfp4",
-               "mxfp4-pack-quantized": "mxfp4"}
+_CT_FORMATS = {
+    "float-quantized": "fp8",
+    "naive-quantized": "fp8",
+    "nvfp4-pack-quantized": "nvfp4",
+    "mxfp4-pack-quantized": "mxfp4",
+}
 
 
 @dataclass(frozen=True)
@@ -58,10 +62,15 @@ def _ct_method(qc: dict) -> tuple[str, tuple[int, int] | None]:
     formats = {g.get("format") or qc.get("format") for g in groups.values()} or {qc.get("format")}
     methods = {_CT_FORMATS.get(f) for f in formats}
     if len(methods) != 1 or None in methods:
-        raise ModelConfigError(f"compressed-tensors format(s) {sorted(map(str, formats))} are not "
-                               f"supported; supported: {sorted(_CT_FORMATS)}")
-    blocks = {tuple(g["weights"]["block_structure"]) for g in groups.values()
-              if (g.get("weights") or {}).get("block_structure")}
+        raise ModelConfigError(
+            f"compressed-tensors format(s) {sorted(map(str, formats))} are not "
+            f"supported; supported: {sorted(_CT_FORMATS)}"
+        )
+    blocks = {
+        tuple(g["weights"]["block_structure"])
+        for g in groups.values()
+        if (g.get("weights") or {}).get("block_structure")
+    }
     if len(blocks) > 1:
         raise ModelConfigError(f"compressed-tensors groups use different FP8 blocks {sorted(blocks)}")
     method = methods.pop()
@@ -69,8 +78,10 @@ def _ct_method(qc: dict) -> tuple[str, tuple[int, int] | None]:
         bits = {(g.get("weights") or {}).get("num_bits") for g in groups.values()}
         kinds = {(g.get("weights") or {}).get("type") for g in groups.values()}
         if bits != {8} or kinds != {"float"}:
-            raise ModelConfigError(f"compressed-tensors weights of {bits} bits / type {kinds} are "
-                                   f"not supported (only 8-bit float, 4-bit nvfp4/mxfp4)")
+            raise ModelConfigError(
+                f"compressed-tensors weights of {bits} bits / type {kinds} are "
+                f"not supported (only 8-bit float, 4-bit nvfp4/mxfp4)"
+            )
     return method, (blocks.pop() if blocks else None)
 
 
@@ -98,12 +109,12 @@ def detect(config: dict, path: str) -> CheckpointQuant | None:
         if algo in ("NVFP4", "FP8"):
             return CheckpointQuant(algo.lower(), "modelopt")
         raise ModelConfigError(f"ModelOpt quant_algo {algo!r} is not supported (NVFP4, FP8)")
-    raise ModelConfigError(f"checkpoint quant_method {kind!r} is not supported; supported: "
-                           f"{PRODUCERS}")
+    raise ModelConfigError(f"checkpoint quant_method {kind!r} is not supported; supported: {PRODUCERS}")
 
 
 def _as_e4m3(a: np.ndarray) -> np.ndarray:
     import ml_dtypes
+
     if a.dtype == ml_dtypes.float8_e4m3fn:
         return a
     if a.dtype == np.uint8:  # some writers store fp8 bytes as U8
@@ -113,6 +124,7 @@ def _as_e4m3(a: np.ndarray) -> np.ndarray:
 
 def _is_float8(a: np.ndarray) -> bool:
     import ml_dtypes
+
     return a.dtype in (ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2)
 
 
@@ -134,8 +146,12 @@ def read_linear(q: CheckpointQuant, module: str, raw: Callable[[str], np.ndarray
     if weight is None:
         return None
     if weight.dtype == np.uint8 and raw(module + ".weight_scale_2") is not None:  # ModelOpt NVFP4
-        return nvfp4_from_checkpoint(weight, _as_e4m3(raw(module + ".weight_scale")),
-                                     raw(module + ".weight_scale_2"), global_divides=False)
+        return nvfp4_from_checkpoint(
+            weight,
+            _as_e4m3(raw(module + ".weight_scale")),
+            raw(module + ".weight_scale_2"),
+            global_divides=False,
+        )
     if not _is_float8(weight):
         return None  # a dense module (the checkpoint's ignore list)
     scale = raw(module + ".weight_scale_inv")

@@ -44,12 +44,14 @@ class ModelArch:
     eos_token_ids: tuple[int, ...] = ()
 
     @classmethod
-    def from_hf_config(cls, cfg: dict) -> "ModelArch":
+    def from_hf_config(cls, cfg: dict) -> ModelArch:
         archs = cfg.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED), None)
         if arch is None:
-            raise ModelConfigError(f"unsupported architecture {archs or cfg.get('model_type')!r}; "
-                                   f"supported: {', '.join(SUPPORTED)}")
+            raise ModelConfigError(
+                f"unsupported architecture {archs or cfg.get('model_type')!r}; "
+                f"supported: {', '.join(SUPPORTED)}"
+            )
 
         def need(key):
             if cfg.get(key) is None:
@@ -60,8 +62,9 @@ class ModelArch:
         kv_heads = int(cfg.get("num_key_value_heads") or heads)
         head_dim = int(cfg.get("head_dim") or 0) or hidden // heads
         if heads % kv_heads:
-            raise ModelConfigError(f"num_attention_heads={heads} is not a multiple of "
-                                   f"num_key_value_heads={kv_heads}")
+            raise ModelConfigError(
+                f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}"
+            )
         if not cfg.get("head_dim") and hidden % heads:
             raise ModelConfigError(f"hidden_size={hidden} is not divisible by num_attention_heads={heads}")
         rope_scaling = cfg.get("rope_scaling") or None
@@ -79,7 +82,9 @@ class ModelArch:
                 rope_scaling = None
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
-        sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window", arch == "MistralForCausalLM") else None
+        sliding = (
+            cfg.get("sliding_window") if cfg.get("use_sliding_window", arch == "MistralForCausalLM") else None
+        )
         feats = SUPPORTED[arch]
         qkv_bias = bool(cfg.get("attention_bias", feats["default_qkv_bias"]))
         return cls(
@@ -99,8 +104,11 @@ class ModelArch:
             o_bias=qkv_bias and arch in ("LlamaForCausalLM", "MistralForCausalLM"),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             qk_norm=feats["qk_norm"],
-            rope_scaling=tuple(sorted((k, v) for k, v in rope_scaling.items()
-                                      if isinstance(v, (int, float, str)))) if rope_scaling else None,
+            rope_scaling=tuple(
+                sorted((k, v) for k, v in rope_scaling.items() if isinstance(v, (int, float, str)))
+            )
+            if rope_scaling
+            else None,
             sliding_window=int(sliding) if sliding else None,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,

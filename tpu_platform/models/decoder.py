@@ -28,11 +28,10 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from tpuserve.attention.dispatch import AttentionParams, ragged_paged_attention
 from tpuserve.attention.metadata import AttentionMetadata
-from jax.sharding import PartitionSpec as P
-
 from tpuserve.tpu_platform.mesh import MODEL_AXIS, model_axis_size
 from tpuserve.tpu_platform.models.arch import ModelArch
 from tpuserve.tpu_platform.models.linear import linear
@@ -84,20 +83,43 @@ def embed_tokens(table, token_ids, mesh=None):
         rows = tab[jnp.where(mine, rel, 0)]
         return jax.lax.psum(jnp.where(mine[:, None], rows, jnp.zeros_like(rows)), MODEL_AXIS)
 
-    return jax.shard_map(local, mesh=mesh, in_specs=(P(MODEL_AXIS, None), P()), out_specs=P(),
-                         check_vma=False)(table, token_ids)
+    return jax.shard_map(
+        local, mesh=mesh, in_specs=(P(MODEL_AXIS, None), P()), out_specs=P(), check_vma=False
+    )(table, token_ids)
 
 
-def _layer(arch: ModelArch, attn_params: AttentionParams, attn_impl: str, md: AttentionMetadata,
-           cos, sin, h, kv_cache, w, layer_idx, mesh=None):
+def _layer(
+    arch: ModelArch,
+    attn_params: AttentionParams,
+    attn_impl: str,
+    md: AttentionMetadata,
+    cos,
+    sin,
+    h,
+    kv_cache,
+    w,
+    layer_idx,
+    mesh=None,
+):
     """One transformer block. h [T, H] residual stream in; returns (h [T, H] out, kv_cache)."""
     x = rms_norm(h, w["input_norm"], arch.rms_norm_eps)
-    return block_from_normed(arch, attn_params, attn_impl, md, cos, sin, x, h, kv_cache, w,
-                             layer_idx, mesh)
+    return block_from_normed(arch, attn_params, attn_impl, md, cos, sin, x, h, kv_cache, w, layer_idx, mesh)
 
 
-def block_from_normed(arch: ModelArch, attn_params: AttentionParams, attn_impl: str,
-                      md: AttentionMetadata, cos, sin, x, h, kv_cache, w, layer_idx, mesh=None):
+def block_from_normed(
+    arch: ModelArch,
+    attn_params: AttentionParams,
+    attn_impl: str,
+    md: AttentionMetadata,
+    cos,
+    sin,
+    x,
+    h,
+    kv_cache,
+    w,
+    layer_idx,
+    mesh=None,
+):
     """A transformer block past its input norm: x [T, Hin] is the attention input (Hin = H, or
     2H for an EAGLE-3 draft layer, whose qkv reads [embedding, hidden]), h [T, H] the residual
     stream. Returns (h [T, H] out, kv_cache)."""
@@ -112,8 +134,9 @@ def block_from_normed(arch: ModelArch, attn_params: AttentionParams, attn_impl: 
         q = rms_norm(q, w["q_norm"], arch.rms_norm_eps)
         k = rms_norm(k, w["k_norm"], arch.rms_norm_eps)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    attn, kv_cache = ragged_paged_attention(q, k, v, kv_cache, layer_idx, md, attn_params, attn_impl,
-                                            mesh=mesh)
+    attn, kv_cache = ragged_paged_attention(
+        q, k, v, kv_cache, layer_idx, md, attn_params, attn_impl, mesh=mesh
+    )
     h = h + linear(attn.reshape(t, hq * d), w["o"], w.get("o_bias"))
 
     x = rms_norm(h, w["post_norm"], arch.rms_norm_eps)
@@ -124,9 +147,20 @@ def block_from_normed(arch: ModelArch, attn_params: AttentionParams, attn_impl: 
     return h + y, kv_cache
 
 
-def forward(params, kv_cache, token_ids, positions, md: AttentionMetadata, *, arch: ModelArch,
-            attn_impl: str, inv_freq, aux_layer_ids: tuple[int, ...] = (), mesh=None,
-            kv_scales: tuple[float, float] | None = None) -> DecoderOutput:
+def forward(
+    params,
+    kv_cache,
+    token_ids,
+    positions,
+    md: AttentionMetadata,
+    *,
+    arch: ModelArch,
+    attn_impl: str,
+    inv_freq,
+    aux_layer_ids: tuple[int, ...] = (),
+    mesh=None,
+    kv_scales: tuple[float, float] | None = None,
+) -> DecoderOutput:
     """One ragged step over all T token slots; returns hidden states, not logits.
 
     params: the tree in this module's docstring, layers stacked ([L, ...] arrays, run with
@@ -150,8 +184,9 @@ def forward(params, kv_cache, token_ids, positions, md: AttentionMetadata, *, ar
     freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
     cos, sin = jnp.cos(freqs), jnp.sin(freqs)
     k_scale, v_scale = (None, None) if kv_scales is None else (float(x) for x in kv_scales)
-    attn_params = AttentionParams(sm_scale=arch.head_dim ** -0.5, sliding_window=arch.sliding_window,
-                                  k_scale=k_scale, v_scale=v_scale)
+    attn_params = AttentionParams(
+        sm_scale=arch.head_dim**-0.5, sliding_window=arch.sliding_window, k_scale=k_scale, v_scale=v_scale
+    )
 
     def block(h, kv_cache, w, layer_idx):
         return _layer(arch, attn_params, attn_impl, md, cos, sin, h, kv_cache, w, layer_idx, mesh)
@@ -163,10 +198,13 @@ def forward(params, kv_cache, token_ids, positions, md: AttentionMetadata, *, ar
                 captured[i] = h
             h, kv_cache = block(h, kv_cache, w, jnp.int32(i))
     elif not aux_layer_ids:
+
         def body(carry, xs):
             return block(*carry, *xs), None
+
         (h, kv_cache), _ = jax.lax.scan(
-            body, (h, kv_cache), (params["layers"], jnp.arange(num_layers, dtype=jnp.int32)))
+            body, (h, kv_cache), (params["layers"], jnp.arange(num_layers, dtype=jnp.int32))
+        )
     else:
         # Each wanted layer gets a slot of a [S+1, T, H] buffer carried through the scan; every layer
         # writes its input h to its slot, the unwanted ones to the spare last slot (one T x H write a
@@ -181,15 +219,19 @@ def forward(params, kv_cache, token_ids, positions, md: AttentionMetadata, *, ar
             w, layer_idx, slot = xs
             buf = jax.lax.dynamic_update_index_in_dim(buf, h, slot, axis=0)
             return (*block(h, kv_cache, w, layer_idx), buf), None
+
         (h, kv_cache, buf), _ = jax.lax.scan(
-            body, (h, kv_cache, buf),
-            (params["layers"], jnp.arange(num_layers, dtype=jnp.int32), jnp.asarray(slot_of)))
+            body,
+            (h, kv_cache, buf),
+            (params["layers"], jnp.arange(num_layers, dtype=jnp.int32), jnp.asarray(slot_of)),
+        )
         captured = {i: buf[s] for s, i in enumerate(wanted)}
     if num_layers in aux_layer_ids:
         captured[num_layers] = h
     hidden = rms_norm(h, params["final_norm"], arch.rms_norm_eps)
-    return DecoderOutput(hidden=hidden, aux_hidden=tuple(captured[i] for i in aux_layer_ids),
-                         kv_cache=kv_cache)
+    return DecoderOutput(
+        hidden=hidden, aux_hidden=tuple(captured[i] for i in aux_layer_ids), kv_cache=kv_cache
+    )
 
 
 def compute_logits(params, hidden_rows, *, arch: ModelArch):

@@ -59,9 +59,11 @@ def _lookup(w) -> LinearFn:
         if isinstance(w, t):
             return fn
     known = ", ".join(t.__name__ for t in _REGISTRY) or "none"
-    raise TypeError(f"linear: no implementation for weight of type {type(w).__module__}."
-                    f"{type(w).__qualname__} (dense arrays are built in; registered types: {known}); "
-                    f"add one with register_linear(type, fn)")
+    raise TypeError(
+        f"linear: no implementation for weight of type {type(w).__module__}."
+        f"{type(w).__qualname__} (dense arrays are built in; registered types: {known}); "
+        f"add one with register_linear(type, fn)"
+    )
 
 
 def linear(x, w, bias=None, *, out_dtype=None):

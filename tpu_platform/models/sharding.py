@@ -76,8 +76,10 @@ def _spec(name: str, arr, table: dict, axis: str, stacked: bool) -> P:
     if name in ("gate_up", "gate_up_bias") and ndim == rank + 1 + stacked:
         rank, make = table[name + "_grouped"]
     if ndim != rank + stacked:
-        raise ValueError(f"parameter {name!r} has rank {ndim}, expected {rank + stacked} "
-                         f"({'stacked [L, ...]' if stacked else 'per-layer'} layout of decoder.py)")
+        raise ValueError(
+            f"parameter {name!r} has rank {ndim}, expected {rank + stacked} "
+            f"({'stacked [L, ...]' if stacked else 'per-layer'} layout of decoder.py)"
+        )
     spec = make(axis)
     return P(None, *spec) if stacked else spec
 
@@ -93,8 +95,9 @@ def param_partition_specs(params: dict, axis: str = "model") -> dict:
     out = {k: _spec(k, v, _TOP_SPECS, axis, False) for k, v in params.items() if k != "layers"}
     layers = params["layers"]
     if isinstance(layers, (list, tuple)):
-        out["layers"] = type(layers)({k: _spec(k, v, _LAYER_SPECS, axis, False) for k, v in w.items()}
-                                     for w in layers)
+        out["layers"] = type(layers)(
+            {k: _spec(k, v, _LAYER_SPECS, axis, False) for k, v in w.items()} for w in layers
+        )
     else:
         out["layers"] = {k: _spec(k, v, _LAYER_SPECS, axis, True) for k, v in layers.items()}
     return out
@@ -121,8 +124,11 @@ def kv_head_replicas(num_heads: int, num_kv_heads: int, tp: int) -> int:
     if num_kv_heads % tp and tp % num_kv_heads:
         problems.append(f"{num_kv_heads} KV heads (need a multiple or a divisor of the TP size)")
     if problems:
-        raise ValueError(f"tensor_parallel_size={tp}: the model's " + " and ".join(problems)
-                         + f" do not split over {tp} devices")
+        raise ValueError(
+            f"tensor_parallel_size={tp}: the model's "
+            + " and ".join(problems)
+            + f" do not split over {tp} devices"
+        )
     return max(1, tp // num_kv_heads)
 
 
@@ -131,8 +137,9 @@ def check_tensor_parallel(arch, tp: int) -> int:
     r = kv_head_replicas(arch.num_heads, arch.num_kv_heads, tp)
     for what, n in (("intermediate_size", arch.intermediate_size), ("vocab_size", arch.vocab_size)):
         if n % tp:
-            raise ValueError(f"tensor_parallel_size={tp}: the model's {what}={n} does not split "
-                             f"evenly over {tp} devices")
+            raise ValueError(
+                f"tensor_parallel_size={tp}: the model's {what}={n} does not split evenly over {tp} devices"
+            )
     return r
 
 
@@ -145,6 +152,7 @@ def group_gate_up_by_device(params: dict, tp: int) -> dict:
     weight. The decoder turns the grouped output back into [T, 2, F] (a relabelling: F keeps its
     order). Apply before quantizing; dense weights do not need it.
     """
+
     def group(x):
         *lead, two, f = x.shape
         if f % tp:
@@ -174,20 +182,25 @@ def replicate_kv_heads(params: dict, arch, tp: int):
 
     def grow(x):  # [..., Hkv, G+2, D] -> [..., Hkv*r, G/r+2, D]
         if not hasattr(x, "ndim"):
-            raise ValueError("replicating KV heads needs dense qkv weights; this checkpoint's are "
-                             "pre-quantized (use a tensor_parallel_size the KV heads divide)")
+            raise ValueError(
+                "replicating KV heads needs dense qkv weights; this checkpoint's are "
+                "pre-quantized (use a tensor_parallel_size the KV heads divide)"
+            )
         *lead, hkv, _, d = x.shape
         q = x[..., :g, :].reshape(*lead, hkv * r, g // r, d)
         kv = jnp.repeat(x[..., g:, :], r, axis=-3)
         return jnp.concatenate([q, kv], axis=-2)
 
-    return (_map_weight_and_bias(params, "qkv", grow),
-            dataclasses.replace(arch, num_kv_heads=arch.num_kv_heads * r))
+    return (
+        _map_weight_and_bias(params, "qkv", grow),
+        dataclasses.replace(arch, num_kv_heads=arch.num_kv_heads * r),
+    )
 
 
 def _map_weight_and_bias(params: dict, name: str, fn) -> dict:
     """params with every layer's ``name`` and ``name + "_bias"`` (when present) replaced by
     ``fn(array)``; stacked ([L, ...] dict) and unrolled (list of dicts) layers alike."""
+
     def layer(w):
         w = dict(w, **{name: fn(w[name])})
         if w.get(name + "_bias") is not None:

@@ -19,8 +19,9 @@ def _group_qkv(q: np.ndarray, k: np.ndarray, v: np.ndarray, hkv: int, d: int) ->
     contiguous slice, so tensor parallelism splits the Hkv axis and nothing else.
     """
     lead = q.shape[:-1]
-    return np.concatenate([q.reshape(*lead, hkv, -1, d), k.reshape(*lead, hkv, 1, d),
-                           v.reshape(*lead, hkv, 1, d)], axis=-2)
+    return np.concatenate(
+        [q.reshape(*lead, hkv, -1, d), k.reshape(*lead, hkv, 1, d), v.reshape(*lead, hkv, 1, d)], axis=-2
+    )
 
 
 def _qkv_index(hq: int, hkv: int, d: int) -> np.ndarray:
@@ -34,8 +35,10 @@ def _qkv_index(hq: int, hkv: int, d: int) -> np.ndarray:
 
 def _check_record(name: str, rec, k: int, n: int):
     if (rec.in_features, rec.out_features) != (k, n):
-        raise ModelConfigError(f"quantized tensor {name!r} is [out={rec.out_features}, "
-                               f"in={rec.in_features}], config implies [{n}, {k}]")
+        raise ModelConfigError(
+            f"quantized tensor {name!r} is [out={rec.out_features}, "
+            f"in={rec.in_features}], config implies [{n}, {k}]"
+        )
     return rec
 
 
@@ -46,12 +49,18 @@ def _stack_records(key: str, recs: list):
     try:
         return jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *recs)
     except ValueError as e:  # differing static metadata (block, out_shape, convention)
-        raise ModelConfigError(f"quantized {key!r} weights differ in format between layers; "
-                               f"mixed per-layer formats are not supported ({e})") from e
+        raise ModelConfigError(
+            f"quantized {key!r} weights differ in format between layers; "
+            f"mixed per-layer formats are not supported ({e})"
+        ) from e
 
 
-def build_params(arch: ModelArch, get: Callable[[str], np.ndarray | None], dtype,
-                 get_linear: Callable[[str], object | None] | None = None) -> dict:
+def build_params(
+    arch: ModelArch,
+    get: Callable[[str], np.ndarray | None],
+    dtype,
+    get_linear: Callable[[str], object | None] | None = None,
+) -> dict:
     """``get(name)`` returns the HF tensor (any float dtype, HF [out, in] layout) or None if absent.
 
     get_linear: for a pre-quantized checkpoint, ``get_linear(module)`` (e.g.
@@ -89,11 +98,12 @@ def build_params(arch: ModelArch, get: Callable[[str], np.ndarray | None], dtype
 
     for i in range(arch.num_layers):
         p = f"model.layers.{i}."
-        recs = [linear_rec(p + f"self_attn.{n}_proj", hid, rows)
-                for n, rows in (("q", hq * d), ("k", hkv * d), ("v", hkv * d))]
+        recs = [
+            linear_rec(p + f"self_attn.{n}_proj", hid, rows)
+            for n, rows in (("q", hq * d), ("k", hkv * d), ("v", hkv * d))
+        ]
         if all(r is not None for r in recs):
-            add("qkv", fuse.take_out(fuse.concat_out(recs), _qkv_index(hq, hkv, d),
-                                     (hkv, hq // hkv + 2, d)))
+            add("qkv", fuse.take_out(fuse.concat_out(recs), _qkv_index(hq, hkv, d), (hkv, hq // hkv + 2, d)))
         elif any(r is not None for r in recs):
             raise ModelConfigError(f"{p}self_attn: q/k/v must be all quantized or all dense")
         else:
@@ -102,15 +112,21 @@ def build_params(arch: ModelArch, get: Callable[[str], np.ndarray | None], dtype
             v = check(p + "self_attn.v_proj.weight", need(p + "self_attn.v_proj.weight"), (hkv * d, hid))
             add("qkv", _group_qkv(q.T, k.T, v.T, hkv, d))
         if arch.qkv_bias:
-            qb, kb, vb = (check(p + f"self_attn.{n}_proj.bias", need(p + f"self_attn.{n}_proj.bias"),
-                                (rows,)) for n, rows in (("q", hq * d), ("k", hkv * d), ("v", hkv * d)))
+            qb, kb, vb = (
+                check(p + f"self_attn.{n}_proj.bias", need(p + f"self_attn.{n}_proj.bias"), (rows,))
+                for n, rows in (("q", hq * d), ("k", hkv * d), ("v", hkv * d))
+            )
             add("qkv_bias", _group_qkv(qb, kb, vb, hkv, d))
         if arch.qk_norm:
             add("q_norm", check(p + "self_attn.q_norm.weight", need(p + "self_attn.q_norm.weight"), (d,)))
             add("k_norm", check(p + "self_attn.k_norm.weight", need(p + "self_attn.k_norm.weight"), (d,)))
         o = linear_rec(p + "self_attn.o_proj", hq * d, hid)
-        add("o", o if o is not None else
-            check(p + "self_attn.o_proj.weight", need(p + "self_attn.o_proj.weight"), (hid, hq * d)).T)
+        add(
+            "o",
+            o
+            if o is not None
+            else check(p + "self_attn.o_proj.weight", need(p + "self_attn.o_proj.weight"), (hid, hq * d)).T,
+        )
         if arch.o_bias:
             add("o_bias", need(p + "self_attn.o_proj.bias"))
         recs = [linear_rec(p + f"mlp.{n}_proj", hid, f) for n in ("gate", "up")]
@@ -123,21 +139,29 @@ def build_params(arch: ModelArch, get: Callable[[str], np.ndarray | None], dtype
             up = check(p + "mlp.up_proj.weight", need(p + "mlp.up_proj.weight"), (f, hid))
             add("gate_up", np.stack([gate.T, up.T], axis=1))  # [H, 2, F]
         down = linear_rec(p + "mlp.down_proj", f, hid)
-        add("down", down if down is not None else
-            check(p + "mlp.down_proj.weight", need(p + "mlp.down_proj.weight"), (hid, f)).T)
+        add(
+            "down",
+            down
+            if down is not None
+            else check(p + "mlp.down_proj.weight", need(p + "mlp.down_proj.weight"), (hid, f)).T,
+        )
         if arch.mlp_bias:
             add("gate_up_bias", np.stack([need(p + "mlp.gate_proj.bias"), need(p + "mlp.up_proj.bias")]))
             add("down_bias", need(p + "mlp.down_proj.bias"))
         add("input_norm", check(p + "input_layernorm.weight", need(p + "input_layernorm.weight"), (hid,)))
-        add("post_norm", check(p + "post_attention_layernorm.weight",
-                               need(p + "post_attention_layernorm.weight"), (hid,)))
+        add(
+            "post_norm",
+            check(p + "post_attention_layernorm.weight", need(p + "post_attention_layernorm.weight"), (hid,)),
+        )
 
     embed = check("model.embed_tokens.weight", need("model.embed_tokens.weight"), (arch.vocab_size, hid))
     params = {
         "embed": jnp.asarray(embed, dtype),
         "final_norm": jnp.asarray(need("model.norm.weight"), dtype),
-        "layers": {k: (jnp.asarray(np.stack(v), dtype) if isinstance(v[0], np.ndarray)
-                       else _stack_records(k, v)) for k, v in per_layer.items()},
+        "layers": {
+            k: (jnp.asarray(np.stack(v), dtype) if isinstance(v[0], np.ndarray) else _stack_records(k, v))
+            for k, v in per_layer.items()
+        },
     }
     head_rec = None if arch.tie_word_embeddings else linear_rec("lm_head", hid, arch.vocab_size)
     if head_rec is not None:
@@ -146,8 +170,9 @@ def build_params(arch: ModelArch, get: Callable[[str], np.ndarray | None], dtype
         head = get("lm_head.weight")
         if head is None:
             raise ModelConfigError("checkpoint has no lm_head.weight and tie_word_embeddings is false")
-        params["lm_head"] = jnp.asarray(check("lm_head.weight", np.asarray(head, np.float32),
-                                              (arch.vocab_size, hid)).T, dtype)
+        params["lm_head"] = jnp.asarray(
+            check("lm_head.weight", np.asarray(head, np.float32), (arch.vocab_size, hid)).T, dtype
+        )
     return params
 
 

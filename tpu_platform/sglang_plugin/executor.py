@@ -42,11 +42,14 @@ def loader_options(raw) -> dict:
         raise ValueError("--model-loader-extra-config must be a JSON object")
     unknown = sorted(set(raw) - set(LOADER_OPTIONS))
     if unknown:
-        raise ValueError(f"--model-loader-extra-config: unknown key(s) {', '.join(unknown)} "
-                         f"for the tpuserve platform; known: {', '.join(LOADER_OPTIONS)}")
+        raise ValueError(
+            f"--model-loader-extra-config: unknown key(s) {', '.join(unknown)} "
+            f"for the tpuserve platform; known: {', '.join(LOADER_OPTIONS)}"
+        )
     if raw.get("layer_loop", "auto") not in LAYER_LOOPS:
-        raise ValueError(f"--model-loader-extra-config layer_loop={raw['layer_loop']!r}: "
-                         f"must be one of {LAYER_LOOPS}")
+        raise ValueError(
+            f"--model-loader-extra-config layer_loop={raw['layer_loop']!r}: must be one of {LAYER_LOOPS}"
+        )
     return raw
 
 
@@ -78,8 +81,9 @@ class _Piece:
     last: bool  # the chunk that ends the caller's item: its sample is the answer
 
 
-def plan_steps(seqs: list[ScheduledSeq], page_size: int, max_tokens: int,
-               max_seqs: int) -> list[list[_Piece]]:
+def plan_steps(
+    seqs: list[ScheduledSeq], page_size: int, max_tokens: int, max_seqs: int
+) -> list[list[_Piece]]:
     """Cut a batch into steps within the runner's limits; each sequence at most once per step.
 
     Chunks of one sequence land in consecutive steps in order, so each chunk finds the K/V of the
@@ -100,8 +104,9 @@ def plan_steps(seqs: list[ScheduledSeq], page_size: int, max_tokens: int,
             take = min(left, budget)
             start = s.num_computed + done
             pages = -(-(start + take) // page_size)
-            piece = replace(s, token_ids=s.token_ids[done: done + take], num_computed=start,
-                            page_ids=s.page_ids[:pages])
+            piece = replace(
+                s, token_ids=s.token_ids[done : done + take], num_computed=start, page_ids=s.page_ids[:pages]
+            )
             step.append(_Piece(i, piece, last=(take == left)))
             budget -= take
             if take < left:
@@ -121,16 +126,26 @@ class JaxExecutor:
         t0 = time.perf_counter()
         self.cfg = cfg
         self.config = EngineConfig.from_kwargs(
-            model=cfg.model_path, dtype=cfg.dtype, max_model_len=cfg.max_model_len,
-            max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
-            block_size=cfg.page_size, attention_impl=cfg.attention_impl, layer_loop=cfg.layer_loop,
-            quantization=cfg.quantization, kv_cache_dtype=cfg.kv_cache_dtype,
+            model=cfg.model_path,
+            dtype=cfg.dtype,
+            max_model_len=cfg.max_model_len,
+            max_num_seqs=cfg.max_num_seqs,
+            max_num_batched_tokens=cfg.max_num_batched_tokens,
+            block_size=cfg.page_size,
+            attention_impl=cfg.attention_impl,
+            layer_loop=cfg.layer_loop,
+            quantization=cfg.quantization,
+            kv_cache_dtype=cfg.kv_cache_dtype,
             gpu_memory_utilization=cfg.gpu_memory_utilization,
             # +1: page 0 is reserved by both SGLang (padding) and us; SGLang's pages are 1..usable.
-            num_gpu_blocks=(max(1, cfg.max_total_tokens // cfg.page_size) + 1
-                            if cfg.max_total_tokens is not None else None),
+            num_gpu_blocks=(
+                max(1, cfg.max_total_tokens // cfg.page_size) + 1
+                if cfg.max_total_tokens is not None
+                else None
+            ),
             # SGLang's scheduler waits for each batch's ids before building the next.
-            async_scheduling=False)
+            async_scheduling=False,
+        )
         self.worker = Worker(self.config)
         self.worker.load(clamp_max_model_len=True)
         self.device, self.dtype, self.arch = self.worker.device, self.worker.dtype, self.worker.arch
@@ -146,13 +161,22 @@ class JaxExecutor:
             self.worker.warmup()
         self.compiles_after_init = self.runner.compile_count
         scales = self.kv_scales
-        log.info("tpuserve JAX executor ready in %.1fs: backend=%s dtype=%s, weights=%s, KV cache "
-                 "%s in JAX (%d pages x %d tokens, %.1f MiB, %s%s), decoder layers: %s, %d programs compiled",
-                 time.perf_counter() - t0, self.device.backend, np.dtype(self.dtype).name,
-                 self.quantization or "dense", tuple(self.runner.kv_cache.shape), self.usable_pages,
-                 cfg.page_size, self.kv_cache_bytes / 2**20, self.kv_cache_dtype.name,
-                 "" if scales is None else f", k_scale {scales[0]:.6g}, v_scale {scales[1]:.6g}",
-                 self.runner.layer_loop, self.compiles_after_init)
+        log.info(
+            "tpuserve JAX executor ready in %.1fs: backend=%s dtype=%s, weights=%s, KV cache "
+            "%s in JAX (%d pages x %d tokens, %.1f MiB, %s%s), decoder layers: %s, %d programs compiled",
+            time.perf_counter() - t0,
+            self.device.backend,
+            np.dtype(self.dtype).name,
+            self.quantization or "dense",
+            tuple(self.runner.kv_cache.shape),
+            self.usable_pages,
+            cfg.page_size,
+            self.kv_cache_bytes / 2**20,
+            self.kv_cache_dtype.name,
+            "" if scales is None else f", k_scale {scales[0]:.6g}, v_scale {scales[1]:.6g}",
+            self.runner.layer_loop,
+            self.compiles_after_init,
+        )
 
     @property
     def capacity_tokens(self) -> int:

@@ -39,6 +39,7 @@ def our_platform_active() -> bool:
     from sglang.srt.platforms import current_platform
 
     from tpuserve.tpu_platform.sglang_plugin.platform import TpuServeSRTPlatform
+
     return isinstance(current_platform, TpuServeSRTPlatform)
 
 
@@ -49,12 +50,15 @@ def init_tp_model_worker(original, scheduler, *args, **kwargs):
     from sglang.srt.runtime_context import get_device
 
     from tpuserve.tpu_platform.sglang_plugin.worker import TpuServeTpModelWorker
+
     _register_attention_backend_name()
-    log.info("tpuserve platform active: building TpuServeTpModelWorker (JAX executor) in place of "
-             "SGLang's TpModelWorker")
-    scheduler.tp_worker = TpuServeTpModelWorker(server_args=scheduler.server_args,
-                                                gpu_id=get_device().gpu_id,
-                                                nccl_port=scheduler.nccl_port)
+    log.info(
+        "tpuserve platform active: building TpuServeTpModelWorker (JAX executor) in place of "
+        "SGLang's TpModelWorker"
+    )
+    scheduler.tp_worker = TpuServeTpModelWorker(
+        server_args=scheduler.server_args, gpu_id=get_device().gpu_id, nccl_port=scheduler.nccl_port
+    )
 
 
 def _register_attention_backend_name() -> None:
@@ -64,8 +68,10 @@ def _register_attention_backend_name() -> None:
     from tpuserve.tpu_platform.sglang_plugin.platform import ATTENTION_BACKEND_NAME
 
     def _never_built(runner):
-        raise RuntimeError("tpuserve: attention runs inside the JAX model; there is no torch "
-                           "attention backend to build")
+        raise RuntimeError(
+            "tpuserve: attention runs inside the JAX model; there is no torch attention backend to build"
+        )
+
     ATTENTION_BACKENDS.setdefault(ATTENTION_BACKEND_NAME, _never_built)
 
 
@@ -86,7 +92,8 @@ def explain_device_tpu(server_args, *args, **kwargs):
         f"--device tpu is served by the '{PLUGIN_NAME}' SGLang platform, which is not active in "
         f"this process: no TPU is visible (libtpu + /dev/accel* or /dev/vfio) and "
         f"SGLANG_PLATFORM is not '{PLUGIN_NAME}'. On a TPU host this flag works as is; to run "
-        f"tpuserve on JAX's CPU or GPU backend set SGLANG_PLATFORM={PLUGIN_NAME} and drop --device")
+        f"tpuserve on JAX's CPU or GPU backend set SGLANG_PLATFORM={PLUGIN_NAME} and drop --device"
+    )
 
 
 def refuse_unsupported_request(tokenizer_manager, obj, *args, **kwargs):
@@ -117,6 +124,7 @@ def verify_quantization(original, model_config, *args, **kwargs):
     if not our_platform_active():
         return original(model_config, *args, **kwargs)
     from tpuserve.tpu_platform.sglang_plugin.quantization import verify_model_config_quantization
+
     verify_model_config_quantization(model_config)
     return None
 
@@ -128,6 +136,7 @@ def add_quantization_choices() -> None:
     from sglang.srt.arg_groups.choices import QUANTIZATION_CHOICES, add_quantization_method_choices
 
     from tpuserve.tpu_platform.sglang_plugin.quantization import ONLINE_METHODS
+
     add_quantization_method_choices([m for m in ONLINE_METHODS if m not in QUANTIZATION_CHOICES])
 
 

@@ -55,40 +55,52 @@ class TpuServeSRTPlatform(SRTPlatform):
             raise ValueError(
                 f"the tpuserve SGLang platform runs the model in JAX and keeps SGLang's tensors on "
                 f"the host; --device {server_args.device} is not supported (use --device tpu or "
-                f"leave --device unset)")
+                f"leave --device unset)"
+            )
         if device == "tpu":
             from tpuserve.tpu_platform.sglang_plugin.activation import tpu_visible
+
             if not tpu_visible():
                 raise ValueError(
                     "--device tpu: no TPU is visible here (libtpu + /dev/accel* or /dev/vfio); "
                     "the tpuserve platform runs on JAX's default backend when --device is left "
-                    "unset")
-            log.info("tpuserve: --device tpu -> the model runs on JAX's TPU; SGLang's scheduler "
-                     "tensors (int metadata) stay on torch device 'cpu'")
+                    "unset"
+                )
+            log.info(
+                "tpuserve: --device tpu -> the model runs on JAX's TPU; SGLang's scheduler "
+                "tensors (int metadata) stay on torch device 'cpu'"
+            )
         server_args.device = "cpu"
         from tpuserve.tpu_platform.sglang_plugin.quantization import refuse_unsupported_flags
+
         refuse_unsupported_flags(server_args)
         from tpuserve.tpu_platform.sglang_plugin.executor import loader_options
+
         loader_options(getattr(server_args, "model_loader_extra_config", None) or {})
-        for flag, attr in (("--enable-hierarchical-cache", "enable_hierarchical_cache"),
-                           ("--enable-lmcache", "enable_lmcache")):
+        for flag, attr in (
+            ("--enable-hierarchical-cache", "enable_hierarchical_cache"),
+            ("--enable-lmcache", "enable_lmcache"),
+        ):
             if getattr(server_args, attr, False):
                 raise ValueError(
                     f"{flag} is not supported by the tpuserve SGLang platform: it moves KV pages "
                     f"between SGLang's torch device pool and host memory, while here the pages live "
                     f"in tpuserve's JAX cache. For a host-memory KV tier use tpuserve's own: "
                     f"`tpuserve serve MODEL --kv-offloading-size GiB`, or `vllm serve MODEL --device "
-                    f"tpu --kv-offloading-size GiB`; or drop {flag}")
+                    f"tpu --kv-offloading-size GiB`; or drop {flag}"
+                )
         # One SGLang rank drives one JAX executor; sharding belongs inside JAX (a mesh), not to
         # SGLang's torch process groups, which would each load their own full copy.
         for name in ("tp_size", "pp_size"):
             if (getattr(server_args, name, 1) or 1) > 1:
-                raise ValueError(f"--{name.replace('_', '-')} > 1 is not supported by the tpuserve "
-                                 f"SGLang platform (one SGLang rank drives one JAX executor, and "
-                                 f"SGLang's ranks would each load the whole model). For tensor "
-                                 f"parallelism over a JAX mesh use `tpuserve serve MODEL "
-                                 f"--tensor-parallel-size N` or `vllm serve MODEL --device tpu "
-                                 f"--tensor-parallel-size N`")
+                raise ValueError(
+                    f"--{name.replace('_', '-')} > 1 is not supported by the tpuserve "
+                    f"SGLang platform (one SGLang rank drives one JAX executor, and "
+                    f"SGLang's ranks would each load the whole model). For tensor "
+                    f"parallelism over a JAX mesh use `tpuserve serve MODEL "
+                    f"--tensor-parallel-size N` or `vllm serve MODEL --device tpu "
+                    f"--tensor-parallel-size N`"
+                )
         if server_args.page_size is None:
             server_args.page_size = DEFAULT_PAGE_SIZE
         if server_args.chunked_prefill_size is None:
@@ -101,11 +113,16 @@ class TpuServeSRTPlatform(SRTPlatform):
         server_args.attention_backend = ATTENTION_BACKEND_NAME
         if server_args.sampling_backend is None:
             server_args.sampling_backend = "pytorch"  # never called: our runner samples in JAX
-        log.info("tpuserve SGLang platform active: the model runs in JAX (tpuserve executor); "
-                 "page_size=%s, chunked_prefill_size=%s, max_running_requests=%s, overlap "
-                 "schedule off, quantization=%s, kv_cache_dtype=%s", server_args.page_size,
-                 server_args.chunked_prefill_size, server_args.max_running_requests,
-                 server_args.quantization, server_args.kv_cache_dtype)
+        log.info(
+            "tpuserve SGLang platform active: the model runs in JAX (tpuserve executor); "
+            "page_size=%s, chunked_prefill_size=%s, max_running_requests=%s, overlap "
+            "schedule off, quantization=%s, kv_cache_dtype=%s",
+            server_args.page_size,
+            server_args.chunked_prefill_size,
+            server_args.max_running_requests,
+            server_args.quantization,
+            server_args.kv_cache_dtype,
+        )
 
     def get_default_attention_backend(self) -> str:
         return ATTENTION_BACKEND_NAME

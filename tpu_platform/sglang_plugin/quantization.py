@@ -45,16 +45,21 @@ _CHECKPOINT_NAMES = {
     ("modelopt", "nvfp4"): ("modelopt", "modelopt_fp4"),
 }
 _COMPRESSED_TENSORS_NAMES = ("compressed-tensors", "compressed_tensors")
-CHECKPOINT_FORMATS = ("fp8 (HF / DeepSeek block or per-tensor)",
-                      "compressed-tensors (FP8, NVFP4, MXFP4)", "ModelOpt (FP8, NVFP4)")
+CHECKPOINT_FORMATS = (
+    "fp8 (HF / DeepSeek block or per-tensor)",
+    "compressed-tensors (FP8, NVFP4, MXFP4)",
+    "ModelOpt (FP8, NVFP4)",
+)
 # --kv-cache-dtype values served, in SGLang's spelling; our EngineConfig takes them as they are.
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
 
 
 def supported_quantization_text() -> str:
-    return (f"supported: {', '.join(ONLINE_METHODS)} (an unquantized checkpoint, quantized at load "
-            f"in JAX), or unset for a pre-quantized checkpoint in a format tpuserve's loader reads: "
-            f"{'; '.join(CHECKPOINT_FORMATS)}")
+    return (
+        f"supported: {', '.join(ONLINE_METHODS)} (an unquantized checkpoint, quantized at load "
+        f"in JAX), or unset for a pre-quantized checkpoint in a format tpuserve's loader reads: "
+        f"{'; '.join(CHECKPOINT_FORMATS)}"
+    )
 
 
 def resolve_quantization(flag: str | None, model_path: str | None) -> str | None:
@@ -69,44 +74,53 @@ def resolve_quantization(flag: str | None, model_path: str | None) -> str | None
     try:
         ckpt = checkpoint_quant(model_path)
     except ModelConfigError as e:
-        raise ValueError(f"the checkpoint at {model_path!r} is quantized in a format the tpuserve "
-                         f"SGLang platform cannot load ({e}); {supported_quantization_text()}") from e
+        raise ValueError(
+            f"the checkpoint at {model_path!r} is quantized in a format the tpuserve "
+            f"SGLang platform cannot load ({e}); {supported_quantization_text()}"
+        ) from e
     if ckpt is None:
         if flag is None or flag in ONLINE_METHODS:
             return flag
-        raise ValueError(f"--quantization {flag} is not supported by the tpuserve SGLang platform "
-                         f"(the model runs in JAX; SGLang's torch quantization kernels are not "
-                         f"used); {supported_quantization_text()}")
+        raise ValueError(
+            f"--quantization {flag} is not supported by the tpuserve SGLang platform "
+            f"(the model runs in JAX; SGLang's torch quantization kernels are not "
+            f"used); {supported_quantization_text()}"
+        )
     names = {ckpt.method, *_CHECKPOINT_NAMES.get((ckpt.producer, ckpt.method), ())}
     if ckpt.producer == "compressed-tensors":
         names.update(_COMPRESSED_TENSORS_NAMES)
     if flag is None or flag in names:
         return ckpt.method
-    raise ValueError(f"--quantization {flag} does not match the checkpoint at {model_path!r}, which "
-                     f"is pre-quantized as {ckpt.method} ({ckpt.producer} format) and is served as "
-                     f"it is: leave --quantization unset or pass one of {sorted(names)}")
+    raise ValueError(
+        f"--quantization {flag} does not match the checkpoint at {model_path!r}, which "
+        f"is pre-quantized as {ckpt.method} ({ckpt.producer} format) and is served as "
+        f"it is: leave --quantization unset or pass one of {sorted(names)}"
+    )
 
 
 def engine_kv_cache_dtype(value: str | None) -> str:
     """Our EngineConfig's ``kv_cache_dtype`` for SGLang's ``--kv-cache-dtype`` (or a clear refusal)."""
     value = value or "auto"
     if value not in KV_CACHE_DTYPES:
-        raise ValueError(f"--kv-cache-dtype {value} is not supported by the tpuserve SGLang "
-                         f"platform; supported: auto (the model dtype) and fp8_e4m3 "
-                         f"(float8_e4m3fn with per-tensor k/v scales: the checkpoint's, else "
-                         f"calibrated at start-up)")
+        raise ValueError(
+            f"--kv-cache-dtype {value} is not supported by the tpuserve SGLang "
+            f"platform; supported: auto (the model dtype) and fp8_e4m3 "
+            f"(float8_e4m3fn with per-tensor k/v scales: the checkpoint's, else "
+            f"calibrated at start-up)"
+        )
     return value
 
 
 def refuse_unsupported_flags(server_args) -> None:
     """Start-up checks for the launcher (platform.apply_server_args_defaults)."""
-    resolve_quantization(getattr(server_args, "quantization", None),
-                         getattr(server_args, "model_path", None))
+    resolve_quantization(getattr(server_args, "quantization", None), getattr(server_args, "model_path", None))
     engine_kv_cache_dtype(getattr(server_args, "kv_cache_dtype", None))
     if getattr(server_args, "quantization_param_path", None):
-        raise ValueError("--quantization-param-path is not supported by the tpuserve SGLang "
-                         "platform: an FP8 KV cache takes its k/v scales from the checkpoint, else "
-                         "calibrates them at start-up; drop the flag")
+        raise ValueError(
+            "--quantization-param-path is not supported by the tpuserve SGLang "
+            "platform: an FP8 KV cache takes its k/v scales from the checkpoint, else "
+            "calibrates them at start-up; drop the flag"
+        )
 
 
 def verify_model_config_quantization(model_config) -> None:
@@ -115,5 +129,9 @@ def verify_model_config_quantization(model_config) -> None:
     method = resolve_quantization(flag, model_config.model_path)
     model_config.quantization = method
     if method is not None:
-        log.info("tpuserve: --quantization %s -> weights served as %s, loaded by tpuserve in JAX "
-                 "(SGLang's torch quantization classes are not used)", flag or "unset", method)
+        log.info(
+            "tpuserve: --quantization %s -> weights served as %s, loaded by tpuserve in JAX "
+            "(SGLang's torch quantization classes are not used)",
+            flag or "unset",
+            method,
+        )

@@ -28,8 +28,9 @@ def page_table(token_slots: np.ndarray, page_size: int) -> np.ndarray:
     return (token_slots[::page_size] // page_size).astype(np.int32)
 
 
-def check_new_slots(token_slots: np.ndarray, start: int, new_slots: np.ndarray, page_size: int,
-                    where: str = "") -> None:
+def check_new_slots(
+    token_slots: np.ndarray, start: int, new_slots: np.ndarray, page_size: int, where: str = ""
+) -> None:
     """Positions start..start+len(new_slots)-1 must map to ``new_slots`` through the page table.
 
     ``token_slots`` is the request's ``req_to_token`` row up to its new length. A mismatch means our
@@ -45,6 +46,7 @@ def check_new_slots(token_slots: np.ndarray, start: int, new_slots: np.ndarray, 
         raise SlotLayoutError(
             f"{where}position {start + bad}: SGLang's out_cache_loc is slot {int(new_slots[bad])} "
             f"but the page table gives slot {int(ours[bad])} (page_size={page_size}); the KV slot "
-            f"layout is not page-aligned as this plugin requires")
+            f"layout is not page-aligned as this plugin requires"
+        )
     if np.any(pages == 0):
         raise SlotLayoutError(f"{where}a page table points at page 0, SGLang's padding page")

@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 
 import torch
-
 from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
 from sglang.srt.mem_cache.memory_pool import KVCache, ReqToTokenPool
 from sglang.srt.model_executor.model_runner import ModelRunner
@@ -48,8 +47,9 @@ class NoTorchKVCache(KVCache):
         self.custom_mem_pool = None
 
     def _no_buffer(self, *args, **kwargs):
-        raise RuntimeError("the KV cache lives in tpuserve's JAX executor; there is no torch "
-                           "KV buffer to read or write")
+        raise RuntimeError(
+            "the KV cache lives in tpuserve's JAX executor; there is no torch KV buffer to read or write"
+        )
 
     get_key_buffer = _no_buffer
     get_value_buffer = _no_buffer
@@ -102,12 +102,12 @@ class TpuServeModelRunnerStub(ModelRunner):
         from sglang.srt.utils.torch_memory_saver_adapter import TorchMemorySaverAdapter
 
         self.memory_saver_adapter = TorchMemorySaverAdapter.create(
-            enable=get_exec().features.enable_memory_saver)
+            enable=get_exec().features.enable_memory_saver
+        )
         self.sampler = None
         self.load_model()
         layers = self.model_config.num_hidden_layers
-        self.layer_info = ModelLayerInfo(start_layer=0, end_layer=layers,
-                                         num_effective_layers=layers)
+        self.layer_info = ModelLayerInfo(start_layer=0, end_layer=layers, num_effective_layers=layers)
         ex = self._executor
         # What our JAX cache really holds (SGLang's bookkeeping only records it; no torch buffer):
         # the model dtype, or float8_e4m3fn for --kv-cache-dtype fp8_e4m3.
@@ -115,33 +115,51 @@ class TpuServeModelRunnerStub(ModelRunner):
         self.is_hybrid_swa = False
 
         if ex.cfg.page_size != self.page_size:
-            raise RuntimeError(f"SGLang page_size {self.page_size} != executor page size "
-                               f"{ex.cfg.page_size}")
+            raise RuntimeError(f"SGLang page_size {self.page_size} != executor page size {ex.cfg.page_size}")
         self.max_total_num_tokens = ex.capacity_tokens
         requested = get_schedule().max_running_requests
-        self.max_running_requests = min(requested or ex.cfg.max_num_seqs,
-                                        max(1, self.max_total_num_tokens // 2))
+        self.max_running_requests = min(
+            requested or ex.cfg.max_num_seqs, max(1, self.max_total_num_tokens // 2)
+        )
         self.req_to_token_pool = ReqToTokenPool(
-            size=self.max_running_requests, max_context_len=self.model_config.context_len,
-            device="cpu", enable_memory_saver=False)
-        self.token_to_kv_pool = NoTorchKVCache(self.max_total_num_tokens, self.page_size,
-                                               self.kv_cache_dtype, layers)
+            size=self.max_running_requests,
+            max_context_len=self.model_config.context_len,
+            device="cpu",
+            enable_memory_saver=False,
+        )
+        self.token_to_kv_pool = NoTorchKVCache(
+            self.max_total_num_tokens, self.page_size, self.kv_cache_dtype, layers
+        )
         if self.page_size == 1:
             self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(
-                size=self.max_total_num_tokens, dtype=self.kv_cache_dtype, device="cpu",
-                kvcache=self.token_to_kv_pool, need_sort=False)
+                size=self.max_total_num_tokens,
+                dtype=self.kv_cache_dtype,
+                device="cpu",
+                kvcache=self.token_to_kv_pool,
+                need_sort=False,
+            )
         else:
             self.token_to_kv_pool_allocator = PagedTokenToKVPoolAllocator(
-                size=self.max_total_num_tokens, page_size=self.page_size,
-                dtype=self.kv_cache_dtype, device="cpu", kvcache=self.token_to_kv_pool,
-                need_sort=False)
+                size=self.max_total_num_tokens,
+                page_size=self.page_size,
+                dtype=self.kv_cache_dtype,
+                device="cpu",
+                kvcache=self.token_to_kv_pool,
+                need_sort=False,
+            )
         self.decode_cuda_graph_runner = None
         self.attn_backend = None
         self.init_ngram_embedding_manager()
-        log.info("tpuserve: SGLang bookkeeping only (max_total_num_tokens=%d, page_size=%d, "
-                 "max_running_requests=%d, kv_cache_dtype=%s); torch KV pool bytes: 0; JAX KV "
-                 "cache %.1f MiB", self.max_total_num_tokens, self.page_size,
-                 self.max_running_requests, self.kv_cache_dtype, ex.kv_cache_bytes / 2**20)
+        log.info(
+            "tpuserve: SGLang bookkeeping only (max_total_num_tokens=%d, page_size=%d, "
+            "max_running_requests=%d, kv_cache_dtype=%s); torch KV pool bytes: 0; JAX KV "
+            "cache %.1f MiB",
+            self.max_total_num_tokens,
+            self.page_size,
+            self.max_running_requests,
+            self.kv_cache_dtype,
+            ex.kv_cache_bytes / 2**20,
+        )
 
     def alloc_memory_pool(self, memory_pool_config=None, *, draft_parallel_layout=None):
         pass  # pools were made in initialize(); the KV itself is in JAX

@@ -25,7 +25,6 @@ import zlib
 
 import numpy as np
 import torch
-
 from sglang.srt.managers.tp_worker import TpModelWorker
 from sglang.srt.managers.utils import GenerationBatchResult
 from sglang.srt.runtime_context import get_model, get_schedule
@@ -37,8 +36,14 @@ from tpuserve.tpu_platform.step_batch import SamplingRow, ScheduledSeq, sampling
 log = logging.getLogger(__name__)
 
 # SGLang's dtype names -> ours ("auto" lets our device discovery pick: bf16 on TPU/GPU, f32 on CPU).
-_DTYPES = {"auto": "auto", "float32": "float32", "float": "float32", "bfloat16": "bfloat16",
-           "float16": "float16", "half": "float16"}
+_DTYPES = {
+    "auto": "auto",
+    "float32": "float32",
+    "float": "float32",
+    "bfloat16": "bfloat16",
+    "float16": "float16",
+    "half": "float16",
+}
 
 
 class UnsupportedOnTpuServe(NotImplementedError):
@@ -57,26 +62,30 @@ def executor_config(model_path: str, context_len: int) -> ExecutorConfig:
     or the pre-quantized checkpoint's own method) and ``kv_cache_dtype``. Unsupported values were
     refused at start-up already (quantization.py); this resolves them the same way again.
     """
-    from tpuserve.tpu_platform.sglang_plugin.quantization import (engine_kv_cache_dtype,
-                                                                 resolve_quantization)
+    from tpuserve.tpu_platform.sglang_plugin.quantization import engine_kv_cache_dtype, resolve_quantization
 
     sched = get_schedule()
     model = get_model()
     dtype = str(model.dtype)
     if dtype not in _DTYPES:
-        raise UnsupportedOnTpuServe(f"--dtype {dtype} is not supported by tpuserve; use one of "
-                                    f"{sorted(_DTYPES)}")
+        raise UnsupportedOnTpuServe(
+            f"--dtype {dtype} is not supported by tpuserve; use one of {sorted(_DTYPES)}"
+        )
     chunk = sched.chunked_prefill_size
     options = loader_options(getattr(model, "model_loader_extra_config", None) or {})
     return ExecutorConfig(
         layer_loop=options.get("layer_loop", "auto"),
-        model_path=model_path, page_size=sched.page_size, max_model_len=context_len,
-        dtype=_DTYPES[dtype], max_total_tokens=sched.max_total_tokens,
+        model_path=model_path,
+        page_size=sched.page_size,
+        max_model_len=context_len,
+        dtype=_DTYPES[dtype],
+        max_total_tokens=sched.max_total_tokens,
         max_num_seqs=sched.max_running_requests or 32,
         # One runner step per SGLang prefill chunk when chunking is on; bigger batches are split.
         max_num_batched_tokens=chunk if chunk and chunk > 0 else 256,
         quantization=resolve_quantization(model.quantization, model_path),
-        kv_cache_dtype=engine_kv_cache_dtype(model.kv_cache_dtype))
+        kv_cache_dtype=engine_kv_cache_dtype(model.kv_cache_dtype),
+    )
 
 
 def request_sampling_row(req, vocab_size: int, eos_token_ids=()) -> SamplingRow:
@@ -94,28 +103,38 @@ def request_sampling_row(req, vocab_size: int, eos_token_ids=()) -> SamplingRow:
     if not getattr(sp, "ignore_eos", False):
         stop_ids |= set(getattr(req, "eos_token_ids", None) or ()) | set(eos_token_ids)
     return sampling_row(
-        temperature=0.0 if greedy else float(sp.temperature), top_k=0 if greedy else top_k,
-        top_p=float(sp.top_p), min_p=float(sp.min_p), seed=int(seed),
-        prompt_ids=list(req.origin_input_ids), output_ids=list(req.output_ids),
-        repetition_penalty=float(sp.repetition_penalty), presence_penalty=float(sp.presence_penalty),
+        temperature=0.0 if greedy else float(sp.temperature),
+        top_k=0 if greedy else top_k,
+        top_p=float(sp.top_p),
+        min_p=float(sp.min_p),
+        seed=int(seed),
+        prompt_ids=list(req.origin_input_ids),
+        output_ids=list(req.output_ids),
+        repetition_penalty=float(sp.repetition_penalty),
+        presence_penalty=float(sp.presence_penalty),
         frequency_penalty=float(sp.frequency_penalty),
-        min_tokens=int(getattr(sp, "min_new_tokens", 0) or 0), min_tokens_stop_ids=stop_ids)
+        min_tokens=int(getattr(sp, "min_new_tokens", 0) or 0),
+        min_tokens_stop_ids=stop_ids,
+    )
 
 
 def _refuse_unsupported(batch) -> None:
     if batch.return_logprob:
         raise UnsupportedOnTpuServe("logprobs are not supported by the tpuserve SGLang worker yet")
     if batch.has_grammar:
-        raise UnsupportedOnTpuServe("structured output (grammars) is not supported by the "
-                                    "tpuserve SGLang worker yet")
+        raise UnsupportedOnTpuServe(
+            "structured output (grammars) is not supported by the tpuserve SGLang worker yet"
+        )
     info = batch.sampling_info
     if info is not None and (info.logit_bias is not None or info.has_custom_logit_processor):
-        raise UnsupportedOnTpuServe("logit_bias / custom logit processors are not supported by "
-                                    "the tpuserve SGLang worker yet")
+        raise UnsupportedOnTpuServe(
+            "logit_bias / custom logit processors are not supported by the tpuserve SGLang worker yet"
+        )
 
 
-def scheduled_seqs(batch, req_to_token: torch.Tensor, page_size: int,
-                   vocab_size: int, eos_token_ids=()) -> list[ScheduledSeq]:
+def scheduled_seqs(
+    batch, req_to_token: torch.Tensor, page_size: int, vocab_size: int, eos_token_ids=()
+) -> list[ScheduledSeq]:
     """SGLang's batch -> our per-sequence work items (int metadata only)."""
     reqs = batch.reqs
     input_ids = batch.input_ids.numpy().astype(np.int32)
@@ -134,10 +153,15 @@ def scheduled_seqs(batch, req_to_token: torch.Tensor, page_size: int,
         total = int(seq_lens[i])
         slots = table[int(pool_idx[i]), :total]
         start = total - n
-        check_new_slots(slots, start, out_loc[off: off + n], page_size, where=f"request {req.rid}: ")
-        seqs.append(ScheduledSeq(token_ids=input_ids[off: off + n].tolist(), num_computed=start,
-                                 page_ids=page_table(slots, page_size).tolist(),
-                                 sampling=request_sampling_row(req, vocab_size, eos_token_ids)))
+        check_new_slots(slots, start, out_loc[off : off + n], page_size, where=f"request {req.rid}: ")
+        seqs.append(
+            ScheduledSeq(
+                token_ids=input_ids[off : off + n].tolist(),
+                num_computed=start,
+                page_ids=page_table(slots, page_size).tolist(),
+                sampling=request_sampling_row(req, vocab_size, eos_token_ids),
+            )
+        )
         off += n
     if off != len(input_ids):
         raise RuntimeError(f"batch has {len(input_ids)} input ids but its requests account for {off}")
@@ -154,15 +178,25 @@ class TpuServeTpModelWorker(TpModelWorker):
         cfg = executor_config(get_model().model_path, self.model_config.context_len)
         self._executor = JaxExecutor(cfg)
         self._model_runner = TpuServeModelRunnerStub(
-            model_config=self.model_config, mem_fraction_static=get_schedule().mem_fraction_static,
-            gpu_id=self.gpu_id, nccl_port=self.nccl_port, server_args=self.server_args,
-            is_draft_worker=self.is_draft_worker, req_to_token_pool=self.req_to_token_pool,
+            model_config=self.model_config,
+            mem_fraction_static=get_schedule().mem_fraction_static,
+            gpu_id=self.gpu_id,
+            nccl_port=self.nccl_port,
+            server_args=self.server_args,
+            is_draft_worker=self.is_draft_worker,
+            req_to_token_pool=self.req_to_token_pool,
             token_to_kv_pool_allocator=self.token_to_kv_pool_allocator,
-            memory_pool_config=self.memory_pool_config, executor=self._executor)
+            memory_pool_config=self.memory_pool_config,
+            executor=self._executor,
+        )
         self._vocab_size = self._executor.arch.vocab_size
-        log.info("tpuserve executor active: SGLang scheduler -> %s (JAX %s backend, weights %s, "
-                 "KV cache %s)", type(self).__name__, self._executor.device.backend,
-                 self._executor.quantization or "dense", self._executor.kv_cache_dtype.name)
+        log.info(
+            "tpuserve executor active: SGLang scheduler -> %s (JAX %s backend, weights %s, KV cache %s)",
+            type(self).__name__,
+            self._executor.device.backend,
+            self._executor.quantization or "dense",
+            self._executor.kv_cache_dtype.name,
+        )
 
     @property
     def executor(self) -> JaxExecutor:
@@ -171,22 +205,41 @@ class TpuServeTpModelWorker(TpModelWorker):
     def get_pad_input_ids_func(self):
         return None  # no multimodal padding: there is no torch model to ask
 
-    def forward_batch_generation(self, batch, forward_batch=None, pp_proxy_tensors=None,
-                                 is_verify=False, skip_attn_backend_init=None, *,
-                                 capture_hidden_mode=None, return_kv_loc_plan=False):
+    def forward_batch_generation(
+        self,
+        batch,
+        forward_batch=None,
+        pp_proxy_tensors=None,
+        is_verify=False,
+        skip_attn_backend_init=None,
+        *,
+        capture_hidden_mode=None,
+        return_kv_loc_plan=False,
+    ):
         from sglang.srt.layers.logits_processor import LogitsProcessorOutput
 
         if batch is None or is_verify:
-            raise UnsupportedOnTpuServe("only scheduled batches run on tpuserve (no speculative "
-                                        "verify, no prebuilt ForwardBatch)")
+            raise UnsupportedOnTpuServe(
+                "only scheduled batches run on tpuserve (no speculative verify, no prebuilt ForwardBatch)"
+            )
         empty = LogitsProcessorOutput(next_token_logits=None)
         if batch.forward_mode.is_idle() or not batch.reqs:
-            return GenerationBatchResult(logits_output=empty, can_run_cuda_graph=False,
-                                         next_token_ids=torch.zeros(0, dtype=torch.int64))
+            return GenerationBatchResult(
+                logits_output=empty,
+                can_run_cuda_graph=False,
+                next_token_ids=torch.zeros(0, dtype=torch.int64),
+            )
         _refuse_unsupported(batch)
-        seqs = scheduled_seqs(batch, self.model_runner.req_to_token_pool.req_to_token,
-                              self.model_runner.page_size, self._vocab_size,
-                              self._executor.arch.eos_token_ids)
+        seqs = scheduled_seqs(
+            batch,
+            self.model_runner.req_to_token_pool.req_to_token,
+            self.model_runner.page_size,
+            self._vocab_size,
+            self._executor.arch.eos_token_ids,
+        )
         sampled = self._executor.run(seqs)
-        return GenerationBatchResult(logits_output=empty, can_run_cuda_graph=False,
-                                     next_token_ids=torch.from_numpy(sampled.astype(np.int64)))
+        return GenerationBatchResult(
+            logits_output=empty,
+            can_run_cuda_graph=False,
+            next_token_ids=torch.from_numpy(sampled.astype(np.int64)),
+        )

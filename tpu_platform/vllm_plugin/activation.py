@@ -59,8 +59,9 @@ def device_flag_value(argv: list[str]) -> str | None:
     return value
 
 
-def decide(environ: dict[str, str] | None = None, argv: list[str] | None = None,
-           tpu: bool | None = None) -> Activation:
+def decide(
+    environ: dict[str, str] | None = None, argv: list[str] | None = None, tpu: bool | None = None
+) -> Activation:
     """Apply the rules in the module docstring. Arguments default to this process's state."""
     environ = os.environ if environ is None else environ
     argv = sys.argv if argv is None else argv
@@ -77,5 +78,4 @@ def decide(environ: dict[str, str] | None = None, argv: list[str] | None = None,
         return Activation(True, f"{DEVICE_FLAG} {flag} on the command line")
     if tpu if tpu is not None else tpu_attached():
         return Activation(True, "a TPU is attached")
-    return Activation(False, "no TPU attached and no opt-in "
-                             f"({ENV_VAR}=1 or {DEVICE_FLAG} tpu)")
+    return Activation(False, f"no TPU attached and no opt-in ({ENV_VAR}=1 or {DEVICE_FLAG} tpu)")

@@ -39,8 +39,11 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
-                                                               KVConnectorRole)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
@@ -72,7 +75,7 @@ class HostTierMetadata(KVConnectorMetadata):
     store_blocks: list[int] = field(default_factory=list)
 
 
-def host_tier_geometry(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> tuple[int, int]:
+def host_tier_geometry(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> tuple[int, int]:
     """(host slots, bytes per block across layers): both sides compute it the same way.
 
     The bytes per block come from vLLM's KV cache spec, which our worker fills with the padded page
@@ -81,8 +84,10 @@ def host_tier_geometry(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfi
     extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
     budget = extra.get(BUDGET_KEY)
     if not isinstance(budget, (int, float)) or isinstance(budget, bool) or budget <= 0:
-        raise ValueError(f"kv_connector_extra_config[{BUDGET_KEY!r}]={budget!r}: give the host tier's "
-                         f"size in bytes (--kv-offloading-size GiB sets it)")
+        raise ValueError(
+            f"kv_connector_extra_config[{BUDGET_KEY!r}]={budget!r}: give the host tier's "
+            f"size in bytes (--kv-offloading-size GiB sets it)"
+        )
     groups = kv_cache_config.kv_cache_groups
     if len(groups) != 1:
         raise ValueError(f"the host tier expects one KV cache group, vLLM built {len(groups)}")
@@ -136,10 +141,12 @@ class HostTierPromMetrics(KVConnectorPromMetrics):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self._counters: dict[str, dict[int, Any]] = {}
         for key in STAT_KEYS:
-            counter = self._counter_cls(name=f"vllm:tpuserve_host_tier_{key}",
-                                        documentation=_METRIC_DOCS[key], labelnames=labelnames)
-            self._counters[key] = {idx: counter.labels(*values)
-                                   for idx, values in per_engine_labelvalues.items()}
+            counter = self._counter_cls(
+                name=f"vllm:tpuserve_host_tier_{key}", documentation=_METRIC_DOCS[key], labelnames=labelnames
+            )
+            self._counters[key] = {
+                idx: counter.labels(*values) for idx, values in per_engine_labelvalues.items()
+            }
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0):
         for key, by_engine in self._counters.items():
@@ -157,14 +164,14 @@ class _SchedulerSide:
     def __init__(self, block_size: int, num_slots: int):
         self.block_size = block_size
         self.index = HostSlotIndex(num_slots)
-        self.requests: dict[str, "Request"] = {}
+        self.requests: dict[str, Request] = {}
         self.stored_upto: dict[str, int] = {}  # blocks [0, n) of a request are known to be on host
         self.local_hit: dict[str, int] = {}  # vLLM's block-aligned device hit at the last lookup
         self.meta = HostTierMetadata()
         self.pinned: list[bytes] = []
         self.stats = HostTierConnectorStats()
 
-    def num_matched(self, request: "Request", num_computed_tokens: int) -> int:
+    def num_matched(self, request: Request, num_computed_tokens: int) -> int:
         bs = self.block_size
         hashes = request.block_hashes
         first = num_computed_tokens // bs
@@ -180,18 +187,20 @@ class _SchedulerSide:
             n += 1
         return n * bs
 
-    def plan_load(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+    def plan_load(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         rid = request.request_id
         self.requests[rid] = request
         if num_external_tokens <= 0:
             return
         bs = self.block_size
         if num_external_tokens % bs:
-            raise RuntimeError(f"request {rid}: {num_external_tokens} external tokens is not a "
-                               f"whole number of {bs}-token blocks")
+            raise RuntimeError(
+                f"request {rid}: {num_external_tokens} external tokens is not a "
+                f"whole number of {bs}-token blocks"
+            )
         first = self.local_hit.pop(rid) // bs
         block_ids = blocks.get_block_ids()[0]
-        hashes = request.block_hashes[first: first + num_external_tokens // bs]
+        hashes = request.block_hashes[first : first + num_external_tokens // bs]
         for j, h in enumerate(hashes, start=first):
             self.meta.load_slots.append(self.index.slot(h))
             self.meta.load_blocks.append(int(block_ids[j]))
@@ -200,7 +209,7 @@ class _SchedulerSide:
         self.index.touch(hashes)
         self.pinned.extend(hashes)
 
-    def build(self, so: "SchedulerOutput") -> HostTierMetadata:
+    def build(self, so: SchedulerOutput) -> HostTierMetadata:
         computed: dict[str, int] = {}
         for new in so.scheduled_new_reqs:
             computed[new.req_id] = int(new.num_computed_tokens)
@@ -219,7 +228,7 @@ class _SchedulerSide:
             start = self.stored_upto.get(rid, 0)
             if full <= start:
                 continue
-            block_ids = (state.get_block_ids(rid) if state is not None else None)
+            block_ids = state.get_block_ids(rid) if state is not None else None
             if block_ids is None:
                 raise RuntimeError(f"request {rid}: vLLM passed no block ids to the KV connector")
             block_ids = block_ids[0]
@@ -281,14 +290,21 @@ class _WorkerSide:
         kv = runner.kv_cache
         ours = page_bytes(kv.shape, kv.dtype)
         if ours != self.block_bytes:
-            raise ValueError(f"host tier: vLLM's KV spec says {self.block_bytes} bytes per block, the "
-                             f"runner's cache {tuple(kv.shape)} {kv.dtype} has {ours}")
+            raise ValueError(
+                f"host tier: vLLM's KV spec says {self.block_bytes} bytes per block, the "
+                f"runner's cache {tuple(kv.shape)} {kv.dtype} has {ours}"
+            )
         l, _, ps, c, d = kv.shape
-        self.pool = HostPagePool(self.num_slots, (l, ps, c, d), kv.dtype,
-                                 max_inflight_saves=self.max_inflight_saves)
+        self.pool = HostPagePool(
+            self.num_slots, (l, ps, c, d), kv.dtype, max_inflight_saves=self.max_inflight_saves
+        )
         self.runner = runner
-        log.info("tpuserve host tier: %d blocks of %.2f MiB (%.2f GiB) in host memory", self.num_slots,
-                 self.block_bytes / 2**20, self.num_slots * self.block_bytes / 2**30)
+        log.info(
+            "tpuserve host tier: %d blocks of %.2f MiB (%.2f GiB) in host memory",
+            self.num_slots,
+            self.block_bytes / 2**20,
+            self.num_slots * self.block_bytes / 2**30,
+        )
 
     def _need_runner(self) -> None:
         if self.runner is None:
@@ -338,18 +354,22 @@ class TpuserveHostOffloadConnector(KVConnectorBase_V1):
 
     _cache_hit_source = CacheHitSource.HOST
 
-    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig"):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
         super().__init__(vllm_config, role, kv_cache_config)
         num_slots, block_bytes = host_tier_geometry(vllm_config, kv_cache_config)
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
         inflight = extra.get(MAX_INFLIGHT_KEY, DEFAULT_MAX_INFLIGHT)
         if not isinstance(inflight, int) or isinstance(inflight, bool) or inflight < 1:
-            raise ValueError(f"kv_connector_extra_config[{MAX_INFLIGHT_KEY!r}]={inflight!r}: must be an "
-                             f"integer >= 1")
+            raise ValueError(
+                f"kv_connector_extra_config[{MAX_INFLIGHT_KEY!r}]={inflight!r}: must be an integer >= 1"
+            )
         block_size = kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
-        self.scheduler_side = _SchedulerSide(block_size, num_slots) if role == KVConnectorRole.SCHEDULER else None
-        self.worker_side = (_WorkerSide(num_slots, block_bytes, inflight)
-                            if role == KVConnectorRole.WORKER else None)
+        self.scheduler_side = (
+            _SchedulerSide(block_size, num_slots) if role == KVConnectorRole.SCHEDULER else None
+        )
+        self.worker_side = (
+            _WorkerSide(num_slots, block_bytes, inflight) if role == KVConnectorRole.WORKER else None
+        )
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -391,17 +411,18 @@ class TpuserveHostOffloadConnector(KVConnectorBase_V1):
 
     # -- scheduler side --
 
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         return self.scheduler_side.num_matched(request, num_computed_tokens), False  # loads are synchronous
 
-    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
-                                 num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
         self.scheduler_side.plan_load(request, blocks, num_external_tokens)
 
-    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         return self.scheduler_side.build(scheduler_output)
 
-    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict | None]:
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
         # Its stores were dispatched in the steps that computed them, ahead of any reuse of its
         # blocks on the device: the blocks can be freed now.
         self.scheduler_side.finished(request.request_id)

@@ -30,7 +30,7 @@ class PluginOptions:
     layer_loop: str = "auto"
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any] | None, enforce_eager: bool = False) -> "PluginOptions":
+    def from_dict(cls, raw: dict[str, Any] | None, enforce_eager: bool = False) -> PluginOptions:
         from tpuserve.attention.dispatch import ATTENTION_IMPLS
         from tpuserve.tpu_platform.config import LAYER_LOOPS
 
@@ -38,25 +38,31 @@ class PluginOptions:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(raw) - known)
         if unknown:
-            raise ValueError(f"--additional-config: unknown key(s) {', '.join(unknown)} for the tpuserve "
-                             f"platform; known: {', '.join(sorted(known))}")
+            raise ValueError(
+                f"--additional-config: unknown key(s) {', '.join(unknown)} for the tpuserve "
+                f"platform; known: {', '.join(sorted(known))}"
+            )
         if enforce_eager and "warmup" not in raw:
             raw["warmup"] = False
         opts = cls(**raw)
         if opts.attention_impl not in ATTENTION_IMPLS:
-            raise ValueError(f"--additional-config attention_impl={opts.attention_impl!r}: must be one "
-                             f"of {ATTENTION_IMPLS}")
+            raise ValueError(
+                f"--additional-config attention_impl={opts.attention_impl!r}: must be one "
+                f"of {ATTENTION_IMPLS}"
+            )
         if opts.layer_loop not in LAYER_LOOPS:
-            raise ValueError(f"--additional-config layer_loop={opts.layer_loop!r}: must be one of "
-                             f"{LAYER_LOOPS}")
+            raise ValueError(
+                f"--additional-config layer_loop={opts.layer_loop!r}: must be one of {LAYER_LOOPS}"
+            )
         if opts.warmup is not None and not isinstance(opts.warmup, bool):
             raise ValueError(f"--additional-config warmup={opts.warmup!r}: must be true or false")
         return opts
 
     @classmethod
-    def from_vllm(cls, vllm_config: Any) -> "PluginOptions":
+    def from_vllm(cls, vllm_config: Any) -> PluginOptions:
         extra = vllm_config.additional_config
         if not isinstance(extra, dict):
             raise ValueError("--additional-config must be a JSON object for the tpuserve platform")
-        return cls.from_dict(extra, enforce_eager=bool(vllm_config.model_config
-                                                       and vllm_config.model_config.enforce_eager))
+        return cls.from_dict(
+            extra, enforce_eager=bool(vllm_config.model_config and vllm_config.model_config.enforce_eager)
+        )

@@ -44,9 +44,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorHandshakeMetadata,
-                                                               KVConnectorMetadata, KVConnectorRole,
-                                                               KVConnectorTransferResults)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+)
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 if TYPE_CHECKING:
@@ -100,7 +104,7 @@ class PDMetadata(KVConnectorMetadata):
     imports: list[Import] = field(default_factory=list)
 
 
-def _extra(vllm_config: "VllmConfig", key: str, default: float) -> float:
+def _extra(vllm_config: VllmConfig, key: str, default: float) -> float:
     v = (vllm_config.kv_transfer_config.kv_connector_extra_config or {}).get(key, default)
     if not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0:
         raise ValueError(f"kv_connector_extra_config[{key!r}]={v!r}: must be a positive number of seconds")
@@ -119,7 +123,7 @@ class _SchedulerSide:
         self.pending_loads: dict[str, int] = {}  # req id -> first page, between lookup and allocation
         self.loading: set[str] = set()  # imports handed to the worker, not yet reported back
 
-    def remote_tokens(self, request: "Request", num_computed: int) -> int:
+    def remote_tokens(self, request: Request, num_computed: int) -> int:
         p = request.kv_transfer_params
         if not (self.consumes and p and p.get("do_remote_prefill")):
             return 0
@@ -133,7 +137,7 @@ class _SchedulerSide:
         self.pending_loads[request.request_id] = num_computed // self.block_size
         return n - num_computed
 
-    def after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external: int) -> None:
+    def after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external: int) -> None:
         rid = request.request_id
         first = self.pending_loads.pop(rid, None)
         if first is None or num_external <= 0:
@@ -146,7 +150,7 @@ class _SchedulerSide:
         self.meta.imports.append(Import(rid, p, block_ids, first))
         self.loading.add(rid)
 
-    def finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict | None]:
+    def finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
         rid = request.request_id
         self.pending_loads.pop(rid, None)
         if rid in self.loading:
@@ -158,25 +162,35 @@ class _SchedulerSide:
             return False, None
         hs = self.handshake
         if hs is None or hs.port is None:
-            raise RuntimeError("the tpuserve P/D connector has no producer address (the worker's "
-                               "handshake metadata did not arrive)")
+            raise RuntimeError(
+                "the tpuserve P/D connector has no producer address (the worker's "
+                "handshake metadata did not arrive)"
+            )
         num_tokens = min(int(request.num_computed_tokens), request.num_prompt_tokens)
         n_pages = math.ceil(num_tokens / self.block_size)
         if num_tokens < 1 or n_pages > len(block_ids):
             return False, None
         tid = uuid.uuid4().hex  # random and unguessable: the key of the producer's lease
         self.meta.exports.append(Export(rid, tid, [int(b) for b in block_ids[:n_pages]], num_tokens))
-        params = {"do_remote_prefill": True, "do_remote_decode": False, "remote_transfer_id": tid,
-                  "remote_request_id": rid, "remote_host": hs.host, "remote_port": hs.port,
-                  "remote_num_pages": n_pages, "remote_num_tokens": num_tokens,
-                  "layout_digest": hs.layout_digest, "transport": "tcp"}
+        params = {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_transfer_id": tid,
+            "remote_request_id": rid,
+            "remote_host": hs.host,
+            "remote_port": hs.port,
+            "remote_num_pages": n_pages,
+            "remote_num_tokens": num_tokens,
+            "layout_digest": hs.layout_digest,
+            "transport": "tcp",
+        }
         return True, params
 
     def build(self) -> PDMetadata:
         meta, self.meta = self.meta, PDMetadata()
         return meta
 
-    def update(self, out: "KVConnectorOutput") -> None:
+    def update(self, out: KVConnectorOutput) -> None:
         for rid in out.finished_recving or ():
             self.loading.discard(rid)
 
@@ -185,7 +199,7 @@ class _SchedulerSide:
 
 
 class _WorkerSide:
-    def __init__(self, vllm_config: "VllmConfig", produces: bool, consumes: bool):
+    def __init__(self, vllm_config: VllmConfig, produces: bool, consumes: bool):
         ktc = vllm_config.kv_transfer_config
         self.model_id = str(vllm_config.model_config.model)
         self.host = str((ktc.kv_connector_extra_config or {}).get(BIND_KEY, "127.0.0.1"))
@@ -212,8 +226,9 @@ class _WorkerSide:
         self.layout = KVLayout.from_cache_shape(self.model_id, tuple(kv.shape), kv.dtype)
         self.mover = DevicePageMover()
         if self.produces:
-            self.sender = _ChosenIdSender(self.layout, host=self.host, port=self.port,
-                                          default_ttl_s=self.lease_ttl_s)
+            self.sender = _ChosenIdSender(
+                self.layout, host=self.host, port=self.port, default_ttl_s=self.lease_ttl_s
+            )
             log.info("tpuserve P/D: KV producer listening on %s:%d", *self.sender.address)
         if self.consumes:
             self.receiver = TcpKVReceiver(self.layout)
@@ -265,13 +280,15 @@ class _WorkerSide:
             out.finished_recving.add(rid)
             try:
                 batch = fut.result()
-                pages = batch.pages[:, imp.first_page: imp.first_page + len(imp.block_ids)]
+                pages = batch.pages[:, imp.first_page : imp.first_page + len(imp.block_ids)]
                 if pages.shape[1] != len(imp.block_ids):
-                    raise ValueError(f"the producer sent {batch.pages.shape[1]} pages, "
-                                     f"{imp.first_page + len(imp.block_ids)} were expected")
+                    raise ValueError(
+                        f"the producer sent {batch.pages.shape[1]} pages, "
+                        f"{imp.first_page + len(imp.block_ids)} were expected"
+                    )
                 # After this step's forward, before any later one: the next step reads them.
                 self.runner.kv_cache = self.mover.scatter(self.runner.kv_cache, pages, imp.block_ids)
-            except Exception as e:  # noqa: BLE001 - every failure is the request's, reported to vLLM
+            except Exception as e:
                 log.error("tpuserve P/D: pulling the KV of request %s failed: %s", rid, e)
                 out.failed_recving.add(rid)
         return out
@@ -292,8 +309,18 @@ def _ChosenIdSender(*args, **kwargs):
     class Sender(TcpKVSender):
         def offer_as(self, transfer_id: str, request_id: str, pages, num_tokens: int) -> None:
             n = int(pages.num_pages)
-            self.leases.add(Lease(transfer_id, str(request_id), pages, n, int(num_tokens), {},
-                                  self.layout.pages_nbytes(n), time.monotonic() + self.default_ttl_s))
+            self.leases.add(
+                Lease(
+                    transfer_id,
+                    str(request_id),
+                    pages,
+                    n,
+                    int(num_tokens),
+                    {},
+                    self.layout.pages_nbytes(n),
+                    time.monotonic() + self.default_ttl_s,
+                )
+            )
 
     return Sender(*args, **kwargs)
 
@@ -306,7 +333,7 @@ class TpuservePDConnector(KVConnectorBase_V1):
 
     _cache_hit_source = CacheHitSource.P2P  # vLLM files loaded prompt tokens as from another instance
 
-    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig"):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
         super().__init__(vllm_config, role, kv_cache_config)
         ktc = vllm_config.kv_transfer_config
         if ktc.kv_role not in ROLES:
@@ -314,10 +341,12 @@ class TpuservePDConnector(KVConnectorBase_V1):
         produces = ktc.kv_role in ("kv_producer", "kv_both")
         consumes = ktc.kv_role in ("kv_consumer", "kv_both")
         block_size = kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
-        self.scheduler_side = (_SchedulerSide(block_size, produces, consumes)
-                               if role == KVConnectorRole.SCHEDULER else None)
-        self.worker_side = (_WorkerSide(vllm_config, produces, consumes)
-                            if role == KVConnectorRole.WORKER else None)
+        self.scheduler_side = (
+            _SchedulerSide(block_size, produces, consumes) if role == KVConnectorRole.SCHEDULER else None
+        )
+        self.worker_side = (
+            _WorkerSide(vllm_config, produces, consumes) if role == KVConnectorRole.WORKER else None
+        )
 
     # -- worker side --
 
@@ -360,19 +389,20 @@ class TpuservePDConnector(KVConnectorBase_V1):
         if isinstance(hs, PDHandshake):
             self.scheduler_side.handshake = hs
 
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         n = self.scheduler_side.remote_tokens(request, num_computed_tokens)
         return n, n > 0  # loaded asynchronously: the request waits in WAITING_FOR_REMOTE_KVS
 
-    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
-                                 num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
         self.scheduler_side.after_alloc(request, blocks, num_external_tokens)
 
-    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         return self.scheduler_side.build()
 
-    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         self.scheduler_side.update(connector_output)
 
-    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict | None]:
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
         return self.scheduler_side.finished(request, block_ids)

@@ -26,10 +26,21 @@ from typing import TYPE_CHECKING, Any
 import torch
 from vllm.platforms.interface import Platform, PlatformEnum
 
-from tpuserve.tpu_platform.vllm_plugin.activation import DEVICE_CHOICES, DEVICE_FLAG, ENV_VAR, decide, tpu_attached
+from tpuserve.tpu_platform.vllm_plugin.activation import (
+    DEVICE_CHOICES,
+    DEVICE_FLAG,
+    ENV_VAR,
+    decide,
+    tpu_attached,
+)
 from tpuserve.tpu_platform.vllm_plugin.options import PluginOptions
-from tpuserve.tpu_platform.vllm_plugin.quantization import (SERVED_METHODS, refuse_method, register_quant_configs,
-                                                            unsupported_kv_cache, unsupported_quantization)
+from tpuserve.tpu_platform.vllm_plugin.quantization import (
+    SERVED_METHODS,
+    refuse_method,
+    register_quant_configs,
+    unsupported_kv_cache,
+    unsupported_quantization,
+)
 from tpuserve.tpu_platform.vllm_plugin.sampling import unsupported_features
 from tpuserve.tpu_platform.vllm_plugin.spec_decode import unsupported_speculative
 
@@ -62,8 +73,10 @@ def expected_jax_backend() -> str:
         return {"cuda": "gpu", "rocm": "gpu"}.get(wanted, wanted)
     if tpu_attached():
         return "tpu"
-    has_gpu_plugin = any(importlib.util.find_spec(m) is not None
-                         for m in ("jax_cuda13_plugin", "jax_cuda12_plugin", "jax_rocm7_plugin"))
+    has_gpu_plugin = any(
+        importlib.util.find_spec(m) is not None
+        for m in ("jax_cuda13_plugin", "jax_cuda12_plugin", "jax_rocm7_plugin")
+    )
     if has_gpu_plugin and os.path.exists("/dev/nvidia0"):
         return "gpu"
     return "cpu"
@@ -120,7 +133,8 @@ class TpuservePlatform(Platform):
     def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None) -> str:
         raise NotImplementedError(
             "the tpuserve platform runs attention in JAX inside its own worker; vLLM's torch "
-            "attention backends are never built on it")
+            "attention backends are never built on it"
+        )
 
     @classmethod
     def verify_quantization(cls, quant: str) -> None:
@@ -137,21 +151,29 @@ class TpuservePlatform(Platform):
         if DEVICE_FLAG in getattr(parser, "_option_string_actions", {}):
             return
         parser.add_argument(
-            DEVICE_FLAG, type=str.lower, choices=DEVICE_CHOICES, default=None,
-            help=("Run on the tpuserve platform: vLLM's scheduler over tpuserve's JAX runtime, on "
-                  "the backend JAX picks (a TPU when attached; JAX_PLATFORMS narrows it). Also "
-                  f"selected by {ENV_VAR}=1, or automatically when a TPU is attached."))
+            DEVICE_FLAG,
+            type=str.lower,
+            choices=DEVICE_CHOICES,
+            default=None,
+            help=(
+                "Run on the tpuserve platform: vLLM's scheduler over tpuserve's JAX runtime, on "
+                "the backend JAX picks (a TPU when attached; JAX_PLATFORMS narrows it). Also "
+                f"selected by {ENV_VAR}=1, or automatically when a TPU is attached."
+            ),
+        )
 
     @classmethod
-    def update_block_size_for_backend(cls, vllm_config: "VllmConfig") -> None:
+    def update_block_size_for_backend(cls, vllm_config: VllmConfig) -> None:
         return None  # no vLLM attention backends to reconcile: check_and_update_config chose it
 
     @classmethod
-    def check_and_update_config(cls, vllm_config: "VllmConfig") -> None:
+    def check_and_update_config(cls, vllm_config: VllmConfig) -> None:
         """Point vLLM at our worker, pick the block size and executor, refuse what we cannot run."""
         from vllm.config import CompilationMode, CUDAGraphMode
 
-        _use_our_kv_offloading(vllm_config)  # before the checks: it turns --kv-offloading-size into our connector
+        _use_our_kv_offloading(
+            vllm_config
+        )  # before the checks: it turns --kv-offloading-size into our connector
         _check_pd_connector(vllm_config)
         problems = _unsupported_config(vllm_config)
         if problems:
@@ -162,8 +184,10 @@ class TpuservePlatform(Platform):
         if parallel.worker_cls == "auto":
             parallel.worker_cls = WORKER_QUALNAME
         elif parallel.worker_cls != WORKER_QUALNAME:
-            raise ValueError(f"worker_cls={parallel.worker_cls!r}: the tpuserve platform runs its "
-                             f"own worker ({WORKER_QUALNAME})")
+            raise ValueError(
+                f"worker_cls={parallel.worker_cls!r}: the tpuserve platform runs its "
+                f"own worker ({WORKER_QUALNAME})"
+            )
         # One in-process worker inside the engine core, whatever --tensor-parallel-size says: JAX
         # drives every device of the mesh from one process (SPMD), so vLLM's multi-process
         # executors have nothing to spread. vLLM's ParallelConfig keeps the user's
@@ -172,9 +196,12 @@ class TpuservePlatform(Platform):
         # mesh (worker.py). vLLM's own TP checks (attention heads divisible by N) stay in force.
         parallel.distributed_executor_backend = "uni"
         if parallel.tensor_parallel_size > 1:
-            log.info("tensor_parallel_size=%d: one tpuserve worker drives %d JAX devices as one SPMD "
-                     "program (weights and KV heads sharded over a device mesh)",
-                     parallel.tensor_parallel_size, parallel.tensor_parallel_size)
+            log.info(
+                "tensor_parallel_size=%d: one tpuserve worker drives %d JAX devices as one SPMD "
+                "program (weights and KV heads sharded over a device mesh)",
+                parallel.tensor_parallel_size,
+                parallel.tensor_parallel_size,
+            )
 
         cache = vllm_config.cache_config
         if not cache.user_specified_block_size:
@@ -217,8 +244,7 @@ class TpuservePlatform(Platform):
         import tpuserve.tpu_platform.vllm_plugin as plugin
 
         reason = plugin.activation_reason or decide().reason
-        log.info("tpuserve vLLM platform active (%s); model runs on JAX (%s)",
-                 reason, expected_jax_backend())
+        log.info("tpuserve vLLM platform active (%s); model runs on JAX (%s)", reason, expected_jax_backend())
 
     @classmethod
     def support_hybrid_kv_cache(cls) -> bool:
@@ -226,25 +252,29 @@ class TpuservePlatform(Platform):
 
 
 def _is_our_connector(ktc: Any) -> bool:
-    return (ktc.kv_connector == OFFLOAD_CONNECTOR
-            and ktc.kv_connector_module_path in (None, OFFLOAD_CONNECTOR_MODULE))
+    return ktc.kv_connector == OFFLOAD_CONNECTOR and ktc.kv_connector_module_path in (
+        None,
+        OFFLOAD_CONNECTOR_MODULE,
+    )
 
 
 def _is_pd_connector(ktc: Any) -> bool:
     return ktc.kv_connector == PD_CONNECTOR and ktc.kv_connector_module_path in (None, PD_CONNECTOR_MODULE)
 
 
-def _check_pd_connector(cfg: "VllmConfig") -> None:
+def _check_pd_connector(cfg: VllmConfig) -> None:
     """``--kv-transfer-config`` naming our P/D connector: fill its module path, check its role."""
     ktc = cfg.kv_transfer_config
     if ktc is None or not _is_pd_connector(ktc):
         return
     ktc.kv_connector_module_path = PD_CONNECTOR_MODULE
     if ktc.kv_role not in PD_ROLES:
-        raise ValueError(f"--kv-transfer-config kv_role={ktc.kv_role!r}: {PD_CONNECTOR} takes one of {PD_ROLES}")
+        raise ValueError(
+            f"--kv-transfer-config kv_role={ktc.kv_role!r}: {PD_CONNECTOR} takes one of {PD_ROLES}"
+        )
 
 
-def _use_our_kv_offloading(cfg: "VllmConfig") -> None:
+def _use_our_kv_offloading(cfg: VllmConfig) -> None:
     """Point ``--kv-offloading-size`` (and an explicit ``OffloadingConnector``) at our host-tier connector.
 
     vLLM turns ``--kv-offloading-size`` into ``kv_connector="OffloadingConnector"`` with
@@ -259,19 +289,26 @@ def _use_our_kv_offloading(cfg: "VllmConfig") -> None:
     ktc = cfg.kv_transfer_config
     if size is not None:
         if cache.kv_offloading_backend != "native":
-            raise ValueError(f"--kv-offloading-backend {cache.kv_offloading_backend}: the tpuserve "
-                             f"platform's host tier is its own (use the default, native)")
+            raise ValueError(
+                f"--kv-offloading-backend {cache.kv_offloading_backend}: the tpuserve "
+                f"platform's host tier is its own (use the default, native)"
+            )
         if not size > 0:
             raise ValueError(f"--kv-offloading-size {size}: must be > 0 GiB")
         if ktc is not None and ktc.kv_connector is not None and not _is_our_connector(ktc):
-            raise ValueError(f"--kv-offloading-size and --kv-transfer-config (connector "
-                             f"{ktc.kv_connector!r}) both given: the tpuserve platform runs one connector, "
-                             f"its host tier")
+            raise ValueError(
+                f"--kv-offloading-size and --kv-transfer-config (connector "
+                f"{ktc.kv_connector!r}) both given: the tpuserve platform runs one connector, "
+                f"its host tier"
+            )
         extra = dict(ktc.kv_connector_extra_config) if ktc is not None else {}
         extra[OFFLOAD_BUDGET_KEY] = int(size * (1 << 30))
         cfg.kv_transfer_config = KVTransferConfig(
-            kv_connector=OFFLOAD_CONNECTOR, kv_connector_module_path=OFFLOAD_CONNECTOR_MODULE,
-            kv_role="kv_both", kv_connector_extra_config=extra)
+            kv_connector=OFFLOAD_CONNECTOR,
+            kv_connector_module_path=OFFLOAD_CONNECTOR_MODULE,
+            kv_role="kv_both",
+            kv_connector_extra_config=extra,
+        )
         cache.kv_offloading_size = None
         log.info("--kv-offloading-size %s GiB: host-memory KV tier via %s", size, OFFLOAD_CONNECTOR)
     elif ktc is not None and ktc.kv_connector == "OffloadingConnector" and not ktc.kv_connector_module_path:
@@ -283,14 +320,17 @@ def _use_our_kv_offloading(cfg: "VllmConfig") -> None:
         ktc.kv_connector_module_path = OFFLOAD_CONNECTOR_MODULE
         budget = (ktc.kv_connector_extra_config or {}).get(OFFLOAD_BUDGET_KEY)
         if not isinstance(budget, (int, float)) or isinstance(budget, bool) or budget <= 0:
-            raise ValueError(f"kv_connector_extra_config[{OFFLOAD_BUDGET_KEY!r}]={budget!r}: the host "
-                             f"tier needs its size in bytes (or pass --kv-offloading-size GiB)")
+            raise ValueError(
+                f"kv_connector_extra_config[{OFFLOAD_BUDGET_KEY!r}]={budget!r}: the host "
+                f"tier needs its size in bytes (or pass --kv-offloading-size GiB)"
+            )
         if ktc.kv_role != "kv_both":
-            raise ValueError(f"kv_role={ktc.kv_role!r}: the host-tier connector both saves and loads "
-                             f"(kv_both)")
+            raise ValueError(
+                f"kv_role={ktc.kv_role!r}: the host-tier connector both saves and loads (kv_both)"
+            )
 
 
-def _unsupported_config(cfg: "VllmConfig") -> list[str]:
+def _unsupported_config(cfg: VllmConfig) -> list[str]:
     """Human-readable reasons this config cannot run on our worker (empty: fine)."""
     out = []
     p = cfg.parallel_config
@@ -324,34 +364,50 @@ def _unsupported_config(cfg: "VllmConfig") -> list[str]:
     if cfg.lora_config is not None:
         out.append("LoRA adapters")
     ktc = cfg.kv_transfer_config
-    if (ktc is not None and ktc.kv_connector is not None and not _is_our_connector(ktc)
-            and not _is_pd_connector(ktc)):
-        out.append(f"KV connector {ktc.kv_connector!r} (vLLM's connectors move torch device tensors; "
-                   f"for a host-memory KV tier use --kv-offloading-size, which selects tpuserve's "
-                   f"{OFFLOAD_CONNECTOR}; for prefill/decode disaggregation use {PD_CONNECTOR} with "
-                   f"kv_connector_module_path {PD_CONNECTOR_MODULE})")
+    if (
+        ktc is not None
+        and ktc.kv_connector is not None
+        and not _is_our_connector(ktc)
+        and not _is_pd_connector(ktc)
+    ):
+        out.append(
+            f"KV connector {ktc.kv_connector!r} (vLLM's connectors move torch device tensors; "
+            f"for a host-memory KV tier use --kv-offloading-size, which selects tpuserve's "
+            f"{OFFLOAD_CONNECTOR}; for prefill/decode disaggregation use {PD_CONNECTOR} with "
+            f"kv_connector_module_path {PD_CONNECTOR_MODULE})"
+        )
     kv = unsupported_kv_cache(cfg)  # quantization.py: auto, fp8, fp8_e4m3
     out.extend(kv)
-    if (not kv and cfg.cache_config.cache_dtype not in ("auto", None) and ktc is not None
-            and _is_pd_connector(ktc)):
-        out.append(f"kv_cache_dtype={cfg.cache_config.cache_dtype!r} with {PD_CONNECTOR} (the pages "
-                   f"travel without the k/v scales they were written with, and each server "
-                   f"calibrates its own; drop one of the two)")
+    if (
+        not kv
+        and cfg.cache_config.cache_dtype not in ("auto", None)
+        and ktc is not None
+        and _is_pd_connector(ktc)
+    ):
+        out.append(
+            f"kv_cache_dtype={cfg.cache_config.cache_dtype!r} with {PD_CONNECTOR} (the pages "
+            f"travel without the k/v scales they were written with, and each server "
+            f"calibrates its own; drop one of the two)"
+        )
     return out
 
 
-def _unsupported_with_tp(cfg: "VllmConfig", tp: int) -> list[str]:
+def _unsupported_with_tp(cfg: VllmConfig, tp: int) -> list[str]:
     """What cannot run on a KV cache sharded over ``tp`` devices (yet): our KV connectors move
     pages of a single-device cache (the engine's own EngineConfig refuses the same pairs)."""
     ktc = cfg.kv_transfer_config
     if ktc is None or ktc.kv_connector is None:
         return []
     if _is_our_connector(ktc):
-        return [f"--kv-offloading-size with tensor_parallel_size={tp} (the host KV tier does not "
-                f"handle a sharded KV cache yet; drop one of the two)"]
+        return [
+            f"--kv-offloading-size with tensor_parallel_size={tp} (the host KV tier does not "
+            f"handle a sharded KV cache yet; drop one of the two)"
+        ]
     if _is_pd_connector(ktc):
-        return [f"{PD_CONNECTOR} with tensor_parallel_size={tp} (KV transfer does not handle a "
-                f"sharded KV cache yet; drop one of the two)"]
+        return [
+            f"{PD_CONNECTOR} with tensor_parallel_size={tp} (KV transfer does not handle a "
+            f"sharded KV cache yet; drop one of the two)"
+        ]
     return []
 
 
@@ -365,6 +421,8 @@ def _unsupported_architecture(m: Any) -> list[str]:
     except ModelConfigError as e:
         return [f"this model ({e})"]
     if not os.path.exists(os.path.expanduser(str(m.model))):
-        return [f"model {m.model!r}: the tpuserve platform loads local paths only "
-                "(a Hugging Face directory or a .gguf file)"]
+        return [
+            f"model {m.model!r}: the tpuserve platform loads local paths only "
+            "(a Hugging Face directory or a .gguf file)"
+        ]
     return []

@@ -48,16 +48,18 @@ class TpuserveQuantConfig(QuantizationConfig):
         return [os.sep + "config.json"]
 
     @classmethod
-    def from_config(cls, config: dict[str, Any]) -> "TpuserveQuantConfig":
+    def from_config(cls, config: dict[str, Any]) -> TpuserveQuantConfig:
         qm = config.get("quant_method")
         if qm is None:  # a whole config.json (dense checkpoint, online method)
             return cls(None)
         # A checkpoint's quantization_config: refuse here, early and by name, a format the
         # loader would refuse at load (ModelConfigError is a ValueError).
         from tpuserve.tpu_platform.loader.quantized import detect
+
         detect({"quantization_config": config}, "")
         return cls(str(qm).lower())
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str):
-        raise NotImplementedError("the tpuserve platform quantizes in its own JAX worker; vLLM's "
-                                  "torch layers are never built on it")
+        raise NotImplementedError(
+            "the tpuserve platform quantizes in its own JAX worker; vLLM's torch layers are never built on it"
+        )

@@ -73,7 +73,8 @@ def refuse_method(quant: str) -> None:
             f"quantization {quant!r} is not supported on the tpuserve platform; it serves "
             f"{', '.join(QUANTIZATION_METHODS)} (an unquantized checkpoint, quantized at load) and "
             f"pre-quantized checkpoints in the fp8, compressed-tensors (FP8, NVFP4, MXFP4) and "
-            f"ModelOpt (FP8, NVFP4) formats")
+            f"ModelOpt (FP8, NVFP4) formats"
+        )
 
 
 def engine_quantization(model: str, method: str | None) -> str | None:
@@ -97,8 +98,10 @@ def unsupported_quantization(model_config: Any) -> list[str]:
     if ckpt is not None:
         return []  # pre-quantized in a format the loader reads; vLLM checked the flag matches it
     if method is not None and method not in QUANTIZATION_METHODS:
-        return [f"quantization={method!r} on an unquantized checkpoint (the tpuserve platform "
-                f"quantizes online with {', '.join(QUANTIZATION_METHODS)})"]
+        return [
+            f"quantization={method!r} on an unquantized checkpoint (the tpuserve platform "
+            f"quantizes online with {', '.join(QUANTIZATION_METHODS)})"
+        ]
     return []
 
 
@@ -107,12 +110,15 @@ def unsupported_kv_cache(cfg: Any) -> list[str]:
     c = cfg.cache_config
     dtype = c.cache_dtype or "auto"
     if dtype not in KV_CACHE_DTYPES:
-        return [f"kv_cache_dtype={dtype!r} (the tpuserve KV cache is the model dtype, 'auto', or "
-                f"FP8 e4m3 with per-tensor scales: {', '.join(repr(d) for d in FP8_KV_CACHE_DTYPES)})"]
+        return [
+            f"kv_cache_dtype={dtype!r} (the tpuserve KV cache is the model dtype, 'auto', or "
+            f"FP8 e4m3 with per-tensor scales: {', '.join(repr(d) for d in FP8_KV_CACHE_DTYPES)})"
+        ]
     out = []
     if dtype != "auto" and getattr(c, "kv_cache_dtype_skip_layers", None):
-        out.append(f"kv_cache_dtype_skip_layers={c.kv_cache_dtype_skip_layers} (one KV cache dtype "
-                   f"for every layer)")
+        out.append(
+            f"kv_cache_dtype_skip_layers={c.kv_cache_dtype_skip_layers} (one KV cache dtype for every layer)"
+        )
     return out
 
 

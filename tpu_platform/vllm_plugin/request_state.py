@@ -47,10 +47,11 @@ class PromptLogprobBuffer:
     ranks: np.ndarray  # [P-1] i32
 
     @classmethod
-    def empty(cls, num_prompt_tokens: int, k: int) -> "PromptLogprobBuffer":
+    def empty(cls, num_prompt_tokens: int, k: int) -> PromptLogprobBuffer:
         rows = max(num_prompt_tokens - 1, 0)
-        return cls(np.zeros((rows, k + 1), np.int32), np.zeros((rows, k + 1), np.float32),
-                   np.zeros(rows, np.int32))
+        return cls(
+            np.zeros((rows, k + 1), np.int32), np.zeros((rows, k + 1), np.float32), np.zeros(rows, np.int32)
+        )
 
 
 @dataclass
@@ -69,7 +70,7 @@ class RequestState:
 
     @property
     def output_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+        return self.token_ids[self.num_prompt_tokens :]
 
 
 @dataclass
@@ -109,8 +110,9 @@ class StepPlan:
     # rows for each structured-output request.
     scheduled_drafts: dict[str, int] = field(default_factory=dict)
 
-    def scheduled(self, table: "RequestTable",
-                  grammar_masks: dict[str, np.ndarray] | None = None) -> list[ScheduledSeq]:
+    def scheduled(
+        self, table: RequestTable, grammar_masks: dict[str, np.ndarray] | None = None
+    ) -> list[ScheduledSeq]:
         """Our runner's input: the planned chunks with this step's sampling rows."""
         out = []
         for p in self.seqs:
@@ -118,27 +120,35 @@ class StepPlan:
             mask = grammar_masks.get(p.req_id) if grammar_masks else None
             row = st.spec.row(st.prompt_ids, st.output_ids, mask)
             k = st.spec.num_prompt_logprobs
-            out.append(ScheduledSeq(
-                token_ids=p.token_ids, num_computed=p.num_computed, page_ids=p.page_ids,
-                sampling=row, prompt_logprob_targets=p.prompt_logprob_targets,
-                num_prompt_logprobs=k if (p.prompt_logprob_targets and k) else 0,
-                draft_token_ids=list(p.draft_token_ids)))
+            out.append(
+                ScheduledSeq(
+                    token_ids=p.token_ids,
+                    num_computed=p.num_computed,
+                    page_ids=p.page_ids,
+                    sampling=row,
+                    prompt_logprob_targets=p.prompt_logprob_targets,
+                    num_prompt_logprobs=k if (p.prompt_logprob_targets and k) else 0,
+                    draft_token_ids=list(p.draft_token_ids),
+                )
+            )
         return out
 
-    def finish(self, table: "RequestTable", output: StepOutput) -> StepResult:
+    def finish(self, table: RequestTable, output: StepOutput) -> StepResult:
         """Fold the step's sampled tokens into the table; build the output vLLM expects."""
         tokens = np.asarray(output.token_ids)
         accepted = np.asarray(output.num_accepted)
         result = StepResult(req_ids=[p.req_id for p in self.seqs], sampled_token_ids=[])
         # Logits rows: 1 + drafts per sequence, in order; row cu[i] + j scored token j of sequence i.
-        cu = np.concatenate([[0], np.cumsum([1 + len(p.draft_token_ids) for p in self.seqs])]).astype(np.int64)
+        cu = np.concatenate([[0], np.cumsum([1 + len(p.draft_token_ids) for p in self.seqs])]).astype(
+            np.int64
+        )
         row_tokens = np.zeros(int(cu[-1]), np.int32)
         pl_offset = 0
         for i, p in enumerate(self.seqs):
             st = table.requests[p.req_id]
             st.num_computed_tokens = p.num_computed + len(p.token_ids)
             n_rows = 1 + len(p.draft_token_ids)
-            row_tokens[cu[i]: cu[i + 1]] = np.maximum(tokens[i, :n_rows], 0)
+            row_tokens[cu[i] : cu[i + 1]] = np.maximum(tokens[i, :n_rows], 0)
             if p.samples:
                 a = int(accepted[i])
                 new = [int(t) for t in tokens[i, : a + 1]]
@@ -164,10 +174,11 @@ class StepPlan:
             if rows != len(self.seqs):
                 result.cu_num_generated_tokens = [int(c) for c in cu]
             result.logprob_token_ids = np.concatenate(
-                [row_tokens[:, None], np.asarray(lp.top_ids)[:rows, :k]], axis=1)
+                [row_tokens[:, None], np.asarray(lp.top_ids)[:rows, :k]], axis=1
+            )
             result.logprobs = np.concatenate(
-                [np.asarray(lp.token_logprobs)[:rows, None], np.asarray(lp.top_logprobs)[:rows, :k]],
-                axis=1).astype(np.float32)
+                [np.asarray(lp.token_logprobs)[:rows, None], np.asarray(lp.top_logprobs)[:rows, :k]], axis=1
+            ).astype(np.float32)
             result.sampled_ranks = np.asarray(lp.token_ranks)[:rows].astype(np.int32)
         return result
 
@@ -181,15 +192,14 @@ def _verifiable_drafts(st: RequestState, scheduled: list[int]) -> list[int]:
     return [int(t) for t in scheduled[:cut]]
 
 
-def _fill_prompt_logprobs(st: RequestState, start: int, lp: Logprobs | None, offset: int,
-                          n: int) -> None:
+def _fill_prompt_logprobs(st: RequestState, start: int, lp: Logprobs | None, offset: int, n: int) -> None:
     buf = st.prompt_logprobs
     if buf is None or lp is None:
         return
     k = buf.token_ids.shape[1] - 1
     rows = slice(offset, offset + n)
     dst = slice(start, start + n)
-    buf.token_ids[dst, 0] = st.token_ids[start + 1: start + 1 + n]
+    buf.token_ids[dst, 0] = st.token_ids[start + 1 : start + 1 + n]
     buf.logprobs[dst, 0] = np.asarray(lp.token_logprobs)[rows]
     buf.ranks[dst] = np.asarray(lp.token_ranks)[rows]
     if k:
@@ -230,24 +240,37 @@ class RequestTable:
             start = st.num_computed_tokens
             end = start + n
             if end > len(st.token_ids):
-                raise RuntimeError(f"request {req_id}: {n} tokens scheduled from {start}, but only "
-                                   f"{len(st.token_ids)} are known to the worker")
+                raise RuntimeError(
+                    f"request {req_id}: {n} tokens scheduled from {start}, but only "
+                    f"{len(st.token_ids)} are known to the worker"
+                )
             drafts = _verifiable_drafts(st, scheduled_drafts)
             if drafts and end != len(st.token_ids):
-                raise RuntimeError(f"request {req_id}: drafts scheduled after token {end}, but the "
-                                   f"worker knows {len(st.token_ids)} tokens")
+                raise RuntimeError(
+                    f"request {req_id}: drafts scheduled after token {end}, but the "
+                    f"worker knows {len(st.token_ids)} tokens"
+                )
             pages = math.ceil((end + len(drafts)) / self.block_size)
             if pages > len(st.block_ids):
-                raise RuntimeError(f"request {req_id}: {len(st.block_ids)} blocks cannot hold "
-                                   f"{end + len(drafts)} tokens")
+                raise RuntimeError(
+                    f"request {req_id}: {len(st.block_ids)} blocks cannot hold {end + len(drafts)} tokens"
+                )
             targets = None
             if st.prompt_logprobs is not None:
                 # Row p of the chunk wants the logprob of token p+1, while p+1 is still in the prompt.
                 last = min(end, st.num_prompt_tokens - 1)
-                targets = st.token_ids[start + 1: last + 1] if last > start else []
-            seqs.append(PlannedSeq(req_id=req_id, num_computed=start, token_ids=st.token_ids[start:end],
-                                   page_ids=st.block_ids[:pages], samples=end >= len(st.token_ids),
-                                   prompt_logprob_targets=targets, draft_token_ids=drafts))
+                targets = st.token_ids[start + 1 : last + 1] if last > start else []
+            seqs.append(
+                PlannedSeq(
+                    req_id=req_id,
+                    num_computed=start,
+                    token_ids=st.token_ids[start:end],
+                    page_ids=st.block_ids[:pages],
+                    samples=end >= len(st.token_ids),
+                    prompt_logprob_targets=targets,
+                    draft_token_ids=drafts,
+                )
+            )
         return StepPlan(seqs, {rid: len(d) for rid, d in spec.items() if d})
 
     def _add(self, new: Any) -> None:
@@ -257,17 +280,25 @@ class RequestTable:
             raise NotImplementedError("pooling requests are not supported on the tpuserve platform")
         if getattr(new, "lora_request", None) is not None:
             raise NotImplementedError("LoRA is not supported on the tpuserve platform")
-        spec = SamplingSpec.from_vllm(new.sampling_params, self.vocab_size,
-                                      int(self._seed_rng.integers(0, 2**32)))
+        spec = SamplingSpec.from_vllm(
+            new.sampling_params, self.vocab_size, int(self._seed_rng.integers(0, 2**32))
+        )
         # V2 model runner resends a preempted request with its prompt + outputs so far as prefill.
         tokens = list(getattr(new, "prefill_token_ids", None) or new.prompt_token_ids)
         num_prompt = len(new.prompt_token_ids)
         self.requests[new.req_id] = RequestState(
-            req_id=new.req_id, token_ids=tokens, num_prompt_tokens=num_prompt,
-            block_ids=list(new.block_ids[0]), spec=spec,
+            req_id=new.req_id,
+            token_ids=tokens,
+            num_prompt_tokens=num_prompt,
+            block_ids=list(new.block_ids[0]),
+            spec=spec,
             num_computed_tokens=int(new.num_computed_tokens),
-            prompt_logprobs=(PromptLogprobBuffer.empty(num_prompt, spec.num_prompt_logprobs)
-                             if spec.num_prompt_logprobs is not None else None))
+            prompt_logprobs=(
+                PromptLogprobBuffer.empty(num_prompt, spec.num_prompt_logprobs)
+                if spec.num_prompt_logprobs is not None
+                else None
+            ),
+        )
 
     def _update_cached(self, cached: Any) -> None:
         resumed = cached.resumed_req_ids

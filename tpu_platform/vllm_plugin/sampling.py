@@ -81,11 +81,10 @@ class SamplingSpec:
 
     @property
     def has_penalties(self) -> bool:
-        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
-                or self.frequency_penalty != 0.0)
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     @classmethod
-    def from_vllm(cls, params: Any, vocab_size: int, fallback_seed: int) -> "SamplingSpec":
+    def from_vllm(cls, params: Any, vocab_size: int, fallback_seed: int) -> SamplingSpec:
         bad = unsupported_features(params)
         if bad:
             raise UnsupportedRequest(f"not supported on the tpuserve platform: {', '.join(bad)}")
@@ -112,15 +111,26 @@ class SamplingSpec:
             uses_grammar=getattr(params, "structured_outputs", None) is not None,
         )
 
-    def row(self, prompt_ids: list[int], output_ids: list[int],
-            grammar_mask: np.ndarray | None) -> SamplingRow:
+    def row(
+        self, prompt_ids: list[int], output_ids: list[int], grammar_mask: np.ndarray | None
+    ) -> SamplingRow:
         """The sampler's row for the token at output index ``len(output_ids)``."""
         mask = self.allowed_mask
         if grammar_mask is not None:
             mask = grammar_mask if mask is None else (mask & grammar_mask)
         return sampling_row(
-            temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
-            seed=self.seed, prompt_ids=prompt_ids, output_ids=output_ids,
-            repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty, min_tokens=self.min_tokens,
-            min_tokens_stop_ids=self.stop_token_ids, token_bitmask=mask, num_logprobs=self.num_logprobs)
+            temperature=self.temperature,
+            top_k=self.top_k,
+            top_p=self.top_p,
+            min_p=self.min_p,
+            seed=self.seed,
+            prompt_ids=prompt_ids,
+            output_ids=output_ids,
+            repetition_penalty=self.repetition_penalty,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            min_tokens=self.min_tokens,
+            min_tokens_stop_ids=self.stop_token_ids,
+            token_bitmask=mask,
+            num_logprobs=self.num_logprobs,
+        )

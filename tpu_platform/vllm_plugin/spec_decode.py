@@ -36,20 +36,28 @@ def unsupported_speculative(sc: Any) -> list[str]:
         return []
     method = getattr(sc, "method", None)
     if method not in SUPPORTED_METHODS:
-        return [f"--speculative-config method={method!r} (the tpuserve platform speculates with "
-                f"'ngram' only; EAGLE-3 / MTP draft heads are not wired through the plugin)"]
+        return [
+            f"--speculative-config method={method!r} (the tpuserve platform speculates with "
+            f"'ngram' only; EAGLE-3 / MTP draft heads are not wired through the plugin)"
+        ]
     out = []
     k = int(getattr(sc, "num_speculative_tokens", 0) or 0)
     if not 1 <= k <= MAX_SPECULATIVE_TOKENS:
-        out.append(f"--speculative-config num_speculative_tokens={k} (must be in "
-                   f"[1, {MAX_SPECULATIVE_TOKENS}] on the tpuserve platform)")
+        out.append(
+            f"--speculative-config num_speculative_tokens={k} (must be in "
+            f"[1, {MAX_SPECULATIVE_TOKENS}] on the tpuserve platform)"
+        )
     if getattr(sc, "num_speculative_tokens_per_batch_size", None):
-        out.append("--speculative-config num_speculative_tokens_per_batch_size (dynamic draft "
-                   "lengths are not supported on the tpuserve platform)")
+        out.append(
+            "--speculative-config num_speculative_tokens_per_batch_size (dynamic draft "
+            "lengths are not supported on the tpuserve platform)"
+        )
     rsm = getattr(sc, "rejection_sample_method", "standard")
     if rsm != "standard":
-        out.append(f"--speculative-config rejection_sample_method={rsm!r} (the tpuserve platform "
-                   f"verifies drafts with the standard lossless rule)")
+        out.append(
+            f"--speculative-config rejection_sample_method={rsm!r} (the tpuserve platform "
+            f"verifies drafts with the standard lossless rule)"
+        )
     if getattr(sc, "parallel_drafting", False):
         out.append("--speculative-config parallel_drafting (not supported on the tpuserve platform)")
     return out
@@ -64,7 +72,7 @@ class NgramSettings:
     prompt_lookup_max: int
 
     @classmethod
-    def from_vllm(cls, vllm_config: Any) -> "NgramSettings | None":
+    def from_vllm(cls, vllm_config: Any) -> NgramSettings | None:
         sc = vllm_config.speculative_config
         if sc is None:
             return None
@@ -75,8 +83,12 @@ class NgramSettings:
 
     def engine_section(self) -> dict[str, Any]:
         """Our EngineConfig's ``speculative_config``: the runner sizes (and warms) its draft slots by it."""
-        return {"method": "ngram", "num_speculative_tokens": self.num_speculative_tokens,
-                "prompt_lookup_min": self.prompt_lookup_min, "prompt_lookup_max": self.prompt_lookup_max}
+        return {
+            "method": "ngram",
+            "num_speculative_tokens": self.num_speculative_tokens,
+            "prompt_lookup_min": self.prompt_lookup_min,
+            "prompt_lookup_max": self.prompt_lookup_max,
+        }
 
 
 @dataclass(frozen=True)
@@ -91,8 +103,12 @@ class DraftPlanner:
     """Proposes the next step's drafts for the requests a step just sampled."""
 
     def __init__(self, settings: NgramSettings, max_model_len: int):
-        self.proposer = NgramProposer.create(settings.num_speculative_tokens, max_model_len,
-                                             settings.prompt_lookup_min, settings.prompt_lookup_max)
+        self.proposer = NgramProposer.create(
+            settings.num_speculative_tokens,
+            max_model_len,
+            settings.prompt_lookup_min,
+            settings.prompt_lookup_max,
+        )
 
     def propose(self, table: Any, sampled_req_ids: list[str]) -> Drafts:
         """An entry per request that sampled this step (empty where it should not draft), so the

@@ -47,16 +47,25 @@ from vllm.config import VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheSpec
-from vllm.v1.outputs import (EMPTY_MODEL_RUNNER_OUTPUT, DraftTokenIds, KVConnectorOutput, LogprobsLists,
-                             LogprobsTensors, ModelRunnerOutput)
+from vllm.v1.outputs import (
+    EMPTY_MODEL_RUNNER_OUTPUT,
+    DraftTokenIds,
+    KVConnectorOutput,
+    LogprobsLists,
+    LogprobsTensors,
+    ModelRunnerOutput,
+)
 from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
 from tpuserve.tpu_platform.step_batch import pack_sampling_rows
 from tpuserve.tpu_platform.vllm_plugin.offload_connector import TpuserveHostOffloadConnector
 from tpuserve.tpu_platform.vllm_plugin.options import PluginOptions
 from tpuserve.tpu_platform.vllm_plugin.pd_connector import TpuservePDConnector
-from tpuserve.tpu_platform.vllm_plugin.quantization import (engine_quantization, register_quant_configs,
-                                                            spec_dtype_and_mode)
+from tpuserve.tpu_platform.vllm_plugin.quantization import (
+    engine_quantization,
+    register_quant_configs,
+    spec_dtype_and_mode,
+)
 from tpuserve.tpu_platform.vllm_plugin.request_state import RequestTable, StepPlan, StepResult
 from tpuserve.tpu_platform.vllm_plugin.spec_decode import DraftPlanner, NgramSettings
 
@@ -66,8 +75,14 @@ _TORCH_TO_NAME = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.fl
 
 
 class TpuserveWorker(WorkerBase):
-    def __init__(self, vllm_config: VllmConfig, local_rank: int, rank: int,
-                 distributed_init_method: str, is_driver_worker: bool = False):
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        local_rank: int,
+        rank: int,
+        distributed_init_method: str,
+        is_driver_worker: bool = False,
+    ):
         super().__init__(vllm_config, local_rank, rank, distributed_init_method, is_driver_worker)
         register_quant_configs()  # this process may build configs naming "nvfp4" too (idempotent)
         self.options = PluginOptions.from_vllm(vllm_config)
@@ -90,20 +105,27 @@ class TpuserveWorker(WorkerBase):
 
         name = _TORCH_TO_NAME.get(self.model_config.dtype)
         if name is None:
-            raise ValueError(f"dtype {self.model_config.dtype}: the tpuserve platform runs "
-                             f"float32, bfloat16 or float16")
+            raise ValueError(
+                f"dtype {self.model_config.dtype}: the tpuserve platform runs float32, bfloat16 or float16"
+            )
         sched, cache = self.scheduler_config, self.cache_config
         spec = self.speculation
         # --kv-cache-dtype: auto or fp8 / fp8_e4m3 (platform.py refused the rest).
         kv_dtype = cache.cache_dtype if cache.cache_dtype not in (None, "auto") else "auto"
         return EngineConfig.from_kwargs(
-            model=self.model_config.model, dtype=name, max_model_len=int(self.model_config.max_model_len),
-            max_num_seqs=sched.max_num_seqs, max_num_batched_tokens=sched.max_num_batched_tokens,
-            block_size=cache.block_size, seed=int(self.model_config.seed or 0),
+            model=self.model_config.model,
+            dtype=name,
+            max_model_len=int(self.model_config.max_model_len),
+            max_num_seqs=sched.max_num_seqs,
+            max_num_batched_tokens=sched.max_num_batched_tokens,
+            block_size=cache.block_size,
+            seed=int(self.model_config.seed or 0),
             gpu_memory_utilization=float(cache.gpu_memory_utilization),
-            kv_cache_memory_bytes=(int(cache.kv_cache_memory_bytes)
-                                   if cache.kv_cache_memory_bytes is not None else None),
-            attention_impl=self.options.attention_impl, layer_loop=self.options.layer_loop,
+            kv_cache_memory_bytes=(
+                int(cache.kv_cache_memory_bytes) if cache.kv_cache_memory_bytes is not None else None
+            ),
+            attention_impl=self.options.attention_impl,
+            layer_loop=self.options.layer_loop,
             enable_chunked_prefill=bool(sched.enable_chunked_prefill),
             compilation_cache_dir=self.options.compilation_cache_dir,
             max_logprobs=min(max(int(self.model_config.max_logprobs), 0), 1024),
@@ -115,7 +137,8 @@ class TpuserveWorker(WorkerBase):
             # One worker drives all N devices as SPMD; a ConfigError names the flag and the device
             # count when there are fewer (raised in init_device, so vLLM's start-up fails with it).
             tensor_parallel_size=int(self.parallel_config.tensor_parallel_size),
-            speculative_config=spec.engine_section() if spec is not None else None)
+            speculative_config=spec.engine_section() if spec is not None else None,
+        )
 
     def init_device(self) -> None:
         from tpuserve.tpu_platform.worker import Worker
@@ -126,11 +149,17 @@ class TpuserveWorker(WorkerBase):
         # vLLM's own tensors around this worker stay on the host (see platform.py).
         self.device = torch.device("cpu")
         mesh = self.worker.mesh
-        log.info("tpuserve worker on JAX %s (%d x %s), %s, dtype %s, XLA cache %s",
-                 info.backend, info.device_count, info.device_kind,
-                 "one device" if mesh is None else
-                 f"tensor parallel {self.worker.tensor_parallel_size} over mesh {dict(mesh.shape)}",
-                 self.worker.config.model.dtype, self.worker.compilation_cache_dir)
+        log.info(
+            "tpuserve worker on JAX %s (%d x %s), %s, dtype %s, XLA cache %s",
+            info.backend,
+            info.device_count,
+            info.device_kind,
+            "one device"
+            if mesh is None
+            else f"tensor parallel {self.worker.tensor_parallel_size} over mesh {dict(mesh.shape)}",
+            self.worker.config.model.dtype,
+            self.worker.compilation_cache_dir,
+        )
 
     def load_model(self, *, load_dummy_weights: bool = False) -> None:
         if load_dummy_weights:
@@ -141,12 +170,17 @@ class TpuserveWorker(WorkerBase):
         self.worker.load()
         self.arch = self.worker.arch
         w = self.worker
-        log.info("weights: %s (%.1f MiB); KV cache dtype %s", w.quantization or "dense",
-                 w.weight_bytes / 2 ** 20, w.kv_cache_dtype.name)
+        log.info(
+            "weights: %s (%.1f MiB); KV cache dtype %s",
+            w.quantization or "dense",
+            w.weight_bytes / 2**20,
+            w.kv_cache_dtype.name,
+        )
         vocab = self.model_config.get_vocab_size()
         if vocab != self.arch.vocab_size:
-            raise ValueError(f"vocab size mismatch: vLLM's config says {vocab}, the checkpoint "
-                             f"has {self.arch.vocab_size}")
+            raise ValueError(
+                f"vocab size mismatch: vLLM's config says {vocab}, the checkpoint has {self.arch.vocab_size}"
+            )
 
     def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
         """One full-attention spec per layer, with vLLM's page bytes equal to ours.
@@ -161,18 +195,32 @@ class TpuserveWorker(WorkerBase):
         padded, plain = (b // a.num_layers for b in self.worker.page_bytes_padded_and_plain())
         # The element type vLLM sizes blocks by is our cache's: float8_e4m3fn (per-tensor scales)
         # under --kv-cache-dtype fp8, else the model dtype.
-        dtype, mode = spec_dtype_and_mode(self.cache_config.cache_dtype, self.model_config.dtype,
-                                          self.worker.kv_cache_dtype.itemsize)
-        spec = FullAttentionSpec(block_size=self.cache_config.block_size, num_kv_heads=a.num_kv_heads,
-                                 head_size=a.head_dim, dtype=dtype, kv_quant_mode=mode,
-                                 sliding_window=a.sliding_window)
+        dtype, mode = spec_dtype_and_mode(
+            self.cache_config.cache_dtype, self.model_config.dtype, self.worker.kv_cache_dtype.itemsize
+        )
+        spec = FullAttentionSpec(
+            block_size=self.cache_config.block_size,
+            num_kv_heads=a.num_kv_heads,
+            head_size=a.head_dim,
+            dtype=dtype,
+            kv_quant_mode=mode,
+            sliding_window=a.sliding_window,
+        )
         if spec.page_size_bytes != plain:
-            raise RuntimeError(f"vLLM's KV page ({spec.page_size_bytes} B per layer, {dtype}) differs "
-                               f"from the worker's ({plain} B, {self.worker.kv_cache_dtype.name})")
+            raise RuntimeError(
+                f"vLLM's KV page ({spec.page_size_bytes} B per layer, {dtype}) differs "
+                f"from the worker's ({plain} B, {self.worker.kv_cache_dtype.name})"
+            )
         if padded != plain:
-            spec = FullAttentionSpec(block_size=spec.block_size, num_kv_heads=a.num_kv_heads,
-                                     head_size=a.head_dim, dtype=dtype, kv_quant_mode=mode,
-                                     sliding_window=a.sliding_window, page_size_padded=padded)
+            spec = FullAttentionSpec(
+                block_size=spec.block_size,
+                num_kv_heads=a.num_kv_heads,
+                head_size=a.head_dim,
+                dtype=dtype,
+                kv_quant_mode=mode,
+                sliding_window=a.sliding_window,
+                page_size_padded=padded,
+            )
         return {f"model.layers.{i}.self_attn.attn": spec for i in range(a.num_layers)}
 
     def get_supported_kv_cache_layouts(self) -> list[str]:
@@ -194,17 +242,23 @@ class TpuserveWorker(WorkerBase):
             raise ValueError(f"expected one KV cache group, vLLM built {len(groups)}")
         block_size = groups[0].kv_cache_spec.block_size
         if block_size != self.worker.config.cache.block_size:
-            raise ValueError(f"vLLM chose block size {block_size}, the worker was set up for "
-                             f"{self.worker.config.cache.block_size}")
+            raise ValueError(
+                f"vLLM chose block size {block_size}, the worker was set up for "
+                f"{self.worker.config.cache.block_size}"
+            )
         # The connector exists before the KV cache is allocated (vLLM's order), and gets the runner,
         # whose cache it reads and replaces, once it does.
         self.connector = _make_connector(self.vllm_config, kv_cache_config)
         self.runner = self.worker.init_kv_cache(int(kv_cache_config.num_blocks))
         scales = self.worker.kv_scales
-        log.info("KV cache: %d pages of %d tokens, %s%s; decoder layers: %s", int(kv_cache_config.num_blocks),
-                 block_size, self.worker.kv_cache_dtype.name,
-                 "" if scales is None else " (k_scale %.6g, v_scale %.6g)" % tuple(scales),
-                 self.runner.layer_loop)
+        log.info(
+            "KV cache: %d pages of %d tokens, %s%s; decoder layers: %s",
+            int(kv_cache_config.num_blocks),
+            block_size,
+            self.worker.kv_cache_dtype.name,
+            "" if scales is None else f" (k_scale {scales[0]:.6g}, v_scale {scales[1]:.6g})",
+            self.runner.layer_loop,
+        )
         if self.connector is not None:
             self.connector.register_runner(self.runner)
         self.table = RequestTable(block_size, self.arch.vocab_size, seed=self.worker.config.model.seed)
@@ -216,16 +270,23 @@ class TpuserveWorker(WorkerBase):
         if warmup is None:
             warmup = self.worker.device.is_accelerator
         if not warmup:
-            log.info("warm-up skipped (%s): programs compile on first use and persist in the XLA cache",
-                     "JAX CPU backend" if self.options.warmup is None else "warmup=false / --enforce-eager")
+            log.info(
+                "warm-up skipped (%s): programs compile on first use and persist in the XLA cache",
+                "JAX CPU backend" if self.options.warmup is None else "warmup=false / --enforce-eager",
+            )
             return CompilationTimes(language_model=0.0, encoder=0.0)
         t0 = time.perf_counter()
         n = self.worker.warmup()
         if self.connector is not None:
             from tpuserve.kv_cache.host_tier import warmup_pages
-            n += self.connector.warmup(warmup_pages(self.model_config.max_model_len,
-                                                    self.worker.config.cache.block_size,
-                                                    self.scheduler_config.max_num_batched_tokens))
+
+            n += self.connector.warmup(
+                warmup_pages(
+                    self.model_config.max_model_len,
+                    self.worker.config.cache.block_size,
+                    self.scheduler_config.max_num_batched_tokens,
+                )
+            )
         self._compiled_after_warmup = self.runner.compile_count
         secs = time.perf_counter() - t0
         log.info("warm-up compiled %d programs in %.1f s", n, secs)  # in vLLM's log
@@ -240,8 +301,9 @@ class TpuserveWorker(WorkerBase):
     def execute_model(self, scheduler_output: Any) -> ModelRunnerOutput | None:
         conn = self.connector
         if conn is None and getattr(scheduler_output, "kv_connector_metadata", None) is not None:
-            raise NotImplementedError("this step carries KV connector metadata, but no connector runs "
-                                      "in the tpuserve worker")
+            raise NotImplementedError(
+                "this step carries KV connector metadata, but no connector runs in the tpuserve worker"
+            )
         plan = self.table.plan(scheduler_output)
         if conn is not None:
             meta = scheduler_output.kv_connector_metadata
@@ -254,7 +316,8 @@ class TpuserveWorker(WorkerBase):
             if conn is None:
                 return EMPTY_MODEL_RUNNER_OUTPUT
             return ModelRunnerOutput.with_kv_conn_output_only(
-                self._finish_connector(scheduler_output.finished_req_ids))
+                self._finish_connector(scheduler_output.finished_req_ids)
+            )
         # Dispatch the forward now; the grammar bitmask only exists at sample_tokens, and vLLM
         # builds it on the host while the device runs this.
         batch = self.runner.build_batch(plan.scheduled(self.table))
@@ -291,11 +354,14 @@ class TpuserveWorker(WorkerBase):
         conn.wait_for_save()
         done = conn.get_transfer_results(finished_req_ids)
         out = KVConnectorOutput(
-            finished_sending=done.finished_sending, finished_recving=done.finished_recving,
-            failed_recving=done.failed_recving, invalid_block_ids=conn.get_block_ids_with_load_errors(),
+            finished_sending=done.finished_sending,
+            finished_recving=done.finished_recving,
+            failed_recving=done.failed_recving,
+            invalid_block_ids=conn.get_block_ids_with_load_errors(),
             kv_connector_stats=conn.get_kv_connector_stats(),
             kv_cache_events=conn.get_kv_connector_kv_cache_events(),
-            kv_connector_worker_meta=conn.build_connector_worker_meta())
+            kv_connector_worker_meta=conn.build_connector_worker_meta(),
+        )
         conn.clear_connector_metadata()
         return out
 
@@ -318,8 +384,10 @@ class TpuserveWorker(WorkerBase):
             out[rid] = bitmask[row, :words]
             row += 1 + plan.scheduled_drafts.get(rid, 0)
         if row > bitmask.shape[0]:
-            raise ValueError(f"grammar bitmask has {bitmask.shape[0]} rows, the step's structured "
-                             f"requests and their drafts need {row}")
+            raise ValueError(
+                f"grammar bitmask has {bitmask.shape[0]} rows, the step's structured "
+                f"requests and their drafts need {row}"
+            )
         return out
 
     def _check_recompiles(self) -> None:
@@ -327,8 +395,10 @@ class TpuserveWorker(WorkerBase):
             return
         now = self.runner.compile_count
         if now > self._compiled_after_warmup:
-            log.warning("compiled %d program(s) after warm-up (a shape bucket or sampler variant "
-                        "it did not cover)", now - self._compiled_after_warmup)
+            log.warning(
+                "compiled %d program(s) after warm-up (a shape bucket or sampler variant it did not cover)",
+                now - self._compiled_after_warmup,
+            )
             self._compiled_after_warmup = now
 
     # ---- the rest of vLLM's worker interface ----
@@ -357,6 +427,7 @@ class TpuserveWorker(WorkerBase):
     def synchronize_device(self) -> None:
         if self.runner is not None:
             import jax
+
             jax.block_until_ready(self.runner.kv_cache)
 
     def reset_encoder_cache(self) -> None:
@@ -410,8 +481,9 @@ def _nothing_to_release() -> None:
     return None
 
 
-def _make_connector(vllm_config: VllmConfig,
-                    kv_cache_config: KVCacheConfig) -> TpuserveHostOffloadConnector | TpuservePDConnector | None:
+def _make_connector(
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig
+) -> TpuserveHostOffloadConnector | TpuservePDConnector | None:
     """This worker's side of the configured KV connector; only ours can drive a JAX KV cache.
 
     vLLM's ``ensure_kv_transfer_initialized`` would build it too, but first broadcasts the engine id
@@ -422,27 +494,39 @@ def _make_connector(vllm_config: VllmConfig,
     ktc = vllm_config.kv_transfer_config
     if ktc is None or not ktc.is_kv_transfer_instance:
         return None
-    conn = KVConnectorFactory.create_connector(config=vllm_config, role=KVConnectorRole.WORKER,
-                                               kv_cache_config=kv_cache_config)
+    conn = KVConnectorFactory.create_connector(
+        config=vllm_config, role=KVConnectorRole.WORKER, kv_cache_config=kv_cache_config
+    )
     if not isinstance(conn, (TpuserveHostOffloadConnector, TpuservePDConnector)):
         raise NotImplementedError(
             f"KV connector {type(conn).__name__}: vLLM's connectors move torch device tensors; the "
             f"tpuserve platform runs its host-tier connector (--kv-offloading-size) and its P/D "
-            f"connector (TpuservePDConnector)")
+            f"connector (TpuservePDConnector)"
+        )
     return conn
 
 
 def _to_vllm_output(r: StepResult) -> ModelRunnerOutput:
     logprobs = None
     if r.logprob_token_ids is not None:
-        logprobs = LogprobsLists(logprob_token_ids=r.logprob_token_ids, logprobs=r.logprobs,
-                                 sampled_token_ranks=r.sampled_ranks,
-                                 cu_num_generated_tokens=r.cu_num_generated_tokens)
-    prompt = {rid: LogprobsTensors(logprob_token_ids=torch.from_numpy(b.token_ids),
-                                   logprobs=torch.from_numpy(b.logprobs),
-                                   selected_token_ranks=torch.from_numpy(b.ranks))
-              for rid, b in r.prompt_logprobs.items()}
-    return ModelRunnerOutput(req_ids=r.req_ids, req_id_to_index={rid: i for i, rid in enumerate(r.req_ids)},
-                             sampled_token_ids=r.sampled_token_ids, logprobs=logprobs,
-                             prompt_logprobs_dict=prompt)
-
+        logprobs = LogprobsLists(
+            logprob_token_ids=r.logprob_token_ids,
+            logprobs=r.logprobs,
+            sampled_token_ranks=r.sampled_ranks,
+            cu_num_generated_tokens=r.cu_num_generated_tokens,
+        )
+    prompt = {
+        rid: LogprobsTensors(
+            logprob_token_ids=torch.from_numpy(b.token_ids),
+            logprobs=torch.from_numpy(b.logprobs),
+            selected_token_ranks=torch.from_numpy(b.ranks),
+        )
+        for rid, b in r.prompt_logprobs.items()
+    }
+    return ModelRunnerOutput(
+        req_ids=r.req_ids,
+        req_id_to_index={rid: i for i, rid in enumerate(r.req_ids)},
+        sampled_token_ids=r.sampled_token_ids,
+        logprobs=logprobs,
+        prompt_logprobs_dict=prompt,
+    )

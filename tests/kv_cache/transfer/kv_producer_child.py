@@ -66,8 +66,13 @@ def main() -> None:
     cls = StallingSender if args.fault == "stall-half" else TcpKVSender
     sender = cls(layout, io_timeout_s=30.0)  # secret from $TPUSERVE_KV_SECRET
     pages = random_pages(layout, args.num_pages, args.seed)
-    handle = sender.offer("req-1", pages, num_tokens=args.num_pages * layout.page_size - 1,
-                          meta={"seed": args.seed}, ttl_s=args.ttl)
+    handle = sender.offer(
+        "req-1",
+        pages,
+        num_tokens=args.num_pages * layout.page_size - 1,
+        meta={"seed": args.seed},
+        ttl_s=args.ttl,
+    )
     print(json.dumps(dataclasses.asdict(handle)), flush=True)
     for line in sys.stdin:
         if line.strip() == "events":

@@ -4,12 +4,11 @@ two transfer servers on loopback)."""
 from __future__ import annotations
 
 import pytest
+from kv_producer_child import random_pages  # tests/kv_cache/transfer/kv_producer_child.py
 
 from tpuserve.kv_cache.transfer.errors import AuthError, LayoutMismatchError, TransferNotFoundError
 from tpuserve.kv_cache.transfer.jax_transfer import JaxKVReceiver, JaxKVSender
 from tpuserve.kv_cache.transfer.layout import KVLayout
-
-from kv_producer_child import random_pages  # tests/kv_cache/transfer/kv_producer_child.py
 
 pytestmark = pytest.mark.timeout(120)
 

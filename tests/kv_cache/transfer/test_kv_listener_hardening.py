@@ -22,14 +22,13 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
+from kv_producer_child import random_pages  # tests/kv_cache/transfer/kv_producer_child.py
 
 from tpuserve.kv_cache.transfer import auth
 from tpuserve.kv_cache.transfer.errors import KVTransferError
 from tpuserve.kv_cache.transfer.framing import MAGIC, VERSION, Deadline, recv_frame, send_frame
 from tpuserve.kv_cache.transfer.layout import KVLayout
 from tpuserve.kv_cache.transfer.tcp import TcpKVReceiver, TcpKVSender
-
-from kv_producer_child import random_pages  # tests/kv_cache/transfer/kv_producer_child.py
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -77,7 +76,7 @@ def _frames(data: bytes) -> list[dict]:
         assert (magic, version) == (MAGIC, VERSION)
         end = PREFIX.size + head_len + payload_len
         assert len(data) >= end, "a partial frame"
-        out.append(json.loads(data[PREFIX.size:PREFIX.size + head_len]))
+        out.append(json.loads(data[PREFIX.size : PREFIX.size + head_len]))
         data = data[end:]
     return out
 
@@ -101,9 +100,15 @@ def _authenticate(sock: socket.socket, secret: str = SECRET) -> dict:
     d = Deadline.after(10, 10)
     hello, _ = recv_frame(sock, d)
     nonce_p, nonce_c = bytes.fromhex(hello["nonce"]), auth.new_nonce()
-    send_frame(sock, {"type": "auth", "nonce": nonce_c.hex(),
-                      "proof": auth.proof(secret.encode(), auth.CLIENT_LABEL, nonce_p, nonce_c).hex()},
-               deadline=d)
+    send_frame(
+        sock,
+        {
+            "type": "auth",
+            "nonce": nonce_c.hex(),
+            "proof": auth.proof(secret.encode(), auth.CLIENT_LABEL, nonce_p, nonce_c).hex(),
+        },
+        deadline=d,
+    )
     ok, _ = recv_frame(sock, d)
     assert ok["type"] == "ok", ok
     send_frame(sock, {"type": "layout", "layout_digest": ok["layout_digest"]}, deadline=d)
@@ -147,9 +152,13 @@ def test_200_junk_connections_do_not_starve_real_pd_transfers(monkeypatch, caplo
     src = jnp.asarray(np.random.default_rng(0).standard_normal(shape).astype(np.float32))
     dst = jnp.zeros(shape, jnp.float32)
     # The junk must still be held while the transfers run: a long handshake deadline.
-    producer = KVTransferRole(KVTransferConfig(kv_role="kv_producer", kv_port=0,
-                                               kv_connector_extra_config={"handshake_timeout_s": 60}),
-                              "tiny", src)
+    producer = KVTransferRole(
+        KVTransferConfig(
+            kv_role="kv_producer", kv_port=0, kv_connector_extra_config={"handshake_timeout_s": 60}
+        ),
+        "tiny",
+        src,
+    )
     consumer = KVTransferRole(KVTransferConfig(kv_role="kv_consumer"), "tiny", dst)
     junk: list[socket.socket] = []
     try:
@@ -207,8 +216,16 @@ def test_a_junk_flood_from_another_address_leaves_the_consumer_alone():
 
 def test_an_unauthenticated_peer_learns_nothing_about_the_model():
     layout = _layout(model_id="org/very-secret-model-7b", num_layers=5, head_dim=16)
-    telltales = [b"very-secret-model", layout.digest().encode(), b"layout", b"page_size", b"head_dim",
-                 b"num_layers", b"float32", b"model"]
+    telltales = [
+        b"very-secret-model",
+        layout.digest().encode(),
+        b"layout",
+        b"page_size",
+        b"head_dim",
+        b"num_layers",
+        b"float32",
+        b"model",
+    ]
     with TcpKVSender(layout, secret=SECRET, handshake_timeout_s=30) as s:
         s.offer("req-1", random_pages(layout, 1, 0), num_tokens=4)
 
@@ -221,8 +238,9 @@ def test_an_unauthenticated_peer_learns_nothing_about_the_model():
             assert not [t for t in telltales if t in before]
             # A wrong proof: refused, still nothing about the model, then closed.
             nonce_c = auth.new_nonce()
-            wrong = auth.proof(b"not-the-secret-at-all", auth.CLIENT_LABEL, bytes.fromhex(hello["nonce"]),
-                               nonce_c)
+            wrong = auth.proof(
+                b"not-the-secret-at-all", auth.CLIENT_LABEL, bytes.fromhex(hello["nonce"]), nonce_c
+            )
             send_frame(c, {"type": "auth", "nonce": nonce_c.hex(), "proof": wrong.hex()})
             after = _read_for(c, 5.0)
             assert [f["code"] for f in _frames(after)] == ["auth_failed"]
@@ -293,8 +311,9 @@ def test_the_default_handshake_deadline_is_short():
 def test_the_per_peer_limit_closes_excess_connections(caplog):
     caplog.set_level(logging.INFO, logger=LOGGER)
     layout = _layout()
-    with TcpKVSender(layout, secret=SECRET, handshake_timeout_s=60, idle_timeout_s=60,
-                     max_connections_per_peer=4) as s:
+    with TcpKVSender(
+        layout, secret=SECRET, handshake_timeout_s=60, idle_timeout_s=60, max_connections_per_peer=4
+    ) as s:
         h = s.offer("r", random_pages(layout, 1, 0), num_tokens=4)
         first = [_connect(s.address) for _ in range(4)]
         _wait_until(lambda: s.connection_counts() == {"127.0.0.1": (4, 0)})
@@ -335,8 +354,9 @@ def test_the_per_peer_limit_closes_excess_connections(caplog):
 
 def test_the_global_cap_displaces_the_busiest_peers_oldest_handshake():
     layout = _layout()
-    with TcpKVSender(layout, secret=SECRET, handshake_timeout_s=60, max_connections=6,
-                     max_connections_per_peer=4) as s:
+    with TcpKVSender(
+        layout, secret=SECRET, handshake_timeout_s=60, max_connections=6, max_connections_per_peer=4
+    ) as s:
         try:
             a = [_connect(s.address, "127.0.0.2") for _ in range(4)]
             b = [_connect(s.address, "127.0.0.3") for _ in range(2)]
@@ -348,8 +368,11 @@ def test_the_global_cap_displaces_the_busiest_peers_oldest_handshake():
             assert _closed_within(a[0], 5.0) is not None
             _authenticate(c)
             assert all(_closed_within(x, 0.2) is None for x in a[1:] + b)
-            _wait_until(lambda: s.connection_counts() == {"127.0.0.1": (1, 1), "127.0.0.2": (3, 0),
-                                                          "127.0.0.3": (2, 0)})
+            _wait_until(
+                lambda: (
+                    s.connection_counts() == {"127.0.0.1": (1, 1), "127.0.0.2": (3, 0), "127.0.0.3": (2, 0)}
+                )
+            )
         for x in a + b:
             x.close()
 
@@ -410,8 +433,13 @@ def test_the_listener_survives_a_mess_of_peers_and_keeps_serving():
 
 
 def test_sender_rejects_nonsense_limits():
-    for kw in ({"handshake_timeout_s": 0}, {"idle_timeout_s": -1}, {"max_connections": 0},
-               {"max_connections_per_peer": 0}, {"handshake_timeout_s": float("nan")}):
+    for kw in (
+        {"handshake_timeout_s": 0},
+        {"idle_timeout_s": -1},
+        {"max_connections": 0},
+        {"max_connections_per_peer": 0},
+        {"handshake_timeout_s": float("nan")},
+    ):
         with pytest.raises(ValueError, match=next(iter(kw))):
             TcpKVSender(_layout(), secret=SECRET, **kw)
 
@@ -420,12 +448,26 @@ def test_listener_options_from_kv_connector_extra_config():
     from tpuserve.server.kv_transfer import listener_options
 
     assert listener_options(None) == {} and listener_options({"pull_timeout_s": 3}) == {}
-    got = listener_options({"handshake_timeout_s": 2, "idle_timeout_s": 7.5, "max_connections": 32,
-                            "max_connections_per_peer": 8.0})
-    assert got == {"handshake_timeout_s": 2.0, "idle_timeout_s": 7.5, "max_connections": 32,
-                   "max_connections_per_peer": 8}
+    got = listener_options(
+        {
+            "handshake_timeout_s": 2,
+            "idle_timeout_s": 7.5,
+            "max_connections": 32,
+            "max_connections_per_peer": 8.0,
+        }
+    )
+    assert got == {
+        "handshake_timeout_s": 2.0,
+        "idle_timeout_s": 7.5,
+        "max_connections": 32,
+        "max_connections_per_peer": 8,
+    }
     assert all(type(v) is (float if k.endswith("_s") else int) for k, v in got.items())
-    for bad in ({"max_connections": 2.5}, {"handshake_timeout_s": "3"}, {"idle_timeout_s": 0},
-                {"max_connections_per_peer": True}):
+    for bad in (
+        {"max_connections": 2.5},
+        {"handshake_timeout_s": "3"},
+        {"idle_timeout_s": 0},
+        {"max_connections_per_peer": True},
+    ):
         with pytest.raises(ValueError, match=f"extra_config.{next(iter(bad))}"):
             listener_options(bad)

@@ -19,14 +19,19 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from kv_producer_child import random_pages  # tests/kv_cache/transfer/kv_producer_child.py
 
-from tpuserve.kv_cache.transfer.errors import (AuthError, KVTransferError, LayoutMismatchError,
-                                              PeerClosedError, TransferNotFoundError, TransferTimeoutError)
+from tpuserve.kv_cache.transfer.errors import (
+    AuthError,
+    KVTransferError,
+    LayoutMismatchError,
+    PeerClosedError,
+    TransferNotFoundError,
+    TransferTimeoutError,
+)
 from tpuserve.kv_cache.transfer.layout import KVLayout
 from tpuserve.kv_cache.transfer.tcp import TcpKVReceiver, TcpKVSender
 from tpuserve.kv_cache.transfer.transport import TransferHandle
-
-from kv_producer_child import random_pages  # tests/kv_cache/transfer/kv_producer_child.py
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -45,9 +50,14 @@ class Producer:
     def __init__(self, layout: KVLayout, *args: str, secret: str = SECRET):
         env = {**os.environ, "TPUSERVE_KV_SECRET": secret}
         env.pop("TPUSERVE_KV_SECRET_FILE", None)
-        self.proc = subprocess.Popen([sys.executable, str(CHILD), "--layout", json.dumps(layout.to_dict()),
-                                      *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                     env=env, cwd=str(CHILD.parent))
+        self.proc = subprocess.Popen(
+            [sys.executable, str(CHILD), "--layout", json.dumps(layout.to_dict()), *args],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+            cwd=str(CHILD.parent),
+        )
         self.handle = TransferHandle(**json.loads(self.line()))
 
     def line(self, timeout: float = 30.0) -> str:
@@ -108,7 +118,9 @@ def test_kv_transfer_params_round_trip(producer):
     assert params["do_remote_prefill"] is True
     h = TransferHandle.from_kv_transfer_params(params)
     assert h == p.handle
-    assert TcpKVReceiver(layout, secret=SECRET).pull(h).pages.tobytes() == random_pages(layout, 5, 0).tobytes()
+    assert (
+        TcpKVReceiver(layout, secret=SECRET).pull(h).pages.tobytes() == random_pages(layout, 5, 0).tobytes()
+    )
     with pytest.raises(ValueError, match="remote_port"):
         TransferHandle.from_kv_transfer_params({**params, "remote_port": "80"})
 
@@ -132,10 +144,15 @@ def test_impostor_producer_is_refused_by_the_consumer():
             TcpKVReceiver(layout, secret=SECRET).pull(h, timeout_s=10)
 
 
-@pytest.mark.parametrize("change,field", [({"page_size": 8}, "page_size: 8 != 4"),
-                                          ({"dtype": "bfloat16"}, "dtype: 'bfloat16' != 'float32'"),
-                                          ({"tp_size": 2}, "tp_size: 2 != 1"),
-                                          ({"model_id": "other"}, "model_id: 'other' != 'tiny'")])
+@pytest.mark.parametrize(
+    "change,field",
+    [
+        ({"page_size": 8}, "page_size: 8 != 4"),
+        ({"dtype": "bfloat16"}, "dtype: 'bfloat16' != 'float32'"),
+        ({"tp_size": 2}, "tp_size: 2 != 1"),
+        ({"model_id": "other"}, "model_id: 'other' != 'tiny'"),
+    ],
+)
 def test_mismatched_layout_is_refused_naming_the_field(producer, change, field):
     p = producer(_layout())
     with pytest.raises(LayoutMismatchError, match=field.replace("(", r"\(")):
@@ -151,7 +168,7 @@ def test_producer_killed_mid_transfer_gives_a_clean_error_quickly(producer):
     def pull():
         try:
             TcpKVReceiver(layout, secret=SECRET, io_timeout_s=30).pull(p.handle, timeout_s=60)
-        except Exception as e:  # noqa: BLE001 - the test inspects it
+        except Exception as e:
             result["error"] = e
 
     t = threading.Thread(target=pull)
@@ -240,8 +257,10 @@ def test_listener_is_loopback_and_survives_garbage():
                 assert junk.recv(4096) == b""  # dropped without a reply ...
             except ConnectionResetError:
                 pass  # ... or reset, as unread bytes make the close an RST
-        assert TcpKVReceiver(layout, secret=SECRET).pull(h).pages.tobytes() == \
-            random_pages(layout, 2, 3).tobytes()
+        assert (
+            TcpKVReceiver(layout, secret=SECRET).pull(h).pages.tobytes()
+            == random_pages(layout, 2, 3).tobytes()
+        )
 
 
 def test_secret_is_required_and_read_from_env_or_file(tmp_path, monkeypatch):
