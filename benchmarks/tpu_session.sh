@@ -16,7 +16,9 @@ budget=${BUDGET_S:-540}
 stages=${STAGES:-"kernels e2e-1b ab-256 e2e-135m movers"}
 out=${OUT:-/tmp/tpu_session}
 mkdir -p "$out" /tmp/m
-source .whl-tpu/on_tpu_setup.sh 2>&1 | tee "$out/setup.log"
+# sourced here, not in a pipe: a pipe would run it in a subshell and lose its exports
+source .whl-tpu/on_tpu_setup.sh > "$out/setup.log" 2>&1
+cat "$out/setup.log"
 git_rev=$(cat .tpu_carry/REV 2>/dev/null || echo unknown)
 echo "rev $git_rev, stages: $stages" | tee "$out/session.log"
 
