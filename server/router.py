@@ -15,8 +15,8 @@ Clients' requests have the server's read deadlines (``--http-header-timeout``,
 ``--http-body-timeout``).
 """
 
-# No ``from __future__ import annotations``: FastAPI reads the handlers' ``Request`` annotations, and
-# fastapi is imported inside ``build_router_app`` (the CLI imports this module for every command).
+from __future__ import annotations
+
 import argparse
 import asyncio
 import contextlib
@@ -26,6 +26,12 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from tpuserve.server.api_errors import error_response
 from tpuserve.server.http_deadlines import (
     DEFAULT_BODY_TIMEOUT_S,
     DEFAULT_HEADER_TIMEOUT_S,
@@ -91,7 +97,7 @@ class BackendPool:
     _next: int = field(default=0, repr=False)
 
     @classmethod
-    def of(cls, role: str, urls: Sequence[str]) -> "BackendPool":
+    def of(cls, role: str, urls: Sequence[str]) -> BackendPool:
         return cls(role, [Backend(u.rstrip("/")) for u in urls])
 
     def candidates(self) -> list[Backend]:
@@ -144,90 +150,185 @@ def _decode_body(body: dict, kv_params: dict | None) -> dict:
     return out
 
 
-def build_router_app(config: RouterConfig, transport=None):
-    """The FastAPI app. ``transport``: an httpx transport for the backend client (tests mock it)."""
-    import httpx
-    from fastapi import FastAPI, Request
-    from fastapi.responses import JSONResponse, Response, StreamingResponse
-    from starlette.exceptions import HTTPException as StarletteHTTPException
+def _forward_headers(request: Request) -> dict[str, str]:
+    return {k: v for k, v in request.headers.items() if k.lower() in _FORWARD_HEADERS}
 
-    from tpuserve.server.api_errors import error_response
 
-    config.validate()
-    pools = {
-        "prefill": BackendPool.of("prefill", config.prefill_urls),
-        "decode": BackendPool.of("decode", config.decode_urls),
-    }
-    state: dict = {}
+async def _json_object(request: Request) -> dict | Response:
+    """The request's JSON object, or the 400 response (the server's error shape) to answer."""
+    raw = await request.body()
+    try:
+        body = json.loads(raw)
+    except ValueError as e:
+        # Bad JSON, bad UTF-8, or an integer over Python's 4,300-digit conversion limit (a plain
+        # ValueError, which once escaped as a 500).
+        return error_response(400, f"request body is not valid JSON: {e}")
+    except RecursionError:
+        return error_response(400, "request body is not valid JSON: nested too deeply")
+    if not isinstance(body, dict):
+        return error_response(400, "request body must be a JSON object")
+    return body
 
-    async def check_health(client: httpx.AsyncClient) -> None:
-        async def one(pool: BackendPool, b: Backend) -> None:
-            try:
-                r = await client.get(b.url + "/health", timeout=config.health_timeout_s)
-                err = None if r.status_code == 200 else f"/health answered {r.status_code}"
-            except httpx.HTTPError as e:
-                err = f"/health failed: {type(e).__name__}: {e}"
-            b.checked_at = time.time()
-            pool.mark(b, err)
 
-        await asyncio.gather(*(one(p, b) for p in pools.values() for b in p.backends))
+async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+    """Unknown routes and methods in the OpenAI error shape, as the server answers them."""
+    message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+    if exc.status_code == 404 and message == "Not Found":
+        message = f"Not Found: no route {request.method} {request.url.path}"
+    # Its headers too: a 405's Allow, a 408's Connection: close.
+    return error_response(exc.status_code, message, headers=getattr(exc, "headers", None))
 
-    async def health_loop(client: httpx.AsyncClient) -> None:
-        while True:
-            try:
-                await check_health(client)
-            except Exception:  # never let the checker die
-                log.exception("health check failed")
-            await asyncio.sleep(config.health_interval_s)
+
+class Router:
+    """The backend pools, the client that reaches them while the app runs, and the handlers;
+    ``app`` is the FastAPI app serving them. ``transport``: an httpx transport for the backend
+    client (tests mock it)."""
+
+    def __init__(self, config: RouterConfig, transport: httpx.AsyncBaseTransport | None = None):
+        config.validate()
+        self.config = config
+        self.prefill = BackendPool.of("prefill", config.prefill_urls)
+        self.decode = BackendPool.of("decode", config.decode_urls)
+        self.pools: dict[str, BackendPool] = {"prefill": self.prefill, "decode": self.decode}
+        self._transport = transport
+        self._client: httpx.AsyncClient | None = None  # only while the app runs (its lifespan)
+        self.app = self._build_app()
+
+    def _build_app(self) -> FastAPI:
+        app = FastAPI(title="tpuserve router", lifespan=self._lifespan)
+        app.state.pools = self.pools
+        app.add_middleware(BodyDeadlineMiddleware, timeout_s=self.config.http_body_timeout_s)
+        app.exception_handler(StarletteHTTPException)(_http_error)
+        routes = (
+            ("POST", "/v1/completions", self.completions),
+            ("POST", "/v1/chat/completions", self.chat_completions),
+            ("GET", "/v1/models", self.models),
+            # The servers' utility routes: token ids are the same on every server of one model.
+            ("POST", "/tokenize", self.tokenize),
+            ("POST", "/detokenize", self.detokenize),
+            ("GET", "/metrics", self.metrics),
+            ("GET", "/health", self.health),
+            ("GET", "/router/backends", self.backends),
+        )
+        for method, path, endpoint in routes:
+            app.add_api_route(path, endpoint, methods=[method])
+        return app
+
+    @property
+    def client(self) -> httpx.AsyncClient:
+        if self._client is None:
+            raise RuntimeError("the router's backend client exists only while its app runs")
+        return self._client
+
+    # ---- health ----
 
     @contextlib.asynccontextmanager
-    async def lifespan(app):
+    async def _lifespan(self, app: FastAPI) -> AsyncIterator[None]:
         limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
-        client = httpx.AsyncClient(
-            transport=transport,
+        self._client = httpx.AsyncClient(
+            transport=self._transport,
             limits=limits,
-            timeout=httpx.Timeout(config.prefill_timeout_s, connect=config.connect_timeout_s),
+            timeout=httpx.Timeout(self.config.prefill_timeout_s, connect=self.config.connect_timeout_s),
         )
-        state["client"] = client
-        task = asyncio.create_task(health_loop(client))
+        task = asyncio.create_task(self._health_loop())
         try:
             yield
         finally:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-            await client.aclose()
+            await self._client.aclose()
+            self._client = None
 
-    app = FastAPI(title="tpuserve router", lifespan=lifespan)
-    app.state.pools = pools
-    app.add_middleware(BodyDeadlineMiddleware, timeout_s=config.http_body_timeout_s)
+    async def _health_loop(self) -> None:
+        while True:
+            try:
+                await self.check_health()
+            except Exception:  # never let the checker die
+                log.exception("health check failed")
+            await asyncio.sleep(self.config.health_interval_s)
 
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, exc: StarletteHTTPException):
-        # Unknown routes and methods in the OpenAI error shape, as the server answers them.
-        message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
-        if exc.status_code == 404 and message == "Not Found":
-            message = f"Not Found: no route {request.method} {request.url.path}"
-        # Its headers too: a 405's Allow, a 408's Connection: close.
-        return error_response(exc.status_code, message, headers=getattr(exc, "headers", None))
+    async def check_health(self) -> None:
+        await asyncio.gather(*(self._check(p, b) for p in self.pools.values() for b in p.backends))
 
-    async def send(
-        role: str, path: str, body: dict, headers: dict, stream: bool, read_timeout: float
+    async def _check(self, pool: BackendPool, b: Backend) -> None:
+        try:
+            r = await self.client.get(b.url + "/health", timeout=self.config.health_timeout_s)
+            err = None if r.status_code == 200 else f"/health answered {r.status_code}"
+        except httpx.HTTPError as e:
+            err = f"/health failed: {type(e).__name__}: {e}"
+        b.checked_at = time.time()
+        pool.mark(b, err)
+
+    # ---- completions: prefill, then decode ----
+
+    async def completions(self, request: Request) -> Response:
+        return await self._proxy(request, "/v1/completions")
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._proxy(request, "/v1/chat/completions")
+
+    async def _proxy(self, request: Request, path: str) -> Response:
+        body = await _json_object(request)
+        if isinstance(body, Response):
+            return body
+        headers = _forward_headers(request)
+        try:
+            p = await self._send(
+                self.prefill,
+                path,
+                _prefill_body(body, path),
+                headers,
+                stream=False,
+                read_timeout=self.config.prefill_timeout_s,
+            )
+            if p.status_code != 200:
+                if 400 <= p.status_code < 500:  # the request itself is bad: say so as the server did
+                    return Response(p.content, p.status_code, media_type=p.headers.get("content-type"))
+                raise UpstreamError(502, f"prefill server answered {p.status_code}: {p.text[:500]}")
+            try:
+                kv_params = p.json().get("kv_transfer_params")
+            except (ValueError, AttributeError):
+                raise UpstreamError(
+                    502, "prefill server answered something that is not a JSON object"
+                ) from None
+            stream = bool(body.get("stream"))
+            d = await self._send(
+                self.decode,
+                path,
+                _decode_body(body, kv_params),
+                headers,
+                stream=stream,
+                read_timeout=self.config.decode_read_timeout_s,
+            )
+        except UpstreamError as e:
+            return error_response(e.status, e.message)
+        if not stream:
+            return Response(d.content, d.status_code, media_type=d.headers.get("content-type"))
+        if d.status_code != 200:
+            content = await d.aread()
+            await d.aclose()
+            return Response(content, d.status_code, media_type=d.headers.get("content-type"))
+        return StreamingResponse(
+            _relay(d), status_code=200, media_type=d.headers.get("content-type", "text/event-stream")
+        )
+
+    async def _send(
+        self, pool: BackendPool, path: str, body: dict, headers: dict, stream: bool, read_timeout: float
     ) -> httpx.Response:
-        """POST to the first reachable healthy backend of ``role``; UpstreamError if none is."""
-        client: httpx.AsyncClient = state["client"]
-        pool = pools[role]
+        """POST to the first reachable healthy backend of ``pool``; UpstreamError if none is."""
+        role = pool.role
         tried: list[str] = []
         for b in pool.candidates():
-            req = client.build_request(
+            req = self.client.build_request(
                 "POST",
                 b.url + path,
                 content=_json_bytes(body),
                 headers={**headers, "content-type": "application/json"},
-                timeout=httpx.Timeout(read_timeout, connect=config.connect_timeout_s),
+                timeout=httpx.Timeout(read_timeout, connect=self.config.connect_timeout_s),
             )
             try:
-                resp = await client.send(req, stream=stream)
+                resp = await self.client.send(req, stream=stream)
             except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError) as e:
                 # Refused, unreachable, or closed before answering: nothing ran there; try the next.
                 pool.mark(b, f"{type(e).__name__}: {e}")
@@ -250,98 +351,21 @@ def build_router_app(config: RouterConfig, transport=None):
             )
         raise UpstreamError(502, f"no {role} server reachable ({'; '.join(tried)})")
 
-    async def proxy(request: Request, path: str):
-        body = await _json_object(request)
-        if isinstance(body, Response):
-            return body
-        headers = _forward_headers(request)
-        try:
-            p = await send(
-                "prefill",
-                path,
-                _prefill_body(body, path),
-                headers,
-                stream=False,
-                read_timeout=config.prefill_timeout_s,
-            )
-            if p.status_code != 200:
-                if 400 <= p.status_code < 500:  # the request itself is bad: say so as the server did
-                    return Response(p.content, p.status_code, media_type=p.headers.get("content-type"))
-                raise UpstreamError(502, f"prefill server answered {p.status_code}: {p.text[:500]}")
-            try:
-                kv_params = p.json().get("kv_transfer_params")
-            except (ValueError, AttributeError):
-                raise UpstreamError(
-                    502, "prefill server answered something that is not a JSON object"
-                ) from None
-            stream = bool(body.get("stream"))
-            d = await send(
-                "decode",
-                path,
-                _decode_body(body, kv_params),
-                headers,
-                stream=stream,
-                read_timeout=config.decode_read_timeout_s,
-            )
-        except UpstreamError as e:
-            return error_response(e.status, e.message)
-        if not stream:
-            return Response(d.content, d.status_code, media_type=d.headers.get("content-type"))
-        if d.status_code != 200:
-            content = await d.aread()
-            await d.aclose()
-            return Response(content, d.status_code, media_type=d.headers.get("content-type"))
-        return StreamingResponse(
-            _relay(d), status_code=200, media_type=d.headers.get("content-type", "text/event-stream")
-        )
+    # ---- routes a decode server answers alone ----
 
-    async def _relay(d) -> AsyncIterator[bytes]:
-        try:
-            async for chunk in d.aiter_bytes():  # decoded: the relay sends no content-encoding
-                yield chunk
-        except httpx.HTTPError as e:  # the decode server died or stalled mid-stream: tell the client
-            log.warning("decode stream from %s broke: %s", d.request.url, e)
-            err = {
-                "error": {
-                    "message": f"decode server failed mid-stream: {type(e).__name__}",
-                    "type": "BadGatewayError",
-                    "param": None,
-                    "code": 502,
-                }
-            }
-            yield f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode()
-        finally:
-            await d.aclose()
+    async def models(self, request: Request) -> Response:
+        return await self._to_decode(request, "GET", "/v1/models")
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        return await proxy(request, "/v1/completions")
+    async def tokenize(self, request: Request) -> Response:
+        return await self._to_decode(request, "POST", "/tokenize")
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        return await proxy(request, "/v1/chat/completions")
+    async def detokenize(self, request: Request) -> Response:
+        return await self._to_decode(request, "POST", "/detokenize")
 
-    async def _json_object(request: Request):
-        """The request's JSON object, or the 400 response (the server's error shape) to answer."""
-        raw = await request.body()
-        try:
-            body = json.loads(raw)
-        except ValueError as e:
-            # Bad JSON, bad UTF-8, or an integer over Python's 4,300-digit conversion limit (a plain
-            # ValueError, which once escaped as a 500).
-            return error_response(400, f"request body is not valid JSON: {e}")
-        except RecursionError:
-            return error_response(400, "request body is not valid JSON: nested too deeply")
-        if not isinstance(body, dict):
-            return error_response(400, "request body must be a JSON object")
-        return body
-
-    def _forward_headers(request: Request) -> dict:
-        return {k: v for k, v in request.headers.items() if k.lower() in _FORWARD_HEADERS}
-
-    async def to_decode(request: Request, method: str, path: str):
+    async def _to_decode(self, request: Request, method: str, path: str) -> Response:
         """One request to the first reachable decode server, answered as it answered."""
-        kwargs = {}
+        content: bytes | None = None
+        headers = _forward_headers(request)
         if method == "POST":
             body = await _json_object(request)
             if isinstance(body, Response):
@@ -350,37 +374,20 @@ def build_router_app(config: RouterConfig, transport=None):
                 content = _json_bytes(body)
             except UpstreamError as e:
                 return error_response(e.status, e.message)
-            kwargs = dict(
-                content=content, headers={**_forward_headers(request), "content-type": "application/json"}
-            )
-        else:
-            kwargs = dict(headers=_forward_headers(request))
-        client: httpx.AsyncClient = state["client"]
-        for b in pools["decode"].candidates():
+            headers["content-type"] = "application/json"
+        for b in self.decode.candidates():
             try:
-                r = await client.request(method, b.url + path, **kwargs)
+                r = await self.client.request(method, b.url + path, content=content, headers=headers)
             except httpx.HTTPError as e:
-                pools["decode"].mark(b, f"{type(e).__name__}: {e}")
+                self.decode.mark(b, f"{type(e).__name__}: {e}")
                 continue
             b.requests += 1
             return Response(r.content, r.status_code, media_type=r.headers.get("content-type"))
         return error_response(503, "no healthy decode server")
 
-    @app.get("/v1/models")
-    async def models(request: Request):
-        return await to_decode(request, "GET", "/v1/models")
+    # ---- the router's own state ----
 
-    # The servers' utility routes: token ids are the same on every server of one model.
-    @app.post("/tokenize")
-    async def tokenize(request: Request):
-        return await to_decode(request, "POST", "/tokenize")
-
-    @app.post("/detokenize")
-    async def detokenize(request: Request):
-        return await to_decode(request, "POST", "/detokenize")
-
-    @app.get("/metrics")
-    async def metrics():
+    async def metrics(self) -> Response:
         """The router's own: each backend's health and the requests sent to it."""
         lines = [
             "# HELP tpuserve_router_backend_healthy Whether the router routes to the backend.",
@@ -388,33 +395,54 @@ def build_router_app(config: RouterConfig, transport=None):
             "# HELP tpuserve_router_backend_requests_total Requests the router sent it.",
             "# TYPE tpuserve_router_backend_requests_total counter",
         ]
-        for role, pool in pools.items():
+        for role, pool in self.pools.items():
             for b in pool.backends:
                 labels = f'role="{role}",url="{b.url}"'
                 lines.append(f"tpuserve_router_backend_healthy{{{labels}}} {int(b.healthy)}")
                 lines.append(f"tpuserve_router_backend_requests_total{{{labels}}} {b.requests}")
         return Response("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
-    @app.get("/health")
-    async def health():
-        missing = [role for role, pool in pools.items() if not any(b.healthy for b in pool.backends)]
+    async def health(self) -> Response:
+        missing = [role for role, pool in self.pools.items() if not any(b.healthy for b in pool.backends)]
         if missing:
             return error_response(503, f"no healthy {' or '.join(missing)} server")
         return Response(status_code=200)
 
-    @app.get("/router/backends")
-    async def backends():
+    async def backends(self) -> JSONResponse:
         return JSONResponse(
             {
                 role: [
                     {"url": b.url, "healthy": b.healthy, "last_error": b.last_error, "requests": b.requests}
                     for b in pool.backends
                 ]
-                for role, pool in pools.items()
+                for role, pool in self.pools.items()
             }
         )
 
-    return app
+
+async def _relay(d: httpx.Response) -> AsyncIterator[bytes]:
+    """A streamed decode answer, chunk by chunk; an OpenAI error event if it breaks off."""
+    try:
+        async for chunk in d.aiter_bytes():  # decoded: the relay sends no content-encoding
+            yield chunk
+    except httpx.HTTPError as e:  # the decode server died or stalled mid-stream: tell the client
+        log.warning("decode stream from %s broke: %s", d.request.url, e)
+        err = {
+            "error": {
+                "message": f"decode server failed mid-stream: {type(e).__name__}",
+                "type": "BadGatewayError",
+                "param": None,
+                "code": 502,
+            }
+        }
+        yield f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode()
+    finally:
+        await d.aclose()
+
+
+def build_router_app(config: RouterConfig, transport: httpx.AsyncBaseTransport | None = None) -> FastAPI:
+    """The FastAPI app of a ``Router`` over ``config`` (``transport``: see ``Router``)."""
+    return Router(config, transport).app
 
 
 # ---- CLI (``tpuserve router``; tpuserve/cli.py calls add_router_parser) ----
