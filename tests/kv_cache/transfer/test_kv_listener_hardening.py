@@ -18,11 +18,11 @@ import select
 import socket
 import struct
 import time
-from collections.abc import Callable
 
 import numpy as np
 import pytest
 from kv_producer_child import random_pages  # tests/kv_cache/transfer/kv_producer_child.py
+from polling import wait_until  # tests/polling.py
 
 from tpuserve.kv_cache.transfer import auth
 from tpuserve.kv_cache.transfer.errors import KVTransferError
@@ -59,13 +59,6 @@ def _closed_within(sock: socket.socket, seconds: float) -> float | None:
         except OSError:  # reset: closed with our bytes unread
             return time.monotonic() - t0
     return None
-
-
-def _wait_until(pred: Callable[[], bool], seconds: float = 10.0) -> None:
-    t_end = time.monotonic() + seconds
-    while not pred():
-        assert time.monotonic() < t_end, "condition not reached in time"
-        time.sleep(0.01)
 
 
 def _frames(data: bytes) -> list[dict]:
@@ -200,11 +193,11 @@ def test_a_junk_flood_from_another_address_leaves_the_consumer_alone():
         try:
             with _connect(s.address) as held:  # a consumer connection held open meanwhile
                 _authenticate(held)
-                _wait_until(lambda: s.connection_counts().get("127.0.0.2", (0, 0))[0] <= 16)
+                wait_until(lambda: s.connection_counts().get("127.0.0.2", (0, 0))[0] <= 16)
                 for i, h in enumerate(handles):
                     got = TcpKVReceiver(layout, secret=SECRET).pull(h, timeout_s=30)
                     assert got.pages.tobytes() == random_pages(layout, 2, i).tobytes()
-                _wait_until(lambda: s.connection_counts()["127.0.0.1"] == (1, 1))  # the pulls' ended
+                wait_until(lambda: s.connection_counts()["127.0.0.1"] == (1, 1))  # the pulls' ended
                 assert _closed_within(held, 0.2) is None
         finally:
             for j in junk:
@@ -293,7 +286,7 @@ def test_a_connection_stalled_in_the_handshake_is_closed_after_the_deadline(stal
                 closed = _closed_within(c, 15)
             assert closed is not None, "the stalled handshake was never closed"
             assert 0.4 <= closed < 10, closed
-        _wait_until(lambda: s.connection_counts() == {})
+        wait_until(lambda: s.connection_counts() == {})
         assert TcpKVReceiver(layout, secret=SECRET).pull(h, timeout_s=10).request_id == "r"
     lines = [r.getMessage() for r in _tcp_records(caplog)]
     assert [m for m in lines if "did not authenticate within 0.5s" in m], lines
@@ -316,7 +309,7 @@ def test_the_per_peer_limit_closes_excess_connections(caplog):
     ) as s:
         h = s.offer("r", random_pages(layout, 1, 0), num_tokens=4)
         first = [_connect(s.address) for _ in range(4)]
-        _wait_until(lambda: s.connection_counts() == {"127.0.0.1": (4, 0)})
+        wait_until(lambda: s.connection_counts() == {"127.0.0.1": (4, 0)})
         assert all(_closed_within(c, 0.2) is None for c in first)
 
         # Three more handshakes: the three oldest unauthenticated connections are closed at once.
@@ -329,7 +322,7 @@ def test_the_per_peer_limit_closes_excess_connections(caplog):
         consumers = [_connect(s.address) for _ in range(4)]
         for c in consumers:
             _authenticate(c)
-        _wait_until(lambda: s.connection_counts() == {"127.0.0.1": (4, 4)})
+        wait_until(lambda: s.connection_counts() == {"127.0.0.1": (4, 4)})
         assert all(_closed_within(c, 5.0) is not None for c in first[3:] + extra)
         # ... so further connections from this address are refused at once, with a reason.
         for _ in range(5):
@@ -343,7 +336,7 @@ def test_the_per_peer_limit_closes_excess_connections(caplog):
 
         # One authenticated connection ends: a pull from the same address goes through again.
         consumers.pop().close()
-        _wait_until(lambda: s.connection_counts() == {"127.0.0.1": (3, 3)})
+        wait_until(lambda: s.connection_counts() == {"127.0.0.1": (3, 3)})
         assert TcpKVReceiver(layout, secret=SECRET).pull(h, timeout_s=10).request_id == "r"
         for c in first + extra + consumers:
             c.close()
@@ -362,13 +355,13 @@ def test_the_global_cap_displaces_the_busiest_peers_oldest_handshake():
             b = [_connect(s.address, "127.0.0.3") for _ in range(2)]
         except OSError as e:
             pytest.skip(f"no extra loopback addresses here: {e}")
-        _wait_until(lambda: s.connection_counts() == {"127.0.0.2": (4, 0), "127.0.0.3": (2, 0)})
+        wait_until(lambda: s.connection_counts() == {"127.0.0.2": (4, 0), "127.0.0.3": (2, 0)})
         # Full: a newcomer from a third address displaces 127.0.0.2's oldest, not 127.0.0.3's.
         with _connect(s.address) as c:
             assert _closed_within(a[0], 5.0) is not None
             _authenticate(c)
             assert all(_closed_within(x, 0.2) is None for x in a[1:] + b)
-            _wait_until(
+            wait_until(
                 lambda: (
                     s.connection_counts() == {"127.0.0.1": (1, 1), "127.0.0.2": (3, 0), "127.0.0.3": (2, 0)}
                 )
@@ -398,7 +391,7 @@ def test_idle_authenticated_connections_are_closed(caplog):
             closed = _closed_within(busy, 15)
             assert closed is not None, "the idle connection was never closed"
             assert 0.5 <= closed < 10, closed
-        _wait_until(lambda: s.connection_counts() == {})
+        wait_until(lambda: s.connection_counts() == {})
         assert TcpKVReceiver(layout, secret=SECRET).pull(h, timeout_s=10).request_id == "r"
     assert [r for r in _tcp_records(caplog) if "idle connection" in r.getMessage()]
 
@@ -428,7 +421,7 @@ def test_the_listener_survives_a_mess_of_peers_and_keeps_serving():
         for c in socks:
             assert _closed_within(c, 10) is not None
             c.close()
-        _wait_until(lambda: s.connection_counts() == {})
+        wait_until(lambda: s.connection_counts() == {})
         assert s._threads[0].is_alive()  # the accept loop
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from kv_producer_child import random_pages  # tests/kv_cache/transfer/kv_producer_child.py
+from polling import wait_until  # tests/polling.py
 
 from tpuserve.kv_cache.transfer.errors import (
     AuthError,
@@ -209,9 +210,7 @@ def test_lease_expiry_frees_the_pages():
         h = s.offer("req-9", random_pages(layout, 3, 1), num_tokens=12, ttl_s=0.3)
         keep = s.offer("req-10", random_pages(layout, 1, 2), num_tokens=4, ttl_s=60)
         assert s.leases.held_bytes == layout.pages_nbytes(4)
-        deadline = time.monotonic() + 5
-        while len(s.leases) > 1 and time.monotonic() < deadline:  # the reaper thread, no drain call
-            time.sleep(0.05)
+        wait_until(lambda: len(s.leases) <= 1, 30, what="the reaper")  # the reaper thread, no drain call
         assert len(s.leases) == 1 and s.leases.held_bytes == layout.pages_nbytes(1)
         assert [(e.request_id, e.reason) for e in s.drain_finished()] == [("req-9", "expired")]
         with pytest.raises(TransferNotFoundError, match="expired"):
@@ -228,8 +227,13 @@ def test_lease_events_expired_released_pulled():
         r = TcpKVReceiver(layout, secret=SECRET)
         assert r.release(b) is True and r.release(b) is False
         r.pull(c)
-        time.sleep(0.4)
-        got = {(e.request_id, e.reason) for e in s.drain_finished()}
+        got: set[tuple[str, str]] = set()
+
+        def three_ended() -> bool:  # "a" ends when its ttl has passed, whenever that is
+            got.update((e.request_id, e.reason) for e in s.drain_finished())
+            return len(got) >= 3
+
+        wait_until(three_ended, 30, what="three lease events")
         assert got == {("a", "expired"), ("b", "released"), ("c", "pulled")}
         assert len(s.leases) == 0 and s.drain_finished() == []
 
