@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
+from polling import wait_until  # tests/polling.py
 from server_fixtures import openai_client, running_server  # tests/server/server_fixtures.py
 
 from tpuserve.server.launcher import free_port
@@ -119,6 +120,21 @@ def test_surrogate_as_raw_utf8_bytes_and_valid_astral_text(server, client):
     )
 
 
+class _Upload:
+    """A JSON request body for httpx that sets ``sent`` once its last byte is handed to the socket:
+    from then on the server holds the whole request, and the client is no longer sending it."""
+
+    def __init__(self, body: dict):
+        self.data = json.dumps(body).encode()
+        self.sent = threading.Event()
+        # A length, so that the body goes as it would from httpx's json= (not chunked).
+        self.headers = {"content-type": "application/json", "content-length": str(len(self.data))}
+
+    def __iter__(self):
+        yield self.data
+        self.sent.set()  # httpx asks for more only once the last chunk is written
+
+
 def test_huge_prompt_does_not_stall_small_requests(server, client):
     def small():
         r = client.completions.create(
@@ -132,17 +148,20 @@ def test_huge_prompt_does_not_stall_small_requests(server, client):
     # finds it longer than max_model_len.
     huge = {"model": MODEL, "prompt": "hello world " * (4_000_000 // 12), "max_tokens": 2}
     assert len(huge["prompt"]) <= LIMIT
+    upload = _Upload(huge)
     done: dict = {}
 
     def send_huge():
         t0 = time.monotonic()
-        done["response"] = httpx.post(server.base_url + "/v1/completions", json=huge, timeout=300)
+        done["response"] = httpx.post(
+            server.base_url + "/v1/completions", content=upload, headers=upload.headers, timeout=300
+        )
         done["elapsed"] = time.monotonic() - t0
         done["at"] = time.monotonic()
 
     t = threading.Thread(target=send_huge)
     t.start()
-    time.sleep(0.5)  # the huge prompt is being tokenized now
+    assert upload.sent.wait(60)  # the server has the huge prompt (and tokenizes it) from now on
     small_done_at = [small() for _ in range(3)][-1]
     t.join(300)
     assert not t.is_alive()
@@ -176,13 +195,17 @@ def test_concurrent_huge_prompts_leave_small_ones_alone(server, client):
     """Two huge prompts queue on the bulk lane behind each other; small ones still pass them."""
     body = {"model": MODEL, "prompt": "spam " * 600_000, "max_tokens": 2}
 
-    def post(path, payload):
-        r = httpx.post(server.base_url + path, json=payload, timeout=300)
+    def post(path, payload: dict | _Upload):
+        if isinstance(payload, _Upload):
+            r = httpx.post(server.base_url + path, content=payload, headers=payload.headers, timeout=300)
+        else:
+            r = httpx.post(server.base_url + path, json=payload, timeout=300)
         return r, time.monotonic()
 
+    uploads = [_Upload(body) for _ in range(2)]
     with ThreadPoolExecutor(2) as pool:
-        futs = [pool.submit(post, "/v1/completions", body) for _ in range(2)]
-        time.sleep(0.5)
+        futs = [pool.submit(post, "/v1/completions", u) for u in uploads]
+        assert all(u.sent.wait(60) for u in uploads)  # both huge prompts are the server's now
         r, small_at = post("/tokenize", {"prompt": "tiny"})
         assert r.status_code == 200
         for f in futs:
@@ -340,16 +363,13 @@ def test_every_503_has_retry_after():
     thread.start()
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while not server.started and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_until(lambda: server.started, 60, every_s=0.05, what="uvicorn started")
         assert httpx.get(base + "/health").status_code == 200
         # The first request kills the engine loop: it fails, mid-request (a 500 or an error answer).
         httpx.post(base + "/v1/completions", json={"prompt": [1, 2], "max_tokens": 2}, timeout=60)
-        for _ in range(200):
-            if httpx.get(base + "/health").status_code == 503:
-                break
-            time.sleep(0.05)
+        wait_until(
+            lambda: httpx.get(base + "/health").status_code == 503, 60, every_s=0.05, what="/health 503"
+        )
         for method, path, body in (
             ("GET", "/health", None),
             ("POST", "/v1/completions", {"prompt": [1, 2], "max_tokens": 2}),
