@@ -14,6 +14,7 @@ import time
 import httpx
 import pytest
 from fastapi.testclient import TestClient
+from polling import wait_until  # tests/polling.py
 
 from tpuserve.server.launcher import ServerProcess, free_port, tpuserve_argv
 from tpuserve.server.router import BackendPool, RouterConfig, build_router_app
@@ -199,14 +200,9 @@ def test_health_checks_revive_a_backend():
     cfg = RouterConfig([P1], [D1], health_interval_s=0.1)
     with TestClient(build_router_app(cfg, transport=httpx.MockTransport(b))) as c:
         b.dead.add("p1")
-        deadline = time.monotonic() + 5
-        while c.get("/health").status_code == 200 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert c.get("/health").status_code == 503
+        wait_until(lambda: c.get("/health").status_code == 503, 30, every_s=0.05, what="unhealthy")
         b.dead.clear()
-        while c.get("/health").status_code != 200 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert c.get("/health").status_code == 200
+        wait_until(lambda: c.get("/health").status_code == 200, 30, every_s=0.05, what="revived")
 
 
 def test_pool_and_config_validation():
