@@ -6,9 +6,10 @@ warms it up and serves until SIGTERM / SIGINT (then: stop accepting, let in-flig
 for up to ``--shutdown-timeout`` seconds, abort the rest, exit 0).
 
 Routes: GET /health, /version, /metrics, /v1/models; POST /v1/completions, /v1/chat/completions,
-/tokenize, /detokenize. Errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``;
-every 503 carries ``Retry-After``. With an API key, every route but /health, /version and the API
-docs needs it.
+/tokenize, /detokenize; GET / (the built-in page, server/ui/, unless ``--no-ui``). Errors use OpenAI's
+shape ``{"error": {"message", "type", "param", "code"}}``; every 503 carries ``Retry-After``. With an
+API key, every route but /health, /version, the API docs and the page's static files needs it (the
+page then asks for the key and sends it with each of its calls).
 
 Slow clients: a request head must arrive within ``--http-header-timeout`` seconds and its body within
 ``--http-body-timeout`` (408) or the connection is closed (server/http_deadlines.py).
@@ -84,12 +85,13 @@ class APIKeyMiddleware:
     """Every route but ``OPEN_PATHS`` needs ``Authorization: Bearer <key>``: /v1/*, and also
     /tokenize, /detokenize (they run the tokenizer for anyone) and /metrics (it tells traffic)."""
 
-    def __init__(self, app, api_key: str):
+    def __init__(self, app, api_key: str, open_paths: frozenset[str] = OPEN_PATHS):
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
+        self.open_paths = open_paths
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+        if scope["type"] == "http" and scope["path"] not in self.open_paths:
             got = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(got, self.expected):
                 await _send_error(
@@ -218,6 +220,7 @@ def build_app(
     max_prompt_chars_per_token: float = DEFAULT_MAX_PROMPT_CHARS_PER_TOKEN,
     grammar_timeout_s: float = DEFAULT_GRAMMAR_TIMEOUT_S,
     body_timeout_s: float | None = DEFAULT_BODY_TIMEOUT_S,
+    ui: bool = True,
 ) -> FastAPI:
     metrics = ServerMetrics(served_model_name, lambda: async_engine.snapshot)
     async_engine.metrics = metrics
@@ -339,12 +342,20 @@ def build_app(
         text = await ctx.with_tokenizer(4 * len(req.tokens), _decode, req.tokens)
         return DetokenizeResponse(prompt=text)
 
+    open_paths = OPEN_PATHS
+    if ui:
+        from tpuserve.server.ui import UI_PATHS, add_ui_routes
+
+        add_ui_routes(app)
+        # The page's files hold no data and must load without the key so that the page can ask for it.
+        open_paths = OPEN_PATHS | UI_PATHS
+
     # Outermost first on the way in: the API key is checked before the body is read.
     if body_timeout_s is not None:
         app.add_middleware(BodyDeadlineMiddleware, timeout_s=body_timeout_s)
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
     if api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+        app.add_middleware(APIKeyMiddleware, api_key=api_key, open_paths=open_paths)
     return app
 
 
@@ -413,6 +424,11 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
         type=float,
         default=30.0,
         help="seconds in-flight requests may run on after SIGTERM (default 30)",
+    )
+    parser.add_argument(
+        "--no-ui",
+        action="store_true",
+        help="do not serve the built-in page (chat playground and live metrics) at /",
     )
     parser.add_argument(
         "--no-warmup", action="store_true", help="skip compiling every shape bucket before serving"
@@ -495,6 +511,7 @@ def run_server(args: argparse.Namespace) -> int:
         max_prompt_chars_per_token=args.max_prompt_chars_per_token,
         grammar_timeout_s=args.grammar_compile_timeout,
         body_timeout_s=args.http_body_timeout,
+        ui=not args.no_ui,
     )
     uv_config = uvicorn.Config(
         app,
