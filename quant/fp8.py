@@ -184,8 +184,3 @@ def scale_columns(w: Fp8Weight) -> jax.Array:
     bn = w.block[1]
     n = w.out_features
     return jnp.repeat(w.scale.astype(jnp.float32), min(bn, n), axis=-1)[..., :n]
-
-
-def to_numpy_checkpoint(w: Fp8Weight) -> tuple[np.ndarray, np.ndarray]:
-    """Inverse of ``fp8_from_checkpoint`` for a 2-D record: (weight ``[out, in]``, scale ``[Nb, Kb]``)."""
-    return np.asarray(w.qweight).T, np.asarray(w.scale).T

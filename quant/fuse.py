@@ -94,10 +94,3 @@ def take_out(w, index, out_shape: tuple[int, ...]):
         a = getattr(w, name)
         fields[name] = a if a.shape[-1] == 1 else jnp.take(a, index, axis=-1)
     return dataclasses.replace(w, out_shape=tuple(out_shape), **fields)
-
-
-def with_out_shape(w, out_shape: tuple[int, ...]):
-    """The same record with its output axes named ``out_shape`` (prod must equal N)."""
-    if int(np.prod(out_shape)) != w.out_features:
-        raise ValueError(f"out_shape {out_shape} does not cover {w.out_features} columns")
-    return dataclasses.replace(w, out_shape=tuple(out_shape))

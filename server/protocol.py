@@ -78,20 +78,6 @@ class Response(BaseModel):
     model_config = ConfigDict(extra="allow")
 
 
-# ---- errors ----
-
-
-class ErrorInfo(Response):
-    message: str
-    type: str
-    param: str | None = None
-    code: int | str | None = None
-
-
-class ErrorResponse(Response):
-    error: ErrorInfo
-
-
 # ---- shared pieces ----
 
 
@@ -223,11 +209,6 @@ class CompletionResponse(Response):
 
 
 # ---- /v1/chat/completions ----
-
-
-class TextPart(Request):
-    type: Literal["text"]
-    text: str
 
 
 class ContentPart(Request):

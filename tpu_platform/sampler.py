@@ -189,11 +189,6 @@ def _top_k_top_p_keep(x: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.A
     return in_top_k & in_nucleus
 
 
-def _apply_top_k_top_p(x: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
-    """x with the tokens outside the top-k / top-p sets at -inf (see _top_k_top_p_keep)."""
-    return jnp.where(_top_k_top_p_keep(x, top_k, top_p), x, -jnp.inf)
-
-
 def _apply_min_p(x: jax.Array, min_p: jax.Array) -> jax.Array:
     """x [S, V]; min_p [S] f32 (0: off). Drops tokens with prob < min_p * max_prob.
 
