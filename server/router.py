@@ -22,7 +22,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
@@ -43,7 +42,6 @@ from tpuserve.server.http_deadlines import (
 
 log = logging.getLogger(__name__)
 
-COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions")
 # Request headers passed to the backends (auth for servers run with --api-key).
 _FORWARD_HEADERS = ("authorization",)
 
@@ -85,7 +83,6 @@ class Backend:
     healthy: bool = True  # optimistic until the first check
     last_error: str | None = None
     requests: int = 0
-    checked_at: float | None = None
 
 
 @dataclass
@@ -257,7 +254,6 @@ class Router:
             err = None if r.status_code == 200 else f"/health answered {r.status_code}"
         except httpx.HTTPError as e:
             err = f"/health failed: {type(e).__name__}: {e}"
-        b.checked_at = time.time()
         pool.mark(b, err)
 
     # ---- completions: prefill, then decode ----
