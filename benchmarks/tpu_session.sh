@@ -62,6 +62,8 @@ for s in $stages; do
     movers)    # the planned-max 1B cache: the step and both page movers in place
       stage movers 130 python benchmarks/tpu_memory.py --models llama-1b --pages 0 --loops scan \
           --tokens 1 --iters 10 --movers 64 --out "$out/movers_1b.json" ;;
+    parts)     # where a decode step's device time goes: matmuls alone, empty steps per bucket, HLO
+      stage parts 240 python benchmarks/tpu_step_parts.py --model llama-1b --trace --out "$out/parts" ;;
     *) echo "unknown stage $s" | tee -a "$out/session.log" ;;
   esac
 done
