@@ -252,8 +252,8 @@ class Worker:
                 r,
             )
             params, self.arch = replicate_kv_heads(params, self.arch, tp)
-        if checkpoint_method is None:
-            params = group_gate_up_by_device(params, tp)  # so it (or its quantized record) splits by F
+        if checkpoint_method is None and self.config.quantization.method is not None:
+            params = group_gate_up_by_device(params, tp)  # so its quantized record splits by F
         return params
 
     def _quantize(self, params: dict, checkpoint_method: str | None) -> dict:

@@ -104,7 +104,6 @@ def load_engine_weights_into_hf(model, layers: list[dict], dequant, num_heads: i
             "self_attn.o_proj": np.asarray(dequant(w["o"]), np.float32),
         }
         gu = np.asarray(dequant(w["gate_up"]), np.float32)
-        gu = gu.reshape(gu.shape[0], 2, -1)  # [H, 2F] (or a record's [H, 2, F]) -> [H, 2, F]
         parts.update(
             {
                 "mlp.gate_proj": gu[:, 0],

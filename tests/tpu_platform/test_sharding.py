@@ -17,11 +17,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 from tiny_models import empty_kv_cache, ragged_step, tiny_model  # tests/tpu_platform/tiny_models.py
 
-from tpuserve.tpu_platform.models.sharding import (
-    group_gate_up_by_device,
-    kv_cache_partition_spec,
-    param_partition_specs,
-)
+from tpuserve.tpu_platform.models.sharding import kv_cache_partition_spec, param_partition_specs
 from tpuserve.tpu_platform.models.weights import unstack_layers
 
 
@@ -35,14 +31,12 @@ def test_specs_for_stacked_and_unstacked_trees():
     assert lay["qkv"] == P(None, None, "tp", None, None)  # [L, H, Hkv, G+2, D]
     assert lay["qkv_bias"] == P(None, "tp", None, None)
     assert lay["o"] == P(None, "tp", None) and lay["down"] == P(None, "tp", None)
-    assert lay["gate_up"] == P(None)  # [L, H, 2F]: no split of 2F is a split by F: replicated
-    grouped = param_partition_specs(group_gate_up_by_device(params, 2), axis="tp")["layers"]
-    assert grouped["gate_up"] == P(None, None, "tp", None, None)  # [L, H, TP, 2, F/TP]
+    assert lay["gate_up"] == P(None, None, None, "tp")
     assert lay["input_norm"] == P() and lay["post_norm"] == P()
 
     per = param_partition_specs(unstack_layers(params))["layers"]
     assert len(per) == 2
-    assert per[0]["qkv"] == P(None, "model", None, None) and per[1]["gate_up"] == P()
+    assert per[0]["qkv"] == P(None, "model", None, None) and per[1]["gate_up"] == P(None, None, "model")
     assert per[0]["qkv_bias"] == P("model", None, None) and per[0]["o"] == P("model", None)
 
     flat = dict(params, layers=dict(params["layers"], qkv=params["layers"]["qkv"].reshape(2, 64, -1)))
@@ -142,7 +136,7 @@ def test_specs_for_quantized_records(method):
         assert getattr(lay["qkv"], data) == P(*lead, None, "tp")  # N: by KV head
         assert getattr(lay["o"], data) == P(*lead, "tp", None)  # K rows: contracted
         assert getattr(lay["down"], data) == P(*lead, "tp", None)
-        assert getattr(lay["gate_up"], data) == P()  # [2F]: replicated
+        assert getattr(lay["gate_up"], data) == P()  # [2, F] flattened: replicated
         if method == "fp8":  # per-channel scale [1, N]: one row, split only along N
             assert lay["qkv"].scale == P(*lead, None, "tp") and lay["o"].scale == P()
         else:  # global scale [1, 1]: never split

@@ -32,13 +32,14 @@ def make_runner(kv_heads: int, tp: int, quantization: str | None = None, **confi
     mesh = None
     if tp > 1:
         params, arch = replicate_kv_heads(params, arch, tp)
-        params = group_gate_up_by_device(params, tp)
         mesh = build_mesh(tp)
     if quantization is not None:  # after replication and grouping, as Worker.load does
         from tpuserve.quant.dispatch import register_quant_linears
         from tpuserve.quant.params import quantize_params
 
         register_quant_linears()
+        if tp > 1:
+            params = group_gate_up_by_device(params, tp)
         params, _ = quantize_params(params, quantization, register=False)
     cfg = EngineConfig.from_kwargs(
         model="tiny",

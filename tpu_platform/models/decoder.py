@@ -14,8 +14,7 @@ Parameter tree (L layers, H hidden, F ffn, Hq/Hkv heads of D, G = Hq/Hkv, V voca
     embed [V, H]; final_norm [H]; lm_head [H, V] (absent when tied)
     layers: input_norm [L, H], qkv [L, H, Hkv, G+2, D], qkv_bias [L, Hkv, G+2, D]?,
             q_norm / k_norm [L, D]?, o [L, Hq*D, H], o_bias [L, H]?, post_norm [L, H],
-            gate_up [L, H, 2F] (gate columns, then up), gate_up_bias [L, 2F]?, down [L, F, H],
-            down_bias [L, H]? (a quantized gate_up may keep [.., 2, F]; TP groups it by device)
+            gate_up [L, H, 2, F], gate_up_bias [L, 2, F]?, down [L, F, H], down_bias [L, H]?
 qkv groups by KV head: [.., kv, g] for g < G is query head kv*G + g, [.., kv, G] is K, [.., kv, G+1] V
 (weights.build_params). Tensor parallelism is then one PartitionSpec per array (sharding.py): qkv
 splits on Hkv, gate_up on F, o and down on their input rows. With ``unstack_layers`` the leading [L]
@@ -141,10 +140,8 @@ def block_from_normed(
     h = h + linear(attn.reshape(t, hq * d), w["o"], w.get("o_bias"))
 
     x = rms_norm(h, w["post_norm"], arch.rms_norm_eps)
-    gu = linear(x, w["gate_up"], w.get("gate_up_bias"))  # [T, 2F] dense, [T, 2, F] some records
-    if gu.ndim == 2:
-        gu = gu.reshape(t, 2, -1)
-    elif gu.ndim == 4:  # grouped by device for tensor parallelism (sharding.group_gate_up_by_device)
+    gu = linear(x, w["gate_up"], w.get("gate_up_bias"))  # [T, 2, F]
+    if gu.ndim == 4:  # grouped by device for tensor parallelism (sharding.group_gate_up_by_device)
         gu = gu.swapaxes(1, 2).reshape(t, 2, -1)
     y = linear(jax.nn.silu(gu[:, 0]) * gu[:, 1], w["down"], w.get("down_bias"))
     return h + y, kv_cache

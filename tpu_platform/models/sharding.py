@@ -17,9 +17,8 @@ _LAYER_SPECS = {
     "qkv": (4, lambda a: P(None, a, None, None)),  # [H, Hkv, G+2, D]
     "qkv_bias": (3, lambda a: P(a, None, None)),  # [Hkv, G+2, D]
     "o": (2, lambda a: P(a, None)),  # [Hq*D, H]: rows are heads
-    # [H, 2F] and [2F] (gate, then up): no split of 2F is a split by F, so replicated until grouped
-    "gate_up": (2, lambda a: P()),
-    "gate_up_bias": (1, lambda a: P()),
+    "gate_up": (3, lambda a: P(None, None, a)),  # [H, 2, F]
+    "gate_up_bias": (2, lambda a: P(None, a)),  # [2, F]
     # grouped by device (group_gate_up_by_device): [H, TP, 2, F/TP] and [TP, 2, F/TP]
     "gate_up_grouped": (4, lambda a: P(None, a, None, None)),
     "gate_up_bias_grouped": (3, lambda a: P(a, None, None)),
@@ -74,7 +73,7 @@ def _spec(name: str, arr, table: dict, axis: str, stacked: bool) -> P:
         return _record_spec(name, arr, axis, stacked)
     rank, make = table[name]
     ndim = getattr(arr, "ndim", None)
-    if name in ("gate_up", "gate_up_bias") and ndim == rank + 2 + stacked:
+    if name in ("gate_up", "gate_up_bias") and ndim == rank + 1 + stacked:
         rank, make = table[name + "_grouped"]
     if ndim != rank + stacked:
         raise ValueError(
@@ -145,17 +144,17 @@ def check_tensor_parallel(arch, tp: int) -> int:
 
 
 def group_gate_up_by_device(params: dict, tp: int) -> dict:
-    """gate_up [.., H, 2F] -> [.., H, TP, 2, F/TP] (its bias [.., 2F] -> [.., TP, 2, F/TP]).
+    """gate_up [.., H, 2, F] -> [.., H, TP, 2, F/TP] (its bias [.., 2, F] -> [.., TP, 2, F/TP]).
 
-    gate_up's output axis holds gate's F columns, then up's: no even split of it gives each device
-    both halves of its F slice. Grouped by device, the device is the outermost factor, so the
-    weight (or the record quantized from it) splits by F. The decoder turns the grouped output back
-    into [T, 2, F] (a relabelling: F keeps its order). Apply before quantizing.
+    A quantized record flattens a weight's output axes into one N; with gate and up as the two
+    outermost blocks of N, no even split of N gives each device both halves of its F slice. Grouped
+    by device first, N's outermost factor is the device, so the record splits by F like the dense
+    weight. The decoder turns the grouped output back into [T, 2, F] (a relabelling: F keeps its
+    order). Apply before quantizing; dense weights do not need it.
     """
 
     def group(x):
-        *lead, n = x.shape
-        two, f = 2, n // 2
+        *lead, two, f = x.shape
         if f % tp:
             raise ValueError(f"intermediate_size={f} does not split over {tp} devices")
         return x.reshape(*lead, two, tp, f // tp).swapaxes(-3, -2)
