@@ -20,7 +20,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from tpu_memory import SHAPES, hf_config, random_params
 
 HBM_GBS = 819.0
@@ -74,6 +73,57 @@ def model_matmuls(arch) -> list[tuple[str, int, int, int, bool]]:
     ]
 
 
+MLP_LAYOUTS = ("h2f", "hflat", "2hf", "nh", "split")
+
+
+def mlp_case(layout: str, rows: int, h: int, f: int, layers: int, dtype) -> dict:
+    """The decoder's MLP (rms-normed input, gate_up dot, silu * up, down dot, residual) scanned over
+    ``layers`` with gate_up stored as: h2f [H, 2, F] (today's tree), hflat [H, 2F], 2hf [2, H, F],
+    nh [2F, H] (contracted on its minor axis) or split (gate and up [H, F] each). The residual is
+    carried from layer to layer as in the model, so XLA sees the same data flow."""
+    shapes = {"h2f": (h, 2, f), "hflat": (h, 2 * f), "2hf": (2, h, f), "nh": (2 * f, h), "split": (h, f)}
+    gate_up = jnp.full((layers,) + shapes[layout], 0.01, dtype)
+    up_only = jnp.full((layers, h, f), 0.01, dtype) if layout == "split" else None
+    down = jnp.full((layers, f, h), 0.01, dtype)
+    x0 = jnp.full((rows, h), 0.01, dtype)
+
+    def gate_and_up(x, w, u):
+        if layout == "h2f":
+            gu = jnp.einsum("th,hgf->tgf", x, w)
+            return gu[:, 0], gu[:, 1]
+        if layout == "hflat":
+            gu = (x @ w).reshape(rows, 2, f)
+            return gu[:, 0], gu[:, 1]
+        if layout == "2hf":
+            gu = jnp.einsum("th,ghf->tgf", x, w)
+            return gu[:, 0], gu[:, 1]
+        if layout == "nh":
+            gu = jnp.einsum("th,nh->tn", x, w).reshape(rows, 2, f)
+            return gu[:, 0], gu[:, 1]
+        return x @ w, x @ u
+
+    @jax.jit
+    def run(x, gate_up, up_only, down):
+        def body(hid, ws):
+            w, u, d = ws
+            xn = hid * jax.lax.rsqrt(jnp.mean(jnp.square(hid.astype(jnp.float32)), -1, keepdims=True) + 1e-5)
+            g, up = gate_and_up(xn.astype(dtype), w, u)
+            return hid + (jax.nn.silu(g) * up) @ d, None
+
+        u = up_only if up_only is not None else jnp.zeros((layers,), dtype)
+        return jax.lax.scan(body, x, (gate_up, u, down))[0]
+
+    ms = best_ms(run, x0, gate_up, up_only, down) / layers
+    compiled = run.lower(x0, gate_up, up_only, down).compile()
+    copies = [
+        ln.strip()[:160]
+        for ln in compiled.as_text().splitlines()
+        if " copy(" in ln and (f",{f}]" in ln or f",{2 * f}]" in ln or f"[{2 * f}," in ln)
+    ]
+    gbs = 3 * h * f * jnp.dtype(dtype).itemsize / (ms * 1e-3) / 1e9
+    return dict(layout=layout, rows=rows, ms=ms, gbs=gbs, roofline=gbs / HBM_GBS, weight_copies=copies)
+
+
 def runner_steps(name: str, impl: str, buckets, pages: int, hlo_buckets, out_dir: str, trace: bool) -> dict:
     from tpuserve.tpu_platform.config import EngineConfig
     from tpuserve.tpu_platform.device import discover, resolve_dtype
@@ -118,6 +168,10 @@ def main(argv=None) -> int:
     p.add_argument("--pages", type=int, default=2048)
     p.add_argument("--hlo-buckets", default="1,8")
     p.add_argument("--trace", action="store_true")
+    p.add_argument(
+        "--mlp", default="", help="MLP gate_up layouts to compare (all: " + ",".join(MLP_LAYOUTS) + ")"
+    )
+    p.add_argument("--mlp-only", action="store_true", help="only the MLP layouts")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
@@ -126,7 +180,22 @@ def main(argv=None) -> int:
 
     dtype = resolve_dtype("auto", discover())
     arch = ModelArch.from_hf_config(hf_config(args.model))
-    result = dict(model=args.model, device=jax.devices()[0].device_kind, matmuls=[], runner={})
+    result = dict(model=args.model, device=jax.devices()[0].device_kind, matmuls=[], runner={}, mlp=[])
+    for layout in [m for m in args.mlp.split(",") if m]:
+        for rows in [int(r) for r in args.rows.split(",")]:
+            r = mlp_case(layout, rows, arch.hidden_size, arch.intermediate_size, arch.num_layers, dtype)
+            result["mlp"].append(r)
+            print(
+                f"mlp {layout:6s} rows {rows:4d}: {r['ms'] * 1e3:7.1f} us/layer, {r['gbs']:6.1f} GB/s "
+                f"({r['roofline']:.0%}); weight copies: {len(r['weight_copies'])}",
+                flush=True,
+            )
+            for c in r["weight_copies"]:
+                print("   ", c, flush=True)
+    if args.mlp_only:
+        with open(os.path.join(args.out, "parts.json"), "w") as f:
+            json.dump(result, f, indent=1)
+        return 0
     for rows in [int(r) for r in args.rows.split(",")]:
         for label, k, n, layers, transposed in model_matmuls(arch):
             row = dict(name=label, **matmul_case(rows, k, n, layers, transposed, dtype))

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tpuserve.quant.fp4 import MXFP4_BLOCK, Mxfp4Weight, Nvfp4Weight, hadamard32, pack_codes
+from tpuserve.quant.fuse import gate_up_in_out
 from tpuserve.quant.gptq import gptq_fp4
 
 CALIBRATION_TEXT = os.path.join(os.path.dirname(__file__), "data", "calibration.txt")
@@ -104,10 +105,17 @@ def _run_layer(arch, md, cos, sin, h, w):
     return h
 
 
+def _in_out(key: str, w):
+    """A layer's weight as ``[in, *out]`` (only the dense gate_up is stored otherwise)."""
+    return gate_up_in_out(w, False) if key == "gate_up" else w
+
+
 def _layer_hessians(arch, keys, md, cos, sin, h, w):
     """{key: X^T X [K, K] f32} of the layer's matmuls ``keys``, with its dense weights."""
     sink: dict = {}
-    _run_layer(arch, md, cos, sin, h, {k: (_Probe(v, sink, k) if k in keys else v) for k, v in w.items()})
+    # gate_up probed as [H, 2, F]: the decoder then runs it through ``linear`` in one piece
+    probes = {k: (_Probe(_in_out(k, v), sink, k) if k in keys else v) for k, v in w.items()}
+    _run_layer(arch, md, cos, sin, h, probes)
     return sink
 
 
@@ -178,7 +186,7 @@ def quantize_layers_gptq(
         stats = hessians(*data, h, w)
         q = dict(w)
         for k in keys:
-            q[k] = gptq_record(w[k], np.asarray(stats[k], np.float64), method, rotate=rotate)
+            q[k] = gptq_record(_in_out(k, w[k]), np.asarray(stats[k], np.float64), method, rotate=rotate)
         h = run(*data, h, q)
         done.append(q)
     if stacked:

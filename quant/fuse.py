@@ -25,6 +25,13 @@ from tpuserve.quant.fp4 import Mxfp4Weight, Nvfp4Weight
 from tpuserve.quant.fp8 import Fp8Weight, scale_columns
 
 
+def gate_up_in_out(w, stacked: bool):
+    """A dense gate_up as ``[in, *out]`` ([.., H, 2, F]) from the decoder tree's [.., 2, H, F]
+    (tpu_platform/models/weights.py): the form quantizers and the tensor-parallel grouping take.
+    Anything else (a record, a bias) is returned as is."""
+    return w.swapaxes(-3, -2) if hasattr(w, "ndim") and w.ndim == 3 + stacked else w
+
+
 def columnwise(w):
     """The same weight with every scale per output column (see the module docstring)."""
     if isinstance(w, Fp8Weight):

@@ -1,7 +1,7 @@
 """Online quantization of a loaded dense parameter tree (``--quantization fp8|mxfp4|nvfp4``).
 
 The tree is the decoder's (``tpu_platform/models/weights.py::build_params``): ``layers`` holds the
-matmul weights ``qkv [L, H, Hkv, G+2, D]``, ``o [L, Hq*D, H]``, ``gate_up [L, H, 2, F]``,
+matmul weights ``qkv [L, H, Hkv, G+2, D]``, ``o [L, Hq*D, H]``, ``gate_up [L, 2, H, F]``,
 ``down [L, F, H]`` (stacked, for ``layer_loop="scan"``) or is a list of per-layer dicts (unrolled,
 after ``unstack_layers``). Those four become records; norms, biases and the embedding stay dense
 (the embedding is a gather, and a tied LM head reads it). An untied ``lm_head [H, V]`` is quantized
@@ -21,6 +21,7 @@ import jax
 
 from tpuserve.quant.dispatch import register_quant_linears
 from tpuserve.quant.fp8 import quantize_fp8
+from tpuserve.quant.fuse import gate_up_in_out
 from tpuserve.quant.search import quantize_mxfp4_search, quantize_nvfp4_search
 
 METHODS = ("fp8", "fp8_w8a8", "fp8_block", "mxfp4", "nvfp4")
@@ -115,7 +116,13 @@ def quantize_params(
         return rec
 
     def convert_layer(layer: dict, num_lead: int, done: dict | None) -> dict:
-        return {k: (convert(v, num_lead, done and done[k]) if k in keys else v) for k, v in layer.items()}
+        def weight(k, v):  # gate_up is quantized as [in, *out] = [H, 2, F]
+            return gate_up_in_out(v, num_lead == 1) if k == "gate_up" else v
+
+        return {
+            k: (convert(weight(k, v), num_lead, done and done[k]) if k in keys else v)
+            for k, v in layer.items()
+        }
 
     out = dict(params)
     layers = params["layers"]

@@ -222,7 +222,7 @@ def load_eagle3(path: str, target: ModelArch, target_params: dict, dtype) -> tup
     layer = {
         "qkv": _group_qkv(q.T, k.T, v.T, hkv, d),
         "o": need(p + "self_attn.o_proj.weight", (h, hq * d)).T,
-        "gate_up": np.stack([gate.T, up.T], axis=1),
+        "gate_up": np.stack([gate.T, up.T], axis=0),  # [2, H, F] as the target's (weights.py)
         "down": need(p + "mlp.down_proj.weight", (h, f)).T,
         "input_norm": need(p + "input_layernorm.weight", (h,)),
         "post_norm": need(p + "post_attention_layernorm.weight", (h,)),

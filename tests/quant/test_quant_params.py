@@ -40,7 +40,7 @@ def tree(dtype=jnp.float32):
         "layers": {
             "qkv": a(L, H, HKV, G + 2, D),
             "o": a(L, HKV * G * D, H),
-            "gate_up": a(L, H, 2, F),
+            "gate_up": a(L, 2, H, F),  # the decoder tree's [2, H, F]
             "down": a(L, F, H),
             "input_norm": a(L, H),
             "post_norm": a(L, H),
@@ -74,7 +74,7 @@ def test_quantize_params_stacked(method):
     # one layer of one matmul through linear (registered by quantize_params) vs the dense weight
     x = jnp.asarray(np.random.default_rng(1).standard_normal((3, H)).astype(np.float32))
     layer = jax.tree_util.tree_map(lambda a: a[1], q["layers"]["gate_up"])
-    want = jnp.tensordot(x, params["layers"]["gate_up"][1].astype(jnp.float32), axes=1)
+    want = jnp.tensordot(x, params["layers"]["gate_up"][1].swapaxes(0, 1).astype(jnp.float32), axes=1)
     got = linear(x, layer)
     assert got.shape == (3, 2, F)
     assert float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want)) < REL_ERR[method]

@@ -30,7 +30,7 @@ def test_weight_layout_groups_heads_by_kv_head(kind):
     g, d, f = 3, arch.head_dim, arch.intermediate_size
     lay = jax.tree.map(np.asarray, params["layers"])
     assert lay["qkv"].shape == (2, arch.hidden_size, 2, g + 2, d)
-    assert lay["gate_up"].shape == (2, arch.hidden_size, 2, f)
+    assert lay["gate_up"].shape == (2, 2, arch.hidden_size, f)  # [L, gate/up, H, F]
     for i in range(2):
         p = f"model.layers.{i}.self_attn."
         q, k, v = (t[p + n + "_proj.weight"] for n in "qkv")
@@ -46,8 +46,8 @@ def test_weight_layout_groups_heads_by_kv_head(kind):
                     bias[1], t[p + "q_proj.bias"][(kv * g + 1) * d : (kv * g + 2) * d]
                 )
                 np.testing.assert_array_equal(bias[g + 1], t[p + "v_proj.bias"][kv * d : (kv + 1) * d])
-        np.testing.assert_array_equal(lay["gate_up"][i, :, 0], t[f"model.layers.{i}.mlp.gate_proj.weight"].T)
-        np.testing.assert_array_equal(lay["gate_up"][i, :, 1], t[f"model.layers.{i}.mlp.up_proj.weight"].T)
+        np.testing.assert_array_equal(lay["gate_up"][i, 0], t[f"model.layers.{i}.mlp.gate_proj.weight"].T)
+        np.testing.assert_array_equal(lay["gate_up"][i, 1], t[f"model.layers.{i}.mlp.up_proj.weight"].T)
         np.testing.assert_array_equal(lay["o"][i], t[p + "o_proj.weight"].T)
     # unstack_layers keeps every array, split per layer
     per = unstack_layers(params)["layers"]

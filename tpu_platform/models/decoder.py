@@ -14,7 +14,8 @@ Parameter tree (L layers, H hidden, F ffn, Hq/Hkv heads of D, G = Hq/Hkv, V voca
     embed [V, H]; final_norm [H]; lm_head [H, V] (absent when tied)
     layers: input_norm [L, H], qkv [L, H, Hkv, G+2, D], qkv_bias [L, Hkv, G+2, D]?,
             q_norm / k_norm [L, D]?, o [L, Hq*D, H], o_bias [L, H]?, post_norm [L, H],
-            gate_up [L, H, 2, F], gate_up_bias [L, 2, F]?, down [L, F, H], down_bias [L, H]?
+            gate_up [L, 2, H, F] (gate, up), gate_up_bias [L, 2, F]?, down [L, F, H], down_bias [L, H]?
+            (a quantized gate_up is a record of [H, 2, F], or of [H, TP, 2, F/TP] under TP)
 qkv groups by KV head: [.., kv, g] for g < G is query head kv*G + g, [.., kv, G] is K, [.., kv, G+1] V
 (weights.build_params). Tensor parallelism is then one PartitionSpec per array (sharding.py): qkv
 splits on Hkv, gate_up on F, o and down on their input rows. With ``unstack_layers`` the leading [L]
@@ -140,10 +141,16 @@ def block_from_normed(
     h = h + linear(attn.reshape(t, hq * d), w["o"], w.get("o_bias"))
 
     x = rms_norm(h, w["post_norm"], arch.rms_norm_eps)
-    gu = linear(x, w["gate_up"], w.get("gate_up_bias"))  # [T, 2, F]
-    if gu.ndim == 4:  # grouped by device for tensor parallelism (sharding.group_gate_up_by_device)
-        gu = gu.swapaxes(1, 2).reshape(t, 2, -1)
-    y = linear(jax.nn.silu(gu[:, 0]) * gu[:, 1], w["down"], w.get("down_bias"))
+    wgu, bgu = w["gate_up"], w.get("gate_up_bias")
+    if getattr(wgu, "ndim", 0) == 3:  # dense [2, H, F]: two dots, each reading its [H, F] in place
+        gate = linear(x, wgu[0], None if bgu is None else bgu[0])
+        up = linear(x, wgu[1], None if bgu is None else bgu[1])
+    else:
+        gu = linear(x, wgu, bgu)  # a record of [H, 2, F], or grouped by device: [T, 2, F]
+        if gu.ndim == 4:  # grouped by device for tensor parallelism (sharding.group_gate_up_by_device)
+            gu = gu.swapaxes(1, 2).reshape(t, 2, -1)
+        gate, up = gu[:, 0], gu[:, 1]
+    y = linear(jax.nn.silu(gate) * up, w["down"], w.get("down_bias"))
     return h + y, kv_cache
 
 

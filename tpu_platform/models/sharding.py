@@ -12,12 +12,14 @@ from __future__ import annotations
 
 from jax.sharding import PartitionSpec as P
 
+from tpuserve.quant.fuse import gate_up_in_out
+
 # Per-layer weight -> (rank without the [L] axis, spec factory of the mesh axis name).
 _LAYER_SPECS = {
     "qkv": (4, lambda a: P(None, a, None, None)),  # [H, Hkv, G+2, D]
     "qkv_bias": (3, lambda a: P(a, None, None)),  # [Hkv, G+2, D]
     "o": (2, lambda a: P(a, None)),  # [Hq*D, H]: rows are heads
-    "gate_up": (3, lambda a: P(None, None, a)),  # [H, 2, F]
+    "gate_up": (3, lambda a: P(None, None, a)),  # [2, H, F]
     "gate_up_bias": (2, lambda a: P(None, a)),  # [2, F]
     # grouped by device (group_gate_up_by_device): [H, TP, 2, F/TP] and [TP, 2, F/TP]
     "gate_up_grouped": (4, lambda a: P(None, a, None, None)),
@@ -144,7 +146,7 @@ def check_tensor_parallel(arch, tp: int) -> int:
 
 
 def group_gate_up_by_device(params: dict, tp: int) -> dict:
-    """gate_up [.., H, 2, F] -> [.., H, TP, 2, F/TP] (its bias [.., 2, F] -> [.., TP, 2, F/TP]).
+    """gate_up [.., 2, H, F] -> [.., H, TP, 2, F/TP] (its bias [.., 2, F] -> [.., TP, 2, F/TP]).
 
     A quantized record flattens a weight's output axes into one N; with gate and up as the two
     outermost blocks of N, no even split of N gives each device both halves of its F slice. Grouped
@@ -153,7 +155,11 @@ def group_gate_up_by_device(params: dict, tp: int) -> dict:
     order). Apply before quantizing; dense weights do not need it.
     """
 
+    stacked = not isinstance(params["layers"], (list, tuple))
+
     def group(x):
+        if x.ndim == 3 + stacked:  # the weight, not its bias
+            x = gate_up_in_out(x, stacked)
         *lead, two, f = x.shape
         if f % tp:
             raise ValueError(f"intermediate_size={f} does not split over {tp} devices")
