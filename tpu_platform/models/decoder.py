@@ -135,7 +135,7 @@ def block_from_normed(
         k = rms_norm(k, w["k_norm"], arch.rms_norm_eps)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     attn, kv_cache = ragged_paged_attention(
-        q, k, v, kv_cache, layer_idx, md, attn_params, attn_impl, mesh=mesh
+        q, k, v, kv_cache, layer_idx, md, attn_params, attn_impl, mesh=mesh, heads_axis=MODEL_AXIS
     )
     h = h + linear(attn.reshape(t, hq * d), w["o"], w.get("o_bias"))
 
