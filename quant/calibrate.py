@@ -55,7 +55,7 @@ class _Probe:
 
 
 def _probe_linear(x, probe: _Probe, bias, out_dtype):
-    from tpuserve.tpu_platform.models.linear import linear
+    from tpuserve.tpu_platform.linear import linear
 
     xf = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
     probe.sink[probe.key] = jnp.dot(xf.T, xf, precision=jax.lax.Precision.HIGHEST)
@@ -145,14 +145,14 @@ def quantize_layers_gptq(
 
     ``layers`` may be stacked ([L, ...] arrays) or a list of per-layer dicts; the result keeps the
     form (records stacked along L again for the stacked form). Needs ``linear`` routed for the FP4
-    records (``quant.dispatch.register_quant_linears``).
+    records (``tpu_platform.linear.register_quant_linears``).
     """
     if method not in GPTQ_METHODS:
         raise ValueError(f"GPTQ quantizes {GPTQ_METHODS}, got {method!r}")
     if rotate is None:
         rotate = ROTATE_DEFAULT[method]
+    from tpuserve.tpu_platform.linear import register_linear
     from tpuserve.tpu_platform.models.decoder import embed_tokens
-    from tpuserve.tpu_platform.models.linear import register_linear
 
     register_linear(_Probe, _probe_linear)
     token_ids = np.asarray(token_ids, np.int32)

@@ -19,9 +19,9 @@ import functools
 
 import jax
 
-from tpuserve.quant.dispatch import register_quant_linears
 from tpuserve.quant.fp8 import quantize_fp8
 from tpuserve.quant.search import quantize_mxfp4_search, quantize_nvfp4_search
+from tpuserve.tpu_platform.linear import register_quant_linears
 
 METHODS = ("fp8", "fp8_w8a8", "fp8_block", "mxfp4", "nvfp4")
 MATMUL_KEYS = ("qkv", "o", "gate_up", "down")

@@ -39,9 +39,9 @@ import numpy as np
 
 from tpuserve.attention.dispatch import AttentionParams
 from tpuserve.attention.metadata import AttentionMetadata
+from tpuserve.tpu_platform.linear import linear
 from tpuserve.tpu_platform.models.arch import ModelArch, ModelConfigError
 from tpuserve.tpu_platform.models.decoder import block_from_normed, rms_norm
-from tpuserve.tpu_platform.models.linear import linear
 from tpuserve.tpu_platform.models.weights import _group_qkv, build_params, unstack_layers
 
 

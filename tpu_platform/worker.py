@@ -277,7 +277,7 @@ class Worker:
         else:
             self.quantization = method
         # Registration happens here, not at import: only an engine that holds records needs it.
-        from tpuserve.quant.dispatch import register_quant_linears
+        from tpuserve.tpu_platform.linear import register_quant_linears
 
         register_quant_linears()
         if checkpoint_method is not None:

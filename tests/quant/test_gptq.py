@@ -84,8 +84,8 @@ def test_calibrated_layers_track_the_dense_model_better_than_rtn(fmt):
     import tiny_models  # tests/tpu_platform/tiny_models.py
 
     from tpuserve.quant.calibrate import quantize_layers_gptq
-    from tpuserve.quant.dispatch import register_quant_linears
     from tpuserve.quant.params import quantize_params
+    from tpuserve.tpu_platform.linear import register_quant_linears
     from tpuserve.tpu_platform.models import decoder
     from tpuserve.tpu_platform.models.weights import unstack_layers
 

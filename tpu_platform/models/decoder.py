@@ -32,9 +32,9 @@ from jax.sharding import PartitionSpec as P
 
 from tpuserve.attention.dispatch import AttentionParams, ragged_paged_attention
 from tpuserve.attention.metadata import AttentionMetadata
+from tpuserve.tpu_platform.linear import linear
 from tpuserve.tpu_platform.mesh import MODEL_AXIS, model_axis_size
 from tpuserve.tpu_platform.models.arch import ModelArch
-from tpuserve.tpu_platform.models.linear import linear
 
 
 def rms_norm(x, weight, eps: float):
