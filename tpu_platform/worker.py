@@ -146,7 +146,7 @@ class Worker:
         self.runner = None
         self._params = None
         self.quantization: str | None = None  # the weights' format once loaded (None: dense)
-        self.quant_report = None  # quant.params.QuantReport after online quantization
+        self.quant_report = None  # models.quantize.QuantReport after online quantization
         # A model-based drafter (EAGLE-3 / MTP): its DraftHead and params once loaded, then its
         # DraftRunner beside the ModelRunner (spec_decode/).
         self.draft_head = None
@@ -258,7 +258,7 @@ class Worker:
 
     def _quantize(self, params: dict, checkpoint_method: str | None) -> dict:
         """The quantization step of loading: route ``linear`` for quantized records, and quantize an
-        unquantized checkpoint's linear weights when ``--quantization`` asks (quant/params.py).
+        unquantized checkpoint's linear weights when ``--quantization`` asks (models/quantize.py).
 
         checkpoint_method: the format a pre-quantized checkpoint already carries (the loader read
         its ``quantization_config``); the flag must then be unset or name that same format.
@@ -287,8 +287,8 @@ class Worker:
                 _tree_nbytes(params) / 2**20,
             )
             return params
-        from tpuserve.quant.calibrate import GPTQ_METHODS, calibration_token_ids
-        from tpuserve.quant.params import quantize_params
+        from tpuserve.tpu_platform.models.calibrate import GPTQ_METHODS, calibration_token_ids
+        from tpuserve.tpu_platform.models.quantize import quantize_params
 
         t0 = time.perf_counter()
         calibration = None
