@@ -148,7 +148,7 @@ class Worker:
         self.quantization: str | None = None  # the weights' format once loaded (None: dense)
         self.quant_report = None  # models.quantize.QuantReport after online quantization
         # A model-based drafter (EAGLE-3 / MTP): its DraftHead and params once loaded, then its
-        # DraftRunner beside the ModelRunner (spec_decode/).
+        # DraftRunner beside the ModelRunner (draft_runner.py).
         self.draft_head = None
         self._draft_params = None
         self.draft_runner = None
@@ -200,7 +200,7 @@ class Worker:
             self._load_draft(spec, loaded.source)
 
     def _load_draft(self, spec, target_source: str) -> None:
-        from tpuserve.spec_decode.draft_model import load_draft
+        from tpuserve.tpu_platform.loader.draft_head import load_draft
 
         if self.mesh is not None:
             raise ConfigError(
@@ -433,7 +433,7 @@ class Worker:
         self._build_runner(num_pages)
         self.kv_scales = self.runner.kv_scales
         if self.draft_head is not None:
-            from tpuserve.spec_decode.draft_runner import DraftRunner
+            from tpuserve.tpu_platform.draft_runner import DraftRunner
 
             self.draft_runner = DraftRunner(self.draft_head, self._draft_params, self.runner)
             self._draft_params = None
