@@ -36,6 +36,7 @@ from jax.sharding import PartitionSpec as P
 from tpuserve.attention.dispatch import resolve_impl
 from tpuserve.attention.metadata import AttentionMetadata
 from tpuserve.kv_cache.layout import RESERVED_PAGE, KVCacheSpec, kv_cache_format
+from tpuserve.tpu_platform import kv_scales as ks
 from tpuserve.tpu_platform import rejection_sampler, sampler
 from tpuserve.tpu_platform.config import EngineConfig
 from tpuserve.tpu_platform.device import DeviceInfo
@@ -293,8 +294,6 @@ class ModelRunner:
         max_model_len) into a temporary cache of the model dtype, then the amax of everything
         written there - K after RoPE and V, as the cache would receive them, over all layers and
         heads - through ``kv_scales.scales_from_amax`` (amax / 448 * margin)."""
-        from tpuserve.tpu_platform import kv_scales as ks
-
         ids = np.asarray(token_ids, np.int32)[: self.max_model_len]
         n = len(ids)
         if n == 0:
