@@ -13,5 +13,5 @@ SUBPACKAGES = ("attention", "kv_cache", "quant", "server", "spec_decode", "tpu_p
 packages = ["tpuserve"] + [f"tpuserve.{p}" for p in find_packages(include=[f"{s}*" for s in SUBPACKAGES])]
 package_dir = {"tpuserve": "tpuserve", **{f"tpuserve.{s}": s for s in SUBPACKAGES}}
 
-# GPTQ's calibration text (read by tpu_platform/models/calibrate.py) ships in the installed package
+# the calibration text of quantized loading (quant/calibrate.py) is read from the installed package
 setup(packages=packages, package_dir=package_dir, package_data={"tpuserve.quant": ["data/*.txt"]})
