@@ -19,8 +19,6 @@ from tpuserve.attention.names import ATTENTION_IMPLS
 from tpuserve.attention.pallas_gpu import ragged_paged_attention_gpu_stacked
 from tpuserve.attention.pallas_tpu import ragged_paged_attention_tpu_stacked
 from tpuserve.attention.reference import ragged_paged_attention_ref, write_kv_ref
-from tpuserve.kv_cache.layout import interleave_kv
-from tpuserve.tpu_platform.mesh import MODEL_AXIS, model_axis_size
 
 # "pallas_tpu_interpret" runs the real TPU kernel on CPU in TPU interpret mode (simulated HBM/VMEM/
 # SMEM, DMAs executed on wait, semaphores, uninitialised VMEM reading as NaN). Race detection is
@@ -39,6 +37,20 @@ class AttentionParams:
     # The cache holds k / k_scale and v / v_scale (an FP8 KV cache); attention multiplies back.
     k_scale: float | None = None
     v_scale: float | None = None
+
+
+def interleave_kv(k, v):
+    """[T, Hkv, D] K and V -> [T, 2*Hkv, D] in the cache's order: combined head 2h is K of KV head h,
+    2h + 1 its V (kv_cache/layout.py)."""
+    t, h, d = k.shape
+    return jnp.stack([k, v], axis=2).reshape(t, 2 * h, d)
+
+
+def split_kv(kv, num_kv_heads: int | None = None):
+    """[..., C, D] -> (K, V), each [..., Hkv, D]; pass ``num_kv_heads`` when C carries padding."""
+    if num_kv_heads is not None:
+        kv = kv[..., : 2 * num_kv_heads, :]
+    return kv[..., 0::2, :], kv[..., 1::2, :]
 
 
 def quantize_kv(new_k: jax.Array, new_v: jax.Array, params: AttentionParams, cache_dtype):
@@ -73,12 +85,14 @@ def ragged_paged_attention(
     params: AttentionParams,
     impl: str,
     mesh=None,
+    heads_axis: str | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Write this step's K/V into layer ``layer`` of the stacked cache, then attend.
 
-    mesh: under tensor parallelism the heads and the cache's combined-head axis are split over the
-    mesh's "model" axis; each device then runs ``impl`` on its own heads (``shard_map``: a Pallas
-    kernel cannot be partitioned by XLA) and no data crosses devices.
+    mesh, heads_axis: under tensor parallelism the heads and the cache's combined-head axis are
+    split over the mesh axis named ``heads_axis`` (the caller owns the mesh and its axis names);
+    each device then runs ``impl`` on its own heads (``shard_map``: a Pallas kernel cannot be
+    partitioned by XLA) and no data crosses devices. No mesh, or an axis of size 1: one device.
 
     queries [T, Hq, D]; new_k, new_v [T, Hkv, D]; kv_cache [L, P, page_size, C, D] in the
     shape ``kv_cache_shape(impl, spec)`` gives (C = 2*Hkv, or padded to the sublane tile for the
@@ -87,8 +101,12 @@ def ragged_paged_attention(
     K / k_scale and V / v_scale, clipped and cast when it is an FP8 cache.
     Returns (out [T, Hq, D], updated kv_cache).
     """
-    if model_axis_size(mesh) > 1:
-        heads, cache = P(None, MODEL_AXIS, None), P(None, None, None, MODEL_AXIS, None)
+    if mesh is not None and heads_axis is None:
+        raise ValueError(
+            "ragged_paged_attention: a mesh needs heads_axis, the mesh axis the heads split over"
+        )
+    if mesh is not None and mesh.shape[heads_axis] > 1:
+        heads, cache = P(None, heads_axis, None), P(None, None, None, heads_axis, None)
 
         def local(q, k, v, kv, layer, md):
             return _attend(q, k, v, kv, layer, md, params, impl)

@@ -167,6 +167,7 @@ class HostPagePool:
 
     def _scatter_for(self, kv):
         if self._scatter is None:
+            # jax, and layout (which imports it), on use: this module imports without jax (HostSlotIndex)
             import jax
 
             from tpuserve.kv_cache.layout import cache_out_format
@@ -243,6 +244,7 @@ class HostPagePool:
 
         ``kv`` is donated: use the returned array instead. Pages must be distinct.
         """
+        # jax, and layout (which imports it), on use: this module imports without jax (HostSlotIndex)
         import jax.numpy as jnp
 
         from tpuserve.kv_cache.layout import stage_for
@@ -268,6 +270,7 @@ class HostPagePool:
         Touches no page (the gathers are discarded, the scatters' indices all dropped); ``kv`` is
         donated, use the returned cache.
         """
+        # on use: layout imports jax, and this module imports without it (HostSlotIndex)
         from tpuserve.kv_cache.layout import warm_page_transfers
 
         self._check_cache(kv)

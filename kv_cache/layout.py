@@ -5,7 +5,8 @@ Per layer, K and V of ``page_size`` consecutive tokens of one sequence live in o
     kv_pages: [num_pages, page_size, C, head_dim]        C >= 2 * num_kv_heads
 
 with K and V *interleaved* along the combined-head axis: combined head ``2*h`` is K of KV head
-``h`` and ``2*h + 1`` is V of KV head ``h``. One DMA of a page slice therefore fetches K and V
+``h`` and ``2*h + 1`` is V of KV head ``h`` (``interleave_kv`` / ``split_kv`` in
+``attention/dispatch.py``, which writes the pages). One DMA of a page slice therefore fetches K and V
 together, which is what the Pallas kernels want, and it is the layout of jax's own
 ``ref_ragged_paged_attention`` so that function can serve as an independent oracle.
 
@@ -160,16 +161,3 @@ class KVCacheSpec:
         if fmt is None and sharding is None:
             return jnp.zeros(shape, self.dtype)
         return jax.jit(lambda: jnp.zeros(shape, self.dtype), out_shardings=fmt or sharding)()
-
-
-def interleave_kv(k, v):
-    """[T, Hkv, D] K and V -> [T, 2*Hkv, D] in the interleaved cache order."""
-    t, h, d = k.shape
-    return jnp.stack([k, v], axis=2).reshape(t, 2 * h, d)
-
-
-def split_kv(kv, num_kv_heads: int | None = None):
-    """[..., C, D] -> (K, V), each [..., Hkv, D]; pass ``num_kv_heads`` when C carries padding."""
-    if num_kv_heads is not None:
-        kv = kv[..., : 2 * num_kv_heads, :]
-    return kv[..., 0::2, :], kv[..., 1::2, :]

@@ -10,14 +10,17 @@ Modules (import what you need; importing registers nothing with ``linear``):
 * ``linear_xla``: the CPU/GPU ``linear`` implementations.
 * ``pallas_tpu_matmul``: Pallas TPU kernels ``fp8_matmul_tpu`` / ``fp4_matmul_tpu`` and their
   references ``fp8_matmul_ref`` / ``fp4_matmul_ref``.
-* ``dispatch``: ``register_quant_linears(impl="auto")`` routes ``linear(x, record)``.
+* ``dispatch``: ``quant_linear(x, record, impl="auto")``, the Pallas kernel on a TPU, XLA elsewhere.
 * ``search``: ``quantize_mxfp4_search`` / ``quantize_nvfp4_search``, the same formats with each
   block's scale searched for the least squared error (what online FP4 quantization uses).
+* ``gptq``: ``gptq_fp4``, GPTQ rounding of one weight to FP4 codes given its input statistics.
 * ``fuse``: concatenate / permute records along the output axis (q|k|v -> qkv, gate|up -> gate_up
   for pre-quantized checkpoints).
-* ``params``: ``quantize_params(params, method)`` -> (tree of records, ``QuantReport``).
 
-Where they are used: ``tpu_platform/worker.py`` (``Worker._quantize``: ``--quantization``, and
-``register_quant_linears`` whenever the weights hold records) and ``tpu_platform/loader/quantized.py``
-(pre-quantized HF fp8 / compressed-tensors / ModelOpt checkpoints).
+Nothing here knows the model. Built on these, a layer up: ``tpu_platform/linear.py``
+(``register_quant_linears()`` routes ``linear(x, record)`` to ``quant_linear``),
+``tpu_platform/models/quantize.py`` (``quantize_params(params, method)`` -> (tree of records,
+``QuantReport``), with GPTQ over the decoder's layers in ``tpu_platform/models/calibrate.py``),
+``tpu_platform/worker.py`` (``Worker._quantize``: ``--quantization``) and
+``tpu_platform/loader/quantized.py`` (pre-quantized HF fp8 / compressed-tensors / ModelOpt checkpoints).
 """

@@ -1,14 +1,13 @@
 """Where a quantized ``linear`` runs: the Pallas TPU kernels on a TPU, XLA everywhere else.
 
-``register_quant_linears()`` routes ``tpu_platform.models.linear.linear`` for every record type
-(``Fp8Weight``, ``Mxfp4Weight``, ``Nvfp4Weight``) here. Nothing registers at import time: the
-engine (or ``quantize_params``, or a test) calls it; calling it again replaces the routing.
+``quant_linear`` serves every record type (``RECORD_TYPES``: ``Fp8Weight``, ``Mxfp4Weight``,
+``Nvfp4Weight``); the model's ``linear`` routes records here once
+``tpu_platform.linear.register_quant_linears()`` is called (quant/ knows nothing of the model).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 
@@ -41,15 +40,3 @@ def quant_linear(x, w, bias=None, out_dtype=None, *, impl: str = "auto", interpr
 def w_is_2d(w) -> bool:
     """The kernels take one layer's record; a still-stacked one (leading L) goes through XLA."""
     return (w.qweight if isinstance(w, Fp8Weight) else w.packed).ndim == 2
-
-
-def register_quant_linears(impl: str = "auto", *, interpret=None) -> None:
-    """Make ``linear(x, record)`` work for every quantized record type (idempotent)."""
-    if impl not in IMPLS:
-        raise ValueError(f"quantized linear impl must be one of {IMPLS}, got {impl!r}")
-    # imported here, not at module import: quant/ stays importable without the model package
-    from tpuserve.tpu_platform.models.linear import register_linear
-
-    fn = functools.partial(quant_linear, impl=impl, interpret=interpret)
-    for t in RECORD_TYPES:
-        register_linear(t, fn)

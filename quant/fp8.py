@@ -1,6 +1,6 @@
 """FP8 (e4m3fn) weights with per-tensor, per-output-channel or 2-D block scales.
 
-Layout (this repo's weight convention, ``tpu_platform/models/linear.py``): the dense weight is
+Layout (this repo's weight convention, ``tpu_platform/linear.py``): the dense weight is
 ``[*L, K, *out]`` (K = in features, contracted; ``*L`` optional stacked-layer axes). The record keeps
 it flattened to ``[*L, K, N]`` (N = prod(out)), ``out_shape`` restores the output axes.
 

@@ -1,7 +1,7 @@
 """Quantized ``linear`` for CPU and GPU: plain jnp that XLA fuses (dequant in registers, one GEMM).
 
 Each function has ``linear``'s signature ``fn(x [..., K], w, bias [*out] | None, out_dtype) ->
-[..., *out]`` (``tpu_platform/models/linear.py``). Products accumulate in f32; the result comes back
+[..., *out]`` (``tpu_platform/linear.py``). Products accumulate in f32; the result comes back
 in ``out_dtype`` (default: the activation dtype).
 
 * FP8 per-tensor / per-channel: the scale does not vary along K, so it is applied to the GEMM's

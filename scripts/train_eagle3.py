@@ -95,7 +95,7 @@ def chat_prompts(tok, texts: list[str], offset: int = 0) -> list[list[int]]:
     return out
 
 
-# ---- the head, dense, for training (the same definition as spec_decode/draft_model.py) ----
+# ---- the head, dense, for training (the same definition as tpu_platform/models/draft_head.py) ----
 
 
 def init_head(rng, h: int, a: int, heads: int, kv_heads: int, d: int, f: int, vd: int, embed):
@@ -247,10 +247,10 @@ def main() -> int:
     import transformers
 
     from tpuserve import LLM, SamplingParams
-    from tpuserve.spec_decode.draft_model import default_aux_layer_ids
     from tpuserve.tpu_platform.config import EngineConfig
     from tpuserve.tpu_platform.device import discover
     from tpuserve.tpu_platform.loader import load_model
+    from tpuserve.tpu_platform.loader.draft_head import default_aux_layer_ids
     from tpuserve.tpu_platform.loader.export import default_model_hf_dir
     from tpuserve.tpu_platform.model_runner import ModelRunner
     from tpuserve.tpu_platform.step_batch import SamplingRow, ScheduledSeq

@@ -31,8 +31,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from tpuserve import __version__
 from tpuserve.server.api_errors import APIError, bad_request, error_body, error_headers, error_response
 from tpuserve.server.async_engine import AsyncEngine, EngineUnavailableError, QueueFullError
+from tpuserve.server.data_parallel import DataParallelEngine
+from tpuserve.server.engine_args import add_engine_args, engine_kwargs
 from tpuserve.server.http_deadlines import (
     DEFAULT_BODY_TIMEOUT_S,
     BodyDeadlineMiddleware,
@@ -59,6 +62,8 @@ from tpuserve.server.serving_common import (
     StreamingResult,
 )
 from tpuserve.server.serving_completions import CompletionHandler
+from tpuserve.server.structured_output import make_grammar_matcher
+from tpuserve.tpu_platform.config import EngineConfig
 
 log = logging.getLogger("tpuserve.api")
 
@@ -246,8 +251,6 @@ def build_app(
             await async_engine.shutdown(grace_s=shutdown_grace_s)
             ctx.shutdown()
 
-    from tpuserve import __version__
-
     app = FastAPI(
         title="tpuserve", version=__version__, lifespan=lifespan, description="OpenAI-compatible LLM server"
     )
@@ -368,8 +371,6 @@ def _decode(tokenizer, ids: list[int]) -> str:
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     """Add the ``serve`` subcommand: server options plus one flag per EngineConfig field."""
-    from tpuserve.cli import add_engine_args
-
     parser = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server")
     parser.add_argument(
         "model",
@@ -449,9 +450,6 @@ def _positive_float(value: str) -> float:
 
 
 def engine_config_from_args(args: argparse.Namespace):
-    from tpuserve.cli import engine_kwargs
-    from tpuserve.tpu_platform.config import EngineConfig
-
     return EngineConfig.from_kwargs(model=args.model, **engine_kwargs(args))
 
 
@@ -475,10 +473,10 @@ def model_names(model: str | None, served: str | None) -> tuple[str, tuple[str, 
 
 
 def run_server(args: argparse.Namespace) -> int:
+    # Here, not at the top: the engine (and jax) loads to serve, not for --help or the router.
     import uvicorn
 
     from tpuserve.server.engine import LLMEngine
-    from tpuserve.server.structured_output import make_grammar_matcher
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -495,8 +493,6 @@ def run_server(args: argparse.Namespace) -> int:
     if len(replicas) == 1:
         async_engine = replicas[0]
     else:
-        from tpuserve.server.data_parallel import DataParallelEngine
-
         async_engine = DataParallelEngine(replicas)
     name, others = model_names(args.model, config.model.served_model_name)
     app = build_app(

@@ -23,9 +23,9 @@ from tpuserve.server.outputs import CompletionOutput, Logprob, RequestOutput
 from tpuserve.server.sampling_params import SamplingParams
 from tpuserve.server.scheduler import ScheduledWork, Scheduler, SchedulerOutput
 from tpuserve.server.sequence import Sequence
-from tpuserve.spec_decode.draft_runner import CatchUpSeq
 from tpuserve.spec_decode.ngram import propose_ngram
 from tpuserve.tpu_platform.config import EngineConfig
+from tpuserve.tpu_platform.draft_runner import CatchUpSeq
 from tpuserve.tpu_platform.model_runner import PendingStep
 from tpuserve.tpu_platform.step_batch import Logprobs, ScheduledSeq, StepOutput, sampling_row
 from tpuserve.tpu_platform.worker import Worker

@@ -17,6 +17,7 @@ from typing import Any
 
 from tpuserve.kv_cache.transfer.device_pages import DevicePageMover
 from tpuserve.kv_cache.transfer.layout import KVLayout
+from tpuserve.kv_cache.transfer.tcp import TcpKVReceiver, TcpKVSender
 from tpuserve.kv_cache.transfer.transport import PageBatch, TransferHandle
 from tpuserve.tpu_platform.config import KVTransferConfig
 
@@ -55,8 +56,6 @@ def listener_options(extra: dict | None) -> dict[str, Any]:
 
 class KVTransferRole:
     def __init__(self, cfg: KVTransferConfig, model_id: str, kv_cache):
-        from tpuserve.kv_cache.transfer.tcp import TcpKVReceiver, TcpKVSender
-
         self.cfg = cfg
         self.layout = KVLayout.from_cache_shape(model_id, tuple(kv_cache.shape), kv_cache.dtype)
         self.mover = DevicePageMover()

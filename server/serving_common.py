@@ -15,8 +15,10 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from tpuserve.kv_cache.transfer.errors import KVTransferError
 from tpuserve.server.api_errors import APIError, bad_request, error_body, param_of
 from tpuserve.server.async_engine import AsyncEngine, EngineUnavailableError, QueueFullError, RequestStream
+from tpuserve.server.detokenizer import decode_token
 from tpuserve.server.outputs import Logprob, RequestOutput
 from tpuserve.server.protocol import MAX_STOP, SamplingFields
 from tpuserve.server.sampling_params import SamplingParams, StructuredOutputParams
@@ -206,8 +208,6 @@ class ServingContext:
                 '--kv-transfer-config \'{"kv_role": "kv_consumer"}\')',
                 "kv_transfer_params",
             )
-        from tpuserve.kv_cache.transfer.errors import KVTransferError
-
         try:
             return await self.blocking(role.pull, kv_transfer_params)
         except ValueError as e:
@@ -474,8 +474,6 @@ def ranked_top(entry: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
 def token_text(lp: Logprob | None, tokenizer, token_id: int) -> str:
     if lp is not None and lp.decoded_token is not None:
         return lp.decoded_token
-    from tpuserve.server.detokenizer import decode_token
-
     return decode_token(tokenizer, token_id)
 
 

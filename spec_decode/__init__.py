@@ -1,12 +1,12 @@
-"""Speculative decoding: draft proposers and the lossless verification of their drafts.
+"""Speculative decoding: which drafts a request gets, above the runner and Worker, below the engine.
 
 Modules:
   ngram              n-gram (prompt lookup) drafting on the host, vLLM's ``method="ngram"`` rule
                      (``NgramProposer``, ``propose_ngram``)
-  rejection_sampler  device verification of a step's drafts: greedy matching, and rejection sampling
-                     with one-hot or given draft distributions (``verify_async``, called by
-                     ``ModelRunner.sample``)
-  draft_model        EAGLE-3 and MTP draft heads in JAX, and their checkpoint layouts (``load_draft``)
-  draft_runner       a draft head's paged KV and its catch-up / drafting programs (``DraftRunner``),
-                     driven by the engine around each target step
+
+The device side sits lower, with what it runs beside: the rejection sampler that verifies a step's
+drafts next to the sampler (``tpu_platform/rejection_sampler.py``), the EAGLE-3 / MTP draft heads
+with the models and their loaders (``tpu_platform/models/draft_head.py``,
+``tpu_platform/loader/draft_head.py``), and their paged runner next to the ModelRunner
+(``tpu_platform/draft_runner.py``), which the Worker builds.
 """

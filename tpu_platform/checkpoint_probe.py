@@ -24,6 +24,7 @@ def checkpoint_quant(model_path: str | None):
         os.path.join(path, "hf_quant_config.json")
     ):
         return None
+    # only now: the loader package imports JAX, which these processes must not load for a dense model
     from tpuserve.tpu_platform.loader.quantized import detect
 
     return detect(config, path)

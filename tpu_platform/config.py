@@ -185,12 +185,12 @@ class ParallelConfig:
 class QuantizationConfig:
     """``--quantization``: None serves the checkpoint as it is (a pre-quantized checkpoint's own
     ``quantization_config`` is detected by the loader); a method quantizes an unquantized
-    checkpoint's linear weights once, at load (``quant/params.py``): "fp8" (e4m3, per output
+    checkpoint's linear weights once, at load (``models/quantize.py``): "fp8" (e4m3, per output
     channel, W8A16), "mxfp4" (e2m1 in 32-blocks, e8m0 scales), "nvfp4" (e2m1 in 16-blocks, e4m3
     scales, f32 global). On a pre-quantized checkpoint the flag must name its format or be unset.
 
     ``--quantization-calibration``: how the FP4 methods choose codes and scales. "gptq" (default)
-    runs GPTQ over a calibration text shipped with the package (``quant/calibrate.py``), which
+    runs GPTQ over a calibration text shipped with the package (``models/calibrate.py``), which
     costs load time (seconds per layer on a CPU) and buys quality; "rtn" rounds each block to
     nearest (with a per-block scale search), data-free and fast. FP8 always rounds to nearest."""
 

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from tpuserve.tpu_platform.config import ConfigError
+
 DATA_AXIS = "data"
 MODEL_AXIS = "model"
 
@@ -34,8 +36,6 @@ def plan_devices(tensor_parallel_size: int, data_parallel_size: int = 1, devices
     Raises ConfigError when there are too few devices (naming both flags and the device count).
     """
     import jax
-
-    from tpuserve.tpu_platform.config import ConfigError
 
     tp, dp = int(tensor_parallel_size), int(data_parallel_size)
     devices = list(jax.local_devices() if devices is None else devices)

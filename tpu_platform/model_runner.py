@@ -9,7 +9,7 @@ Shapes are padded to buckets so XLA compiles a bounded set of programs:
                           blocked CPU attention, whose cost does not depend on it)
 ``warmup()`` compiles every (T, pages_per_seq) pair and every sampler variant, and, when drafts are
 expected (``num_speculative_tokens`` > 0), the drafted shapes of every T with their verification
-programs (spec_decode.rejection_sampler); ``compile_count`` counts every trace, so a compile while
+programs (rejection_sampler.py); ``compile_count`` counts every trace, so a compile while
 serving shows up as a rise after warm-up.
 
 A step runs in two dispatches that return at once (JAX dispatches asynchronously): ``forward``
@@ -36,8 +36,8 @@ from jax.sharding import PartitionSpec as P
 from tpuserve.attention.dispatch import resolve_impl
 from tpuserve.attention.metadata import AttentionMetadata
 from tpuserve.kv_cache.layout import RESERVED_PAGE, KVCacheSpec, kv_cache_format
-from tpuserve.spec_decode import rejection_sampler
-from tpuserve.tpu_platform import sampler
+from tpuserve.tpu_platform import kv_scales as ks
+from tpuserve.tpu_platform import rejection_sampler, sampler
 from tpuserve.tpu_platform.config import EngineConfig
 from tpuserve.tpu_platform.device import DeviceInfo
 from tpuserve.tpu_platform.mesh import MODEL_AXIS, model_axis_size
@@ -120,7 +120,7 @@ class ModelRunner:
         kv_cache_dtype: the KV cache's dtype (None: ``dtype``). An FP8 cache needs its
         (k_scale, v_scale): ``kv_scales``, or ``calibration_tokens`` to measure them from
         (``calibrate_kv_scales``; tpu_platform/kv_scales.py).
-        draft_aux_layers: what a draft head reads (spec_decode/draft_model.py): None, nothing;
+        draft_aux_layers: what a draft head reads (models/draft_head.py): None, nothing;
         () the final hidden states (MTP); layer ids, the residual streams entering those layers,
         concatenated (EAGLE-3). ``ForwardState.features`` carries them."""
         self.config = config
@@ -294,8 +294,6 @@ class ModelRunner:
         max_model_len) into a temporary cache of the model dtype, then the amax of everything
         written there - K after RoPE and V, as the cache would receive them, over all layers and
         heads - through ``kv_scales.scales_from_amax`` (amax / 448 * margin)."""
-        from tpuserve.tpu_platform import kv_scales as ks
-
         ids = np.asarray(token_ids, np.int32)[: self.max_model_len]
         n = len(ids)
         if n == 0:

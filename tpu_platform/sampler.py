@@ -35,7 +35,7 @@ Stages rather than one fused program per kind: the PRNG (threefry) dominates com
 and this way one program per row count holds it instead of four. Prompt logprobs
 (``compute_logprobs``) pad their rows to power-of-two buckets. ``compile_count()`` counts traces.
 
-Draft verification (spec_decode.rejection_sampler) draws its own tokens from the same distribution:
+Draft verification (rejection_sampler.py) draws its own tokens from the same distribution:
 it reuses the extras stage (``prepare_verification``), the random processing (``target_logits``),
 the row keys (``row_keys``) and the logprobs program (``token_logprobs_async``).
 """
@@ -509,7 +509,7 @@ def sample(
 def prepare_verification(
     logits: jax.Array, batch: SamplingBatch, max_logprobs: int = DEFAULT_MAX_LOGPROBS
 ) -> tuple[jax.Array, dict[str, Any], int | None]:
-    """For draft verification (spec_decode.rejection_sampler), which draws its own tokens.
+    """For draft verification (rejection_sampler.py), which draws its own tokens.
 
     logits [R, V] (device), batch with R rows -> (x [R, V]: the logits after the extras stage (mask,
     penalties; dispatched, not awaited) or the logits themselves when the batch needs none; the random

@@ -19,7 +19,28 @@ import logging
 import time
 from dataclasses import dataclass
 
-from tpuserve.tpu_platform.config import ConfigError, EngineConfig
+import jax
+import jax.numpy as jnp
+
+from tpuserve.attention.kv_cache_shape import resolve_impl
+from tpuserve.kv_cache.layout import KVCacheSpec
+from tpuserve.tpu_platform import kv_scales
+from tpuserve.tpu_platform.config import FP8_KV_CACHE_DTYPES, KV_CACHE_DTYPES, ConfigError, EngineConfig
+from tpuserve.tpu_platform.device import discover, enable_compilation_cache, resolve_dtype
+from tpuserve.tpu_platform.draft_runner import DraftRunner
+from tpuserve.tpu_platform.linear import register_quant_linears
+from tpuserve.tpu_platform.loader import load_model
+from tpuserve.tpu_platform.loader.draft_head import load_draft
+from tpuserve.tpu_platform.mesh import plan_devices, replica_mesh
+from tpuserve.tpu_platform.model_runner import ModelRunner
+from tpuserve.tpu_platform.models import calibrate
+from tpuserve.tpu_platform.models.arch import ModelConfigError
+from tpuserve.tpu_platform.models.quantize import quantize_params
+from tpuserve.tpu_platform.models.sharding import (
+    check_tensor_parallel,
+    group_gate_up_by_device,
+    replicate_kv_heads,
+)
 
 log = logging.getLogger(__name__)
 
@@ -101,10 +122,6 @@ def plan_memory(
 def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype):
     """The KV cache's jnp dtype for ``--kv-cache-dtype``: "auto" -> the model dtype; "fp8" and
     "fp8_e4m3" (vLLM's names) -> float8_e4m3fn."""
-    import jax.numpy as jnp
-
-    from tpuserve.tpu_platform.config import FP8_KV_CACHE_DTYPES, KV_CACHE_DTYPES
-
     if kv_cache_dtype == "auto":
         return jnp.dtype(model_dtype)
     if kv_cache_dtype in FP8_KV_CACHE_DTYPES:
@@ -114,17 +131,12 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype):
 
 def _tree_nbytes(tree) -> int:
     """Bytes of every array in ``tree`` (quantized records count their data and scales)."""
-    import jax
-
     return sum(x.nbytes for x in jax.tree_util.tree_leaves(tree))
 
 
 class Worker:
     def __init__(self, config: EngineConfig, replica: int = 0):
         """replica: which data-parallel replica this worker is (its device subset, mesh.py)."""
-        from tpuserve.tpu_platform.device import discover, enable_compilation_cache, resolve_dtype
-        from tpuserve.tpu_platform.mesh import plan_devices, replica_mesh
-
         self.config = config
         self.device = discover()
         par = config.parallel
@@ -146,9 +158,9 @@ class Worker:
         self.runner = None
         self._params = None
         self.quantization: str | None = None  # the weights' format once loaded (None: dense)
-        self.quant_report = None  # quant.params.QuantReport after online quantization
+        self.quant_report = None  # models.quantize.QuantReport after online quantization
         # A model-based drafter (EAGLE-3 / MTP): its DraftHead and params once loaded, then its
-        # DraftRunner beside the ModelRunner (spec_decode/).
+        # DraftRunner beside the ModelRunner (draft_runner.py).
         self.draft_head = None
         self._draft_params = None
         self.draft_runner = None
@@ -159,8 +171,6 @@ class Worker:
     def load(self, *, clamp_max_model_len: bool = False) -> None:
         """Load weights and tokenizer. A max_model_len beyond the model's limit is an error, or is
         lowered to it with ``clamp_max_model_len`` (a front end that derived it from elsewhere)."""
-        from tpuserve.tpu_platform.loader import load_model
-
         t0 = time.perf_counter()
         m = self.config.model
         loaded = load_model(m.model, self.dtype, m.tokenizer)
@@ -170,8 +180,6 @@ class Worker:
             params = self._shard_heads(params, loaded.quantization)
         self._params = self._quantize(params, loaded.quantization)
         if self.kv_cache_dtype.itemsize == 1 and loaded.kv_scales_error is not None:
-            from tpuserve.tpu_platform.models.arch import ModelConfigError
-
             raise ModelConfigError(
                 f"kv_cache_dtype={self.config.cache.kv_cache_dtype!r}: {loaded.kv_scales_error}"
             )
@@ -200,8 +208,6 @@ class Worker:
             self._load_draft(spec, loaded.source)
 
     def _load_draft(self, spec, target_source: str) -> None:
-        from tpuserve.spec_decode.draft_model import load_draft
-
         if self.mesh is not None:
             raise ConfigError(
                 f"speculative_config.method={spec.method!r} runs its draft head on one "
@@ -226,12 +232,6 @@ class Worker:
     def _shard_heads(self, params: dict, checkpoint_method: str | None) -> dict:
         """Check the model splits over the TP devices; replicate KV heads when there are fewer
         than devices (models/sharding.py), before any online quantization."""
-        from tpuserve.tpu_platform.models.sharding import (
-            check_tensor_parallel,
-            group_gate_up_by_device,
-            replicate_kv_heads,
-        )
-
         tp = self.tensor_parallel_size
         try:
             r = check_tensor_parallel(self.arch, tp)
@@ -258,7 +258,7 @@ class Worker:
 
     def _quantize(self, params: dict, checkpoint_method: str | None) -> dict:
         """The quantization step of loading: route ``linear`` for quantized records, and quantize an
-        unquantized checkpoint's linear weights when ``--quantization`` asks (quant/params.py).
+        unquantized checkpoint's linear weights when ``--quantization`` asks (models/quantize.py).
 
         checkpoint_method: the format a pre-quantized checkpoint already carries (the loader read
         its ``quantization_config``); the flag must then be unset or name that same format.
@@ -277,8 +277,6 @@ class Worker:
         else:
             self.quantization = method
         # Registration happens here, not at import: only an engine that holds records needs it.
-        from tpuserve.quant.dispatch import register_quant_linears
-
         register_quant_linears()
         if checkpoint_method is not None:
             log.info(
@@ -287,13 +285,10 @@ class Worker:
                 _tree_nbytes(params) / 2**20,
             )
             return params
-        from tpuserve.quant.calibrate import GPTQ_METHODS, calibration_token_ids
-        from tpuserve.quant.params import quantize_params
-
         t0 = time.perf_counter()
         calibration = None
-        if method in GPTQ_METHODS and self.config.quantization.calibration == "gptq":
-            calibration = (self.arch, calibration_token_ids(self.tokenizer))
+        if method in calibrate.GPTQ_METHODS and self.config.quantization.calibration == "gptq":
+            calibration = (self.arch, calibrate.calibration_token_ids(self.tokenizer))
         params, report = quantize_params(params, method, register=False, calibration=calibration)
         self.quant_report = report
         log.info(
@@ -316,9 +311,6 @@ class Worker:
 
     def page_bytes_padded_and_plain(self) -> tuple[int, int]:
         """(bytes of a page as the attention backend lays it out, bytes of its real K/V)."""
-        from tpuserve.attention.kv_cache_shape import resolve_impl
-        from tpuserve.kv_cache.layout import KVCacheSpec
-
         a = self.arch
         impl = resolve_impl(self.config.compilation.attention_impl, self.device.backend, self.kv_cache_dtype)
         spec = KVCacheSpec(
@@ -398,8 +390,6 @@ class Worker:
     def _build_runner(self, num_pages: int | None):
         """The ModelRunner (built once; it owns the weights from here), with ``num_pages`` KV
         pages, or without a cache yet (None)."""
-        from tpuserve.tpu_platform.model_runner import ModelRunner
-
         if self.runner is not None:
             if num_pages is not None:
                 self.runner.allocate_kv_cache(num_pages)
@@ -408,9 +398,7 @@ class Worker:
             raise RuntimeError("Worker.load() must run before init_kv_cache()")
         calibration = None
         if self.kv_cache_dtype.itemsize == 1 and self.kv_scales is None:
-            from tpuserve.tpu_platform.kv_scales import calibration_token_ids
-
-            calibration = calibration_token_ids(self.tokenizer, self.arch.vocab_size)
+            calibration = kv_scales.calibration_token_ids(self.tokenizer, self.arch.vocab_size)
         self.runner = ModelRunner(
             self.config,
             self.arch,
@@ -433,8 +421,6 @@ class Worker:
         self._build_runner(num_pages)
         self.kv_scales = self.runner.kv_scales
         if self.draft_head is not None:
-            from tpuserve.spec_decode.draft_runner import DraftRunner
-
             self.draft_runner = DraftRunner(self.draft_head, self._draft_params, self.runner)
             self._draft_params = None
         log.info(

@@ -8,37 +8,10 @@ import json
 import sys
 from typing import Any
 
-# Engine flags that are not command-line flags (the model is a positional argument).
-_NOT_FLAGS = {"model"}
-
-
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """One --flag per engine config field, spelled as vLLM spells it (--max-model-len, ...)."""
-    from tpuserve.tpu_platform.config import EngineConfig
-
-    group = parser.add_argument_group("engine")
-    for name, (kind, _default) in EngineConfig.flag_fields().items():
-        if name in _NOT_FLAGS:
-            continue
-        flag = "--" + name.replace("_", "-")
-        kind = kind.split("|")[0].strip()  # annotations are strings: "int | None", "bool", ...
-        if kind == "bool":
-            group.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None)
-        else:
-            group.add_argument(
-                flag,
-                dest=name,
-                default=None,
-                type={"int": int, "float": float}.get(kind, str),
-                metavar="JSON" if kind == "json" else None,
-            )
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    from tpuserve.tpu_platform.config import EngineConfig
-
-    names = set(EngineConfig.flag_fields()) - _NOT_FLAGS
-    return {k: v for k, v in vars(args).items() if k in names and v is not None}
+from tpuserve.server.api_server import add_serve_parser
+from tpuserve.server.engine_args import add_engine_args, engine_kwargs
+from tpuserve.server.router import add_router_parser
+from tpuserve.server.sampling_params import SamplingParams
 
 
 def _read_prompts(args) -> list[dict]:
@@ -69,8 +42,8 @@ def _read_prompts(args) -> list[dict]:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    # Here, not at the top: the engine (and jax) loads for generate only; router needs none.
     from tpuserve.server.llm import LLM
-    from tpuserve.server.sampling_params import SamplingParams
 
     items = _read_prompts(args)
     llm = LLM(args.model, **engine_kwargs(args))
@@ -147,14 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(gen)
     gen.set_defaults(func=cmd_generate)
 
-    try:
-        from tpuserve.server.api_server import add_serve_parser
-    except ImportError:
-        add_serve_parser = None
-    if add_serve_parser is not None:
-        add_serve_parser(sub)
-    from tpuserve.server.router import add_router_parser
-
+    add_serve_parser(sub)
     add_router_parser(sub)
     return parser
 

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from tpuserve.kv_cache.host_tier import host_memory_kind
+
 
 def _bucket(n: int) -> int:
     return 1 << max(0, math.ceil(math.log2(max(n, 1))))
@@ -95,10 +97,10 @@ class DevicePageMover:
         return self._traces
 
     def _bind(self, kv) -> None:
+        # jax, and layout (which imports it), on use: kv_cache.transfer imports without jax
         import jax
         from jax.sharding import SingleDeviceSharding
 
-        from tpuserve.kv_cache.host_tier import host_memory_kind
         from tpuserve.kv_cache.layout import cache_out_format
 
         devices = kv.devices()
@@ -145,6 +147,7 @@ class DevicePageMover:
 
     def scatter(self, kv, pages: np.ndarray, page_ids: Sequence[int]):
         """Write ``pages [L, n, page_size, C, D]`` into device pages ``page_ids``; ``kv`` is donated."""
+        # jax, and layout (which imports it), on use: kv_cache.transfer imports without jax
         import jax.numpy as jnp
 
         from tpuserve.kv_cache.layout import stage_for
@@ -174,6 +177,7 @@ class DevicePageMover:
 
         ``kv`` is donated; use the returned cache.
         """
+        # on use: layout imports jax, and kv_cache.transfer imports without it
         from tpuserve.kv_cache.layout import warm_page_transfers
 
         self._ids(kv, [])

@@ -21,9 +21,8 @@ from tpuserve.attention.blocked import (
     default_pages_per_block,
     ragged_paged_attention_blocked,
 )
-from tpuserve.attention.dispatch import AttentionParams, ragged_paged_attention, resolve_impl
+from tpuserve.attention.dispatch import AttentionParams, ragged_paged_attention, resolve_impl, split_kv
 from tpuserve.attention.metadata import AttentionMetadata
-from tpuserve.kv_cache.layout import split_kv
 
 
 # One program per shape and option set, shared by every case of that shape: the metadata is an

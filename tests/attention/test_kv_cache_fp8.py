@@ -24,9 +24,15 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
-from tpuserve.attention.dispatch import AttentionParams, kv_cache_shape, quantize_kv, ragged_paged_attention
+from tpuserve.attention.dispatch import (
+    AttentionParams,
+    kv_cache_shape,
+    quantize_kv,
+    ragged_paged_attention,
+    split_kv,
+)
 from tpuserve.attention.metadata import AttentionMetadata
-from tpuserve.kv_cache.layout import KVCacheSpec, split_kv
+from tpuserve.kv_cache.layout import KVCacheSpec
 from tpuserve.tpu_platform.kv_scales import FP8_E4M3_MAX, scales_from_amax
 
 FP8 = jnp.float8_e4m3fn

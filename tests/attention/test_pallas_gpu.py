@@ -14,14 +14,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tpuserve.attention.dispatch import AttentionParams, ragged_paged_attention
+from tpuserve.attention.dispatch import AttentionParams, ragged_paged_attention, split_kv
 from tpuserve.attention.metadata import AttentionMetadata
 from tpuserve.attention.pallas_gpu import (
     default_config,
     ragged_paged_attention_gpu,
     ragged_paged_attention_gpu_stacked,
 )
-from tpuserve.kv_cache.layout import split_kv
 
 # (rows_per_tile, pages_per_block, kv_splits) per case. page_size is 4, so 4 pages = 16 tokens,
 # Triton's smallest dot; splits > 1 exercise the flash-decoding merge.

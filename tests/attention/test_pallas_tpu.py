@@ -15,14 +15,14 @@ import numpy as np
 import pytest
 from pallas_interpret import RACES, fresh_interpreter, races_found  # noqa: F401 (autouse fixture)
 
-from tpuserve.attention.dispatch import AttentionParams, kv_cache_shape, ragged_paged_attention
+from tpuserve.attention.dispatch import AttentionParams, kv_cache_shape, ragged_paged_attention, split_kv
 from tpuserve.attention.metadata import AttentionMetadata
 from tpuserve.attention.pallas_tpu import (
     default_block_sizes,
     ragged_paged_attention_tpu,
     ragged_paged_attention_tpu_stacked,
 )
-from tpuserve.kv_cache.layout import KVCacheSpec, split_kv
+from tpuserve.kv_cache.layout import KVCacheSpec
 
 
 def run_and_check(case, kwargs, dtype, **block):

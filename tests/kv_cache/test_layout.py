@@ -7,9 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tpuserve.attention.dispatch import kv_cache_shape
+from tpuserve.attention.dispatch import kv_cache_shape, split_kv
 from tpuserve.attention.kv_cache_shape import sublane_tile
-from tpuserve.kv_cache.layout import KVCacheSpec, split_kv
+from tpuserve.kv_cache.layout import KVCacheSpec
 
 UNPADDED = ("reference", "blocked", "pallas_gpu")
 TPU = ("pallas_tpu", "pallas_tpu_interpret")

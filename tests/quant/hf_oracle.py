@@ -3,9 +3,9 @@ compressed-tensors, and the helpers that turn an engine's prompt logprobs into n
 
 ``fake_quantize_hf(model, method)`` replaces every decoder-layer projection weight of a transformers
 model by what the oracle library's own quantize -> dequantize gives. It mirrors how the engine
-quantizes online (``quant/params.py``): per output channel for FP8, per 32 / 16 K elements for FP4,
-and NVFP4's per-tensor global scale taken over the fused tensor the engine quantizes as one
-(q|k|v together, gate|up together). Nothing here touches tpuserve.
+quantizes online (``tpu_platform/models/quantize.py``): per output channel for FP8, per 32 / 16 K
+elements for FP4, and NVFP4's per-tensor global scale taken over the fused tensor the engine
+quantizes as one (q|k|v together, gate|up together). Nothing here touches tpuserve.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""GPTQ for MXFP4 / NVFP4 (quant/gptq.py) and the layer-by-layer calibration (quant/calibrate.py).
+"""GPTQ for MXFP4 / NVFP4 (quant/gptq.py) and the layer-by-layer calibration
+(tpu_platform/models/calibrate.py).
 
 * With uncorrelated inputs (H = I) GPTQ has nothing to propagate: its records must equal the
   data-free per-block search's (quant/search.py) bit for bit, an independent code path.
@@ -19,9 +20,9 @@ import numpy as np
 import pytest
 
 from tpuserve.quant import fp4
-from tpuserve.quant.calibrate import gptq_record
 from tpuserve.quant.gptq import damped_cholesky_inverse, e2m1_round
 from tpuserve.quant.search import quantize_mxfp4_search, quantize_nvfp4_search
+from tpuserve.tpu_platform.models.calibrate import gptq_record
 
 SEARCH = {"mxfp4": quantize_mxfp4_search, "nvfp4": quantize_nvfp4_search}
 DEQUANT = {"mxfp4": fp4.dequantize_mxfp4, "nvfp4": fp4.dequantize_nvfp4}
@@ -83,10 +84,10 @@ def test_calibrated_layers_track_the_dense_model_better_than_rtn(fmt):
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "tpu_platform"))
     import tiny_models  # tests/tpu_platform/tiny_models.py
 
-    from tpuserve.quant.calibrate import quantize_layers_gptq
-    from tpuserve.quant.dispatch import register_quant_linears
-    from tpuserve.quant.params import quantize_params
+    from tpuserve.tpu_platform.linear import register_quant_linears
     from tpuserve.tpu_platform.models import decoder
+    from tpuserve.tpu_platform.models.calibrate import quantize_layers_gptq
+    from tpuserve.tpu_platform.models.quantize import quantize_params
     from tpuserve.tpu_platform.models.weights import unstack_layers
 
     register_quant_linears()
@@ -163,7 +164,7 @@ def test_singular_hessian_still_factors():
 
 
 def test_float64_rotation_matches_the_runtime_one():
-    from tpuserve.quant.calibrate import _rotate_rows
+    from tpuserve.tpu_platform.models.calibrate import _rotate_rows
 
     a = np.random.default_rng(9).standard_normal((96, 5))
     np.testing.assert_allclose(

@@ -16,9 +16,9 @@ import pytest
 from jax import lax
 
 from tpuserve.quant import fp4, fp8
-from tpuserve.quant.dispatch import quant_linear, register_quant_linears
-from tpuserve.tpu_platform.models import linear as linear_mod
-from tpuserve.tpu_platform.models.linear import linear
+from tpuserve.quant.dispatch import quant_linear
+from tpuserve.tpu_platform import linear as linear_mod
+from tpuserve.tpu_platform.linear import linear, register_quant_linears
 
 K, OUT = 256, (3, 5, 16)  # multi-axis output like qkv's [Hkv, G+2, D]; N = 240
 N = int(np.prod(OUT))

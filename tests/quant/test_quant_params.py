@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from tpuserve.quant import fp4, fp8
-from tpuserve.quant.params import METHODS, quantize_params
-from tpuserve.tpu_platform.models import linear as linear_mod
-from tpuserve.tpu_platform.models.linear import linear
+from tpuserve.tpu_platform import linear as linear_mod
+from tpuserve.tpu_platform.linear import linear
+from tpuserve.tpu_platform.models.quantize import METHODS, quantize_params
 
 L, H, HKV, G, D, F, V = 2, 128, 2, 2, 32, 256, 64
 

@@ -12,7 +12,8 @@ this project:
 The greedy continuation of "The capital of France is" still starts with " Paris"; weight bytes of
 the quantized linear weights FP8 <= 0.52x and FP4 <= 0.30x of bf16.
 
-What is quantized: every decoder layer's q/k/v, o, gate/up and down projections (``quant/params.py``).
+What is quantized: every decoder layer's q/k/v, o, gate/up and down projections
+(``tpu_platform/models/quantize.py``).
 FP4 is quantized the default way, by GPTQ over the package's calibration text (a different text);
 the round-to-nearest recipe (``quantization_calibration="rtn"``) is measured too, and GPTQ must beat it.
 The embedding stays dense: SmolLM2 ties its LM head to it, and it is read as a gather. The byte
@@ -120,8 +121,8 @@ def test_texts_are_long_enough(results):
 
 
 # Measured (CPU, f32 activations, CI's CPU class), prose.txt / both texts: base 19.33 / 27.79; FP8
-# +0.9% / +2.0%; GPTQ (quant/calibrate.py: MXFP4 with rotated blocks and act order) NVFP4 +6.7% /
-# +8.4% and MXFP4 +10.3% / +10.2%; round-to-nearest NVFP4 +19% / +21% and MXFP4 +49% / +50%.
+# +0.9% / +2.0%; GPTQ (tpu_platform/models/calibrate.py: MXFP4 with rotated blocks and act order)
+# NVFP4 +6.7% / +8.4% and MXFP4 +10.3% / +10.2%; round-to-nearest NVFP4 +19% / +21% and MXFP4 +49% / +50%.
 # MXFP4's GPTQ moved by +-2% between CPUs on prose.txt alone (last-bit differences change its
 # rounding path) and stays at +9.7..+10.9% on both texts through every variant tried
 # (benchmarks/RESULTS.md), so 12% is the bound it holds, not the 10% issue 12 asked for.

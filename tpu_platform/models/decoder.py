@@ -33,9 +33,9 @@ from jax.sharding import PartitionSpec as P
 
 from tpuserve.attention.dispatch import AttentionParams, ragged_paged_attention
 from tpuserve.attention.metadata import AttentionMetadata
+from tpuserve.tpu_platform.linear import linear
 from tpuserve.tpu_platform.mesh import MODEL_AXIS, model_axis_size
 from tpuserve.tpu_platform.models.arch import ModelArch
-from tpuserve.tpu_platform.models.linear import linear
 
 
 def rms_norm(x, weight, eps: float):
@@ -136,7 +136,7 @@ def block_from_normed(
         k = rms_norm(k, w["k_norm"], arch.rms_norm_eps)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     attn, kv_cache = ragged_paged_attention(
-        q, k, v, kv_cache, layer_idx, md, attn_params, attn_impl, mesh=mesh
+        q, k, v, kv_cache, layer_idx, md, attn_params, attn_impl, mesh=mesh, heads_axis=MODEL_AXIS
     )
     h = h + linear(attn.reshape(t, hq * d), w["o"], w.get("o_bias"))
 

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tpuserve.quant import fuse
 from tpuserve.tpu_platform.models.arch import ModelArch, ModelConfigError
 
 
@@ -72,7 +73,6 @@ def build_params(
     [L] axis), dense arrays in ``dtype``, records as they were read.
     ``tpu_platform/models/sharding.py`` gives its PartitionSpecs.
     """
-    from tpuserve.quant import fuse
 
     def linear_rec(module: str, k: int, n: int):
         rec = get_linear(module) if get_linear is not None else None

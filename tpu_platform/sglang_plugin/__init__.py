@@ -20,6 +20,8 @@ JAX side), slots (SGLang slot ids -> our page tables).
 
 from __future__ import annotations
 
+# Imports wait for the calls: SGLang imports this package in every process, and hooks.py needs SGLang.
+
 
 def register_platform() -> str | None:
     from tpuserve.tpu_platform.sglang_plugin.activation import PLATFORM_QUALNAME, platform_active

@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from tpuserve.tpu_platform.config import LAYER_LOOPS, EngineConfig
 from tpuserve.tpu_platform.step_batch import ScheduledSeq
 
 log = logging.getLogger(__name__)
@@ -31,8 +32,6 @@ def loader_options(raw) -> dict:
     """``--model-loader-extra-config`` (a JSON string or a dict) as our options; unknown keys and
     bad values raise ValueError naming them (checked at start-up by platform.py, read again by the
     scheduler process's worker)."""
-    from tpuserve.tpu_platform.config import LAYER_LOOPS
-
     if isinstance(raw, str):
         try:
             raw = json.loads(raw or "{}")
@@ -120,7 +119,7 @@ class JaxExecutor:
     """Owns the model (weights + KV cache in JAX arrays) and runs steps indexed by SGLang's pages."""
 
     def __init__(self, cfg: ExecutorConfig):
-        from tpuserve.tpu_platform.config import EngineConfig
+        # JAX loads with the executor, not when platform.py checks loader_options at start-up
         from tpuserve.tpu_platform.worker import Worker
 
         t0 = time.perf_counter()

@@ -23,8 +23,12 @@ from __future__ import annotations
 import logging
 
 from tpuserve.tpu_platform.sglang_plugin.activation import PLUGIN_NAME
+from tpuserve.tpu_platform.sglang_plugin.quantization import ONLINE_METHODS, verify_model_config_quantization
 
 log = logging.getLogger(__name__)
+
+# SGLang's modules, and ours that import them (platform.py, worker.py), are imported in the hook
+# bodies: SGLang imports this module while it is still loading its plugins.
 
 SCHEDULER_INIT_WORKER = "sglang.srt.managers.scheduler.Scheduler.init_tp_model_worker"
 RESOLUTION_PIPELINE = "sglang.srt.arg_groups.pipeline.run_resolution_pipeline"
@@ -123,8 +127,6 @@ def verify_quantization(original, model_config, *args, **kwargs):
     """
     if not our_platform_active():
         return original(model_config, *args, **kwargs)
-    from tpuserve.tpu_platform.sglang_plugin.quantization import verify_model_config_quantization
-
     verify_model_config_quantization(model_config)
     return None
 
@@ -134,8 +136,6 @@ def add_quantization_choices() -> None:
     if not our_platform_active():
         return
     from sglang.srt.arg_groups.choices import QUANTIZATION_CHOICES, add_quantization_method_choices
-
-    from tpuserve.tpu_platform.sglang_plugin.quantization import ONLINE_METHODS
 
     add_quantization_method_choices([m for m in ONLINE_METHODS if m not in QUANTIZATION_CHOICES])
 

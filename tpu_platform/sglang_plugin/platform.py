@@ -33,6 +33,10 @@ import os
 from sglang.srt.platforms.device_mixin import PlatformEnum
 from sglang.srt.platforms.interface import PlatformCapabilities, SRTPlatform
 
+from tpuserve.tpu_platform.sglang_plugin import activation
+from tpuserve.tpu_platform.sglang_plugin.executor import loader_options
+from tpuserve.tpu_platform.sglang_plugin.quantization import refuse_unsupported_flags
+
 log = logging.getLogger(__name__)
 
 ATTENTION_BACKEND_NAME = "tpuserve"  # a registered name that is never built: attention runs in JAX
@@ -58,9 +62,7 @@ class TpuServeSRTPlatform(SRTPlatform):
                 f"leave --device unset)"
             )
         if device == "tpu":
-            from tpuserve.tpu_platform.sglang_plugin.activation import tpu_visible
-
-            if not tpu_visible():
+            if not activation.tpu_visible():
                 raise ValueError(
                     "--device tpu: no TPU is visible here (libtpu + /dev/accel* or /dev/vfio); "
                     "the tpuserve platform runs on JAX's default backend when --device is left "
@@ -71,11 +73,7 @@ class TpuServeSRTPlatform(SRTPlatform):
                 "tensors (int metadata) stay on torch device 'cpu'"
             )
         server_args.device = "cpu"
-        from tpuserve.tpu_platform.sglang_plugin.quantization import refuse_unsupported_flags
-
         refuse_unsupported_flags(server_args)
-        from tpuserve.tpu_platform.sglang_plugin.executor import loader_options
-
         loader_options(getattr(server_args, "model_loader_extra_config", None) or {})
         for flag, attr in (
             ("--enable-hierarchical-cache", "enable_hierarchical_cache"),

@@ -33,6 +33,7 @@ import logging
 
 from tpuserve.tpu_platform.checkpoint_probe import checkpoint_quant
 from tpuserve.tpu_platform.config import QUANTIZATION_METHODS
+from tpuserve.tpu_platform.models.arch import ModelConfigError
 
 log = logging.getLogger(__name__)
 
@@ -68,8 +69,6 @@ def resolve_quantization(flag: str | None, model_path: str | None) -> str | None
     Returns None (dense), a method to quantize with at load, or the pre-quantized checkpoint's own
     method (which our worker accepts as the flag: it must equal the checkpoint's). Raises
     ValueError naming the flag and its value for anything tpuserve does not serve."""
-    from tpuserve.tpu_platform.models.arch import ModelConfigError
-
     flag = str(flag).lower() if flag else None
     try:
         ckpt = checkpoint_quant(model_path)

@@ -30,6 +30,7 @@ from sglang.srt.managers.utils import GenerationBatchResult
 from sglang.srt.runtime_context import get_model, get_schedule
 
 from tpuserve.tpu_platform.sglang_plugin.executor import ExecutorConfig, JaxExecutor, loader_options
+from tpuserve.tpu_platform.sglang_plugin.quantization import engine_kv_cache_dtype, resolve_quantization
 from tpuserve.tpu_platform.sglang_plugin.slots import check_new_slots, page_table
 from tpuserve.tpu_platform.step_batch import SamplingRow, ScheduledSeq, sampling_row
 
@@ -62,8 +63,6 @@ def executor_config(model_path: str, context_len: int) -> ExecutorConfig:
     or the pre-quantized checkpoint's own method) and ``kv_cache_dtype``. Unsupported values were
     refused at start-up already (quantization.py); this resolves them the same way again.
     """
-    from tpuserve.tpu_platform.sglang_plugin.quantization import engine_kv_cache_dtype, resolve_quantization
-
     sched = get_schedule()
     model = get_model()
     dtype = str(model.dtype)
@@ -172,6 +171,7 @@ class TpuServeTpModelWorker(TpModelWorker):
     """SGLang's TP worker with our JAX executor in place of its torch model runner."""
 
     def _init_model_runner(self):
+        # on use: SGLang's ModelRunner module, which the stub subclasses, is a heavy import
         from tpuserve.tpu_platform.sglang_plugin.stub_runner import TpuServeModelRunnerStub
 
         # Executor first: it sizes the KV cache, and SGLang's pools are sized from it.

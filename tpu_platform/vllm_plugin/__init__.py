@@ -17,6 +17,7 @@ activation_reason: str | None = None
 
 def register() -> str | None:
     """Called by vLLM in every process: our Platform's qualified name when active, else None."""
+    # on call: importing the package (vLLM does, in every process) stays free of everything else
     from tpuserve.tpu_platform.vllm_plugin.activation import ENV_VAR, decide
 
     global activation_reason

@@ -47,7 +47,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from tpuserve.kv_cache.host_tier import HostSlotIndex, slots_for_bytes
+from tpuserve.kv_cache.host_tier import HostPagePool, HostSlotIndex, page_bytes, slots_for_bytes
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -285,8 +285,6 @@ class _WorkerSide:
         self.stats = HostTierConnectorStats()
 
     def register_runner(self, runner) -> None:
-        from tpuserve.kv_cache.host_tier import HostPagePool, page_bytes
-
         kv = runner.kv_cache
         ours = page_bytes(kv.shape, kv.dtype)
         if ours != self.block_bytes:

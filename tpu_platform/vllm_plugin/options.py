@@ -3,7 +3,7 @@
 vLLM passes ``--additional-config '{"...": ...}'`` (``LLM(additional_config={...})``) through to the
 platform untouched; unknown keys are rejected here so a typo does not pass silently.
 
-    attention_impl          one of attention.dispatch.ATTENTION_IMPLS ("auto": Pallas on TPU/GPU,
+    attention_impl          one of attention.names.ATTENTION_IMPLS ("auto": Pallas on TPU/GPU,
                             the blocked jnp path on CPU)
     warmup                  compile every shape bucket before serving. Default: yes on TPU/GPU;
                             no on JAX's CPU backend (there the whole bucket grid takes minutes, so
@@ -21,6 +21,9 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
+from tpuserve.attention.names import ATTENTION_IMPLS
+from tpuserve.tpu_platform.config import LAYER_LOOPS
+
 
 @dataclass(frozen=True)
 class PluginOptions:
@@ -31,9 +34,6 @@ class PluginOptions:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any] | None, enforce_eager: bool = False) -> PluginOptions:
-        from tpuserve.attention.dispatch import ATTENTION_IMPLS
-        from tpuserve.tpu_platform.config import LAYER_LOOPS
-
         raw = dict(raw or {})
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(raw) - known)

@@ -53,6 +53,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from tpuserve.kv_cache.transfer.device_pages import DevicePageMover
+from tpuserve.kv_cache.transfer.errors import TransferNotFoundError
+from tpuserve.kv_cache.transfer.layout import KVLayout
+from tpuserve.kv_cache.transfer.lease import Lease
+from tpuserve.kv_cache.transfer.tcp import TcpKVReceiver, TcpKVSender
+from tpuserve.kv_cache.transfer.transport import TransferHandle
+
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -217,10 +224,6 @@ class _WorkerSide:
         self.sent: set[str] = set()
 
     def register_runner(self, runner) -> None:
-        from tpuserve.kv_cache.transfer.device_pages import DevicePageMover
-        from tpuserve.kv_cache.transfer.layout import KVLayout
-        from tpuserve.kv_cache.transfer.tcp import TcpKVReceiver
-
         kv = runner.kv_cache
         self.runner = runner
         self.layout = KVLayout.from_cache_shape(self.model_id, tuple(kv.shape), kv.dtype)
@@ -239,8 +242,6 @@ class _WorkerSide:
         return PDHandshake(addr[0], addr[1], self.layout.digest())
 
     def start_loads(self, meta: PDMetadata) -> None:
-        from tpuserve.kv_cache.transfer.transport import TransferHandle
-
         for imp in meta.imports:
             handle = TransferHandle.from_kv_transfer_params(imp.params)
             self.pulls[imp.req_id] = (self.pool.submit(self._pull, handle), imp)
@@ -248,8 +249,6 @@ class _WorkerSide:
     def _pull(self, handle):
         """Pull, waiting out the producer's offer: P answers the prefill (so the router may already
         be asking D) one engine step before it gathers and offers the pages."""
-        from tpuserve.kv_cache.transfer.errors import TransferNotFoundError
-
         deadline = time.monotonic() + self.pull_timeout_s
         wait = 0.02
         while True:
@@ -303,8 +302,6 @@ class _WorkerSide:
 
 def _ChosenIdSender(*args, **kwargs):
     """A ``TcpKVSender`` whose leases take the transfer id the scheduler side already handed out."""
-    from tpuserve.kv_cache.transfer.lease import Lease
-    from tpuserve.kv_cache.transfer.tcp import TcpKVSender
 
     class Sender(TcpKVSender):
         def offer_as(self, transfer_id: str, request_id: str, pages, num_tokens: int) -> None:

@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from vllm.platforms.interface import Platform, PlatformEnum
 
+import tpuserve.tpu_platform.vllm_plugin as plugin
+from tpuserve.tpu_platform.models.arch import ModelArch, ModelConfigError
 from tpuserve.tpu_platform.vllm_plugin.activation import (
     DEVICE_CHOICES,
     DEVICE_FLAG,
@@ -241,8 +243,6 @@ class TpuservePlatform(Platform):
     @classmethod
     def log_warnings(cls) -> None:
         # The acceptance criterion "its log says so": one line naming the platform and why.
-        import tpuserve.tpu_platform.vllm_plugin as plugin
-
         reason = plugin.activation_reason or decide().reason
         log.info("tpuserve vLLM platform active (%s); model runs on JAX (%s)", reason, expected_jax_backend())
 
@@ -413,8 +413,6 @@ def _unsupported_with_tp(cfg: VllmConfig, tp: int) -> list[str]:
 
 def _unsupported_architecture(m: Any) -> list[str]:
     """Ask our own model table whether it implements this checkpoint (no weights, no JAX)."""
-    from tpuserve.tpu_platform.models.arch import ModelArch, ModelConfigError
-
     hf = m.hf_config.to_dict() if hasattr(m.hf_config, "to_dict") else dict(m.hf_config)
     try:
         ModelArch.from_hf_config(hf)

@@ -53,7 +53,8 @@ class TpuserveQuantConfig(QuantizationConfig):
         if qm is None:  # a whole config.json (dense checkpoint, online method)
             return cls(None)
         # A checkpoint's quantization_config: refuse here, early and by name, a format the
-        # loader would refuse at load (ModelConfigError is a ValueError).
+        # loader would refuse at load (ModelConfigError is a ValueError). Imported here: the loader
+        # package imports JAX, which a dense checkpoint's front-end process never needs.
         from tpuserve.tpu_platform.loader.quantized import detect
 
         detect({"quantization_config": config}, "")

@@ -36,6 +36,7 @@ import torch
 
 from tpuserve.tpu_platform.checkpoint_probe import checkpoint_quant
 from tpuserve.tpu_platform.config import FP8_KV_CACHE_DTYPES, QUANTIZATION_METHODS
+from tpuserve.tpu_platform.models.arch import ModelConfigError
 
 # vLLM's names for what our loader reads off a pre-quantized checkpoint (loader/quantized.py):
 # quant_method "fp8" (HF / DeepSeek block or per-tensor), "compressed-tensors" (FP8, NVFP4, MXFP4
@@ -57,6 +58,7 @@ def register_quant_configs() -> None:
     global _registered
     if _registered:
         return
+    # on call: vLLM's quantization package imports the resolved platform (module docstring)
     from vllm.model_executor.layers.quantization import register_quantization_config
 
     from tpuserve.tpu_platform.vllm_plugin.quant_config import TpuserveQuantConfig
@@ -88,8 +90,6 @@ def engine_quantization(model: str, method: str | None) -> str | None:
 
 def unsupported_quantization(model_config: Any) -> list[str]:
     """Reasons (for ``_unsupported_config``) the checkpoint / ``--quantization`` pair cannot run."""
-    from tpuserve.tpu_platform.models.arch import ModelConfigError
-
     method = model_config.quantization
     try:
         ckpt = checkpoint_quant(model_config.model)

@@ -57,6 +57,8 @@ from vllm.v1.outputs import (
 )
 from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
+from tpuserve.kv_cache.host_tier import warmup_pages
+from tpuserve.tpu_platform.config import EngineConfig
 from tpuserve.tpu_platform.step_batch import pack_sampling_rows
 from tpuserve.tpu_platform.vllm_plugin.offload_connector import TpuserveHostOffloadConnector
 from tpuserve.tpu_platform.vllm_plugin.options import PluginOptions
@@ -101,8 +103,6 @@ class TpuserveWorker(WorkerBase):
     # ---- start-up ----
 
     def _engine_config(self):
-        from tpuserve.tpu_platform.config import EngineConfig
-
         name = _TORCH_TO_NAME.get(self.model_config.dtype)
         if name is None:
             raise ValueError(
@@ -141,6 +141,7 @@ class TpuserveWorker(WorkerBase):
         )
 
     def init_device(self) -> None:
+        # JAX loads here, with the device, not wherever vLLM merely imports the worker class
         from tpuserve.tpu_platform.worker import Worker
 
         _no_torch_accelerator_cache_release()  # this is the engine-core process vLLM tears down later
@@ -278,8 +279,6 @@ class TpuserveWorker(WorkerBase):
         t0 = time.perf_counter()
         n = self.worker.warmup()
         if self.connector is not None:
-            from tpuserve.kv_cache.host_tier import warmup_pages
-
             n += self.connector.warmup(
                 warmup_pages(
                     self.model_config.max_model_len,

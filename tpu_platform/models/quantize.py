@@ -8,8 +8,11 @@ after ``unstack_layers``). Those four become records; norms, biases and the embe
 only on request: it is where low-bit error shows most.
 
 Recipes: "fp8" per output channel (compressed-tensors' FP8_DYNAMIC weights, bit for bit), W8A16;
-"mxfp4" / "nvfp4" W4A16, either GPTQ over calibration tokens (``quant/calibrate.py``) or
+"mxfp4" / "nvfp4" W4A16, either GPTQ over calibration tokens (``models/calibrate.py``) or
 round-to-nearest with a per-block scale search (``quant/search.py``).
+
+It lives with the models, not in quant/: GPTQ runs the decoder's layers, and a tree of records
+needs the model's ``linear`` routed to them.
 """
 
 from __future__ import annotations
@@ -19,10 +22,11 @@ import functools
 
 import jax
 
-from tpuserve.quant.dispatch import register_quant_linears
 from tpuserve.quant.fp8 import quantize_fp8
 from tpuserve.quant.fuse import gate_up_in_out
 from tpuserve.quant.search import quantize_mxfp4_search, quantize_nvfp4_search
+from tpuserve.tpu_platform.linear import register_quant_linears
+from tpuserve.tpu_platform.models.calibrate import GPTQ_METHODS, quantize_layers_gptq
 
 METHODS = ("fp8", "fp8_w8a8", "fp8_block", "mxfp4", "nvfp4")
 MATMUL_KEYS = ("qkv", "o", "gate_up", "down")
@@ -92,14 +96,12 @@ def quantize_params(
     register: also route ``linear`` for the record types (``register_quant_linears()``), since a
     tree of records is useless without it.
     calibration: ``(arch, token_ids)`` to quantize the layers' FP4 weights by GPTQ over those
-    tokens (``quant/calibrate.py``) instead of round-to-nearest; None: round-to-nearest.
+    tokens (``models/calibrate.py``) instead of round-to-nearest; None: round-to-nearest.
     """
     _quantizer(method, 0)  # validate early
     dense = bf16 = quant = 0
     calibrated = None  # the GPTQ layers, in the form of params["layers"]
     if calibration is not None:
-        from tpuserve.quant.calibrate import GPTQ_METHODS, quantize_layers_gptq
-
         if method not in GPTQ_METHODS:
             raise ValueError(f"calibrated quantization is for {GPTQ_METHODS}, not {method!r}")
         register_quant_linears()  # the calibration pass runs the quantized layers

@@ -20,11 +20,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tpuserve import quant
+from tpuserve.attention.dispatch import AttentionParams
+from tpuserve.attention.metadata import AttentionMetadata
 from tpuserve.quant.fp4 import MXFP4_BLOCK, Mxfp4Weight, Nvfp4Weight, hadamard32, pack_codes
 from tpuserve.quant.fuse import gate_up_in_out
 from tpuserve.quant.gptq import gptq_fp4
+from tpuserve.tpu_platform.linear import linear, register_linear
+from tpuserve.tpu_platform.models.decoder import block_from_normed, embed_tokens, rms_norm
 
-CALIBRATION_TEXT = os.path.join(os.path.dirname(__file__), "data", "calibration.txt")
+# Package data of quant/ (setup.py), where the quantization formats live.
+CALIBRATION_TEXT = os.path.join(os.path.dirname(quant.__file__), "data", "calibration.txt")
 GPTQ_METHODS = ("mxfp4", "nvfp4")
 MATMUL_KEYS = ("qkv", "o", "gate_up", "down")
 # Per format, what measured best on the default model (benchmarks/RESULTS.md, "Quantized weights"):
@@ -56,8 +62,6 @@ class _Probe:
 
 
 def _probe_linear(x, probe: _Probe, bias, out_dtype):
-    from tpuserve.tpu_platform.models.linear import linear
-
     xf = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
     probe.sink[probe.key] = jnp.dot(xf.T, xf, precision=jax.lax.Precision.HIGHEST)
     return linear(x, probe.w, bias, out_dtype=out_dtype)
@@ -74,8 +78,6 @@ class _Batch:
 
     @classmethod
     def build(cls, token_ids: np.ndarray, arch):
-        from tpuserve.attention.metadata import AttentionMetadata
-
         lens = [min(_SEQ_LEN, len(token_ids) - s) for s in range(0, len(token_ids), _SEQ_LEN)]
         pages_per_seq = -(-_SEQ_LEN // _PAGE)
         positions = np.concatenate([np.arange(n) for n in lens]).astype(np.float32)
@@ -92,9 +94,6 @@ class _Batch:
 
 def _run_layer(arch, md, cos, sin, h, w):
     """One decoder layer over the calibration batch (its own one-layer KV cache) -> h out."""
-    from tpuserve.attention.dispatch import AttentionParams
-    from tpuserve.tpu_platform.models.decoder import block_from_normed, rms_norm
-
     num_pages = 1 + md.page_indices.size
     cache = jnp.zeros((1, num_pages, _PAGE, 2 * arch.num_kv_heads, arch.head_dim), h.dtype)
     params = AttentionParams(sm_scale=arch.head_dim**-0.5, sliding_window=arch.sliding_window)
@@ -153,15 +152,12 @@ def quantize_layers_gptq(
 
     ``layers`` may be stacked ([L, ...] arrays) or a list of per-layer dicts; the result keeps the
     form (records stacked along L again for the stacked form). Needs ``linear`` routed for the FP4
-    records (``quant.dispatch.register_quant_linears``).
+    records (``tpu_platform.linear.register_quant_linears``).
     """
     if method not in GPTQ_METHODS:
         raise ValueError(f"GPTQ quantizes {GPTQ_METHODS}, got {method!r}")
     if rotate is None:
         rotate = ROTATE_DEFAULT[method]
-    from tpuserve.tpu_platform.models.decoder import embed_tokens
-    from tpuserve.tpu_platform.models.linear import register_linear
-
     register_linear(_Probe, _probe_linear)
     token_ids = np.asarray(token_ids, np.int32)
     if token_ids.size == 0 or token_ids.min() < 0 or token_ids.max() >= arch.vocab_size:

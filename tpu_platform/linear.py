@@ -2,8 +2,9 @@
 
 Every projection (qkv, o, gate_up, down, the LM head) calls ``linear(x, w, bias)``. It picks an
 implementation from the weight's type, so a quantized weight record (FP8, MXFP4, NVFP4, ...) plugs in
-with ``register_linear(RecordType, fn)`` and the decoder does not change. Plain arrays (``jax.Array``,
-tracers under jit, ``np.ndarray``) take the dense path.
+with ``register_linear(RecordType, fn)`` and the decoder does not change; ``register_quant_linears()``
+does that for every record type of ``quant/``. Plain arrays (``jax.Array``, tracers under jit,
+``np.ndarray``) take the dense path.
 
 Weights are ``[in, *out]``: the first axis is contracted with the last axis of ``x``, the remaining
 axes are kept (qkv is ``[H, Hkv, G+2, D]``, so its output is ``[T, Hkv, G+2, D]`` with no reshape in
@@ -12,12 +13,16 @@ the model).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from tpuserve.quant.dispatch import IMPLS as QUANT_IMPLS
+from tpuserve.quant.dispatch import RECORD_TYPES, quant_linear
 
 # fn(x [..., in], w, bias [*out] | None, out_dtype | None) -> [..., *out]
 LinearFn = Callable[[jax.Array, Any, Any, Any], jax.Array]
@@ -35,6 +40,21 @@ def register_linear(weight_type: type, fn: LinearFn) -> None:
     if not isinstance(weight_type, type):
         raise TypeError(f"register_linear wants a type, got {weight_type!r}")
     _REGISTRY[weight_type] = fn
+
+
+def register_quant_linears(impl: str = "auto", *, interpret=None) -> None:
+    """Route ``linear(x, record)`` to ``quant.dispatch.quant_linear`` for every quantized record type
+    (``Fp8Weight``, ``Mxfp4Weight``, ``Nvfp4Weight``); idempotent, and nothing registers at import
+    time: the worker (or ``quantize_params``, or a test) calls it when the weights hold records.
+
+    impl: "auto" (the Pallas kernels on a TPU, XLA elsewhere, decided at trace time), "xla" or
+    "pallas_tpu"; interpret: a ``pltpu.InterpretParams`` to run the Pallas path on CPU (tests).
+    """
+    if impl not in QUANT_IMPLS:
+        raise ValueError(f"quantized linear impl must be one of {QUANT_IMPLS}, got {impl!r}")
+    fn = functools.partial(quant_linear, impl=impl, interpret=interpret)
+    for t in RECORD_TYPES:
+        register_linear(t, fn)
 
 
 def _dense(x, w, bias, out_dtype):

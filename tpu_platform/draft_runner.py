@@ -25,7 +25,7 @@ import numpy as np
 
 from tpuserve.attention.metadata import AttentionMetadata
 from tpuserve.kv_cache.layout import RESERVED_PAGE, KVCacheSpec, cache_out_format
-from tpuserve.spec_decode.draft_model import DraftHead, draft_forward, greedy_draft
+from tpuserve.tpu_platform.models.draft_head import DraftHead, draft_forward, greedy_draft
 
 
 @dataclass
