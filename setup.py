@@ -13,7 +13,7 @@ SUBPACKAGES = ("attention", "kv_cache", "quant", "server", "spec_decode", "tpu_p
 packages = ["tpuserve"] + [f"tpuserve.{p}" for p in find_packages(include=[f"{s}*" for s in SUBPACKAGES])]
 package_dir = {"tpuserve": "tpuserve", **{f"tpuserve.{s}": s for s in SUBPACKAGES}}
 
-# Read from the installed package: the calibration text of quantized loading (quant/calibrate.py) and
+# Read from the installed package: the calibration text of quantized loading (tpu_platform/models/calibrate.py) and
 # the built-in page's static files (server/ui/).
 package_data = {"tpuserve.quant": ["data/*.txt"], "tpuserve.server.ui": ["*.html", "*.js", "*.css"]}
 setup(packages=packages, package_dir=package_dir, package_data=package_data)
