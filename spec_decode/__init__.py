@@ -9,4 +9,7 @@ Modules:
   draft_model        EAGLE-3 and MTP draft heads in JAX, and their checkpoint layouts (``load_draft``)
   draft_runner       a draft head's paged KV and its catch-up / drafting programs (``DraftRunner``),
                      driven by the engine around each target step
+  coordinator        a request's drafts from proposal to verification and catch-up
+                     (``SpecDecodeCoordinator``), and the one rule for whether a request may draft
+                     (``may_draft``), shared by the engine and the vLLM plugin
 """
