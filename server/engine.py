@@ -1,8 +1,14 @@
 """The standalone engine: request lifecycle around the scheduler and the model runner.
 
-``add_request`` validates and queues; ``step`` schedules, runs one ragged model step, and turns sampled
-ids into text, logprobs and finish decisions; ``abort_request`` frees a request's pages at once. A
-request that fails on its own (bad grammar, ...) finishes with an error; the others go on.
+``add_request`` validates and queues; ``step`` is one turn of a thin loop over named parts:
+
+    schedule   the scheduler picks the step's work (Scheduler, told what it needs up front)
+    draft      speculative decoding proposes and fills drafts (SpecDecodeCoordinator)
+    execute    one ragged model step on the runner
+    outputs    sampled ids become text, logprobs and finish decisions (OutputProcessor)
+
+``abort_request`` frees a request's pages at once. A request that fails on its own (bad grammar,
+...) finishes with an error; the others go on.
 """
 
 from __future__ import annotations
@@ -13,28 +19,32 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from tpuserve.kv_cache.block_pool import BlockPool
-from tpuserve.server.detokenizer import IncrementalDetokenizer, StopStringMatcher, decode_token
-from tpuserve.server.outputs import CompletionOutput, Logprob, RequestOutput
+from tpuserve.server.output_processor import GrammarDeadEndError, OutputProcessor
+from tpuserve.server.outputs import RequestOutput
 from tpuserve.server.sampling_params import SamplingParams
-from tpuserve.server.scheduler import ScheduledWork, Scheduler, SchedulerOutput
-from tpuserve.server.sequence import Sequence
-from tpuserve.spec_decode.ngram import propose_ngram
+from tpuserve.server.scheduler import ScheduledWork, ScheduleInputs, Scheduler, SchedulerOutput
+from tpuserve.server.sequence import GrammarMatcher, RequestState, Sequence
+from tpuserve.spec_decode.coordinator import Drafter, DraftSupport, SpecDecodeCoordinator, draft_masks
 from tpuserve.tpu_platform.config import EngineConfig
-from tpuserve.tpu_platform.draft_runner import CatchUpSeq
 from tpuserve.tpu_platform.model_runner import PendingStep
-from tpuserve.tpu_platform.step_batch import Logprobs, ScheduledSeq, StepOutput, sampling_row
+from tpuserve.tpu_platform.step_batch import Logprobs, ScheduledSeq, sampling_row
 from tpuserve.tpu_platform.worker import Worker
+
+if TYPE_CHECKING:
+    import jax
+
+__all__ = ["EngineStats", "GrammarDeadEndError", "LLMEngine", "RequestState"]
 
 log = logging.getLogger(__name__)
 
-
-class GrammarDeadEndError(ValueError):
-    """A request's grammar admits no token where decoding stands (it matches no complete text)."""
+# The engine's verification walks a grammar over the drafts (per-row masks), and keeps requests
+# with per-token logprobs or penalties on plain decoding.
+ENGINE_DRAFT_SUPPORT = DraftSupport(token_masks=True, logprobs=False, penalties=False)
 
 
 @dataclass
@@ -56,27 +66,6 @@ class EngineStats:
     spec_accepted_per_pos: list[int] = field(default_factory=list)
 
 
-@dataclass(eq=False)
-class RequestState:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    seqs: list[Sequence]
-    arrival: float
-    error: str | None = None
-    error_status: int = 500
-    first_token_time: float | None = None
-    prompt_logprobs: list | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
-    export_kv: bool = False  # a prefill for a remote decode: offer its pages when it finishes
-    kv_transfer_params: dict | None = None  # what the consumer pulls them with
-
-    @property
-    def finished(self) -> bool:
-        return all(s.is_finished for s in self.seqs)
-
-
 @dataclass
 class _InFlight:
     """A dispatched step: the work it covers (with where each chunk started) and its device results."""
@@ -86,15 +75,19 @@ class _InFlight:
     completes: list[bool]  # the chunk reaches the sequence's last token: its sample is kept
     prompt_rows: list[int]  # first prompt-logprob row of each item in the step's output
     step: PendingStep
-    num_drafts: list[int] = field(default_factory=list)  # drafts each item verifies
-    features: Any = None  # the step's draft-head features [T, A] on the device (EAGLE-3 / MTP)
+    features: jax.Array | None = None  # the step's draft-head features [T, A] (EAGLE-3 / MTP)
+
+    def feed_slots(self) -> dict[Sequence, int]:
+        """Where each sequence whose sample this step keeps finds it in the step's output (a later
+        step dispatched before this one's tokens reach the host feeds them from there)."""
+        return {w.seq: i for i, (w, done) in enumerate(zip(self.work, self.completes)) if done}
 
 
 class LLMEngine:
     def __init__(
         self,
         config: EngineConfig,
-        grammar_factory: Callable[[Any, Any, int], Any] | None = None,
+        grammar_factory: Callable[[Any, Any, int], GrammarMatcher] | None = None,
         replica: int = 0,
     ):
         """``grammar_factory(structured_output_params, tokenizer, vocab_size)`` builds a matcher with
@@ -125,17 +118,23 @@ class LLMEngine:
             sched.max_num_seqs,
             sched.max_num_batched_tokens,
             sched.enable_chunked_prefill,
-            can_schedule=self._can_schedule,
             host_tier=self.host_tier,
         )
         self.speculative = config.speculative
         # Drafts are proposed from the tokens the host has seen, so a drafting sequence needs its
         # last token on the host: with speculation the engine schedules synchronously.
         self.async_scheduling = sched.async_scheduling and self.speculative is None
-        # drafter(token_ids [N], k) -> up to k draft ids (tests swap in replaying / adversarial ones).
-        self.drafter: Callable[[np.ndarray, int], list[int]] = self._ngram_drafter
         # EAGLE-3 / MTP: the draft head beside the runner (None for n-gram).
         self.draft_runner = self.worker.draft_runner
+        self.spec_decode: SpecDecodeCoordinator[Sequence] | None = None
+        if self.speculative is not None:
+            self.spec_decode = SpecDecodeCoordinator(
+                self.speculative.num_speculative_tokens,
+                self.max_model_len,
+                ENGINE_DRAFT_SUPPORT,
+                lookup_range=self.speculative.lookup_range(),
+                draft_runner=self.draft_runner,
+            )
         self.grammar_factory = grammar_factory
         self.requests: dict[str, RequestState] = {}
         self.stats = EngineStats()
@@ -144,6 +143,7 @@ class LLMEngine:
         self.eos_token_ids = set(self.arch.eos_token_ids)
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
         self._seed_rng = np.random.default_rng(config.model.seed)
         self._ids = itertools.count()
         self._inflight: _InFlight | None = None
@@ -177,6 +177,26 @@ class LLMEngine:
             self.runner.kv_cache = self.host_tier.warmup(self.runner.kv_cache, most)
             n += self.host_tier.compile_count - before
         return n
+
+    # ---- speculative decoding's swap point ----
+
+    @property
+    def drafter(self) -> Drafter:
+        """Where n-gram drafts come from: ``drafter(token_ids [N], k) -> up to k ids`` (tests swap
+        in replaying / adversarial ones)."""
+        return self._coordinator().drafter
+
+    @drafter.setter
+    def drafter(self, drafter: Drafter) -> None:
+        self._coordinator().drafter = drafter
+
+    def _ngram_drafter(self, token_ids: np.ndarray, k: int) -> list[int]:
+        return self._coordinator().ngram_drafter(token_ids, k)
+
+    def _coordinator(self) -> SpecDecodeCoordinator[Sequence]:
+        if self.spec_decode is None:
+            raise AttributeError("this engine does not speculate (no speculative_config)")
+        return self.spec_decode
 
     # ---- requests ----
 
@@ -268,13 +288,9 @@ class LLMEngine:
                 arrival=now,
                 cache_salt=cache_salt,
             )
-            seq.detok = IncrementalDetokenizer(
-                self.tokenizer, ids, params.skip_special_tokens, params.spaces_between_special_tokens
-            )
-            seq.stopper = StopStringMatcher(params.stop, params.include_stop_str_in_output)
-            if params.logprobs is not None:
-                seq.logprobs = []
+            self.outputs.start(seq)
             if params.structured_outputs is not None:
+                assert self.grammar_factory is not None  # checked above
                 seq.grammar = self.grammar_factory(
                     params.structured_outputs, self.tokenizer, self.arch.vocab_size
                 )
@@ -294,9 +310,9 @@ class LLMEngine:
             return None
         for seq in state.seqs:
             if not seq.is_finished:
-                self.scheduler.finish(seq)
+                self._finish(seq)
                 seq.finish_reason = "abort"
-        return self._output(state)
+        return self.outputs.output(state)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -318,102 +334,42 @@ class LLMEngine:
         reach the host: the device computes step i+1 while the host detokenizes step i (so a call
         returns the outputs of the step dispatched by the previous call).
         """
-        if self.speculative is not None:
-            self._propose_drafts()
-        sched = self.scheduler.schedule()
+        sched = self.scheduler.schedule(ScheduleInputs(held=self._held_back(), drafts=self._propose_drafts()))
         self._move_pages(sched)
-        if self.draft_runner is not None:
-            self._run_draft_head(sched.work)
+        drafts = self._drafts(sched.work)
         if not self.async_scheduling:
-            return self._process(self._dispatch(sched.work, None)) if sched.work else []
+            return self._process(self._dispatch(sched.work, drafts, None)) if sched.work else []
         prev = self._inflight
-        self._inflight = self._dispatch(sched.work, prev) if sched.work else None
+        self._inflight = self._dispatch(sched.work, drafts, prev) if sched.work else None
         outputs = self._process(prev) if prev is not None else []
         if self._inflight is not None and not self.requests:
             self._inflight = None  # everything it computes belongs to finished requests
         return outputs
 
-    def _ngram_drafter(self, token_ids: np.ndarray, k: int) -> list[int]:
-        lo, hi = self.speculative.lookup_range()
-        return [
-            int(t)
-            for t in propose_ngram(token_ids, min_n=lo, max_n=hi, k=k, max_model_len=self.max_model_len)
-        ]
-
-    def _propose_drafts(self) -> None:
-        """Drafts for every running sequence that decodes next and can verify them."""
-        spec = self.speculative
-        for seq in self.scheduler.running:
-            seq.draft_token_ids = []
-            p = seq.params
-            if seq.num_tokens - seq.num_computed != 1 or not self._may_draft(seq):
-                continue
-            k = spec.num_speculative_tokens
-            if p.max_tokens is not None:
-                k = min(k, p.max_tokens - len(seq.output_token_ids) - 1)
-            if k <= 0:
-                continue
-            if self.draft_runner is not None:
-                # Placeholders: the scheduler sizes the step (and allocates the drafts' pages) by
-                # them; the head fills them in once it has those pages (_run_draft_head).
-                k = min(k, self.max_model_len - seq.num_tokens)
-                if seq.draft_seed is not None and seq.draft_seed_at == seq.num_computed and k > 0:
-                    seq.draft_token_ids = [-1] * k
-                continue
-            tokens = np.asarray(seq.prompt_token_ids + seq.output_token_ids, np.int64)
-            seq.draft_token_ids = list(self.drafter(tokens, k))[:k]
-
-    def _run_draft_head(self, work: list[ScheduledWork]) -> None:
-        """Replace the scheduled placeholder drafts with the draft head's proposals."""
-        drafting = [w for w in work if w.draft_token_ids]
-        if not drafting:
-            return
-        # Always the configured k (one compiled program): a sequence near its end drafts fewer,
-        # and the head's extra writes land past its pages (the reserved page) or its length.
-        k = self.speculative.num_speculative_tokens
-        drafts = self.draft_runner.propose(
-            [w.seq.draft_seed for w in drafting],
-            [w.seq.num_computed for w in drafting],
-            [w.seq.page_ids for w in drafting],
-            k,
+    def _held_back(self) -> frozenset[Sequence]:
+        """Sequences the next schedule must skip: the step in flight sampled their last token, and
+        their next step cannot feed it from the device. (Only that step holds pending tokens: the
+        one before it was processed by the previous call.)"""
+        prev = self._inflight
+        if prev is None:
+            return frozenset()
+        return frozenset(
+            w.seq
+            for w, done in zip(prev.work, prev.completes)
+            if done and not w.seq.can_feed_from_device(self.max_model_len)
         )
-        for w, row in zip(drafting, drafts):
-            w.draft_token_ids = [int(t) for t in row[: len(w.draft_token_ids)]]
-            w.seq.draft_token_ids = list(w.draft_token_ids)
 
-    def _catch_up_draft_head(self, inflight: _InFlight) -> None:
-        """After a step: run the draft head over every position the step verified, so its K/V
-        follows the target's and each sequence that goes on has a seed to draft from."""
-        items, seqs, row0 = [], [], 0
-        for w, start in zip(inflight.work, inflight.starts):
-            seq, first_row = w.seq, row0
-            row0 += w.num_tokens
-            seq.draft_seed = None
-            n = seq.num_computed - start  # verified positions (rejected drafts rolled back)
-            if seq.is_finished or n <= 0 or seq.num_tokens < seq.num_computed + 1 or seq.num_pending:
-                continue
-            items.append(
-                CatchUpSeq(first_row, start, seq.tokens(start + 1, seq.num_computed + 1), list(seq.page_ids))
-            )
-            seqs.append(seq)
-        if not items:
-            return
-        for seq, seed in zip(seqs, self.draft_runner.catch_up(inflight.features, items)):
-            seq.draft_seed, seq.draft_seed_at = seed, seq.num_computed
+    def _propose_drafts(self) -> dict[Sequence, int]:
+        """How many drafts each running sequence would verify (the scheduler sizes the step by it)."""
+        if self.spec_decode is None:
+            return {}
+        return self.spec_decode.propose((seq, seq.draft_facts) for seq in self.scheduler.running)
 
-    @staticmethod
-    def _may_draft(seq: Sequence) -> bool:
-        """Drafts are verified with the sequence's plain sampling row repeated per position; what
-        would need per-draft host state beyond the grammar's masks (penalties counting the drafts,
-        the min_tokens ban, per-token logprobs) does not draft."""
-        p = seq.params
-        return (
-            p.logprobs is None
-            and p.repetition_penalty == 1.0
-            and p.presence_penalty == 0.0
-            and p.frequency_penalty == 0.0
-            and len(seq.output_token_ids) >= p.min_tokens
-        )
+    def _drafts(self, work: list[ScheduledWork]) -> list[list[int]]:
+        """Each scheduled item's draft tokens (empty where it verifies none)."""
+        if self.spec_decode is None:
+            return [[] for _ in work]
+        return self.spec_decode.drafts([(w.seq, w.num_drafts) for w in work])
 
     def _move_pages(self, sched: SchedulerOutput) -> None:
         """Host tier: copy out the cached pages this schedule evicted, then copy in the host hits,
@@ -438,35 +394,15 @@ class LLMEngine:
             tier.unpin(loading)
         st.host_bytes_loaded, st.host_bytes_saved = tier.stats.bytes_loaded, tier.stats.bytes_saved
 
-    def _can_schedule(self, seq: Sequence) -> bool:
-        """Whether the scheduler may give ``seq`` work now (always, without async scheduling).
-
-        A sequence whose last token is still on the device can only decode that token (fed on the
-        device), and only when its sampling needs no host view of it (grammar, penalties) and it
-        cannot have finished by length."""
-        if not seq.num_pending:
-            return True
-        p = seq.params
-        if (
-            seq.grammar is not None
-            or p.repetition_penalty != 1.0
-            or p.presence_penalty != 0.0
-            or p.frequency_penalty != 0.0
-        ):
-            return False
-        if seq.num_tokens - seq.num_computed != 1:
-            return False  # preempted: recomputing needs every token on the host
-        n_out = len(seq.output_token_ids) + seq.num_pending
-        if p.max_tokens is not None and n_out >= p.max_tokens:
-            return False
-        return seq.num_tokens < self.max_model_len
-
-    def _dispatch(self, work: list[ScheduledWork], prev: _InFlight | None) -> _InFlight:
+    def _dispatch(
+        self, work: list[ScheduledWork], drafts: list[list[int]], prev: _InFlight | None
+    ) -> _InFlight:
+        feed_slots = prev.feed_slots() if prev is not None else {}
         items, prompt_rows, row = [], [], 0
-        for w in work:
-            item = self._scheduled_seq(w)
+        for w, d in zip(work, drafts):
+            item = self._scheduled_seq(w, d)
             if w.seq.num_pending:
-                item.feed_from = w.seq.feed_slot
+                item.feed_from = feed_slots[w.seq]
             items.append(item)
             prompt_rows.append(row)
             row += len(item.prompt_logprob_targets or ())
@@ -474,23 +410,22 @@ class LLMEngine:
         fwd = self.runner.forward(batch, prev.step if prev is not None else None)
         step = self.runner.sample(fwd)
         starts, completes = [], []
-        for i, w in enumerate(work):
+        for w in work:
+            done = w.completes
             starts.append(w.seq.num_computed)
-            completes.append(w.completes)
-            if w.completes:
+            completes.append(done)
+            if done:
                 w.seq.num_pending += 1
-                w.seq.feed_slot = i
-            w.seq.num_computed += w.num_tokens
-        return _InFlight(
-            work, starts, completes, prompt_rows, step, [len(w.draft_token_ids) for w in work], fwd.features
-        )
+            # Drafts' K/V counts once verified: the accepted ones are added after the step.
+            w.seq.num_computed += w.num_tokens - w.num_drafts
+        return _InFlight(work, starts, completes, prompt_rows, step, fwd.features)
 
     def _process(self, inflight: _InFlight) -> list[RequestOutput]:
         result = self.runner.fetch(inflight.step)
         self.stats.steps += 1
         touched: dict[str, RequestState] = {}
         # Logits rows: one per item, plus one per draft it verified (logprobs are per row).
-        first_row = np.cumsum([0] + [1 + d for d in inflight.num_drafts])
+        first_row = np.cumsum([0] + [1 + w.num_drafts for w in inflight.work])
         for i, (w, start, completes) in enumerate(zip(inflight.work, inflight.starts, inflight.completes)):
             seq = w.seq
             if completes:
@@ -500,15 +435,18 @@ class LLMEngine:
                 continue
             if start < len(seq.prompt_token_ids):
                 self.stats.prompt_tokens += min(w.num_tokens, len(seq.prompt_token_ids) - start)
-            self._take_prompt_logprobs(state, w, start, result.prompt_logprobs, inflight.prompt_rows[i])
-            if inflight.num_drafts[i]:
-                self._take_verification(seq, inflight.num_drafts[i], int(result.num_accepted[i]))
+            self.outputs.take_prompt_logprobs(
+                state, seq, start, w.num_tokens, result.prompt_logprobs, inflight.prompt_rows[i]
+            )
+            if w.num_drafts:
+                assert self.spec_decode is not None
+                seq.num_computed += self.spec_decode.verified(w.num_drafts, int(result.num_accepted[i]))
             if completes:
                 try:
                     for j, token in enumerate(result.new_tokens(i)):
                         if seq.is_finished:
                             break  # a stop inside the accepted drafts ends it there
-                        self._append_token(state, seq, result, int(first_row[i]) + j, token)
+                        self._append_token(state, seq, token, result.logprobs, int(first_row[i]) + j)
                 except Exception as e:  # one request's failure must not take down the batch
                     log.exception("request %s failed", seq.request_id)
                     if isinstance(e, GrammarDeadEndError):
@@ -516,16 +454,19 @@ class LLMEngine:
                     else:
                         self._fail(state, f"{type(e).__name__}: {e}")
             touched[state.request_id] = state
-        if self.draft_runner is not None and inflight.features is not None:
-            self._catch_up_draft_head(inflight)
+        if self.spec_decode is not None:
+            if self.draft_runner is not None and inflight.features is not None:
+                stepped = [(w.seq, start, w.num_tokens) for w, start in zip(inflight.work, inflight.starts)]
+                self.spec_decode.catch_up(inflight.features, stepped)
+            self._count_speculation()
         outputs = []
         for state in touched.values():
-            outputs.append(self._output(state))
+            outputs.append(self.outputs.output(state))
             if state.finished:
                 self.requests.pop(state.request_id, None)
         return outputs
 
-    def _scheduled_seq(self, w: ScheduledWork) -> ScheduledSeq:
+    def _scheduled_seq(self, w: ScheduledWork, drafts: list[int]) -> ScheduledSeq:
         seq, p = w.seq, w.seq.params
         start = seq.num_computed
         grammar_mask = seq.grammar.fill_bitmask() if (w.completes and seq.grammar is not None) else None
@@ -542,134 +483,51 @@ class LLMEngine:
             presence_penalty=p.presence_penalty,
             frequency_penalty=p.frequency_penalty,
             min_tokens=p.min_tokens if w.completes else 0,
-            min_tokens_stop_ids=set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids),
+            min_tokens_stop_ids=set(p.stop_token_ids or ()) | (set() if p.ignore_eos else self.eos_token_ids),
             token_bitmask=grammar_mask,
             num_logprobs=p.logprobs,
         )
-        draft_masks = None
-        if w.draft_token_ids and seq.grammar is not None:
-            draft_masks = self._draft_masks(seq, w.draft_token_ids, grammar_mask)
+        bitmasks = None
+        if drafts and seq.grammar is not None and grammar_mask is not None:
+            bitmasks = draft_masks(seq.grammar, drafts, grammar_mask)
         targets = None
         if p.prompt_logprobs is not None and seq.index == 0:
             # Position j predicts prompt token j + 1; only prompt positions have targets.
             end = min(start + w.num_tokens, len(seq.prompt_token_ids) - 1)
             targets = seq.prompt_token_ids[start + 1 : end + 1] if end > start else None
-        end = start + w.num_tokens - len(w.draft_token_ids)
+        end = start + w.num_tokens - w.num_drafts
         known = seq.num_tokens - seq.num_pending
         # A token still on the device is a placeholder here; the runner feeds it (feed_from).
         tokens = seq.tokens(start, min(end, known)) + [0] * max(0, end - max(start, known))
         return ScheduledSeq(
             token_ids=tokens,
             num_computed=start,
-            draft_token_ids=list(w.draft_token_ids),
+            draft_token_ids=list(drafts),
             page_ids=list(seq.page_ids),
             sampling=row,
             prompt_logprob_targets=targets,
             num_prompt_logprobs=p.prompt_logprobs or 0,
-            draft_bitmasks=draft_masks,
+            draft_bitmasks=bitmasks,
         )
 
-    @staticmethod
-    def _draft_masks(seq: Sequence, drafts: list[int], first: np.ndarray) -> np.ndarray:
-        """[1 + k, W]: the grammar's mask at each verification row. The matcher walks the drafts
-        and is rolled back. A draft the grammar refuses ends the walk: its row's mask excludes it,
-        so it is rejected there and the rows after it are never reached (they reuse the mask)."""
-        g, masks = seq.grammar, [first]
-        walked = 0
-        for d in drafts:
-            if not g.accept(int(d)):
-                break
-            walked += 1
-            masks.append(g.fill_bitmask())
-        if walked:
-            g.rollback(walked)
-        masks += [masks[-1]] * (len(drafts) + 1 - len(masks))
-        return np.stack(masks)
-
-    def _take_prompt_logprobs(
-        self, state: RequestState, w: ScheduledWork, start: int, lp: Logprobs | None, row: int
-    ) -> None:
-        """Record the prompt logprobs this chunk computed (rows from ``row`` of the step's output)."""
-        seq = w.seq
-        if state.prompt_logprobs is None or seq.index != 0 or lp is None:
-            return
-        end = min(start + w.num_tokens, len(seq.prompt_token_ids) - 1)
-        if seq.num_preemptions and len(state.prompt_logprobs) > start + 1:
-            return  # recomputed after preemption: already recorded
-        k = seq.params.prompt_logprobs or 0
-        for j in range(max(0, end - start)):
-            target = seq.prompt_token_ids[start + 1 + j]
-            state.prompt_logprobs.append(self._position_logprobs(lp, row + j, target, k))
-
-    def _position_logprobs(self, lp: Logprobs, row: int, token: int, k: int) -> dict[int, Logprob]:
-        """The chosen token's entry plus the top ``k`` (the step computed max_logprobs of them)."""
-        entry = {
-            int(token): Logprob(
-                float(lp.token_logprobs[row]),
-                int(lp.token_ranks[row]),
-                decode_token(self.tokenizer, int(token)),
-            )
-        }
-        for rank, (tid, val) in enumerate(zip(lp.top_ids[row][:k], lp.top_logprobs[row][:k]), start=1):
-            entry.setdefault(int(tid), Logprob(float(val), rank, decode_token(self.tokenizer, int(tid))))
-        return entry
-
-    def _take_verification(self, seq: Sequence, num_drafts: int, accepted: int) -> None:
-        """Count a verification and roll the sequence back over its rejected drafts (their K/V
-        lies past its computed length, to be overwritten)."""
-        seq.num_computed -= num_drafts - accepted
-        st = self.stats
-        st.spec_num_drafts += 1
-        st.spec_num_draft_tokens += num_drafts
-        st.spec_num_accepted_tokens += accepted
-        for j in range(accepted):
-            st.spec_accepted_per_pos[j] += 1
+    def _count_speculation(self) -> None:
+        """The coordinator's counts, into the engine's stats (what metrics and snapshots read)."""
+        assert self.spec_decode is not None
+        counts, st = self.spec_decode.stats, self.stats
+        st.spec_num_drafts = counts.num_drafts
+        st.spec_num_draft_tokens = counts.num_draft_tokens
+        st.spec_num_accepted_tokens = counts.num_accepted_tokens
+        st.spec_accepted_per_pos = list(counts.accepted_per_pos)
 
     def _append_token(
-        self, state: RequestState, seq: Sequence, result: StepOutput, row: int, token: int
+        self, state: RequestState, seq: Sequence, token: int, logprobs: Logprobs | None, row: int
     ) -> None:
-        """Append one new token, sampled at logits row ``row`` of the step."""
-        p = seq.params
-        seq.output_token_ids.append(token)
+        """Append one new token, sampled at logits row ``row`` of the step; act on a finish."""
         self.stats.generation_tokens += 1
-        if state.first_token_time is None:
-            state.first_token_time = time.monotonic()
-        if seq.logprobs is not None and result.logprobs is not None:
-            seq.logprobs.append(self._position_logprobs(result.logprobs, row, token, p.logprobs or 0))
-            seq.cumulative_logprob += float(result.logprobs.token_logprobs[row])
-        if seq.grammar is not None and not seq.grammar.accept(token):
-            raise GrammarDeadEndError(
-                f"structured_outputs: the grammar admits no token after {len(seq.output_token_ids) - 1} "
-                f"generated tokens (token {token} was sampled from an empty mask): it matches no "
-                f"complete text"
-            )
-        n_out = len(seq.output_token_ids)
-        reason, stop_reason = None, None
-        if token in self.eos_token_ids and not p.ignore_eos:
-            reason = "stop"
-        elif token in p.stop_token_ids:
-            reason, stop_reason = "stop", token
-        delta = "" if reason else seq.detok.add_tokens([token])
-        if reason is None and n_out >= p.min_tokens:
-            emit, matched = seq.stopper.feed(delta)
-            seq.text += emit
-            if matched is not None:
-                reason, stop_reason = "stop", matched
-        elif reason is None:
-            seq.text += delta  # stop strings only count once min_tokens are out
-        if reason is None and seq.grammar is not None and seq.grammar.is_terminated():
-            reason = "stop"
-        if reason is None and p.max_tokens is not None and n_out >= p.max_tokens:
-            reason = "length"
-        if reason is None and len(seq.prompt_token_ids) + n_out >= self.max_model_len:
-            reason = "length"
-        if reason is not None:
-            if not isinstance(stop_reason, str):
-                seq.text += seq.stopper.feed(seq.detok.flush())[0] + seq.stopper.flush()
-            seq.finish_reason, seq.stop_reason = reason, stop_reason
+        if self.outputs.append(state, seq, token, logprobs, row):
             if state.export_kv and seq.index == 0:
                 self._export_kv(state, seq)
-            self.scheduler.finish(seq)
+            self._finish(seq)
 
     def _export_kv(self, state: RequestState, seq: Sequence) -> None:
         """Offer the prompt's pages (all computed once a token was sampled) before they are freed."""
@@ -677,35 +535,15 @@ class LLMEngine:
         pages = seq.page_ids[: -(-n // self.config.cache.block_size)]
         state.kv_transfer_params = self.kv_role.export(state.request_id, self.runner.kv_cache, pages, n)
 
+    def _finish(self, seq: Sequence) -> None:
+        """Take a sequence that ended (finished, failed or aborted) out of scheduling."""
+        self.scheduler.finish(seq)
+        if self.spec_decode is not None:
+            self.spec_decode.forget(seq)
+
     def _fail(self, state: RequestState, message: str, status: int = 500) -> None:
         state.error, state.error_status = message, status
         for seq in state.seqs:
             if not seq.is_finished:
-                self.scheduler.finish(seq)
+                self._finish(seq)
                 seq.finish_reason = "error"
-
-    def _output(self, state: RequestState) -> RequestOutput:
-        outs = [
-            CompletionOutput(
-                index=s.index,
-                text=s.text,
-                token_ids=list(s.output_token_ids),
-                cumulative_logprob=s.cumulative_logprob if s.logprobs is not None else None,
-                logprobs=list(s.logprobs) if s.logprobs is not None else None,
-                finish_reason=s.finish_reason,
-                stop_reason=s.stop_reason,
-            )
-            for s in state.seqs
-        ]
-        return RequestOutput(
-            request_id=state.request_id,
-            prompt=state.prompt,
-            prompt_token_ids=state.prompt_token_ids,
-            outputs=outs,
-            finished=state.finished,
-            prompt_logprobs=state.prompt_logprobs,
-            num_cached_tokens=state.seqs[0].num_cached_tokens,
-            error=state.error,
-            error_status=state.error_status,
-            kv_transfer_params=state.kv_transfer_params,
-        )

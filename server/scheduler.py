@@ -13,12 +13,15 @@ it computes the rest, always at least its last token (a step must produce logits
 Full pages are registered in the cache as soon as a dispatched step computes them and the host
 knows their tokens. The n completions of one request prefill once: the later ones wait until the
 first has scheduled its whole prompt, then share its pages.
+
+The scheduler calls nothing back: what it needs to know of a sequence beyond its state (held back
+this step, drafts to verify) comes with the call, as ``ScheduleInputs``.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -27,16 +30,29 @@ from tpuserve.kv_cache.prefix_hash import PageHash, extend_page_hashes
 from tpuserve.server.sequence import SeqStatus, Sequence
 
 
+@dataclass(frozen=True)
+class ScheduleInputs:
+    """Per-step facts about sequences that the engine knows and the policy needs, decided before
+    the schedule runs."""
+
+    # Sequences that take no work this step (async scheduling: their last token is still on the
+    # device, and their next step needs it on the host).
+    held: frozenset[Sequence] = frozenset()
+    # Drafts a decoding sequence would verify after its last token (speculative decoding), as
+    # many as the token budget leaves room for.
+    drafts: Mapping[Sequence, int] = field(default_factory=dict)
+
+
 @dataclass
 class ScheduledWork:
     seq: Sequence
     num_tokens: int  # tokens of this sequence computed this step, drafts included
-    draft_token_ids: list[int] = field(default_factory=list)  # verified after the known tokens
+    num_drafts: int = 0  # of which drafts, verified after the known tokens
 
     @property
     def completes(self) -> bool:
         """True when this step computes the sequence's last known token, so its sample is kept."""
-        return self.seq.num_computed + self.num_tokens - len(self.draft_token_ids) == self.seq.num_tokens
+        return self.seq.num_computed + self.num_tokens - self.num_drafts == self.seq.num_tokens
 
 
 @dataclass
@@ -76,18 +92,15 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         chunked_prefill: bool = True,
-        can_schedule: Callable[[Sequence], bool] | None = None,
         host_tier: HostTierView | None = None,
     ):
-        """``can_schedule(seq)`` lets the engine hold a sequence back for a step (async scheduling:
-        its last token is not on the host yet and its next step needs it there). ``host_tier``:
-        the second prefix-cache tier consulted after the device (needs a caching pool)."""
+        """``host_tier``: the second prefix-cache tier consulted after the device (needs a caching
+        pool)."""
         if host_tier is not None and not pool.enable_caching:
             raise ValueError("a host tier needs a pool with prefix caching enabled")
         self.pool = pool
         self.host_tier = host_tier
         self.prefix_stats = PrefixCacheStats()
-        self.can_schedule = can_schedule or (lambda seq: True)
         self.max_num_seqs = max_num_seqs
         self.token_budget = max_num_batched_tokens
         self.chunked_prefill = chunked_prefill
@@ -168,9 +181,8 @@ class Scheduler:
         return device, host
 
     def _count_lookup(self, seq: Sequence, device: list[int], host: list[PageHash]) -> None:
-        if seq.admitted:
+        if seq.num_preemptions:
             return  # a preempted sequence coming back is not a new query
-        seq.admitted = True
         page = self.pool.page_size
         st = self.prefix_stats
         seq.num_cached_tokens = (len(device) + len(host)) * page
@@ -186,6 +198,7 @@ class Scheduler:
         """Admit a sequence whose prompt a prefill engine computed: fresh pages take its pages, and
         only what they do not cover (at least the last prompt token) is computed here."""
         batch = seq.remote_kv
+        assert batch is not None
         have = min(batch.num_tokens, seq.num_tokens - 1)
         n = min(seq.num_tokens - have, budget)
         if n < seq.num_tokens - have and not self.chunked_prefill:
@@ -206,7 +219,7 @@ class Scheduler:
     def _admit(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int | None:
         """Give a waiting sequence its cached prefix and pages for its next chunk. Returns the
         tokens it computes this step, or None (nothing held) when it cannot start now."""
-        if seq.remote_kv is not None and not seq.admitted:
+        if seq.remote_kv is not None:  # cleared once admitted
             return self._admit_remote(seq, budget, out)
         device, host = self._cached_prefix(seq)
         cached = (len(device) + len(host)) * self.pool.page_size
@@ -243,22 +256,22 @@ class Scheduler:
 
     # ---- one step ----
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, inputs: ScheduleInputs | None = None) -> SchedulerOutput:
+        inputs = inputs or ScheduleInputs()
         out = SchedulerOutput()
         budget = self.token_budget
         scheduled: dict[int, int] = {}
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            if not self.can_schedule(seq):
+            if seq in inputs.held:
                 self._register(seq, seq.num_computed)
                 i += 1
                 continue
             need = seq.num_tokens - seq.num_computed
             # A decoding sequence also verifies its drafts, as many as the budget leaves room for.
-            drafts = seq.draft_token_ids if need == 1 else []
-            n = min(need + len(drafts), budget)
-            drafts = drafts[: max(0, n - need)]
+            drafts = inputs.drafts.get(seq, 0) if need == 1 else 0
+            n = min(need + drafts, budget)
             while not self._grow(seq, n):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -267,21 +280,23 @@ class Scheduler:
                     break
             if seq.status is not SeqStatus.RUNNING:
                 break  # seq itself was the last running sequence and got preempted
-            out.work.append(ScheduledWork(seq, n, list(drafts)))
+            out.work.append(ScheduledWork(seq, n, max(0, n - need)))
             scheduled[id(seq)] = n
             self._register(seq, seq.num_computed + n)
             budget -= n
             i += 1
         if not out.preempted:  # memory is tight after a preemption: admit nothing new this step
-            self._admit_waiting(out, budget, scheduled)
+            self._admit_waiting(out, budget, scheduled, inputs.held)
         out.evicted = self.pool.take_evicted()
         return out
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int, scheduled: dict[int, int]) -> None:
+    def _admit_waiting(
+        self, out: SchedulerOutput, budget: int, scheduled: dict[int, int], held: frozenset[Sequence]
+    ) -> None:
         skipped: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if not self.can_schedule(seq):
+            if seq in held:
                 break  # a preempted sequence waits until its last token reaches the host
             if self._sibling_prefilling(seq, scheduled):
                 skipped.append(self.waiting.popleft())

@@ -1,18 +1,41 @@
-"""A sequence's lifecycle state inside the standalone engine (one per sampled completion)."""
+"""A request's lifecycle state inside the standalone engine: the request and its sequences (one per
+sampled completion)."""
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
+import numpy as np
+
+from tpuserve.server.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from tpuserve.server.outputs import PositionLogprobs
 from tpuserve.server.sampling_params import SamplingParams
+from tpuserve.spec_decode.coordinator import DraftFacts
+
+if TYPE_CHECKING:
+    from tpuserve.kv_cache.transfer.transport import PageBatch
 
 
 class SeqStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
+
+
+class GrammarMatcher(Protocol):
+    """A sequence's structured-output matcher (``LLMEngine(grammar_factory=...)`` builds one)."""
+
+    def fill_bitmask(self) -> np.ndarray:
+        """int32[ceil(V/32)]: the tokens allowed next (bit i % 32 of word i // 32: token i)."""
+        ...
+
+    def accept(self, token_id: int) -> bool: ...
+
+    def rollback(self, num_tokens: int) -> None: ...
+
+    def is_terminated(self) -> bool: ...
 
 
 @dataclass(eq=False)
@@ -33,37 +56,28 @@ class Sequence:
     status: SeqStatus = SeqStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     num_computed: int = 0
-    # Async scheduling: tokens sampled by a dispatched step that the host has not seen yet, and
-    # the sequence slot they occupy in that step's output (where the next step feeds them from).
+    # Async scheduling: tokens sampled by a dispatched step that the host has not seen yet.
     num_pending: int = 0
-    feed_slot: int = -1
     page_ids: list[int] = field(default_factory=list)
-    # Disaggregated prefill: a prefill engine's pages for this prompt (a ``PageBatch``), used once
-    # at admission instead of computing the prompt.
-    remote_kv: Any = None
-    # Speculative decoding: the drafts proposed for this sequence's next step; with a draft head,
-    # where its drafting resumes (a DraftSeed) and the num_computed that seed belongs to.
-    draft_token_ids: list[int] = field(default_factory=list)
-    draft_seed: Any = None
-    draft_seed_at: int = -1
+    # Disaggregated prefill: a prefill engine's pages for this prompt, used once at admission
+    # instead of computing the prompt.
+    remote_kv: PageBatch | None = None
     # Prefix cache: the request's salt, hashes of the full pages of the known tokens, how many of
     # page_ids are registered in the cache, and the prompt tokens found cached at first admission.
     cache_salt: str | None = None
     page_hashes: list[bytes] = field(default_factory=list)
     num_registered_pages: int = 0
     num_cached_tokens: int = 0
-    admitted: bool = False
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_preemptions: int = 0
-    # Filled by the engine: text state, logprobs, grammar matcher.
-    detok: Any = None
-    stopper: Any = None
+    # Filled by the engine's output processor (text so far, cut at stops; per-token logprobs when
+    # asked for) and, under structured outputs, the grammar matcher.
+    detok: IncrementalDetokenizer | None = None
+    stopper: StopStringMatcher | None = None
     text: str = ""
-    logprobs: list | None = None
-    cumulative_logprob: float = 0.0
-    prompt_logprobs: list | None = None
-    grammar: Any = None
+    logprobs: list[PositionLogprobs] | None = None
+    grammar: GrammarMatcher | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -87,3 +101,64 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SeqStatus.FINISHED
+
+    @property
+    def cumulative_logprob(self) -> float:
+        """The sum of the chosen tokens' logprobs (0 when logprobs are not kept)."""
+        total = 0.0
+        for token, position in zip(self.output_token_ids, self.logprobs or ()):
+            total += position[token].logprob  # in order, as the tokens came: the same float sum
+        return total
+
+    @property
+    def draft_facts(self) -> DraftFacts:
+        """What speculative decoding's rule reads of this sequence (spec_decode/coordinator.py)."""
+        p = self.params
+        n_out = len(self.output_token_ids)
+        return DraftFacts(
+            num_output_tokens=n_out,
+            min_tokens=p.min_tokens,
+            token_mask=self.grammar is not None,
+            logprobs=p.logprobs is not None,
+            penalties=p.has_penalties,
+            tokens_left=None if p.max_tokens is None else p.max_tokens - n_out,
+        )
+
+    def can_feed_from_device(self, max_model_len: int) -> bool:
+        """Whether the next step may take this sequence while its last token is still on the device
+        (always, when the host has every token).
+
+        Such a step can only decode that token, fed on the device, and only when its sampling needs
+        no host view of it (grammar, penalties) and it cannot have finished by length."""
+        if not self.num_pending:
+            return True
+        p = self.params
+        if self.grammar is not None or p.has_penalties:
+            return False
+        if self.num_tokens - self.num_computed != 1:
+            return False  # preempted: recomputing needs every token on the host
+        n_out = len(self.output_token_ids) + self.num_pending
+        if p.max_tokens is not None and n_out >= p.max_tokens:
+            return False
+        return self.num_tokens < max_model_len
+
+
+@dataclass(eq=False)
+class RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    arrival: float
+    error: str | None = None
+    error_status: int = 500
+    first_token_time: float | None = None
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+    export_kv: bool = False  # a prefill for a remote decode: offer its pages when it finishes
+    kv_transfer_params: dict | None = None  # what the consumer pulls them with
+
+    @property
+    def finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)

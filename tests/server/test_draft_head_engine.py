@@ -59,18 +59,18 @@ def _tokens(llm, params=GREEDY):
 
 def _swap_drafts(engine, monkeypatch, pick):
     """Run the head as usual, then replace each sequence's drafts with pick(tokens so far, k)."""
-    run_head = engine._run_draft_head
+    coordinator = engine.spec_decode
+    run_head = coordinator.drafts
 
-    def swapped(work):
-        run_head(work)
-        for w in work:
-            if w.draft_token_ids:
-                k = len(w.draft_token_ids)
-                w.draft_token_ids = [int(t) for t in pick(w.seq.prompt_token_ids + w.seq.output_token_ids, k)]
-                assert len(w.draft_token_ids) == k
-                w.seq.draft_token_ids = list(w.draft_token_ids)
+    def swapped(scheduled):
+        out = run_head(scheduled)
+        for i, (seq, k) in enumerate(scheduled):
+            if k:
+                out[i] = [int(t) for t in pick(seq.prompt_token_ids + seq.output_token_ids, k)]
+                assert len(out[i]) == k
+        return out
 
-    monkeypatch.setattr(engine, "_run_draft_head", swapped)
+    monkeypatch.setattr(coordinator, "drafts", swapped)
 
 
 def test_greedy_output_is_identical_in_a_mixed_batch(spec_llm, random_checkpoints):

@@ -103,6 +103,18 @@ def test_drafter_proposes_for_sampled_requests_it_can_verify():
     assert d.draft_token_ids == [[11, 12, 13], [], []]
 
 
+def test_drafter_proposes_for_logprob_and_penalty_requests():
+    """The worker returns logprob rows per verified position and the runner counts drafts into
+    the penalties, so under the shared rule these draft here (the engine keeps them plain)."""
+    t = RequestTable(BS, vocab_size=100)
+    motif = [10, 11, 12, 13]
+    prefill(t, "l", motif * 3, [1, 2, 3, 4], 10, logprobs=2)
+    prefill(t, "p", motif * 3, [5, 6, 7, 8], 10, repetition_penalty=1.2, frequency_penalty=0.5)
+    prefill(t, "x", motif * 3, [9, 10, 11, 12], 10, allowed_token_ids=[10, 11, 12, 13])
+    d = DraftPlanner(NgramSettings(3, 2, 4), max_model_len=64).propose(t, ["l", "p", "x"])
+    assert d.draft_token_ids == [[11, 12, 13], [11, 12, 13], []]
+
+
 def test_only_ngram_is_accepted():
     def sc(**kw):
         base = dict(

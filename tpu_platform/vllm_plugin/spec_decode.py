@@ -24,6 +24,8 @@ from typing import Any
 
 import numpy as np
 
+from tpuserve.spec_decode import coordinator
+from tpuserve.spec_decode.coordinator import DraftFacts, DraftSupport
 from tpuserve.spec_decode.ngram import NgramProposer
 
 SUPPORTED_METHODS = ("ngram",)
@@ -123,12 +125,21 @@ class DraftPlanner:
         return Drafts(list(sampled_req_ids), lists)
 
 
-def may_draft(st: Any) -> bool:
-    """Whether drafts for this request could be verified with the same result as plain decoding.
+# This worker takes one mask row per request from vLLM (worker._grammar_masks), so a request under a
+# grammar or allowed-token mask does not draft; it returns logprob rows per verified position, and
+# the runner counts drafts into the penalties, so those requests do.
+PLUGIN_DRAFT_SUPPORT = DraftSupport(token_masks=False, logprobs=True, penalties=True)
 
-    Our runner verifies drafts with the request's one sampling row repeated per position (its key
-    and penalty counts advanced per position), so a grammar or allowed-token mask (the mask of the
-    state after each draft) and a pending min_tokens stop ban (it lifts part-way through) do not draft.
-    """
+
+def may_draft(st: Any) -> bool:
+    """Whether drafts for this request (a ``RequestTable`` entry) verify to what plain decoding
+    would give: the engine's rule (spec_decode/coordinator.py), under this worker's support."""
     spec = st.spec
-    return spec.drafts_verifiable and len(st.output_ids) >= spec.min_tokens
+    facts = DraftFacts(
+        num_output_tokens=len(st.output_ids),
+        min_tokens=spec.min_tokens,
+        token_mask=not spec.drafts_verifiable,
+        logprobs=spec.num_logprobs is not None,
+        penalties=spec.has_penalties,
+    )
+    return coordinator.may_draft(facts, PLUGIN_DRAFT_SUPPORT)
