@@ -6,8 +6,10 @@ from __future__ import annotations
 import time
 
 
-def timed_round(engine, num_requests: int, prompt_tokens: int, max_tokens: int, rng) -> dict:
-    """Admit ``num_requests`` greedy requests of ``prompt_tokens`` random tokens and ``max_tokens``
+def timed_round(
+    engine, num_requests: int, prompt_tokens: int, max_tokens: int, rng, temperature: float = 0.0
+) -> dict:
+    """Admit ``num_requests`` requests (greedy, or sampled at ``temperature`` with a seed each) of ``prompt_tokens`` random tokens and ``max_tokens``
     new ones (ignore_eos) at once, step the engine until all finish, and record when each request's
     first and last tokens reach the host.
 
@@ -16,7 +18,10 @@ def timed_round(engine, num_requests: int, prompt_tokens: int, max_tokens: int, 
     """
     from tpuserve.server.sampling_params import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    def params(i: int) -> SamplingParams:
+        seed = None if temperature == 0.0 else i
+        return SamplingParams(temperature=temperature, seed=seed, max_tokens=max_tokens, ignore_eos=True)
+
     vocab = engine.arch.vocab_size
     first: dict[str, float] = {}
     last: dict[str, float] = {}
@@ -25,7 +30,7 @@ def timed_round(engine, num_requests: int, prompt_tokens: int, max_tokens: int, 
     start = time.perf_counter()
     for i in range(num_requests):
         ids = rng.integers(100, min(vocab, 30000), prompt_tokens).tolist()
-        engine.add_request(f"r{i}-{start}", None, params, prompt_token_ids=ids)
+        engine.add_request(f"r{i}-{start}", None, params(i), prompt_token_ids=ids)
     while engine.has_unfinished_requests():
         outs = engine.step()
         steps += 1

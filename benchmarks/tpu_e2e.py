@@ -62,9 +62,28 @@ def kv_bytes_per_token(arch, itemsize: int) -> int:
     return 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * itemsize
 
 
-def decode_round(engine, batch: int, prompt_len: int, new_tokens: int, rng) -> dict:
-    r = timed_round(engine, batch, prompt_len, new_tokens, rng)
+def decode_round(engine, batch: int, prompt_len: int, new_tokens: int, rng, temperature: float = 0.0) -> dict:
+    r = timed_round(engine, batch, prompt_len, new_tokens, rng, temperature)
     return dict(r, tpot_ms=statistics.median(r["tpot_ms"]))
+
+
+def host_profile(engine, batch: int, args, rng, path: str) -> None:
+    """cProfile of one decode round (what the host spends a step on), top functions by own time."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    r = decode_round(engine, batch, args.prompt_len, args.new_tokens, rng, args.temperature)
+    prof.disable()
+    text = io.StringIO()
+    text.write(
+        f"batch {batch}: {r['engine_steps']} engine steps, TPOT {r['tpot_ms']:.2f} ms under the profiler\n"
+    )
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(40)
+    with open(path, "w") as f:
+        f.write(text.getvalue())
 
 
 def prefill_round(llm, n: int, length: int, rng) -> float:
@@ -119,6 +138,7 @@ def run_model(model: str, args) -> dict:
         dtype=str(runner.kv_cache.dtype),
         quantization=args.quantization,
         engine_args=args.engine_args,
+        temperature=args.temperature,
         num_pages=runner.kv_spec.num_pages,
         max_num_seqs=engine.config.scheduler.max_num_seqs,
         max_num_batched_tokens=engine.config.scheduler.max_num_batched_tokens,
@@ -136,10 +156,13 @@ def run_model(model: str, args) -> dict:
     for batch in args.batches:
         if batch > res["max_num_seqs"]:
             continue
-        decode_round(engine, batch, args.prompt_len, args.new_tokens, rng)  # compiles its shapes
+        t = args.temperature
+        decode_round(engine, batch, args.prompt_len, args.new_tokens, rng, t)  # compiles its shapes
         runs = [
-            decode_round(engine, batch, args.prompt_len, args.new_tokens, rng) for _ in range(args.rounds)
+            decode_round(engine, batch, args.prompt_len, args.new_tokens, rng, t) for _ in range(args.rounds)
         ]
+        if args.host_profile and batch in (1, max(args.batches)):
+            host_profile(engine, batch, args, rng, f"{args.host_profile}_b{batch}.txt")
         tpot = statistics.median(r["tpot_ms"] for r in runs)
         tok_s = statistics.median(r["tokens"] / r["wall_s"] for r in runs)
         ctx = args.prompt_len + args.new_tokens / 2
@@ -205,6 +228,10 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--temperature", type=float, default=0.0, help="decode sampling (0: greedy)")
+    p.add_argument(
+        "--host-profile", default=None, help="PREFIX: cProfile a decode round at batch 1 and the largest"
+    )
     p.add_argument("--prefill", default="8x1024,1x8192", help="n x length, comma-separated ('' for none)")
     p.add_argument("--hbm-gbs", type=float, default=V5E_HBM_GBS)
     p.add_argument("--peak-tflops", type=float, default=V5E_BF16_TFLOPS)

@@ -182,8 +182,9 @@ def auto_layout_step(runner, args) -> dict:
         fn = jax.jit(
             functools.partial(runner._traced_step, inv_freq=jnp.asarray(runner.arch.inv_freq())),
             donate_argnums=(1,),
-            in_shardings=(None, Format(Layout.AUTO)) + (None,) * (len(args) - 2),
-            out_shardings=(None, None, None, Format(Layout.AUTO)),
+            static_argnums=(4,),
+            in_shardings=(None, Format(Layout.AUTO)) + (None,) * (len(args) - 3),
+            out_shardings=(None, None, None, None, Format(Layout.AUTO)),
         )
         abstract = jax.ShapeDtypeStruct(args[1].shape, args[1].dtype)
         c = fn.lower(args[0], abstract, *args[2:]).compile()
@@ -260,20 +261,9 @@ def runner_case(
         plan=None if plan is None else plan.describe(),
         steps=[],
     )
-    put = runner._put
     for t in token_buckets:
         b = runner._empty_batch(t, runner.page_buckets[0])
-        feed = np.full(t, -1, np.int32)
-        args = (
-            runner.params,
-            runner.kv_cache,
-            put(b.token_ids),
-            put(feed),
-            runner._no_feed,
-            put(b.positions),
-            runner._metadata(b),
-            put(b.logits_indices),
-        )
+        args = runner.step_args(b)
         t1 = time.perf_counter()
         compiled = runner._step.lower(*args).compile()
         step = dict(

@@ -64,29 +64,93 @@ def _bucket(n: int, buckets: tuple[int, ...]) -> int:
     raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
 
 
+@dataclass(frozen=True)
+class StepLayout:
+    """Where each int32 input of a step sits in the one buffer the host ships per step.
+
+    One host->device copy per step instead of eight: on a TPU each copy costs the host tens of
+    microseconds, which a small model's step cannot hide. Static (the program's cache key); the
+    shapes it implies are the ones the bucketed StepBatch already fixes.
+    Order: token_ids [T], feed_rows [T], positions [T], kv_lens [S], page_table [S, P] (row-major),
+    cu_q_lens [S+1], num_seqs [1], logits_indices [R].
+    """
+
+    tokens: int  # T
+    seqs: int  # S
+    pages: int  # P, pages per sequence
+    rows: int  # R, logits rows
+
+    @classmethod
+    def of(cls, batch: StepBatch) -> StepLayout:
+        s, p = batch.page_table.shape
+        return cls(len(batch.token_ids), s, p, len(batch.logits_indices))
+
+    def _sizes(self) -> tuple[int, ...]:
+        t, s = self.tokens, self.seqs
+        return (t, t, t, s, s * self.pages, s + 1, 1, self.rows)
+
+    def pack(self, batch: StepBatch, feed_rows: np.ndarray) -> np.ndarray:
+        parts = (
+            batch.token_ids,
+            feed_rows,
+            batch.positions,
+            batch.kv_lens,
+            batch.page_table.reshape(-1),
+            batch.cu_q_lens,
+            np.asarray([batch.num_seqs], np.int32),
+            batch.logits_indices,
+        )
+        for part, size in zip(parts, self._sizes()):
+            if part.shape != (size,):
+                raise ValueError(f"step input of shape {part.shape} does not fit the layout {self}")
+        return np.concatenate(parts).astype(np.int32, copy=False)
+
+    def unpack(self, packed: jax.Array):
+        """(token_ids, feed_rows, positions, AttentionMetadata, logits_indices), sliced statically."""
+        ends = np.cumsum(self._sizes())
+        starts = np.concatenate([[0], ends[:-1]])
+        tok, feed, pos, kv_lens, pages, cu, num_seqs, rows = (
+            packed[int(a) : int(b)] for a, b in zip(starts, ends)
+        )
+        md = AttentionMetadata(
+            kv_lens=kv_lens,
+            page_indices=pages.reshape(self.seqs, self.pages),
+            cu_q_lens=cu,
+            num_seqs=num_seqs,
+        )
+        return tok, feed, pos, md, rows
+
+
 @dataclass
 class ForwardState:
-    """A dispatched forward pass: device logits [R, V] of the sampled rows, the final hidden
-    states [T, H] of every row (prompt logprobs score them), and the draft head's features [T, A]
-    of every row (``ModelRunner(draft_aux_layers=...)``; the final hidden states when that is ())."""
+    """A dispatched forward pass: device logits [R, V] of the sampled rows, their argmax [R] i32
+    (a greedy batch's tokens, computed in the same program so it needs no sampler dispatch, and
+    padded to the next step's feed source), the
+    final hidden states [T, H] of every row (prompt logprobs score them), and the draft head's
+    features [T, A] of every row (``ModelRunner(draft_aux_layers=...)``; the final hidden states
+    when that is ())."""
 
     batch: StepBatch
     logits: jax.Array
     hidden: jax.Array
     features: jax.Array | None = None
+    greedy: jax.Array | None = None
+    greedy_last: jax.Array | None = None  # greedy padded to [S_max] (None when R > S_max)
 
 
 @dataclass
 class PendingStep:
     """A dispatched step whose results are still on the device.
 
-    token_ids [S, K+1] and num_accepted [S] (device); last_tokens [S_max]: each slot's last new
-    token, the feed source of the next step; logprobs / prompt_logprobs as device parts.
+    token_ids [S, K+1] and num_accepted [S] (device), or, when nothing was speculated, token_ids
+    [S] and num_accepted None (one token per row: the host adds the axis and the zeros, which spares
+    the device two small dispatches a step); last_tokens [S_max]: each slot's last new token, the
+    feed source of the next step; logprobs / prompt_logprobs as device parts.
     """
 
     num_seqs: int
     token_ids: jax.Array
-    num_accepted: jax.Array
+    num_accepted: jax.Array | None
     last_tokens: jax.Array
     logprobs: tuple | None = None
     prompt_logprobs: tuple | None = None
@@ -179,12 +243,13 @@ class ModelRunner:
         if self.kv_format is not None:
             # In and out in the cache's format, so the donated buffer is updated in place.
             pin = dict(
-                in_shardings=(None, self.kv_format) + (None,) * 6,
-                out_shardings=(None, None, None, self.kv_format),
+                in_shardings=(None, self.kv_format, None, None),
+                out_shardings=(None, None, None, None, self.kv_format),
             )
         self._step = jax.jit(
             functools.partial(self._traced_step, inv_freq=jnp.asarray(arch.inv_freq())),
             donate_argnums=(1,),
+            static_argnums=(4,),
             **pin,
         )
         self.kv_spec: KVCacheSpec | None = None
@@ -227,17 +292,8 @@ class ModelRunner:
         cache = jax.ShapeDtypeStruct(
             spec.shape_for(self.attn_impl), self.kv_cache_dtype, sharding=self._kv_sharding
         )
-        put = self._put
-        fwd = self._step.lower(
-            self.params,
-            cache,
-            put(batch.token_ids),
-            put(np.full(t, -1, np.int32)),
-            self._no_feed,
-            put(batch.positions),
-            self._metadata(batch),
-            put(batch.logits_indices),
-        ).compile()
+        args = self.step_args(batch, kv_cache=cache)
+        fwd = self._step.lower(*args).compile()
         hidden = jax.ShapeDtypeStruct((t, self.arch.hidden_size), self.dtype, sharding=self._replicated)
         head = self._prompt_logits.lower(self.params, hidden).compile()
 
@@ -357,14 +413,22 @@ class ModelRunner:
         )
         return scales
 
-    def _traced_step(
-        self, params, kv_cache, token_ids, feed_rows, prev_tokens, positions, md, logits_indices, *, inv_freq
-    ):
+    def _traced_step(self, params, kv_cache, packed, prev_tokens, layout: StepLayout, *, inv_freq):
+        """(logits [R, V], argmax [R], hidden [T, H], features, kv_cache) of one step whose int32
+        inputs arrive packed (``StepLayout``)."""
+        token_ids, feed_rows, positions, md, logits_indices = layout.unpack(packed)
         # Async scheduling: rows the host could not fill yet take the previous step's token here.
         token_ids = jnp.where(feed_rows >= 0, prev_tokens[jnp.maximum(feed_rows, 0)], token_ids)
-        return self._traced_forward(
+        logits, hidden, features, kv_cache = self._traced_forward(
             params, kv_cache, token_ids, positions, md, logits_indices, inv_freq=inv_freq
         )
+        greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        # Also padded as the next step's feed source, when R fits the slots (R = S without drafts).
+        rows = greedy.shape[0]
+        greedy_last = None
+        if rows <= self.max_seq_slots:
+            greedy_last = jnp.zeros(self.max_seq_slots, jnp.int32).at[:rows].set(greedy)
+        return logits, (greedy, greedy_last), hidden, features, kv_cache
 
     def _traced_prompt_logits(self, params, hidden):
         """Logits of every row of a step, rows padded to the logprob bucket: [B, V] f32."""
@@ -504,56 +568,33 @@ class ModelRunner:
 
     # ---- running ----
 
-    def _metadata(self, batch: StepBatch) -> AttentionMetadata:
-        put = self._put
-        return AttentionMetadata(
-            kv_lens=put(batch.kv_lens),
-            page_indices=put(batch.page_table),
-            cu_q_lens=put(batch.cu_q_lens),
-            num_seqs=put(np.asarray([batch.num_seqs], np.int32)),
-        )
+    def step_args(self, batch: StepBatch, prev: PendingStep | None = None, kv_cache=None) -> tuple:
+        """The forward program's arguments for ``batch``: the int32 inputs packed into one
+        host->device copy, then their (static) layout. ``kv_cache`` stands in for the runner's own
+        (an abstract one to lower without a cache)."""
+        if batch.feed_rows is not None and prev is None:
+            raise ValueError("the batch feeds tokens from a previous step, but none was given")
+        feed = batch.feed_rows if batch.feed_rows is not None else np.full(len(batch.token_ids), -1, np.int32)
+        layout = StepLayout.of(batch)
+        prev_tokens = prev.last_tokens if prev is not None else self._no_feed
+        cache = self.kv_cache if kv_cache is None else kv_cache
+        return (self.params, cache, self._put(layout.pack(batch, feed)), prev_tokens, layout)
 
     def forward(self, batch: StepBatch, prev: PendingStep | None = None) -> ForwardState:
         """Dispatch the model over ``batch`` (returns before the device finishes).
 
         ``prev`` is the still-running step whose tokens ``batch.feed_rows`` refer to.
         """
-        if batch.feed_rows is not None and prev is None:
-            raise ValueError("the batch feeds tokens from a previous step, but none was given")
-        feed = batch.feed_rows if batch.feed_rows is not None else np.full(len(batch.token_ids), -1, np.int32)
-        prev_tokens = prev.last_tokens if prev is not None else self._no_feed
-        put = self._put
-        logits, hidden, features, self.kv_cache = self._step(
-            self.params,
-            self.kv_cache,
-            put(batch.token_ids),
-            put(feed),
-            prev_tokens,
-            put(batch.positions),
-            self._metadata(batch),
-            put(batch.logits_indices),
-        )
-        return ForwardState(batch, logits, hidden, features)
+        args = self.step_args(batch, prev)
+        logits, (greedy, greedy_last), hidden, features, self.kv_cache = self._step(*args)
+        return ForwardState(batch, logits, hidden, features, greedy, greedy_last)
 
     def step_hlo(self, batch: StepBatch) -> str:
         """The optimized HLO text of the forward program ``batch`` runs (compiles it if needed):
         what ``collectives.collectives`` reads the communication of a sharded step from."""
-        put = self._put
-        feed = np.full(len(batch.token_ids), -1, np.int32)
-        return (
-            self._step.lower(
-                self.params,
-                self.kv_cache,
-                put(batch.token_ids),
-                put(feed),
-                self._no_feed,
-                put(batch.positions),
-                self._metadata(batch),
-                put(batch.logits_indices),
-            )
-            .compile()
-            .as_text()
-        )
+        batch = dataclasses.replace(batch, feed_rows=None)
+        args = self.step_args(batch)
+        return self._step.lower(*args).compile().as_text()
 
     def sample(
         self, fwd: ForwardState, sampling: SamplingBatch | None = None, draft_probs: jax.Array | None = None
@@ -571,8 +612,8 @@ class ModelRunner:
         if batch.row_bitmask is not None and sampling is batch.sampling:
             rows = dataclasses.replace(rows, token_bitmask=batch.row_bitmask)
         if batch.draft_token_ids.shape[1] == 0:
-            tokens, lp_parts = sampler.sample_async(fwd.logits, rows, self.max_logprobs)
-            token_ids, accepted = tokens[:, None], jnp.zeros(tokens.shape[0], jnp.int32)
+            token_ids, lp_parts = sampler.sample_async(fwd.logits, rows, self.max_logprobs, greedy=fwd.greedy)
+            accepted = None
         else:
             v = rejection_sampler.verify_async(
                 fwd.logits,
@@ -592,7 +633,12 @@ class ModelRunner:
             prompt_parts = sampler.compute_logprobs_async(
                 self._prompt_logits(self.params, fwd.hidden), targets, self.max_logprobs
             )
-        last = _last_tokens(token_ids, accepted, num_slots=self.max_seq_slots)
+        if accepted is None and token_ids is fwd.greedy and fwd.greedy_last is not None:
+            last = fwd.greedy_last
+        elif accepted is None:
+            last = _pad_tokens(token_ids, num_slots=self.max_seq_slots)
+        else:
+            last = _last_tokens(token_ids, accepted, num_slots=self.max_seq_slots)
         return PendingStep(
             batch.num_seqs, token_ids, accepted, last, lp_parts, prompt_parts, batch.prompt_logprob_rows
         )
@@ -607,9 +653,14 @@ class ModelRunner:
             a, b, c, d = (np.asarray(p) if rows is None else np.asarray(p)[rows] for p in parts)
             return Logprobs(token_logprobs=a, token_ranks=b, top_ids=c, top_logprobs=d)
 
+        if step.num_accepted is None:  # one token per row
+            token_ids = np.asarray(step.token_ids)[:, None]
+            accepted = np.zeros(len(token_ids), np.int32)
+        else:
+            token_ids, accepted = jax.device_get((step.token_ids, step.num_accepted))
         return StepOutput(
-            token_ids=np.asarray(step.token_ids),
-            num_accepted=np.asarray(step.num_accepted),
+            token_ids=token_ids,
+            num_accepted=accepted,
             logprobs=lp(step.logprobs),
             prompt_logprobs=lp(step.prompt_logprobs, step.prompt_logprob_rows),
         )
@@ -655,6 +706,9 @@ class ModelRunner:
             prompt_logprob_rows=self.token_buckets[-1],
             sharding=self._replicated,
         )
+        # A sampled (not greedy) step's feed source: its [S] tokens padded to the slots.
+        for s in self.seq_buckets:
+            _pad_tokens(self._put(np.zeros(s, np.int32)), num_slots=self.max_seq_slots)
         # Prompt logprobs: the LM head over every row of each token bucket.
         for t in self.token_buckets:
             self._prompt_logits(self.params, self._put(np.zeros((t, self.arch.hidden_size), self.dtype)))
@@ -702,6 +756,13 @@ def _last_tokens(token_ids, num_accepted, *, num_slots: int):
     _note_glue()
     last = jnp.take_along_axis(token_ids, num_accepted[:, None], axis=1)[:, 0]
     return jnp.zeros(num_slots, jnp.int32).at[: last.shape[0]].set(last)
+
+
+@functools.partial(jax.jit, static_argnames=("num_slots",))
+def _pad_tokens(token_ids, *, num_slots: int):
+    """[S] -> [num_slots]: one new token per sequence, padded like ``_last_tokens``'s output."""
+    _note_glue()
+    return jnp.zeros(num_slots, jnp.int32).at[: token_ids.shape[0]].set(token_ids)
 
 
 def _expand_rows(

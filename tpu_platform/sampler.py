@@ -463,7 +463,10 @@ def _to_logprobs(parts: tuple[Any, ...], num_rows: int, columns: int) -> Logprob
 
 
 def sample_async(
-    logits: jax.Array, batch: SamplingBatch, max_logprobs: int = DEFAULT_MAX_LOGPROBS
+    logits: jax.Array,
+    batch: SamplingBatch,
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS,
+    greedy: jax.Array | None = None,
 ) -> tuple[jax.Array, tuple[jax.Array, ...] | None]:
     """Dispatch sampling without waiting for the device (for a runner that overlaps steps).
 
@@ -471,12 +474,17 @@ def sample_async(
     (token_logprobs [S], token_ranks [S] i32, top_ids [S, K] i32, top_logprobs [S, K]) with
     K = min(max_logprobs, V) whatever was asked: consumers slice the columns they want on the host
     (``sample`` does). Raises ValueError when num_logprobs > max_logprobs.
+    greedy [S] i32: the logits' argmax when the caller already has it on device (the runner's
+    forward computes it): a batch that only takes argmaxes then dispatches nothing here.
     """
     logits = jnp.asarray(logits)
     if logits.ndim != 2:
         raise ValueError(f"logits must be [S, V], got shape {logits.shape}")
     variant, random_args, extras_args, _ = _prepare(batch, *logits.shape, max_logprobs)
-    token_ids = _run_stages(variant, logits, random_args, extras_args)
+    if greedy is not None and not (variant.random or variant.extras):
+        token_ids = greedy
+    else:
+        token_ids = _run_stages(variant, logits, random_args, extras_args)
     parts = None
     if variant.num_top is not None:
         parts = tuple(_logprobs_jit(logits, token_ids, num_top=variant.num_top))

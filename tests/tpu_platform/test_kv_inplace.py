@@ -72,23 +72,10 @@ def test_tpu_step_takes_and_returns_the_cache_row_major_and_donated(loop):
     r = _runner("pallas_tpu", loop)  # no cache allocated: a TPU-format array cannot live on CPU
     assert r.kv_cache is None and r.kv_format is not None
     b = r._empty_batch(8, r.page_buckets[0])
-    put = r._put
     shape = r._cache_spec(64).shape_for(r.attn_impl)
     cache = jax.ShapeDtypeStruct(shape, jnp.bfloat16)
-    text = (
-        r._step.trace(
-            r.params,
-            cache,
-            put(b.token_ids),
-            put(np.full(8, -1, np.int32)),
-            r._no_feed,
-            put(b.positions),
-            r._metadata(b),
-            put(b.logits_indices),
-        )
-        .lower(lowering_platforms=("tpu",))
-        .as_text()
-    )
+    args = r.step_args(b, kv_cache=cache)
+    text = r._step.trace(*args).lower(lowering_platforms=("tpu",)).as_text()
     main = next(line for line in text.splitlines() if "func.func public @main" in line)
     cache_type = "tensor<" + "x".join(map(str, shape)) + "xbf16>"
     row_major = 'mhlo.layout_mode = "{4,3,2,1,0:T(8,128)(2,1)}"'
@@ -152,17 +139,8 @@ def step_cache_analysis(r, num_pages: int):
     batch = r._empty_batch(t, p)
     spec = r._cache_spec(num_pages)
     cache = jax.ShapeDtypeStruct(spec.shape_for(r.attn_impl), r.kv_cache_dtype, sharding=r._kv_sharding)
-    put = r._put
-    compiled = r._step.lower(
-        r.params,
-        cache,
-        put(batch.token_ids),
-        put(np.full(t, -1, np.int32)),
-        r._no_feed,
-        put(batch.positions),
-        r._metadata(batch),
-        put(batch.logits_indices),
-    ).compile()
+    args = r.step_args(batch, kv_cache=cache)
+    compiled = r._step.lower(*args).compile()
     return compiled.memory_analysis(), int(np.prod(cache.shape)) * jnp.dtype(cache.dtype).itemsize
 
 
