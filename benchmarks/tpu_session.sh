@@ -62,6 +62,20 @@ for s in $stages; do
     movers)    # the planned-max 1B cache: the step and both page movers in place
       stage movers 130 python benchmarks/tpu_memory.py --models llama-1b --pages 0 --loops scan \
           --tokens 1 --iters 10 --movers 64 --out "$out/movers_1b.json" ;;
+    host-ab)   # the host's share of a 135M decode step: the previous wheel (.whl-tpu/old/) against
+               # this one in the same call, then this one sampling (temperature 1) with host profiles
+      checkpoint smollm2-135m
+      if ls .whl-tpu/old/*.whl > /dev/null 2>&1; then
+        PIP_CONFIG_FILE=/dev/null python3 -m pip install --isolated -q --no-deps --no-index \
+          --target /tmp/tps_old .whl-tpu/old/*.whl > /dev/null 2>&1
+        stage host-old 100 env PYTHONPATH="/tmp/tps_old:$PYTHONPATH" python benchmarks/tpu_e2e.py \
+            --models /tmp/m/smollm2-135m --rounds 1 --prefill "" --out "$out/host_old_135m.json"
+      fi
+      stage host-new 110 python benchmarks/tpu_e2e.py --models /tmp/m/smollm2-135m --rounds 1 \
+          --prefill "" --host-profile "$out/host_new_135m" --out "$out/host_new_135m.json"
+      stage host-t1 100 python benchmarks/tpu_e2e.py --models /tmp/m/smollm2-135m --rounds 1 \
+          --prefill "" --batches 1,128 --temperature 1.0 --host-profile "$out/host_t1_135m" \
+          --out "$out/host_t1_135m.json" ;;
     parts)     # where a decode step's device time goes: matmuls alone, empty steps per bucket, HLO
       stage parts 240 python benchmarks/tpu_step_parts.py --model llama-1b --trace --out "$out/parts" ;;
     *) echo "unknown stage $s" | tee -a "$out/session.log" ;;
