@@ -28,7 +28,6 @@ from tpuserve.tpu_platform import kv_scales
 from tpuserve.tpu_platform.config import FP8_KV_CACHE_DTYPES, KV_CACHE_DTYPES, ConfigError, EngineConfig
 from tpuserve.tpu_platform.device import discover, enable_compilation_cache, resolve_dtype
 from tpuserve.tpu_platform.draft_runner import DraftRunner
-from tpuserve.tpu_platform.linear import register_quant_linears
 from tpuserve.tpu_platform.loader import load_model
 from tpuserve.tpu_platform.loader.draft_head import load_draft
 from tpuserve.tpu_platform.mesh import plan_devices, replica_mesh
@@ -276,8 +275,6 @@ class Worker:
             return params
         else:
             self.quantization = method
-        # Registration happens here, not at import: only an engine that holds records needs it.
-        register_quant_linears()
         if checkpoint_method is not None:
             log.info(
                 "checkpoint is pre-quantized (%s): weights %.1f MiB",
@@ -289,7 +286,7 @@ class Worker:
         calibration = None
         if method in calibrate.GPTQ_METHODS and self.config.quantization.calibration == "gptq":
             calibration = (self.arch, calibrate.calibration_token_ids(self.tokenizer))
-        params, report = quantize_params(params, method, register=False, calibration=calibration)
+        params, report = quantize_params(params, method, calibration=calibration)
         self.quant_report = report
         log.info(
             "quantized online in %.1f s (%s): %s",
