@@ -35,9 +35,10 @@ from jax.sharding import PartitionSpec as P
 
 from tpuserve.attention.dispatch import resolve_impl
 from tpuserve.attention.metadata import AttentionMetadata
+from tpuserve.attention.names import AttentionImpl
 from tpuserve.kv_cache.layout import RESERVED_PAGE, KVCacheSpec, kv_cache_format
 from tpuserve.tpu_platform import kv_scales as ks
-from tpuserve.tpu_platform.config import EngineConfig
+from tpuserve.tpu_platform.config import EngineConfig, LayerLoop
 from tpuserve.tpu_platform.device import DeviceInfo
 from tpuserve.tpu_platform.linear import quant_linear_impls
 from tpuserve.tpu_platform.mesh import MODEL_AXIS, model_axis_size
@@ -133,10 +134,11 @@ class ModelRunner:
         self.num_speculative_tokens = int(num_speculative_tokens)
         self.draft_aux_layers = None if draft_aux_layers is None else tuple(int(i) for i in draft_aux_layers)
         self.arch = arch
-        self.layer_loop = config.compilation.layer_loop
-        if self.layer_loop == "auto":
-            self.layer_loop = "unroll" if device.backend == "cpu" else "scan"
-        params = unstack_layers(params) if self.layer_loop == "unroll" else params
+        # A config the engine built has its modes resolved already (EngineConfig.for_backend);
+        # one built by hand (tests, benchmarks) gets the same rule here.
+        byte_cache = jnp.dtype(dtype if kv_cache_dtype is None else kv_cache_dtype).itemsize == 1
+        self.layer_loop = config.compilation.resolved(device.backend, byte_cache).layer_loop
+        params = unstack_layers(params) if self.layer_loop == LayerLoop.UNROLL else params
         self._replicated = None if mesh is None else NamedSharding(mesh, P())
         self._kv_sharding = None if mesh is None else NamedSharding(mesh, kv_cache_partition_spec(MODEL_AXIS))
         if mesh is not None:
@@ -170,7 +172,7 @@ class ModelRunner:
         # The blocked path's work follows the live context, not the table width: one page bucket.
         self.page_buckets = (
             (self.max_pages_per_seq,)
-            if self.attn_impl == "blocked"
+            if self.attn_impl == AttentionImpl.BLOCKED
             else self._page_buckets(self.max_pages_per_seq)
         )
         self.token_buckets = config.token_buckets

@@ -25,7 +25,14 @@ import jax.numpy as jnp
 from tpuserve.attention.kv_cache_shape import resolve_impl
 from tpuserve.kv_cache.layout import KVCacheSpec
 from tpuserve.tpu_platform import kv_scales
-from tpuserve.tpu_platform.config import FP8_KV_CACHE_DTYPES, KV_CACHE_DTYPES, ConfigError, EngineConfig
+from tpuserve.tpu_platform.config import (
+    FP8_KV_CACHE_DTYPES,
+    KV_CACHE_DTYPES,
+    ConfigError,
+    EngineConfig,
+    QuantCalibration,
+    SpecMethod,
+)
 from tpuserve.tpu_platform.device import discover, enable_compilation_cache, resolve_dtype
 from tpuserve.tpu_platform.draft_runner import DraftRunner
 from tpuserve.tpu_platform.loader import load_model
@@ -203,7 +210,7 @@ class Worker:
             time.perf_counter() - t0,
         )
         spec = self.config.speculative
-        if spec is not None and spec.method in ("eagle3", "mtp"):
+        if spec is not None and spec.method in (SpecMethod.EAGLE3, SpecMethod.MTP):
             self._load_draft(spec, loaded.source)
 
     def _load_draft(self, spec, target_source: str) -> None:
@@ -284,7 +291,7 @@ class Worker:
             return params
         t0 = time.perf_counter()
         calibration = None
-        if method in calibrate.GPTQ_METHODS and self.config.quantization.calibration == "gptq":
+        if method in calibrate.GPTQ_METHODS and self.config.quantization.calibration == QuantCalibration.GPTQ:
             calibration = (self.arch, calibrate.calibration_token_ids(self.tokenizer))
         params, report = quantize_params(params, method, calibration=calibration)
         self.quant_report = report
