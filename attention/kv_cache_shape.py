@@ -35,12 +35,19 @@ def resolve_impl(impl: str, backend: str, kv_cache_dtype=None) -> str:
     The compiled TPU kernel reads 32- and 16-bit caches only (Mosaic strides 32-bit words), so an
     8-bit (fp8) ``kv_cache_dtype`` on a TPU takes the jnp reference, and asking for ``pallas_tpu``
     with one is refused."""
+    byte_cache = kv_cache_dtype is not None and np.dtype(kv_cache_dtype).itemsize == 1
+    name = np.dtype(kv_cache_dtype).name if byte_cache else ""
+    return resolve_attention_impl(impl, backend, byte_cache, name)
+
+
+def resolve_attention_impl(impl: str, backend: str, byte_cache: bool, cache_dtype_name: str = "fp8") -> str:
+    """``resolve_impl`` knowing only whether the cache holds 1-byte values (the engine config
+    resolves its mode before any dtype exists)."""
     if impl not in ATTENTION_IMPLS:
         raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {impl!r}")
-    byte_cache = kv_cache_dtype is not None and np.dtype(kv_cache_dtype).itemsize == 1
     if impl == "pallas_tpu" and byte_cache:
         raise ValueError(
-            f"attention_impl=pallas_tpu cannot read a {np.dtype(kv_cache_dtype).name} "
+            f"attention_impl=pallas_tpu cannot read a {cache_dtype_name} "
             f"KV cache (the compiled TPU kernel reads float32 and bfloat16 caches); "
             f"use kv_cache_dtype=auto, or attention_impl=reference"
         )

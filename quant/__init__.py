@@ -18,7 +18,7 @@ Modules (import what you need; importing registers nothing with ``linear``):
   for pre-quantized checkpoints).
 
 Nothing here knows the model. Built on these, a layer up: ``tpu_platform/linear.py``
-(``register_quant_linears()`` routes ``linear(x, record)`` to ``quant_linear``),
+(``quant_linear_impls()``: a runner's table routing ``linear(x, record)`` to ``quant_linear``),
 ``tpu_platform/models/quantize.py`` (``quantize_params(params, method)`` -> (tree of records,
 ``QuantReport``), with GPTQ over the decoder's layers in ``tpu_platform/models/calibrate.py``),
 ``tpu_platform/worker.py`` (``Worker._quantize``: ``--quantization``) and

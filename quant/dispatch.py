@@ -1,8 +1,8 @@
 """Where a quantized ``linear`` runs: the Pallas TPU kernels on a TPU, XLA everywhere else.
 
 ``quant_linear`` serves every record type (``RECORD_TYPES``: ``Fp8Weight``, ``Mxfp4Weight``,
-``Nvfp4Weight``); the model's ``linear`` routes records here once
-``tpu_platform.linear.register_quant_linears()`` is called (quant/ knows nothing of the model).
+``Nvfp4Weight``); the model's ``linear`` routes records here through a runner's table
+(``tpu_platform.linear.quant_linear_impls()``; quant/ knows nothing of the model).
 """
 
 from __future__ import annotations

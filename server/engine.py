@@ -95,7 +95,9 @@ class LLMEngine:
         ``replica``: which data-parallel replica (device subset) this engine runs on."""
         from tpuserve.tpu_platform.device import discover
 
-        config = config.for_backend(discover().backend)  # the platform's scheduler sizes
+        backend = discover().backend
+        # The platform's scheduler sizes, and its concrete attention and layer-loop modes.
+        config = config.for_backend(backend).with_modes_resolved(backend)
         self.config = config
         self.worker = Worker(config, replica)
         self.worker.load()

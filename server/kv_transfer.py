@@ -61,7 +61,7 @@ class KVTransferRole:
         self.mover = DevicePageMover()
         self.sender = None
         self.receiver = None
-        if cfg.kv_role in ("kv_producer", "kv_both"):
+        if cfg.kv_role.sends:
             self.sender = TcpKVSender(
                 self.layout,
                 host=cfg.kv_ip,
@@ -69,7 +69,7 @@ class KVTransferRole:
                 **listener_options(cfg.kv_connector_extra_config),
             )
             log.info("KV producer listening on %s:%d", *self.sender.address)
-        if cfg.kv_role in ("kv_consumer", "kv_both"):
+        if cfg.kv_role.receives:
             self.receiver = TcpKVReceiver(self.layout)
 
     @property

@@ -23,6 +23,7 @@ from tpuserve.server.outputs import Logprob, RequestOutput
 from tpuserve.server.protocol import MAX_STOP, SamplingFields
 from tpuserve.server.sampling_params import SamplingParams, StructuredOutputParams
 from tpuserve.server.structured_output import choice_regex, compile_structured_output
+from tpuserve.tpu_platform.config import KVLoadFailurePolicy
 
 MAX_PROMPTS = 256  # prompts in one /v1/completions request
 # Prompt characters allowed per token of max_model_len (``--max-prompt-chars-per-token``): text this
@@ -213,7 +214,7 @@ class ServingContext:
         except ValueError as e:
             raise bad_request(str(e), "kv_transfer_params") from e
         except KVTransferError as e:
-            if role.cfg.kv_load_failure_policy == "recompute":
+            if role.cfg.kv_load_failure_policy == KVLoadFailurePolicy.RECOMPUTE:
                 log.warning("pulling remote KV failed (%s); recomputing the prompt", e)
                 return None
             raise APIError(502, f"could not load the prefill's KV cache: {e}") from e

@@ -21,11 +21,16 @@ Importing this module imports no jax: front ends parse and validate flags before
 from __future__ import annotations
 
 import json
+import logging
 import math
 from dataclasses import dataclass, field, fields, replace
-from typing import Any
+from enum import StrEnum
+from typing import Any, TypeVar
 
-from tpuserve.attention.names import ATTENTION_IMPLS
+from tpuserve.attention.kv_cache_shape import resolve_attention_impl
+from tpuserve.attention.names import AttentionImpl
+
+log = logging.getLogger(__name__)
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # "auto": the model dtype. "fp8" / "fp8_e4m3" (vLLM's names): float8_e4m3fn with one static
@@ -33,14 +38,69 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3")
 QUANTIZATION_METHODS = ("fp8", "mxfp4", "nvfp4")
-QUANTIZATION_CALIBRATIONS = ("gptq", "rtn")
-LAYER_LOOPS = ("auto", "scan", "unroll")
-SPEC_METHODS = ("ngram", "eagle3", "mtp")
-KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+
+
+# Modes: string-valued enums, so CLI and JSON text parse as they are and compare equal to members.
+
+
+class LayerLoop(StrEnum):
+    """How the decoder runs its layers (CompilationConfig.layer_loop says why each)."""
+
+    AUTO = "auto"  # unroll on CPU, scan elsewhere; resolved when the config meets its platform
+    SCAN = "scan"
+    UNROLL = "unroll"
+
+
+class QuantCalibration(StrEnum):
+    GPTQ = "gptq"
+    RTN = "rtn"
+
+
+class SpecMethod(StrEnum):
+    NGRAM = "ngram"
+    EAGLE3 = "eagle3"
+    MTP = "mtp"
+
+
+class KVRole(StrEnum):
+    PRODUCER = "kv_producer"
+    CONSUMER = "kv_consumer"
+    BOTH = "kv_both"
+
+    @property
+    def sends(self) -> bool:
+        return self in (KVRole.PRODUCER, KVRole.BOTH)
+
+    @property
+    def receives(self) -> bool:
+        return self in (KVRole.CONSUMER, KVRole.BOTH)
+
+
+class KVLoadFailurePolicy(StrEnum):
+    FAIL = "fail"
+    RECOMPUTE = "recompute"
+
+
+QUANTIZATION_CALIBRATIONS = tuple(m.value for m in QuantCalibration)
+LAYER_LOOPS = tuple(m.value for m in LayerLoop)
+SPEC_METHODS = tuple(m.value for m in SpecMethod)
+KV_ROLES = tuple(m.value for m in KVRole)
 
 
 class ConfigError(ValueError):
     """A configuration value is invalid; the message names the flag."""
+
+
+_E = TypeVar("_E", bound=StrEnum)
+
+
+def _mode(enum: type[_E], value: Any, name: str) -> _E:
+    """A flag's text (or a member) as ``enum``'s member; a clear error naming the choices."""
+    try:
+        return enum(value)
+    except ValueError:
+        choices = tuple(m.value for m in enum)
+        raise ConfigError(f"{name}: must be one of {choices} (got {value!r})") from None
 
 
 def _need(cond: bool, name: str, value: Any, msg: str) -> None:
@@ -195,7 +255,10 @@ class QuantizationConfig:
     nearest (with a per-block scale search), data-free and fast. FP8 always rounds to nearest."""
 
     method: str | None = None  # the --quantization flag
-    calibration: str = "gptq"  # the --quantization-calibration flag
+    calibration: QuantCalibration = QuantCalibration.GPTQ  # the --quantization-calibration flag
+
+    def __post_init__(self) -> None:
+        self.calibration = _mode(QuantCalibration, self.calibration, "quantization_calibration")
 
     def validate(self) -> None:
         _need(
@@ -203,12 +266,6 @@ class QuantizationConfig:
             "quantization",
             self.method,
             f"must be one of {QUANTIZATION_METHODS} (or unset)",
-        )
-        _need(
-            self.calibration in QUANTIZATION_CALIBRATIONS,
-            "quantization_calibration",
-            self.calibration,
-            f"must be one of {QUANTIZATION_CALIBRATIONS}",
         )
 
 
@@ -219,19 +276,16 @@ class SpeculativeConfig:
     ngram: prompt lookup (``prompt_lookup_min/max``); eagle3: an EAGLE-3 head from ``model``;
     mtp: the MTP layer of ``model``, by default the target's own checkpoint."""
 
-    method: str
+    method: SpecMethod
     num_speculative_tokens: int = 1
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
     model: str | None = None
 
+    def __post_init__(self) -> None:
+        self.method = _mode(SpecMethod, self.method, "speculative_config.method")
+
     def validate(self) -> None:
-        _need(
-            self.method in SPEC_METHODS,
-            "speculative_config.method",
-            self.method,
-            f"must be one of {SPEC_METHODS}",
-        )
         _need(
             1 <= self.num_speculative_tokens <= 16,
             "speculative_config.num_speculative_tokens",
@@ -239,7 +293,7 @@ class SpeculativeConfig:
             "must be in [1, 16]",
         )
         _need(
-            self.method != "eagle3" or bool(self.model),
+            self.method != SpecMethod.EAGLE3 or bool(self.model),
             "speculative_config.model",
             self.model,
             "method 'eagle3' needs the EAGLE-3 checkpoint directory",
@@ -264,31 +318,28 @@ class SpeculativeConfig:
 class KVTransferConfig:
     """``--kv-transfer-config '{"kv_role": "kv_producer", ...}'``."""
 
-    kv_role: str
+    kv_role: KVRole
     kv_connector: str | None = None
     kv_ip: str = "127.0.0.1"
     kv_port: int = 14579
     engine_id: str | None = None
     kv_connector_extra_config: dict = field(default_factory=dict)
     # What a consumer does when pulling a prefill's pages fails: fail the request, or recompute.
-    kv_load_failure_policy: str = "fail"
+    kv_load_failure_policy: KVLoadFailurePolicy = KVLoadFailurePolicy.FAIL
+
+    def __post_init__(self) -> None:
+        self.kv_role = _mode(KVRole, self.kv_role, "kv_transfer_config.kv_role")
+        self.kv_load_failure_policy = _mode(
+            KVLoadFailurePolicy, self.kv_load_failure_policy, "kv_transfer_config.kv_load_failure_policy"
+        )
 
     def validate(self) -> None:
-        _need(
-            self.kv_role in KV_ROLES, "kv_transfer_config.kv_role", self.kv_role, f"must be one of {KV_ROLES}"
-        )
         _need(
             self.kv_connector in (None, "TpuserveTcpConnector"),
             "kv_transfer_config.kv_connector",
             self.kv_connector,
             "the standalone server transfers KV over its own TCP transport: "
             "leave it unset or use 'TpuserveTcpConnector'",
-        )
-        _need(
-            self.kv_load_failure_policy in ("fail", "recompute"),
-            "kv_transfer_config.kv_load_failure_policy",
-            self.kv_load_failure_policy,
-            "must be 'fail' or 'recompute'",
         )
         _need(
             0 <= self.kv_port < 65536,
@@ -300,12 +351,12 @@ class KVTransferConfig:
 
 @dataclass
 class CompilationConfig:
-    attention_impl: str = "auto"
+    attention_impl: AttentionImpl = AttentionImpl.AUTO
     # How the decoder runs its layers: "scan" (one compiled layer body; fast compiles, the layout
     # accelerators want) or "unroll" (one straight-line program over per-layer weight arrays; XLA:CPU
     # copies each layer's weights out of the stacked arrays inside a scan, ~30% of a decode step).
     # "auto": unroll on CPU, scan elsewhere.
-    layer_loop: str = "auto"
+    layer_loop: LayerLoop = LayerLoop.AUTO
     compilation_cache_dir: str | None = None
     # Token-count buckets double from min_token_bucket up to 32, then grow by token_bucket_factor
     # (rounded up to multiples of 16) up to the step budget. Small first buckets matter on CPU: a
@@ -315,14 +366,23 @@ class CompilationConfig:
     min_token_bucket: int = 1
     token_bucket_factor: float = 1.5
 
+    def __post_init__(self) -> None:
+        self.attention_impl = _mode(AttentionImpl, self.attention_impl, "attention_impl")
+        self.layer_loop = _mode(LayerLoop, self.layer_loop, "layer_loop")
+
+    def resolved(self, backend: str, fp8_kv_cache: bool) -> CompilationConfig:
+        """This section with its "auto" modes made concrete for ``backend`` ("tpu", "gpu", "cpu")
+        and the cache's dtype (the one rule; unchanged when nothing is "auto")."""
+        impl = AttentionImpl(resolve_attention_impl(self.attention_impl, backend, fp8_kv_cache))
+        loop = self.layer_loop
+        if loop == LayerLoop.AUTO:
+            # XLA:CPU copies each layer's weights out of the stacked arrays inside a scan.
+            loop = LayerLoop.UNROLL if backend == "cpu" else LayerLoop.SCAN
+        if (impl, loop) == (self.attention_impl, self.layer_loop):
+            return self
+        return replace(self, attention_impl=impl, layer_loop=loop)
+
     def validate(self) -> None:
-        _need(
-            self.attention_impl in ATTENTION_IMPLS,
-            "attention_impl",
-            self.attention_impl,
-            f"must be one of {ATTENTION_IMPLS}",
-        )
-        _need(self.layer_loop in LAYER_LOOPS, "layer_loop", self.layer_loop, f"must be one of {LAYER_LOOPS}")
         _need(self.min_token_bucket >= 1, "min_token_bucket", self.min_token_bucket, "must be >= 1")
         _need(
             self.token_bucket_factor >= 1.25,
@@ -437,6 +497,10 @@ class EngineConfig:
         c = self.compilation
         return _token_buckets(min(c.min_token_bucket, hi), hi, c.token_bucket_factor)
 
+    @property
+    def fp8_kv_cache(self) -> bool:
+        return self.cache.kv_cache_dtype in FP8_KV_CACHE_DTYPES
+
     def for_backend(self, backend: str) -> EngineConfig:
         """This config with the scheduler sizes ``backend`` ("tpu", "gpu", "cpu") prefers, for the
         flags the user left unset (TPU_SCHEDULER_DEFAULTS); other backends keep it as it is."""
@@ -446,6 +510,22 @@ class EngineConfig:
         if not changes:
             return self
         return replace(self, scheduler=replace(self.scheduler, **changes))
+
+    def with_modes_resolved(self, backend: str) -> EngineConfig:
+        """This config with its "auto" modes made concrete for ``backend`` (the one rule:
+        ``CompilationConfig.resolved``), logged once; self when nothing was "auto"."""
+        compilation = self.compilation.resolved(backend, self.fp8_kv_cache)
+        if compilation is self.compilation:
+            return self
+        log.info(
+            "on %s: attention_impl %s -> %s, layer_loop %s -> %s",
+            backend,
+            self.compilation.attention_impl.value,
+            compilation.attention_impl.value,
+            self.compilation.layer_loop.value,
+            compilation.layer_loop.value,
+        )
+        return replace(self, compilation=compilation)
 
     # ---- flat flags ----
 

@@ -86,6 +86,12 @@ class DraftRunner:
 
     def _traced_catch_up(self, params, kv, features, rows, token_ids, positions, md, last_rows, *, inv_freq):
         self._traces += 1
+        with self.target.linears.active():  # the target's table: the head may share its weights
+            return self._catch_up_body(
+                params, kv, features, rows, token_ids, positions, md, last_rows, inv_freq
+            )
+
+    def _catch_up_body(self, params, kv, features, rows, token_ids, positions, md, last_rows, inv_freq):
         out, kv = draft_forward(
             self.head,
             params,
@@ -102,6 +108,10 @@ class DraftRunner:
 
     def _traced_propose(self, params, kv, first, hidden, start, page_table, num_seqs, *, k, inv_freq):
         self._traces += 1
+        with self.target.linears.active():
+            return self._propose_body(params, kv, first, hidden, start, page_table, num_seqs, k, inv_freq)
+
+    def _propose_body(self, params, kv, first, hidden, start, page_table, num_seqs, k, inv_freq):
         s = first.shape[0]
         real = jnp.arange(s) < num_seqs[0]
         cu = jnp.minimum(jnp.arange(s + 1, dtype=jnp.int32), num_seqs[0])

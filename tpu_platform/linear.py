@@ -1,10 +1,11 @@
 """``linear``: the one place the model multiplies activations by a weight.
 
 Every projection (qkv, o, gate_up, down, the LM head) calls ``linear(x, w, bias)``. It picks an
-implementation from the weight's type, so a quantized weight record (FP8, MXFP4, NVFP4, ...) plugs in
-with ``register_linear(RecordType, fn)`` and the decoder does not change; ``register_quant_linears()``
-does that for every record type of ``quant/``. Plain arrays (``jax.Array``, tracers under jit,
-``np.ndarray``) take the dense path.
+implementation from the weight's type in the active ``LinearImpls``: each runner owns one
+(``quant_linear_impls()`` routes every quantized record type of ``quant/``: FP8, MXFP4, NVFP4) and
+activates it while its programs trace, so engines in one process never share a routing table and a
+quantized weight record plugs in without the decoder changing. Plain arrays (``jax.Array``, tracers
+under jit, ``np.ndarray``) take the dense path, with or without an active table.
 
 Weights are ``[in, *out]``: the first axis is contracted with the last axis of ``x``, the remaining
 axes are kept (qkv is ``[H, Hkv, G+2, D]``, so its output is ``[T, Hkv, G+2, D]`` with no reshape in
@@ -13,8 +14,10 @@ the model).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -27,34 +30,76 @@ from tpuserve.quant.dispatch import RECORD_TYPES, quant_linear
 # fn(x [..., in], w, bias [*out] | None, out_dtype | None) -> [..., *out]
 LinearFn = Callable[[jax.Array, Any, Any, Any], jax.Array]
 
-_REGISTRY: dict[type, LinearFn] = {}
+
+class LinearImpls:
+    """Which function multiplies by which weight type: one runner's table (never process-wide)."""
+
+    def __init__(self) -> None:
+        self._by_type: dict[type, LinearFn] = {}
+
+    def register(self, weight_type: type, fn: LinearFn) -> LinearImpls:
+        """Route ``linear(x, w, ...)`` to ``fn(x, w, bias, out_dtype)`` when ``w`` is a ``weight_type``;
+        returns self.
+
+        ``fn`` returns ``[..., *out]``; with ``out_dtype`` None it returns the activation dtype. A record
+        that goes through ``jax.jit`` must be a registered pytree (so it keeps its type inside the trace).
+        Registering a type again replaces its function.
+        """
+        if not isinstance(weight_type, type):
+            raise TypeError(f"LinearImpls.register wants a type, got {weight_type!r}")
+        self._by_type[weight_type] = fn
+        return self
+
+    def register_quant(self, impl: str = "auto", *, interpret=None) -> LinearImpls:
+        """Route every quantized record type (``Fp8Weight``, ``Mxfp4Weight``, ``Nvfp4Weight``) to
+        ``quant.dispatch.quant_linear``; returns self.
+
+        impl: "auto" (the Pallas kernels on a TPU, XLA elsewhere, decided at trace time), "xla" or
+        "pallas_tpu"; interpret: a ``pltpu.InterpretParams`` to run the Pallas path on CPU (tests).
+        """
+        if impl not in QUANT_IMPLS:
+            raise ValueError(f"quantized linear impl must be one of {QUANT_IMPLS}, got {impl!r}")
+        fn = functools.partial(quant_linear, impl=impl, interpret=interpret)
+        for t in RECORD_TYPES:
+            self.register(t, fn)
+        return self
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[LinearImpls]:
+        """``linear`` calls inside the block (in this thread or task) route through this table."""
+        token = _ACTIVE.set(self)
+        try:
+            yield self
+        finally:
+            _ACTIVE.reset(token)
+
+    def lookup(self, w) -> LinearFn:
+        for t in type(w).__mro__:  # exact registration (or a base class's) wins
+            fn = self._by_type.get(t)
+            if fn is not None:
+                return fn
+        # Tracers are jax.Array only as a virtual subclass (absent from their MRO): test with isinstance.
+        if isinstance(w, (jax.Array, np.ndarray)):
+            return _dense
+        for t, fn in self._by_type.items():  # virtual subclasses of registered ABCs
+            if isinstance(w, t):
+                return fn
+        known = ", ".join(t.__name__ for t in self._by_type) or "none"
+        raise TypeError(
+            f"linear: no implementation for weight of type {type(w).__module__}."
+            f"{type(w).__qualname__} (dense arrays are built in; registered types: {known}); "
+            f"add one with LinearImpls.register(type, fn) and run under its active()"
+        )
 
 
-def register_linear(weight_type: type, fn: LinearFn) -> None:
-    """Route ``linear(x, w, ...)`` to ``fn(x, w, bias, out_dtype)`` when ``w`` is a ``weight_type``.
-
-    ``fn`` returns ``[..., *out]``; with ``out_dtype`` None it returns the activation dtype. A record
-    that goes through ``jax.jit`` must be a registered pytree (so it keeps its type inside the trace).
-    Registering a type again replaces its function.
-    """
-    if not isinstance(weight_type, type):
-        raise TypeError(f"register_linear wants a type, got {weight_type!r}")
-    _REGISTRY[weight_type] = fn
+def quant_linear_impls(impl: str = "auto", *, interpret=None) -> LinearImpls:
+    """A table routing dense arrays and every quantized record type (``LinearImpls.register_quant``)."""
+    return LinearImpls().register_quant(impl, interpret=interpret)
 
 
-def register_quant_linears(impl: str = "auto", *, interpret=None) -> None:
-    """Route ``linear(x, record)`` to ``quant.dispatch.quant_linear`` for every quantized record type
-    (``Fp8Weight``, ``Mxfp4Weight``, ``Nvfp4Weight``); idempotent, and nothing registers at import
-    time: the worker (or ``quantize_params``, or a test) calls it when the weights hold records.
-
-    impl: "auto" (the Pallas kernels on a TPU, XLA elsewhere, decided at trace time), "xla" or
-    "pallas_tpu"; interpret: a ``pltpu.InterpretParams`` to run the Pallas path on CPU (tests).
-    """
-    if impl not in QUANT_IMPLS:
-        raise ValueError(f"quantized linear impl must be one of {QUANT_IMPLS}, got {impl!r}")
-    fn = functools.partial(quant_linear, impl=impl, interpret=interpret)
-    for t in RECORD_TYPES:
-        register_linear(t, fn)
+# The table of the code tracing now (a context variable: per thread and task, never shared state).
+# None outside any runner: only dense weights multiply.
+_ACTIVE: contextvars.ContextVar[LinearImpls | None] = contextvars.ContextVar("linear_impls", default=None)
 
 
 def _dense(x, w, bias, out_dtype):
@@ -67,29 +112,19 @@ def _dense(x, w, bias, out_dtype):
     return y
 
 
-def _lookup(w) -> LinearFn:
-    for t in type(w).__mro__:  # exact registration (or a base class's) wins
-        fn = _REGISTRY.get(t)
-        if fn is not None:
-            return fn
-    # Tracers are jax.Array only as a virtual subclass (absent from their MRO): test with isinstance.
-    if isinstance(w, (jax.Array, np.ndarray)):
-        return _dense
-    for t, fn in _REGISTRY.items():  # virtual subclasses of registered ABCs
-        if isinstance(w, t):
-            return fn
-    known = ", ".join(t.__name__ for t in _REGISTRY) or "none"
-    raise TypeError(
-        f"linear: no implementation for weight of type {type(w).__module__}."
-        f"{type(w).__qualname__} (dense arrays are built in; registered types: {known}); "
-        f"add one with register_linear(type, fn)"
-    )
-
-
 def linear(x, w, bias=None, *, out_dtype=None):
     """``x [..., in] @ w [in, *out] (+ bias [*out]) -> [..., *out]``.
 
     out_dtype: None keeps the activation dtype (the dense path multiplies in it); the LM head passes
     ``jnp.float32`` so logits come out of the dot in f32 (accumulation too).
     """
-    return _lookup(w)(x, w, bias, out_dtype)
+    impls = _ACTIVE.get()
+    if impls is not None:
+        return impls.lookup(w)(x, w, bias, out_dtype)
+    if isinstance(w, (jax.Array, np.ndarray)):
+        return _dense(x, w, bias, out_dtype)
+    raise TypeError(
+        f"linear: a weight of type {type(w).__module__}.{type(w).__qualname__} needs an active "
+        f"LinearImpls (a runner activates its own while tracing; elsewhere: "
+        f"`with quant_linear_impls().active():`)"
+    )

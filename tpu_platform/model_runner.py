@@ -35,16 +35,19 @@ from jax.sharding import PartitionSpec as P
 
 from tpuserve.attention.dispatch import resolve_impl
 from tpuserve.attention.metadata import AttentionMetadata
+from tpuserve.attention.names import AttentionImpl
 from tpuserve.kv_cache.layout import RESERVED_PAGE, KVCacheSpec, kv_cache_format
 from tpuserve.tpu_platform import kv_scales as ks
-from tpuserve.tpu_platform import rejection_sampler, sampler
-from tpuserve.tpu_platform.config import EngineConfig
+from tpuserve.tpu_platform.config import EngineConfig, LayerLoop
 from tpuserve.tpu_platform.device import DeviceInfo
+from tpuserve.tpu_platform.linear import quant_linear_impls
 from tpuserve.tpu_platform.mesh import MODEL_AXIS, model_axis_size
 from tpuserve.tpu_platform.models.arch import ModelArch
 from tpuserve.tpu_platform.models.decoder import compute_logits, forward
 from tpuserve.tpu_platform.models.sharding import kv_cache_partition_spec, param_partition_specs
 from tpuserve.tpu_platform.models.weights import unstack_layers
+from tpuserve.tpu_platform.rejection_sampler import RejectionSampler
+from tpuserve.tpu_platform.sampler import Sampler, logprob_rows_bucket
 from tpuserve.tpu_platform.step_batch import (
     Logprobs,
     SamplingBatch,
@@ -195,10 +198,11 @@ class ModelRunner:
         self.num_speculative_tokens = int(num_speculative_tokens)
         self.draft_aux_layers = None if draft_aux_layers is None else tuple(int(i) for i in draft_aux_layers)
         self.arch = arch
-        self.layer_loop = config.compilation.layer_loop
-        if self.layer_loop == "auto":
-            self.layer_loop = "unroll" if device.backend == "cpu" else "scan"
-        params = unstack_layers(params) if self.layer_loop == "unroll" else params
+        # A config the engine built has its modes resolved already (EngineConfig.for_backend);
+        # one built by hand (tests, benchmarks) gets the same rule here.
+        byte_cache = jnp.dtype(dtype if kv_cache_dtype is None else kv_cache_dtype).itemsize == 1
+        self.layer_loop = config.compilation.resolved(device.backend, byte_cache).layer_loop
+        params = unstack_layers(params) if self.layer_loop == LayerLoop.UNROLL else params
         self._replicated = None if mesh is None else NamedSharding(mesh, P())
         self._kv_sharding = None if mesh is None else NamedSharding(mesh, kv_cache_partition_spec(MODEL_AXIS))
         if mesh is not None:
@@ -232,13 +236,21 @@ class ModelRunner:
         # The blocked path's work follows the live context, not the table width: one page bucket.
         self.page_buckets = (
             (self.max_pages_per_seq,)
-            if self.attn_impl == "blocked"
+            if self.attn_impl == AttentionImpl.BLOCKED
             else self._page_buckets(self.max_pages_per_seq)
         )
         self.token_buckets = config.token_buckets
         self.seq_buckets = tuple(sorted({min(t, self.max_num_seqs) for t in self.token_buckets}))
         self.max_seq_slots = self.seq_buckets[-1]
         self._traces = 0
+        # This engine's sampling programs and their neutral inputs, on its devices (sampler.py).
+        self.sampler = Sampler(self._replicated)
+        self.rejection_sampler = RejectionSampler(self.sampler)
+        # How this engine's programs multiply by its weights: dense, or its quantized records'
+        # kernels (a dense engine never meets a record). Active while its programs trace.
+        self.linears = quant_linear_impls()
+        self._last_tokens = jax.jit(self._traced_last_tokens, static_argnames=("num_slots",))
+        self._pad_tokens = jax.jit(self._traced_pad_tokens, static_argnames=("num_slots",))
         pin = {}
         if self.kv_format is not None:
             # In and out in the cache's format, so the donated buffer is updated in place.
@@ -320,6 +332,12 @@ class ModelRunner:
         """Model + LM head on the sampled rows. Returns (logits [R, V] f32, hidden [T, H] after the
         final norm (prompt logprobs score its rows later), draft features [T, A] or None, kv_cache)."""
         self._traces += 1  # runs only while tracing, i.e. once per compiled program
+        with self.linears.active():
+            return self._forward_and_logits(
+                params, kv_cache, token_ids, positions, md, logits_indices, inv_freq
+            )
+
+    def _forward_and_logits(self, params, kv_cache, token_ids, positions, md, logits_indices, inv_freq):
         out = forward(
             params,
             kv_cache,
@@ -377,6 +395,10 @@ class ModelRunner:
         )
 
         def amax(params, cache, tokens, positions, md, inv_freq):
+            with self.linears.active():
+                return _amax(params, cache, tokens, positions, md, inv_freq)
+
+        def _amax(params, cache, tokens, positions, md, inv_freq):
             kv = forward(
                 params,
                 cache,
@@ -433,10 +455,19 @@ class ModelRunner:
     def _traced_prompt_logits(self, params, hidden):
         """Logits of every row of a step, rows padded to the logprob bucket: [B, V] f32."""
         self._traces += 1
-        rows = sampler.logprob_rows_bucket(hidden.shape[0])
+        rows = logprob_rows_bucket(hidden.shape[0])
         hidden = jnp.pad(hidden, ((0, rows - hidden.shape[0]), (0, 0)))
-        logits = compute_logits(params, hidden, arch=self.arch)
+        with self.linears.active():
+            logits = compute_logits(params, hidden, arch=self.arch)
         return logits if self.mesh is None else self._gather_logits(logits)
+
+    def _traced_last_tokens(self, token_ids, num_accepted, *, num_slots: int):
+        self._traces += 1  # the step glue (runs only while tracing)
+        return _last_tokens(token_ids, num_accepted, num_slots=num_slots)
+
+    def _traced_pad_tokens(self, token_ids, *, num_slots: int):
+        self._traces += 1
+        return _pad_tokens(token_ids, num_slots=num_slots)
 
     def _gather_logits(self, logits):
         """[R, V] logits of a vocabulary-parallel LM head -> replicated, for the sampler.
@@ -450,8 +481,9 @@ class ModelRunner:
 
     @property
     def compile_count(self) -> int:
-        """Programs traced so far: model forward variants plus sampler and step-glue variants."""
-        return self._traces + sampler.compile_count() + _glue_traces() + rejection_sampler.compile_count()
+        """Programs traced so far by this runner: model forward variants, step glue, and its
+        sampler's and rejection sampler's variants."""
+        return self._traces + self.sampler.compile_count() + self.rejection_sampler.compile_count()
 
     def _put(self, x) -> jax.Array:
         """A host array as a step input: on the default device, or replicated over the mesh."""
@@ -612,10 +644,12 @@ class ModelRunner:
         if batch.row_bitmask is not None and sampling is batch.sampling:
             rows = dataclasses.replace(rows, token_bitmask=batch.row_bitmask)
         if batch.draft_token_ids.shape[1] == 0:
-            token_ids, lp_parts = sampler.sample_async(fwd.logits, rows, self.max_logprobs, greedy=fwd.greedy)
+            token_ids, lp_parts = self.sampler.sample_async(
+                fwd.logits, rows, self.max_logprobs, greedy=fwd.greedy
+            )
             accepted = None
         else:
-            v = rejection_sampler.verify_async(
+            v = self.rejection_sampler.verify_async(
                 fwd.logits,
                 rows,
                 batch.draft_token_ids,
@@ -630,15 +664,15 @@ class ModelRunner:
             # rows that have prompt targets.
             targets = np.zeros(len(batch.token_ids), np.int32)
             targets[batch.prompt_logprob_rows] = batch.prompt_logprob_targets
-            prompt_parts = sampler.compute_logprobs_async(
+            prompt_parts = self.sampler.compute_logprobs_async(
                 self._prompt_logits(self.params, fwd.hidden), targets, self.max_logprobs
             )
         if accepted is None and token_ids is fwd.greedy and fwd.greedy_last is not None:
             last = fwd.greedy_last
         elif accepted is None:
-            last = _pad_tokens(token_ids, num_slots=self.max_seq_slots)
+            last = self._pad_tokens(token_ids, num_slots=self.max_seq_slots)
         else:
-            last = _last_tokens(token_ids, accepted, num_slots=self.max_seq_slots)
+            last = self._last_tokens(token_ids, accepted, num_slots=self.max_seq_slots)
         return PendingStep(
             batch.num_seqs, token_ids, accepted, last, lp_parts, prompt_parts, batch.prompt_logprob_rows
         )
@@ -694,21 +728,19 @@ class ModelRunner:
         if k:
             drafted_buckets = [t for t in self.token_buckets if t >= 2]
             row_counts |= {self._logits_slots(t, k) for t in drafted_buckets}
-            rejection_sampler.warmup(
+            self.rejection_sampler.warmup(
                 [(self._logits_slots(t, k), min(t, self.max_num_seqs), k) for t in drafted_buckets],
                 self.arch.vocab_size,
-                sharding=self._replicated,
             )
-        sampler.warmup(
+        self.sampler.warmup(
             sorted(row_counts),
             self.arch.vocab_size,
             self.max_logprobs,
             prompt_logprob_rows=self.token_buckets[-1],
-            sharding=self._replicated,
         )
         # A sampled (not greedy) step's feed source: its [S] tokens padded to the slots.
         for s in self.seq_buckets:
-            _pad_tokens(self._put(np.zeros(s, np.int32)), num_slots=self.max_seq_slots)
+            self._pad_tokens(self._put(np.zeros(s, np.int32)), num_slots=self.max_seq_slots)
         # Prompt logprobs: the LM head over every row of each token bucket.
         for t in self.token_buckets:
             self._prompt_logits(self.params, self._put(np.zeros((t, self.arch.hidden_size), self.dtype)))
@@ -735,33 +767,18 @@ class ModelRunner:
         )
 
 
-# ---- step glue: small jitted helpers between the model and the sampler ----
-
-_glue_count = 0
+# ---- step glue: small helpers between the model and the sampler (the runner jits them) ----
 
 
-def _glue_traces() -> int:
-    return _glue_count
-
-
-def _note_glue() -> None:
-    global _glue_count
-    _glue_count += 1  # runs only while tracing
-
-
-@functools.partial(jax.jit, static_argnames=("num_slots",))
 def _last_tokens(token_ids, num_accepted, *, num_slots: int):
     """[S, K+1], [S] -> [num_slots]: each sequence's last new token, padded to a fixed width so the
     next step's program does not depend on this step's shape."""
-    _note_glue()
     last = jnp.take_along_axis(token_ids, num_accepted[:, None], axis=1)[:, 0]
     return jnp.zeros(num_slots, jnp.int32).at[: last.shape[0]].set(last)
 
 
-@functools.partial(jax.jit, static_argnames=("num_slots",))
 def _pad_tokens(token_ids, *, num_slots: int):
     """[S] -> [num_slots]: one new token per sequence, padded like ``_last_tokens``'s output."""
-    _note_glue()
     return jnp.zeros(num_slots, jnp.int32).at[: token_ids.shape[0]].set(token_ids)
 
 

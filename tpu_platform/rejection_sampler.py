@@ -24,7 +24,9 @@ coin uses fold_in(key(seed), (step + j) | 2**31), a stream no draw touches (toke
 2**31). A sequence's tokens depend only on its (seed, steps), never on the rest of the batch.
 
 Compilation: one verify program per (R, S, K) and draft-probability presence, one greedy-acceptance
-program per (R, S, K); ``warmup`` compiles them. Nothing in here syncs with the host.
+program per (R, S, K); ``RejectionSampler.warmup`` compiles them. Nothing in here syncs with the host.
+A ``RejectionSampler`` is one engine's: it owns its programs and their trace count, and runs beside
+that engine's ``Sampler``.
 """
 
 from __future__ import annotations
@@ -38,22 +40,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from tpuserve.tpu_platform import sampler
+from tpuserve.tpu_platform.sampler import Sampler
 from tpuserve.tpu_platform.step_batch import SamplingBatch
 
 # Or-ed into a token index to key its accept coin apart from its draw (see the module doc).
 _COIN_STREAM = np.uint32(0x80000000)
-
-_trace_count = 0
-
-
-def compile_count() -> int:
-    """How many times a jitted program of this module was traced."""
-    return _trace_count
-
-
-def _note_trace() -> None:
-    global _trace_count
-    _trace_count += 1  # runs only while tracing
 
 
 @dataclass
@@ -180,7 +171,6 @@ def _verify_impl(
 ):
     """x [R, V] processed logits (after the extras stage) and the random stage's arguments ``a``
     (per row) -> rejection_sample's outputs."""
-    _note_trace()
     x = x.astype(jnp.float32)
     greedy_ids = jnp.argmax(x, axis=-1).astype(jnp.int32)
     y = sampler.target_logits(x, a)
@@ -197,10 +187,6 @@ def _verify_impl(
     )
 
 
-_verify_jit = jax.jit(_verify_impl, static_argnames=("resample_from_target",))
-
-
-@jax.jit
 def accept_greedy(tokens: jax.Array, drafts: jax.Array, cu_logits: jax.Array):
     """Greedy verification. tokens [R] (the target's greedy token at each logits row), drafts [S, K]
     (-1 pads), cu_logits [S+1] -> (token_ids [S, K+1], num_accepted [S]).
@@ -208,69 +194,99 @@ def accept_greedy(tokens: jax.Array, drafts: jax.Array, cu_logits: jax.Array):
     Drafts are accepted while they equal the target's token at their row; the new tokens are the
     target's tokens up to and including the first mismatch (or the bonus row after the last draft).
     """
-    _note_trace()
     rows = _seq_rows(cu_logits, drafts.shape[1], tokens.shape[0])
     return _finish(drafts == tokens[rows[:, :-1]], tokens, rows, cu_logits)
 
 
-def verify_async(
-    logits: jax.Array,
-    rows: SamplingBatch,
-    draft_token_ids: Any,
-    cu_logits: Any,
-    draft_probs: jax.Array | None = None,
-    *,
-    max_logprobs: int = sampler.DEFAULT_MAX_LOGPROBS,
-    resample_from_target: bool = False,
-) -> Verification:
-    """Verify one step's drafts (dispatches; never waits for the device).
+class RejectionSampler:
+    """One engine's verification programs, run beside its ``sampler`` (whose stages and neutral
+    arrays they reuse); jitted per instance, so the trace count is this engine's own."""
 
-    logits [R, V]: the raw target logits of the step's logits rows; rows: the sampling parameters
-    expanded to one row per logits row (row j of a sequence with ``steps`` = its step + j);
-    draft_token_ids [S, K] i32 (-1 pads); cu_logits [S+1] i32; draft_probs [S, K, V] or None
-    (one-hot drafts). max_logprobs as for ``sampler.sample``.
-    All-greedy batches take the sampler's own greedy path and ``accept_greedy``; a batch with a
-    random row runs the rejection rule (its greedy rows follow the argmax all the same).
-    """
-    logits = jnp.asarray(logits)
-    # Host arrays stay numpy (the jitted call ships them): a device-side cast would compile a program.
-    drafts, cu = (
-        a if isinstance(a, jax.Array) else np.asarray(a, np.int32) for a in (draft_token_ids, cu_logits)
-    )
-    if logits.ndim != 2 or drafts.ndim != 2 or cu.shape != (drafts.shape[0] + 1,):
-        raise ValueError(f"bad shapes: logits {logits.shape}, drafts {drafts.shape}, cu_logits {cu.shape}")
-    if draft_probs is not None and draft_probs.shape != (*drafts.shape, logits.shape[1]):
-        raise ValueError(
-            f"draft_probs has shape {draft_probs.shape}, expected {(*drafts.shape, logits.shape[1])}"
+    def __init__(self, sampler: Sampler):
+        self.sampler = sampler
+        self._traces = 0
+        self._verify_jit = jax.jit(self._verify, static_argnames=("resample_from_target",))
+        self._accept_greedy_jit = jax.jit(self._accept_greedy)
+
+    def compile_count(self) -> int:
+        """How many times a program of this rejection sampler was traced."""
+        return self._traces
+
+    # The traced bodies: Python runs them once per trace, never on cached calls.
+
+    def _verify(self, x, a, drafts, cu_logits, draft_probs, resample_from_target: bool):
+        self._traces += 1
+        return _verify_impl(x, a, drafts, cu_logits, draft_probs, resample_from_target)
+
+    def _accept_greedy(self, tokens, drafts, cu_logits):
+        self._traces += 1
+        return accept_greedy(tokens, drafts, cu_logits)
+
+    def verify_async(
+        self,
+        logits: jax.Array,
+        rows: SamplingBatch,
+        draft_token_ids: Any,
+        cu_logits: Any,
+        draft_probs: jax.Array | None = None,
+        *,
+        max_logprobs: int = sampler.DEFAULT_MAX_LOGPROBS,
+        resample_from_target: bool = False,
+    ) -> Verification:
+        """Verify one step's drafts (dispatches; never waits for the device).
+
+        logits [R, V]: the raw target logits of the step's logits rows; rows: the sampling parameters
+        expanded to one row per logits row (row j of a sequence with ``steps`` = its step + j);
+        draft_token_ids [S, K] i32 (-1 pads); cu_logits [S+1] i32; draft_probs [S, K, V] or None
+        (one-hot drafts). max_logprobs as for ``sampler.sample``.
+        All-greedy batches take the sampler's own greedy path and ``accept_greedy``; a batch with a
+        random row runs the rejection rule (its greedy rows follow the argmax all the same).
+        """
+        logits = jnp.asarray(logits)
+        # Host arrays stay numpy (the jitted call ships them): a device-side cast would compile a program.
+        drafts, cu = (
+            a if isinstance(a, jax.Array) else np.asarray(a, np.int32) for a in (draft_token_ids, cu_logits)
         )
-    if not bool((np.asarray(rows.temperature) >= sampler.GREEDY_EPS).any()):
-        tokens, parts = sampler.sample_async(logits, rows, max_logprobs)
-        token_ids, accepted = accept_greedy(tokens, drafts, cu)
-        return Verification(token_ids, accepted, tokens, parts)
-    x, random_args, num_top = sampler.prepare_verification(logits, rows, max_logprobs)
-    token_ids, accepted, row_tokens = _verify_jit(
-        x, random_args, drafts, cu, draft_probs, resample_from_target=resample_from_target
-    )
-    parts = None if num_top is None else sampler.token_logprobs_async(logits, row_tokens, num_top)
-    return Verification(token_ids, accepted, row_tokens, parts)
+        if logits.ndim != 2 or drafts.ndim != 2 or cu.shape != (drafts.shape[0] + 1,):
+            raise ValueError(
+                f"bad shapes: logits {logits.shape}, drafts {drafts.shape}, cu_logits {cu.shape}"
+            )
+        if draft_probs is not None and draft_probs.shape != (*drafts.shape, logits.shape[1]):
+            raise ValueError(
+                f"draft_probs has shape {draft_probs.shape}, expected {(*drafts.shape, logits.shape[1])}"
+            )
+        if not bool((np.asarray(rows.temperature) >= sampler.GREEDY_EPS).any()):
+            tokens, parts = self.sampler.sample_async(logits, rows, max_logprobs)
+            token_ids, accepted = self._accept_greedy_jit(tokens, drafts, cu)
+            return Verification(token_ids, accepted, tokens, parts)
+        x, random_args, num_top = self.sampler.prepare_verification(logits, rows, max_logprobs)
+        token_ids, accepted, row_tokens = self._verify_jit(
+            x, random_args, drafts, cu, draft_probs, resample_from_target=resample_from_target
+        )
+        parts = None if num_top is None else self.sampler.token_logprobs_async(logits, row_tokens, num_top)
+        return Verification(token_ids, accepted, row_tokens, parts)
 
-
-def warmup(
-    shapes: Iterable[tuple[int, int, int]], vocab_size: int, *, draft_probs: bool = False, sharding=None
-) -> int:
-    """Compile the verify and greedy-acceptance programs for each (R, S, K) in ``shapes`` (logits
-    [R, V] f32), with one-hot drafts and, when ``draft_probs``, with draft distributions too.
-    The sampler's own programs at R rows are ``sampler.warmup``'s job. ``sharding``: where the real
-    logits live (None: the default device). Returns programs compiled."""
-    before = compile_count()
-    for num_rows, num_seqs, k in sorted(set(shapes)):
-        x = jax.device_put(np.zeros((num_rows, vocab_size), np.float32), sharding)
-        drafts = np.full((num_seqs, k), -1, np.int32)
-        cu = np.zeros(num_seqs + 1, np.int32)
-        rows = SamplingBatch.greedy(num_rows)
-        accept_greedy(jax.device_put(np.zeros(num_rows, np.int32), sharding), drafts, cu)
-        rows.temperature[0] = 1.0
-        _, random_args, _ = sampler.prepare_verification(x, rows)
-        for probs in (None, np.zeros((num_seqs, k, vocab_size), np.float32)) if draft_probs else (None,):
-            _verify_jit(x, random_args, drafts, cu, probs, resample_from_target=False)
-    return compile_count() - before
+    def warmup(
+        self,
+        shapes: Iterable[tuple[int, int, int]],
+        vocab_size: int,
+        *,
+        draft_probs: bool = False,
+    ) -> int:
+        """Compile the verify and greedy-acceptance programs for each (R, S, K) in ``shapes`` (logits
+        [R, V] f32), with one-hot drafts and, when ``draft_probs``, with draft distributions too.
+        The sampler's own programs at R rows are ``Sampler.warmup``'s job. The warm-up logits live
+        where the real ones do (the sampler's ``sharding``). Returns programs compiled."""
+        sharding = self.sampler.sharding
+        before = self.compile_count()
+        for num_rows, num_seqs, k in sorted(set(shapes)):
+            x = jax.device_put(np.zeros((num_rows, vocab_size), np.float32), sharding)
+            drafts = np.full((num_seqs, k), -1, np.int32)
+            cu = np.zeros(num_seqs + 1, np.int32)
+            rows = SamplingBatch.greedy(num_rows)
+            self._accept_greedy_jit(jax.device_put(np.zeros(num_rows, np.int32), sharding), drafts, cu)
+            rows.temperature[0] = 1.0
+            _, random_args, _ = self.sampler.prepare_verification(x, rows)
+            for probs in (None, np.zeros((num_seqs, k, vocab_size), np.float32)) if draft_probs else (None,):
+                self._verify_jit(x, random_args, drafts, cu, probs, resample_from_target=False)
+        return self.compile_count() - before

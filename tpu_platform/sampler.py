@@ -33,11 +33,15 @@ so nothing compiles after ``warmup``:
     columns down to what was asked for.
 Stages rather than one fused program per kind: the PRNG (threefry) dominates compile time on CPU,
 and this way one program per row count holds it instead of four. Prompt logprobs
-(``compute_logprobs``) pad their rows to power-of-two buckets. ``compile_count()`` counts traces.
+(``compute_logprobs``) pad their rows to power-of-two buckets.
+
+State is per engine: a ``Sampler`` holds its own compiled stages, trace count (``compile_count()``)
+and neutral arrays, placed where its engine's logits live; two engines in one process share none.
 
 Draft verification (rejection_sampler.py) draws its own tokens from the same distribution:
-it reuses the extras stage (``prepare_verification``), the random processing (``target_logits``),
-the row keys (``row_keys``) and the logprobs program (``token_logprobs_async``).
+it reuses the extras stage (``Sampler.prepare_verification``), the random processing
+(``target_logits``), the row keys (``row_keys``) and the logprobs program
+(``Sampler.token_logprobs_async``).
 """
 
 from __future__ import annotations
@@ -67,23 +71,6 @@ class _Variant:
     random: bool  # some row samples (temperature >= GREEDY_EPS)
     extras: bool  # penalties and/or an allowed-token mask (banned ids, structured output)
     num_top: int | None  # None = no logprobs, else the top-k size (max_logprobs clamped to V)
-
-
-_trace_count = 0
-# Neutral extras inputs per (name, S, V), kept on device so batches that lack them send nothing.
-_NEUTRAL: dict[tuple[str, int, int], jax.Array] = {}
-
-
-def compile_count() -> int:
-    """How many times a jitted function of this module was traced: each stage program once per
-    static flag and input shapes (sample's stages and the logprobs program compute_logprobs shares)."""
-    return _trace_count
-
-
-def _note_trace() -> None:
-    # Called from inside traced bodies: Python runs it once per trace, never on cached calls.
-    global _trace_count
-    _trace_count += 1
 
 
 def logprob_rows_bucket(num_rows: int) -> int:
@@ -258,17 +245,16 @@ def _logprobs(raw: jax.Array, targets: jax.Array, num_top: int) -> tuple[jax.Arr
     return target_lp, ranks, top_ids.astype(jnp.int32), top_lp
 
 
-# Stage programs. Each notes its trace; jax.jit caches one executable per static flag and shapes.
+# Stage bodies. A Sampler jits each (and counts its traces); jax.jit caches one executable per
+# static flag and shapes.
 
 
 def _argmax_impl(logits: jax.Array) -> jax.Array:
-    _note_trace()
     return jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
 
 def _extras_impl(logits: jax.Array, a: dict[str, jax.Array], keep_logits: bool) -> jax.Array:
     """Mask, then penalties; returns the processed f32 logits (keep_logits) or their argmax."""
-    _note_trace()
     x = _apply_bitmask(logits.astype(jnp.float32), a["token_bitmask"])
     x = _apply_penalties(
         x,
@@ -282,21 +268,12 @@ def _extras_impl(logits: jax.Array, a: dict[str, jax.Array], keep_logits: bool) 
 
 
 def _random_impl(logits: jax.Array, a: dict[str, jax.Array]) -> jax.Array:
-    _note_trace()
     x = logits.astype(jnp.float32)
     return _draw_random(x, jnp.argmax(x, axis=-1).astype(jnp.int32), a)
 
 
 def _logprobs_impl(logits: jax.Array, targets: jax.Array, num_top: int) -> tuple[jax.Array, ...]:
-    _note_trace()
     return _logprobs(logits.astype(jnp.float32), targets, num_top)
-
-
-_argmax_jit = jax.jit(_argmax_impl)
-_extras_jit = jax.jit(_extras_impl, static_argnames=("keep_logits",))
-_random_jit = jax.jit(_random_impl)
-# Sampled-token logprobs and prompt logprobs share it, so a row count both use compiles once.
-_logprobs_jit = jax.jit(_logprobs_impl, static_argnames=("num_top",))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -336,24 +313,15 @@ def _check_rows(batch: SamplingBatch, num_rows: int, vocab: int) -> None:
         raise ValueError(f"num_logprobs must be None or >= 0, got {batch.num_logprobs}")
 
 
-def _neutral(name: str, num_rows: int, vocab: int) -> jax.Array:
-    """A device-resident extras input that changes nothing, made once per shape.
-
-    device_put of a host array compiles nothing, unlike jnp.zeros, so a first use after warm-up is free.
-    """
-    key = (name, num_rows, vocab)
-    arr = _NEUTRAL.get(key)
-    if arr is None:
-        if name == "output_counts":
-            host = np.zeros((num_rows, vocab), np.int32)
-        elif name == "prompt_mask":
-            host = np.zeros((num_rows, vocab), bool)
-        elif name == "token_bitmask":
-            host = np.full((num_rows, (vocab + 31) // 32), -1, np.int32)
-        else:
-            raise KeyError(name)
-        arr = _NEUTRAL[key] = jax.device_put(host)
-    return arr
+def _neutral_host(name: str, num_rows: int, vocab: int) -> np.ndarray:
+    """The host value of an extras input that changes nothing."""
+    if name == "output_counts":
+        return np.zeros((num_rows, vocab), np.int32)
+    if name == "prompt_mask":
+        return np.zeros((num_rows, vocab), bool)
+    if name == "token_bitmask":
+        return np.full((num_rows, (vocab + 31) // 32), -1, np.int32)
+    raise KeyError(name)
 
 
 def _allowed_words(batch: SamplingBatch, num_rows: int, vocab: int) -> np.ndarray | None:
@@ -387,11 +355,15 @@ def _num_top(max_logprobs: int, vocab: int) -> int:
 
 
 def _prepare(
-    batch: SamplingBatch, num_rows: int, vocab: int, max_logprobs: int = DEFAULT_MAX_LOGPROBS
+    batch: SamplingBatch,
+    num_rows: int,
+    vocab: int,
+    max_logprobs: int,
+    neutral: Callable[[str, int, int], Any],
 ) -> tuple[_Variant, dict[str, Any], dict[str, Any], int]:
-    """The batch's variant, the arguments of its random and extras stages (numpy, or cached neutral
-    device arrays; empty when the stage does not run), and how many top-logprob columns the caller
-    gets back."""
+    """The batch's variant, the arguments of its random and extras stages (numpy, or the neutral
+    arrays ``neutral(name, S, V)`` gives; empty when the stage does not run), and how many
+    top-logprob columns the caller gets back."""
     _check_rows(batch, num_rows, vocab)
     random_args: dict[str, Any] = {}
     extras_args: dict[str, Any] = {}
@@ -431,14 +403,12 @@ def _prepare(
             output_counts=(
                 np.asarray(batch.output_counts, np.int32)
                 if use_counts
-                else _neutral("output_counts", num_rows, vocab)
+                else neutral("output_counts", num_rows, vocab)
             ),
             prompt_mask=(
-                np.asarray(batch.prompt_mask, bool)
-                if use_prompt
-                else _neutral("prompt_mask", num_rows, vocab)
+                np.asarray(batch.prompt_mask, bool) if use_prompt else neutral("prompt_mask", num_rows, vocab)
             ),
-            token_bitmask=words if words is not None else _neutral("token_bitmask", num_rows, vocab),
+            token_bitmask=words if words is not None else neutral("token_bitmask", num_rows, vocab),
         )
 
     num_top = None
@@ -462,109 +432,6 @@ def _to_logprobs(parts: tuple[Any, ...], num_rows: int, columns: int) -> Logprob
     )
 
 
-def sample_async(
-    logits: jax.Array,
-    batch: SamplingBatch,
-    max_logprobs: int = DEFAULT_MAX_LOGPROBS,
-    greedy: jax.Array | None = None,
-) -> tuple[jax.Array, tuple[jax.Array, ...] | None]:
-    """Dispatch sampling without waiting for the device (for a runner that overlaps steps).
-
-    Returns token_ids [S] i32 on device, and when batch.num_logprobs is set the device logprob parts
-    (token_logprobs [S], token_ranks [S] i32, top_ids [S, K] i32, top_logprobs [S, K]) with
-    K = min(max_logprobs, V) whatever was asked: consumers slice the columns they want on the host
-    (``sample`` does). Raises ValueError when num_logprobs > max_logprobs.
-    greedy [S] i32: the logits' argmax when the caller already has it on device (the runner's
-    forward computes it): a batch that only takes argmaxes then dispatches nothing here.
-    """
-    logits = jnp.asarray(logits)
-    if logits.ndim != 2:
-        raise ValueError(f"logits must be [S, V], got shape {logits.shape}")
-    variant, random_args, extras_args, _ = _prepare(batch, *logits.shape, max_logprobs)
-    if greedy is not None and not (variant.random or variant.extras):
-        token_ids = greedy
-    else:
-        token_ids = _run_stages(variant, logits, random_args, extras_args)
-    parts = None
-    if variant.num_top is not None:
-        parts = tuple(_logprobs_jit(logits, token_ids, num_top=variant.num_top))
-    return token_ids, parts
-
-
-def sample(
-    logits: jax.Array, batch: SamplingBatch, max_logprobs: int = DEFAULT_MAX_LOGPROBS
-) -> SamplerOutput:
-    """Sample one token per row.
-
-    logits [S, V] float (raw model output, ideally already on device); batch has S rows.
-    max_logprobs: the engine's limit on num_logprobs (vLLM's --max-logprobs); the device always
-    computes that many top entries, so the requested count never changes the program. Keep it fixed
-    for a server's life and pass the same value to ``warmup``.
-    Returns numpy token_ids [S] i32, plus logprobs of the raw distribution when batch.num_logprobs
-    is set: token_logprobs / token_ranks [S], top_ids / top_logprobs [S, k] with
-    k = min(batch.num_logprobs, V), the batch's largest request; a row that asked for fewer takes the
-    first columns of its row (sorted best first). Raises ValueError when num_logprobs > max_logprobs.
-    """
-    token_ids, parts = sample_async(logits, batch, max_logprobs)
-    logprobs = None
-    if parts is not None:
-        logprobs = _to_logprobs(
-            parts, len(batch.temperature), min(int(batch.num_logprobs), parts[2].shape[1])
-        )
-    return SamplerOutput(token_ids=np.asarray(token_ids), logprobs=logprobs)
-
-
-def prepare_verification(
-    logits: jax.Array, batch: SamplingBatch, max_logprobs: int = DEFAULT_MAX_LOGPROBS
-) -> tuple[jax.Array, dict[str, Any], int | None]:
-    """For draft verification (rejection_sampler.py), which draws its own tokens.
-
-    logits [R, V] (device), batch with R rows -> (x [R, V]: the logits after the extras stage (mask,
-    penalties; dispatched, not awaited) or the logits themselves when the batch needs none; the random
-    stage's arguments, empty when every row is greedy; the logprob columns the device computes,
-    None when the batch wants no logprobs). Feed x and the arguments to ``target_logits``.
-    """
-    variant, random_args, extras_args, _ = _prepare(batch, *logits.shape, max_logprobs)
-    x = _extras_jit(logits, extras_args, keep_logits=True) if variant.extras else logits
-    return x, random_args, variant.num_top
-
-
-def token_logprobs_async(logits: jax.Array, targets: jax.Array, num_top: int) -> tuple[jax.Array, ...]:
-    """logits [R, V], targets [R] i32 -> device (logprob [R], rank [R], top_ids [R, k], top_lp [R, k]),
-    the program ``sample_async`` runs for its logprobs (so a warmed row count compiles nothing)."""
-    return tuple(_logprobs_jit(logits, targets, num_top=num_top))
-
-
-def _run_stages(variant: _Variant, logits: jax.Array, random_args: dict, extras_args: dict) -> jax.Array:
-    """Token ids [S] (on device) through the stages the variant needs."""
-    if variant.extras:
-        x = _extras_jit(logits, extras_args, keep_logits=variant.random)
-        return _random_jit(x, random_args) if variant.random else x
-    if variant.random:
-        return _random_jit(logits, random_args)
-    return _argmax_jit(logits)
-
-
-def _lowered_text(logits: jax.Array, batch: SamplingBatch, max_logprobs: int = DEFAULT_MAX_LOGPROBS) -> str:
-    """The StableHLO text of every stage ``sample`` would run for this batch (tests inspect it)."""
-    logits = jnp.asarray(logits)
-    variant, random_args, extras_args, _ = _prepare(batch, *logits.shape, max_logprobs)
-    num_rows = logits.shape[0]
-    texts = []
-    x = logits
-    if variant.extras:
-        texts.append(_extras_jit.lower(logits, extras_args, keep_logits=variant.random).as_text())
-        x = jax.ShapeDtypeStruct(logits.shape, jnp.float32)
-    if variant.random:
-        texts.append(_random_jit.lower(x, random_args).as_text())
-    elif not variant.extras:
-        texts.append(_argmax_jit.lower(logits).as_text())
-    if variant.num_top is not None:
-        ids = jax.ShapeDtypeStruct((num_rows,), jnp.int32)
-        texts.append(_logprobs_jit.lower(logits, ids, num_top=variant.num_top).as_text())
-    return "\n".join(texts)
-
-
 def _check_logprob_inputs(logits: Any, target_ids: Any) -> tuple[Any, np.ndarray]:
     if not isinstance(logits, jax.Array):
         logits = np.asarray(logits)
@@ -576,89 +443,259 @@ def _check_logprob_inputs(logits: Any, target_ids: Any) -> tuple[Any, np.ndarray
     return logits, targets
 
 
-def compute_logprobs_async(
-    logits: Any, target_ids: Any, max_logprobs: int = DEFAULT_MAX_LOGPROBS
-) -> tuple[jax.Array, ...]:
-    """Dispatch prompt logprobs without waiting: the device parts of ``compute_logprobs``, padded.
+class Sampler:
+    """One engine's sampler: its own compiled stage programs, their trace count, and the neutral
+    extras inputs, placed where the engine's logits live (``sharding``: a mesh runner's replicated
+    sharding; None: the default device). Engines in one process never share one."""
 
-    logits [N, V], target_ids [R] with R <= N (see compute_logprobs). Returns (token_logprobs [B],
-    token_ranks [B] i32, top_ids [B, K] i32, top_logprobs [B, K]) with B = logprob_rows_bucket(N) and
-    K = min(max_logprobs, V): the host keeps the first R rows and the columns it wants.
-    """
-    logits, targets = _check_logprob_inputs(logits, target_ids)
-    num_logits_rows, vocab = logits.shape
-    bucket = logprob_rows_bucket(num_logits_rows)
-    if bucket > num_logits_rows:
-        pad = ((0, bucket - num_logits_rows), (0, 0))
-        logits = jnp.pad(logits, pad) if isinstance(logits, jax.Array) else np.pad(logits, pad)
-    padded_targets = np.zeros(bucket, np.int32)
-    padded_targets[: targets.shape[0]] = targets
-    return tuple(_logprobs_jit(logits, padded_targets, num_top=_num_top(max_logprobs, vocab)))
+    def __init__(self, sharding: Any = None):
+        self.sharding = sharding
+        self._traces = 0
+        # Neutral extras inputs per (name, S, V), kept on device so batches that lack them send nothing.
+        self._neutral_arrays: dict[tuple[str, int, int], jax.Array] = {}
+        # Jitted per instance (bound methods): a trace, and so a compile count, is this sampler's own.
+        self._argmax_jit = jax.jit(self._argmax)
+        self._extras_jit = jax.jit(self._extras, static_argnames=("keep_logits",))
+        self._random_jit = jax.jit(self._random)
+        # Sampled-token logprobs and prompt logprobs share it, so a row count both use compiles once.
+        self._logprobs_jit = jax.jit(self._logprobs, static_argnames=("num_top",))
 
+    def compile_count(self) -> int:
+        """How many times a stage program of this sampler was traced: each once per static flag and
+        input shapes (sample's stages and the logprobs program compute_logprobs shares)."""
+        return self._traces
 
-def compute_logprobs(
-    logits: Any, target_ids: Any, num_top: int, max_logprobs: int = DEFAULT_MAX_LOGPROBS
-) -> Logprobs:
-    """Logprobs of given targets under log_softmax(logits) (prompt logprobs).
+    # The traced bodies: Python runs them once per trace, never on cached calls.
 
-    logits [N, V] float, target_ids [R] int with R <= N: row i of the result scores target_ids[i]
-    under logits row i; logits rows past R are padding and ignored. The rows are padded to
-    ``logprob_rows_bucket(N)`` (power-of-two buckets, all compiled by ``warmup``), so the number of
-    prompt positions never compiles a new program. Padding a host (numpy) array is free; padding a
-    device array of a non-bucket N runs a small pad op compiled per N, which callers avoid by
-    gathering their logits rows with indices already padded to ``logprob_rows_bucket(R)``.
-    The device computes the top min(max_logprobs, V) entries; 0 <= num_top <= max_logprobs.
-    Returns numpy token_logprobs [R], token_ranks [R] i32, top_ids / top_logprobs [R, min(num_top, V)].
-    """
-    if num_top < 0:
-        raise ValueError(f"num_top must be >= 0, got {num_top}")
-    logits, targets = _check_logprob_inputs(logits, target_ids)
-    columns = min(int(num_top), logits.shape[1])
-    if columns > _num_top(max_logprobs, logits.shape[1]):
-        raise ValueError(f"num_top {num_top} exceeds max_logprobs {max_logprobs}")
-    parts = compute_logprobs_async(logits, targets, max_logprobs)
-    return _to_logprobs(parts, targets.shape[0], columns)
+    def _argmax(self, logits: jax.Array) -> jax.Array:
+        self._traces += 1
+        return _argmax_impl(logits)
 
+    def _extras(self, logits: jax.Array, a: dict[str, jax.Array], keep_logits: bool) -> jax.Array:
+        self._traces += 1
+        return _extras_impl(logits, a, keep_logits)
 
-def warmup(
-    row_counts: Iterable[int],
-    vocab_size: int,
-    max_logprobs: int = DEFAULT_MAX_LOGPROBS,
-    prompt_logprob_rows: int = 0,
-    dtype: Any = jnp.float32,
-    sharding: Any = None,
-) -> int:
-    """Compile every sampler variant for every row count in ``row_counts`` (logits [S, vocab_size] of
-    ``dtype``), and compute_logprobs for every row bucket up to ``prompt_logprob_rows`` (0: none).
+    def _random(self, logits: jax.Array, a: dict[str, jax.Array]) -> jax.Array:
+        self._traces += 1
+        return _random_impl(logits, a)
 
-    Afterwards no batch of those row counts compiles anything, whatever its sampling parameters,
-    as long as ``max_logprobs`` matches what ``sample`` / ``compute_logprobs`` are called with.
-    ``sharding``: where the real logits live (a mesh runner's replicated sharding); None: the
-    default device.
-    Costs 5 programs per row count (argmax, extras x 2, random, logprobs) plus one per prompt
-    bucket not among them. Returns the number of programs compiled (0 when everything was warm).
-    """
-    before = compile_count()
-    for num_rows in sorted(set(int(n) for n in row_counts)):
-        logits = jax.device_put(np.zeros((num_rows, vocab_size), dtype), sharding)
-        for name in ("output_counts", "prompt_mask", "token_bitmask"):
-            _neutral(name, num_rows, vocab_size)
-        for random in (False, True):
-            for extras in (False, True):
-                for logprobs in (False, True):
-                    batch = SamplingBatch.greedy(num_rows)
-                    if random:
-                        batch.temperature[0] = 1.0
-                    if extras:
-                        batch.repetition_penalty[0] = 1.1
-                        batch.output_counts = np.zeros((num_rows, vocab_size), np.int32)
-                    if logprobs:
-                        batch.num_logprobs = 0
-                    sample(logits, batch, max_logprobs)
-    if prompt_logprob_rows > 0:
-        rows = MIN_LOGPROB_ROWS
-        while rows <= logprob_rows_bucket(prompt_logprob_rows):
-            logits = jax.device_put(np.zeros((rows, vocab_size), dtype), sharding)
-            compute_logprobs(logits, np.zeros(rows, np.int32), 0, max_logprobs)
-            rows *= 2
-    return compile_count() - before
+    def _logprobs(self, logits: jax.Array, targets: jax.Array, num_top: int) -> tuple[jax.Array, ...]:
+        self._traces += 1
+        return _logprobs_impl(logits, targets, num_top)
+
+    def _neutral(self, name: str, num_rows: int, vocab: int) -> jax.Array:
+        """A device-resident extras input that changes nothing, made once per shape.
+
+        device_put of a host array compiles nothing, unlike jnp.zeros, so a first use after warm-up is free.
+        """
+        key = (name, num_rows, vocab)
+        arr = self._neutral_arrays.get(key)
+        if arr is None:
+            arr = self._neutral_arrays[key] = jax.device_put(
+                _neutral_host(name, num_rows, vocab), self.sharding
+            )
+        return arr
+
+    def _prepare(
+        self, batch: SamplingBatch, num_rows: int, vocab: int, max_logprobs: int
+    ) -> tuple[_Variant, dict[str, Any], dict[str, Any], int]:
+        """``_prepare`` with this sampler's neutral arrays. On a mesh the host extras go to the
+        same placement as the neutral ones: a program's cache key includes where its inputs
+        sit, so a batch mixing them differently from warm-up's would compile again."""
+        variant, random_args, extras_args, columns = _prepare(
+            batch, num_rows, vocab, max_logprobs, self._neutral
+        )
+        if self.sharding is not None:
+            extras_args = {
+                k: jax.device_put(v, self.sharding) if isinstance(v, np.ndarray) else v
+                for k, v in extras_args.items()
+            }
+        return variant, random_args, extras_args, columns
+
+    def sample_async(
+        self,
+        logits: jax.Array,
+        batch: SamplingBatch,
+        max_logprobs: int = DEFAULT_MAX_LOGPROBS,
+        greedy: jax.Array | None = None,
+    ) -> tuple[jax.Array, tuple[jax.Array, ...] | None]:
+        """Dispatch sampling without waiting for the device (for a runner that overlaps steps).
+
+        Returns token_ids [S] i32 on device, and when batch.num_logprobs is set the device logprob parts
+        (token_logprobs [S], token_ranks [S] i32, top_ids [S, K] i32, top_logprobs [S, K]) with
+        K = min(max_logprobs, V) whatever was asked: consumers slice the columns they want on the host
+        (``sample`` does). Raises ValueError when num_logprobs > max_logprobs.
+        greedy [S] i32: the logits' argmax when the caller already has it on device (the runner's
+        forward computes it): a batch that only takes argmaxes then dispatches nothing here.
+        """
+        logits = jnp.asarray(logits)
+        if logits.ndim != 2:
+            raise ValueError(f"logits must be [S, V], got shape {logits.shape}")
+        variant, random_args, extras_args, _ = self._prepare(batch, *logits.shape, max_logprobs)
+        if greedy is not None and not (variant.random or variant.extras):
+            token_ids = greedy
+        else:
+            token_ids = self._run_stages(variant, logits, random_args, extras_args)
+        parts = None
+        if variant.num_top is not None:
+            parts = tuple(self._logprobs_jit(logits, token_ids, num_top=variant.num_top))
+        return token_ids, parts
+
+    def sample(
+        self, logits: jax.Array, batch: SamplingBatch, max_logprobs: int = DEFAULT_MAX_LOGPROBS
+    ) -> SamplerOutput:
+        """Sample one token per row.
+
+        logits [S, V] float (raw model output, ideally already on device); batch has S rows.
+        max_logprobs: the engine's limit on num_logprobs (vLLM's --max-logprobs); the device always
+        computes that many top entries, so the requested count never changes the program. Keep it fixed
+        for a server's life and pass the same value to ``warmup``.
+        Returns numpy token_ids [S] i32, plus logprobs of the raw distribution when batch.num_logprobs
+        is set: token_logprobs / token_ranks [S], top_ids / top_logprobs [S, k] with
+        k = min(batch.num_logprobs, V), the batch's largest request; a row that asked for fewer takes the
+        first columns of its row (sorted best first). Raises ValueError when num_logprobs > max_logprobs.
+        """
+        token_ids, parts = self.sample_async(logits, batch, max_logprobs)
+        logprobs = None
+        if parts is not None:
+            logprobs = _to_logprobs(
+                parts, len(batch.temperature), min(int(batch.num_logprobs), parts[2].shape[1])
+            )
+        return SamplerOutput(token_ids=np.asarray(token_ids), logprobs=logprobs)
+
+    def prepare_verification(
+        self, logits: jax.Array, batch: SamplingBatch, max_logprobs: int = DEFAULT_MAX_LOGPROBS
+    ) -> tuple[jax.Array, dict[str, Any], int | None]:
+        """For draft verification (rejection_sampler.py), which draws its own tokens.
+
+        logits [R, V] (device), batch with R rows -> (x [R, V]: the logits after the extras stage (mask,
+        penalties; dispatched, not awaited) or the logits themselves when the batch needs none; the random
+        stage's arguments, empty when every row is greedy; the logprob columns the device computes,
+        None when the batch wants no logprobs). Feed x and the arguments to ``target_logits``.
+        """
+        variant, random_args, extras_args, _ = self._prepare(batch, *logits.shape, max_logprobs)
+        x = self._extras_jit(logits, extras_args, keep_logits=True) if variant.extras else logits
+        return x, random_args, variant.num_top
+
+    def token_logprobs_async(
+        self, logits: jax.Array, targets: jax.Array, num_top: int
+    ) -> tuple[jax.Array, ...]:
+        """logits [R, V], targets [R] i32 -> device (logprob [R], rank [R], top_ids [R, k], top_lp [R, k]),
+        the program ``sample_async`` runs for its logprobs (so a warmed row count compiles nothing)."""
+        return tuple(self._logprobs_jit(logits, targets, num_top=num_top))
+
+    def _run_stages(
+        self, variant: _Variant, logits: jax.Array, random_args: dict, extras_args: dict
+    ) -> jax.Array:
+        """Token ids [S] (on device) through the stages the variant needs."""
+        if variant.extras:
+            x = self._extras_jit(logits, extras_args, keep_logits=variant.random)
+            return self._random_jit(x, random_args) if variant.random else x
+        if variant.random:
+            return self._random_jit(logits, random_args)
+        return self._argmax_jit(logits)
+
+    def _lowered_text(
+        self, logits: jax.Array, batch: SamplingBatch, max_logprobs: int = DEFAULT_MAX_LOGPROBS
+    ) -> str:
+        """The StableHLO text of every stage ``sample`` would run for this batch (tests inspect it)."""
+        logits = jnp.asarray(logits)
+        variant, random_args, extras_args, _ = self._prepare(batch, *logits.shape, max_logprobs)
+        num_rows = logits.shape[0]
+        texts = []
+        x = logits
+        if variant.extras:
+            texts.append(self._extras_jit.lower(logits, extras_args, keep_logits=variant.random).as_text())
+            x = jax.ShapeDtypeStruct(logits.shape, jnp.float32)
+        if variant.random:
+            texts.append(self._random_jit.lower(x, random_args).as_text())
+        elif not variant.extras:
+            texts.append(self._argmax_jit.lower(logits).as_text())
+        if variant.num_top is not None:
+            ids = jax.ShapeDtypeStruct((num_rows,), jnp.int32)
+            texts.append(self._logprobs_jit.lower(logits, ids, num_top=variant.num_top).as_text())
+        return "\n".join(texts)
+
+    def compute_logprobs_async(
+        self, logits: Any, target_ids: Any, max_logprobs: int = DEFAULT_MAX_LOGPROBS
+    ) -> tuple[jax.Array, ...]:
+        """Dispatch prompt logprobs without waiting: the device parts of ``compute_logprobs``, padded.
+
+        logits [N, V], target_ids [R] with R <= N (see compute_logprobs). Returns (token_logprobs [B],
+        token_ranks [B] i32, top_ids [B, K] i32, top_logprobs [B, K]) with B = logprob_rows_bucket(N) and
+        K = min(max_logprobs, V): the host keeps the first R rows and the columns it wants.
+        """
+        logits, targets = _check_logprob_inputs(logits, target_ids)
+        num_logits_rows, vocab = logits.shape
+        bucket = logprob_rows_bucket(num_logits_rows)
+        if bucket > num_logits_rows:
+            pad = ((0, bucket - num_logits_rows), (0, 0))
+            logits = jnp.pad(logits, pad) if isinstance(logits, jax.Array) else np.pad(logits, pad)
+        padded_targets = np.zeros(bucket, np.int32)
+        padded_targets[: targets.shape[0]] = targets
+        return tuple(self._logprobs_jit(logits, padded_targets, num_top=_num_top(max_logprobs, vocab)))
+
+    def compute_logprobs(
+        self, logits: Any, target_ids: Any, num_top: int, max_logprobs: int = DEFAULT_MAX_LOGPROBS
+    ) -> Logprobs:
+        """Logprobs of given targets under log_softmax(logits) (prompt logprobs).
+
+        logits [N, V] float, target_ids [R] int with R <= N: row i of the result scores target_ids[i]
+        under logits row i; logits rows past R are padding and ignored. The rows are padded to
+        ``logprob_rows_bucket(N)`` (power-of-two buckets, all compiled by ``warmup``), so the number of
+        prompt positions never compiles a new program. Padding a host (numpy) array is free; padding a
+        device array of a non-bucket N runs a small pad op compiled per N, which callers avoid by
+        gathering their logits rows with indices already padded to ``logprob_rows_bucket(R)``.
+        The device computes the top min(max_logprobs, V) entries; 0 <= num_top <= max_logprobs.
+        Returns numpy token_logprobs [R], token_ranks [R] i32, top_ids / top_logprobs [R, min(num_top, V)].
+        """
+        if num_top < 0:
+            raise ValueError(f"num_top must be >= 0, got {num_top}")
+        logits, targets = _check_logprob_inputs(logits, target_ids)
+        columns = min(int(num_top), logits.shape[1])
+        if columns > _num_top(max_logprobs, logits.shape[1]):
+            raise ValueError(f"num_top {num_top} exceeds max_logprobs {max_logprobs}")
+        parts = self.compute_logprobs_async(logits, targets, max_logprobs)
+        return _to_logprobs(parts, targets.shape[0], columns)
+
+    def warmup(
+        self,
+        row_counts: Iterable[int],
+        vocab_size: int,
+        max_logprobs: int = DEFAULT_MAX_LOGPROBS,
+        prompt_logprob_rows: int = 0,
+        dtype: Any = jnp.float32,
+    ) -> int:
+        """Compile every sampler variant for every row count in ``row_counts`` (logits [S, vocab_size] of
+        ``dtype``), and compute_logprobs for every row bucket up to ``prompt_logprob_rows`` (0: none).
+
+        Afterwards no batch of those row counts compiles anything, whatever its sampling parameters,
+        as long as ``max_logprobs`` matches what ``sample`` / ``compute_logprobs`` are called with.
+        The warm-up logits live where the real ones do (the sampler's ``sharding``).
+        Costs 5 programs per row count (argmax, extras x 2, random, logprobs) plus one per prompt
+        bucket not among them. Returns the number of programs compiled (0 when everything was warm).
+        """
+        before = self.compile_count()
+        for num_rows in sorted(set(int(n) for n in row_counts)):
+            logits = jax.device_put(np.zeros((num_rows, vocab_size), dtype), self.sharding)
+            for name in ("output_counts", "prompt_mask", "token_bitmask"):
+                self._neutral(name, num_rows, vocab_size)
+            for random in (False, True):
+                for extras in (False, True):
+                    for logprobs in (False, True):
+                        batch = SamplingBatch.greedy(num_rows)
+                        if random:
+                            batch.temperature[0] = 1.0
+                        if extras:
+                            batch.repetition_penalty[0] = 1.1
+                            batch.output_counts = np.zeros((num_rows, vocab_size), np.int32)
+                        if logprobs:
+                            batch.num_logprobs = 0
+                        self.sample(logits, batch, max_logprobs)
+        if prompt_logprob_rows > 0:
+            rows = MIN_LOGPROB_ROWS
+            while rows <= logprob_rows_bucket(prompt_logprob_rows):
+                logits = jax.device_put(np.zeros((rows, vocab_size), dtype), self.sharding)
+                self.compute_logprobs(logits, np.zeros(rows, np.int32), 0, max_logprobs)
+                rows *= 2
+        return self.compile_count() - before

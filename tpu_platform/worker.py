@@ -25,10 +25,16 @@ import jax.numpy as jnp
 from tpuserve.attention.kv_cache_shape import resolve_impl
 from tpuserve.kv_cache.layout import KVCacheSpec
 from tpuserve.tpu_platform import kv_scales
-from tpuserve.tpu_platform.config import FP8_KV_CACHE_DTYPES, KV_CACHE_DTYPES, ConfigError, EngineConfig
+from tpuserve.tpu_platform.config import (
+    FP8_KV_CACHE_DTYPES,
+    KV_CACHE_DTYPES,
+    ConfigError,
+    EngineConfig,
+    QuantCalibration,
+    SpecMethod,
+)
 from tpuserve.tpu_platform.device import discover, enable_compilation_cache, resolve_dtype
 from tpuserve.tpu_platform.draft_runner import DraftRunner
-from tpuserve.tpu_platform.linear import register_quant_linears
 from tpuserve.tpu_platform.loader import load_model
 from tpuserve.tpu_platform.loader.draft_head import load_draft
 from tpuserve.tpu_platform.mesh import plan_devices, replica_mesh
@@ -204,7 +210,7 @@ class Worker:
             time.perf_counter() - t0,
         )
         spec = self.config.speculative
-        if spec is not None and spec.method in ("eagle3", "mtp"):
+        if spec is not None and spec.method in (SpecMethod.EAGLE3, SpecMethod.MTP):
             self._load_draft(spec, loaded.source)
 
     def _load_draft(self, spec, target_source: str) -> None:
@@ -276,8 +282,6 @@ class Worker:
             return params
         else:
             self.quantization = method
-        # Registration happens here, not at import: only an engine that holds records needs it.
-        register_quant_linears()
         if checkpoint_method is not None:
             log.info(
                 "checkpoint is pre-quantized (%s): weights %.1f MiB",
@@ -287,9 +291,9 @@ class Worker:
             return params
         t0 = time.perf_counter()
         calibration = None
-        if method in calibrate.GPTQ_METHODS and self.config.quantization.calibration == "gptq":
+        if method in calibrate.GPTQ_METHODS and self.config.quantization.calibration == QuantCalibration.GPTQ:
             calibration = (self.arch, calibrate.calibration_token_ids(self.tokenizer))
-        params, report = quantize_params(params, method, register=False, calibration=calibration)
+        params, report = quantize_params(params, method, calibration=calibration)
         self.quant_report = report
         log.info(
             "quantized online in %.1f s (%s): %s",

@@ -84,19 +84,23 @@ def test_calibrated_layers_track_the_dense_model_better_than_rtn(fmt):
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "tpu_platform"))
     import tiny_models  # tests/tpu_platform/tiny_models.py
 
-    from tpuserve.tpu_platform.linear import register_quant_linears
+    from tpuserve.tpu_platform.linear import quant_linear_impls
     from tpuserve.tpu_platform.models import decoder
     from tpuserve.tpu_platform.models.calibrate import quantize_layers_gptq
     from tpuserve.tpu_platform.models.quantize import quantize_params
     from tpuserve.tpu_platform.models.weights import unstack_layers
 
-    register_quant_linears()
+    impls = quant_linear_impls()
     arch, _, params = tiny_models.tiny_model("llama", hidden=64, ffn=128, layers=2)
     rng = np.random.default_rng(3)
     calib = rng.integers(0, arch.vocab_size, 700).astype(np.int32)
     held_out = tiny_models.ragged_step(arch, [30, 20], seed=7)
 
     def hidden(p):
+        with impls.active():
+            return hidden_of(p)
+
+    def hidden_of(p):
         return np.asarray(
             decoder.forward(
                 p,

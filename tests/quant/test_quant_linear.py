@@ -17,8 +17,7 @@ from jax import lax
 
 from tpuserve.quant import fp4, fp8
 from tpuserve.quant.dispatch import quant_linear
-from tpuserve.tpu_platform import linear as linear_mod
-from tpuserve.tpu_platform.linear import linear, register_quant_linears
+from tpuserve.tpu_platform.linear import linear, quant_linear_impls
 
 K, OUT = 256, (3, 5, 16)  # multi-axis output like qkv's [Hkv, G+2, D]; N = 240
 N = int(np.prod(OUT))
@@ -37,13 +36,10 @@ DENSE_TOL = {"fp8": 0.04, "mxfp4": 0.2, "nvfp4": 0.15}
 
 
 @pytest.fixture(autouse=True)
-def _registry():
-    """Each test starts from the default routing and leaves it there (the registry is global)."""
-    saved = dict(linear_mod._REGISTRY)
-    register_quant_linears()
-    yield
-    linear_mod._REGISTRY.clear()
-    linear_mod._REGISTRY.update(saved)
+def _routing():
+    """Each test runs under the default quantized routing (what a runner activates)."""
+    with quant_linear_impls().active():
+        yield
 
 
 def dense_weight(seed=0):
@@ -149,15 +145,17 @@ def test_pallas_route_through_linear_in_interpret_mode(fmt):
     from jax.experimental.pallas import tpu as pltpu
 
     pltpu.reset_tpu_interpret_mode_state()
-    register_quant_linears("pallas_tpu", interpret=pltpu.InterpretParams(detect_races=True))
+    impls = quant_linear_impls("pallas_tpu", interpret=pltpu.InterpretParams(detect_races=True))
     rec = QUANTIZERS[fmt](dense_weight())
     x = activations(shape=(5,))
-    np.testing.assert_allclose(np.asarray(linear(x, rec)), np.asarray(expected(x, rec)), rtol=2e-5, atol=2e-5)
+    with impls.active():
+        got = linear(x, rec)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(expected(x, rec)), rtol=2e-5, atol=2e-5)
     pltpu.reset_tpu_interpret_mode_state()
 
 
 @pytest.mark.timeout(60)
 def test_unknown_impl_is_refused():
     with pytest.raises(ValueError, match="impl"):
-        register_quant_linears("cuda")
+        quant_linear_impls("cuda")
     assert quant_linear is not None

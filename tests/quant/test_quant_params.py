@@ -8,19 +8,16 @@ import numpy as np
 import pytest
 
 from tpuserve.quant import fp4, fp8
-from tpuserve.tpu_platform import linear as linear_mod
-from tpuserve.tpu_platform.linear import linear
+from tpuserve.tpu_platform.linear import linear, quant_linear_impls
 from tpuserve.tpu_platform.models.quantize import METHODS, quantize_params
 
 L, H, HKV, G, D, F, V = 2, 128, 2, 2, 32, 256, 64
 
 
 @pytest.fixture(autouse=True)
-def _registry():
-    saved = dict(linear_mod._REGISTRY)
-    yield
-    linear_mod._REGISTRY.clear()
-    linear_mod._REGISTRY.update(saved)
+def _routing():
+    with quant_linear_impls().active():  # what a runner activates over quantized weights
+        yield
 
 
 def tree(dtype=jnp.float32):
@@ -71,7 +68,7 @@ def test_quantize_params_stacked(method):
     assert report.dense_bytes == report.bf16_bytes  # the tree was bf16
     assert report.ratio_vs_bf16 <= MAX_RATIO[method], report.summary()
     assert report.total_after < report.total_before
-    # one layer of one matmul through linear (registered by quantize_params) vs the dense weight
+    # one layer of one matmul through linear (the quantized routing) vs the dense weight
     x = jnp.asarray(np.random.default_rng(1).standard_normal((3, H)).astype(np.float32))
     layer = jax.tree_util.tree_map(lambda a: a[1], q["layers"]["gate_up"])
     want = jnp.tensordot(x, params["layers"]["gate_up"][1].swapaxes(0, 1).astype(jnp.float32), axes=1)

@@ -16,11 +16,15 @@ import numpy as np
 import pytest
 from chi_square import chi2_critical, goodness_of_fit
 
-from tpuserve.tpu_platform import rejection_sampler as rs
-from tpuserve.tpu_platform import sampler
+from tpuserve.tpu_platform.rejection_sampler import RejectionSampler
+from tpuserve.tpu_platform.sampler import Sampler
 from tpuserve.tpu_platform.step_batch import SamplingBatch
 
 pytestmark = pytest.mark.timeout(600)
+
+# One engine's sampler and verifier, shared by the module's tests (programs compile once).
+sampler = Sampler()
+rs = RejectionSampler(sampler)
 
 ALPHA = 1e-4
 N = 100_000

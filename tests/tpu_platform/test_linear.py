@@ -1,4 +1,5 @@
-"""linear(): dense arrays, a registered weight record type, and a clear error for anything else."""
+"""linear(): dense arrays, a registered weight record type, and a clear error for anything else;
+the routing table is the active one only (each runner has its own)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tpuserve.tpu_platform.linear import linear, register_linear
+from tpuserve.tpu_platform.linear import LinearImpls, linear
 
 
 def _rand(*shape, seed=0):
@@ -54,22 +55,44 @@ def _int8_linear(x, w: _Int8Weight, bias, out_dtype):
     return y.astype(out_dtype or x.dtype)
 
 
-def test_registered_record_type_dispatches_under_jit():
-    register_linear(_Int8Weight, _int8_linear)
-    w = _rand(8, 6, seed=3)
+def _int8_record(w):
     scale = np.abs(w).max(axis=0) / 127
-    rec = _Int8Weight(q=jnp.asarray(np.round(w / scale), jnp.int8), scale=jnp.asarray(scale))
+    return _Int8Weight(q=jnp.asarray(np.round(w / scale), jnp.int8), scale=jnp.asarray(scale))
+
+
+def test_registered_record_type_dispatches_under_jit():
+    w = _rand(8, 6, seed=3)
+    rec = _int8_record(w)
     x, b = jnp.asarray(_rand(3, 8)), jnp.asarray(_rand(6, seed=4))
-    y = jax.jit(linear)(x, rec, b)
+    with LinearImpls().register(_Int8Weight, _int8_linear).active():
+        y = jax.jit(linear)(x, rec, b)
+        assert linear(x, rec, out_dtype=jnp.float32).dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(y), np.asarray(x) @ w + np.asarray(b), atol=0.05)
-    assert linear(x, rec, out_dtype=jnp.float32).dtype == jnp.float32
+
+
+def test_a_table_routes_only_while_active_and_tables_do_not_share_types():
+    rec = _int8_record(_rand(8, 6, seed=3))
+    x = jnp.asarray(_rand(3, 8))
+    mine, other = LinearImpls().register(_Int8Weight, _int8_linear), LinearImpls()
+    with pytest.raises(TypeError, match="needs an active LinearImpls"):
+        linear(x, rec)
+    with mine.active():
+        linear(x, rec)
+        with other.active(), pytest.raises(TypeError, match="registered types: none"):
+            linear(x, rec)  # the inner table is the one in force, and it never saw _Int8Weight
+        linear(x, rec)  # back to the outer table
+    with pytest.raises(TypeError, match="needs an active LinearImpls"):
+        linear(x, rec)
 
 
 def test_unknown_weight_type_is_a_clear_type_error():
     class Mystery:
         pass
 
-    with pytest.raises(TypeError, match="no implementation for weight of type .*Mystery.*register_linear"):
+    with (
+        LinearImpls().active(),
+        pytest.raises(TypeError, match="no implementation for weight of type .*Mystery.*register"),
+    ):
         linear(jnp.ones((2, 3)), Mystery())
     with pytest.raises(TypeError, match="wants a type"):
-        register_linear("fp8", _int8_linear)
+        LinearImpls().register("fp8", _int8_linear)

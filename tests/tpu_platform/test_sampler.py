@@ -12,8 +12,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tpuserve.tpu_platform import sampler
+from tpuserve.tpu_platform import sampler as sampler_mod
 from tpuserve.tpu_platform.step_batch import SamplingBatch
+
+# One engine's sampler, shared by the module's tests (its programs compile once).
+sampler = sampler_mod.Sampler()
 
 NUM_DRAWS = 20000
 # A correct sampler fails a check with probability 1e-3 per seed set; draws are seeded, so a pass
@@ -317,7 +320,7 @@ def penalty_fixture(num_rows: int, vocab: int, seed: int):
 
 def test_penalty_values_match_numpy():
     logits, counts, prompt, rep, pres, freq = penalty_fixture(16, 40, seed=3)
-    got = sampler._apply_penalties(
+    got = sampler_mod._apply_penalties(
         jnp.asarray(logits),
         jnp.asarray(rep),
         output_counts=jnp.asarray(counts),

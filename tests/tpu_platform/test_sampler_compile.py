@@ -11,8 +11,11 @@ import numpy as np
 import pytest
 from jax import monitoring
 
-from tpuserve.tpu_platform import sampler
+from tpuserve.tpu_platform import sampler as sampler_mod
 from tpuserve.tpu_platform.step_batch import SamplingBatch
+
+# One engine's sampler: the module warms it once, then checks it compiles nothing more.
+sampler = sampler_mod.Sampler()
 
 VOCAB = 1000  # not a multiple of 32: the bitmask's last word is partial
 ROW_COUNTS = (1, 2, 8)
@@ -130,7 +133,7 @@ def test_no_compile_after_warmup(warm):
         for k in (0, 2, 20):
             got = sampler.compute_logprobs(host, targets, k, MAX_LOGPROBS)
             assert got.top_ids.shape == (num_rows, k) and got.token_logprobs.shape == (num_rows,)
-        padded = np.zeros((sampler.logprob_rows_bucket(num_rows), VOCAB), np.float32)
+        padded = np.zeros((sampler_mod.logprob_rows_bucket(num_rows), VOCAB), np.float32)
         padded[:num_rows] = host
         on_device = sampler.compute_logprobs(jax.device_put(padded), targets, 3, MAX_LOGPROBS)
         np.testing.assert_array_equal(on_device.top_ids, got.top_ids[:, :3])
@@ -139,7 +142,9 @@ def test_no_compile_after_warmup(warm):
 
 def test_at_most_eight_variants_and_programs_per_row_count(warm):
     rng = np.random.default_rng(1)
-    kinds = {sampler._prepare(b, 8, VOCAB, MAX_LOGPROBS)[0] for b in batches(8, rng).values()}
+    kinds = {
+        sampler_mod._prepare(b, 8, VOCAB, MAX_LOGPROBS, sampler._neutral)[0] for b in batches(8, rng).values()
+    }
     assert len(kinds) == 8  # the fixture batches reach every kind, and no more exist
     # A row count not warmed yet: every kind's programs together stay within 8.
     before = sampler.compile_count()

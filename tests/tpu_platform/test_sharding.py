@@ -126,7 +126,7 @@ def test_specs_for_quantized_records(method):
     from tpuserve.tpu_platform.models.quantize import quantize_params
 
     _, _, params = tiny_model("qwen2", layers=2)
-    q, _ = quantize_params(params, method, register=False)
+    q, _ = quantize_params(params, method)
     for tree, lead in ((q, (None,)), (unstack_layers(q), ())):
         specs = param_partition_specs(tree, axis="tp")
         # one spec per array, in the record's own structure (what jax.tree.map over both needs)

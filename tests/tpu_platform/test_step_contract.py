@@ -208,16 +208,14 @@ def test_a_greedy_step_ships_one_input_and_runs_one_program(runner, monkeypatch)
     """What a small model's step costs the host on a TPU: each host->device copy and each dispatch.
     A greedy fed decode step copies its int32 inputs as one array and takes its tokens (and the
     next step's feed) from the forward program itself: no sampler or glue program runs."""
-    from tpuserve.tpu_platform import model_runner, sampler
-
     first = runner.sample(runner.forward(runner.build_batch([_seq([3, 1, 4], 0, [3]), _seq([2, 7], 0, [4])])))
     puts, dispatched = [], []
     real_put = runner._put
     monkeypatch.setattr(runner, "_put", lambda x: puts.append(np.shape(x)) or real_put(x))
     for name in ("_run_stages", "_logprobs_jit"):
-        monkeypatch.setattr(sampler, name, lambda *a, _n=name, **k: dispatched.append(_n))
+        monkeypatch.setattr(runner.sampler, name, lambda *a, _n=name, **k: dispatched.append(_n))
     for name in ("_pad_tokens", "_last_tokens"):
-        monkeypatch.setattr(model_runner, name, lambda *a, _n=name, **k: dispatched.append(_n))
+        monkeypatch.setattr(runner, name, lambda *a, _n=name, **k: dispatched.append(_n))
     fwd = runner.forward(
         runner.build_batch([_seq([0], 3, [3], feed_from=0), _seq([0], 2, [4], feed_from=1)]), first
     )

@@ -34,13 +34,11 @@ def make_runner(kv_heads: int, tp: int, quantization: str | None = None, **confi
         params, arch = replicate_kv_heads(params, arch, tp)
         mesh = build_mesh(tp)
     if quantization is not None:  # after replication and grouping, as Worker.load does
-        from tpuserve.tpu_platform.linear import register_quant_linears
         from tpuserve.tpu_platform.models.quantize import quantize_params
 
-        register_quant_linears()
         if tp > 1:
             params = group_gate_up_by_device(params, tp)
-        params, _ = quantize_params(params, quantization, register=False)
+        params, _ = quantize_params(params, quantization)
     cfg = EngineConfig.from_kwargs(
         model="tiny",
         tensor_parallel_size=tp,

@@ -26,7 +26,7 @@ from tpuserve.attention.metadata import AttentionMetadata
 from tpuserve.quant.fp4 import MXFP4_BLOCK, Mxfp4Weight, Nvfp4Weight, hadamard32, pack_codes
 from tpuserve.quant.fuse import gate_up_in_out
 from tpuserve.quant.gptq import gptq_fp4
-from tpuserve.tpu_platform.linear import linear, register_linear
+from tpuserve.tpu_platform.linear import linear, quant_linear_impls
 from tpuserve.tpu_platform.models.decoder import block_from_normed, embed_tokens, rms_norm
 
 # Package data of quant/ (setup.py), where the quantization formats live.
@@ -151,14 +151,13 @@ def quantize_layers_gptq(
     """Return ``params`` with each layer's ``keys`` replaced by GPTQ ``method`` records.
 
     ``layers`` may be stacked ([L, ...] arrays) or a list of per-layer dicts; the result keeps the
-    form (records stacked along L again for the stacked form). Needs ``linear`` routed for the FP4
-    records (``tpu_platform.linear.register_quant_linears``).
+    form (records stacked along L again for the stacked form). Its passes route ``linear`` through
+    their own table: the quantized records and the probes.
     """
     if method not in GPTQ_METHODS:
         raise ValueError(f"GPTQ quantizes {GPTQ_METHODS}, got {method!r}")
     if rotate is None:
         rotate = ROTATE_DEFAULT[method]
-    register_linear(_Probe, _probe_linear)
     token_ids = np.asarray(token_ids, np.int32)
     if token_ids.size == 0 or token_ids.min() < 0 or token_ids.max() >= arch.vocab_size:
         raise ValueError(
@@ -178,13 +177,14 @@ def quantize_layers_gptq(
     run = jax.jit(functools.partial(_run_layer, arch))
     h = embed_tokens(params["embed"], batch.token_ids).astype(jnp.float32)
     done = []
-    for w in layers:
-        stats = hessians(*data, h, w)
-        q = dict(w)
-        for k in keys:
-            q[k] = gptq_record(_in_out(k, w[k]), np.asarray(stats[k], np.float64), method, rotate=rotate)
-        h = run(*data, h, q)
-        done.append(q)
+    with quant_linear_impls().register(_Probe, _probe_linear).active():
+        for w in layers:
+            stats = hessians(*data, h, w)
+            q = dict(w)
+            for k in keys:
+                q[k] = gptq_record(_in_out(k, w[k]), np.asarray(stats[k], np.float64), method, rotate=rotate)
+            h = run(*data, h, q)
+            done.append(q)
     if stacked:
         out_layers = {
             k: jax.tree_util.tree_map(lambda *a: jnp.stack(a), *[d[k] for d in done]) for k in done[0]

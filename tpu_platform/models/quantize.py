@@ -25,7 +25,6 @@ import jax
 from tpuserve.quant.fp8 import quantize_fp8
 from tpuserve.quant.fuse import gate_up_in_out
 from tpuserve.quant.search import quantize_mxfp4_search, quantize_nvfp4_search
-from tpuserve.tpu_platform.linear import register_quant_linears
 from tpuserve.tpu_platform.models.calibrate import GPTQ_METHODS, quantize_layers_gptq
 
 METHODS = ("fp8", "fp8_w8a8", "fp8_block", "mxfp4", "nvfp4")
@@ -88,13 +87,11 @@ def quantize_params(
     *,
     keys=MATMUL_KEYS,
     lm_head: bool = False,
-    register: bool = True,
     calibration=None,
 ) -> tuple[dict, QuantReport]:
     """Replace the matmul weights of ``params`` by ``method`` records; returns (tree, report).
 
-    register: also route ``linear`` for the record types (``register_quant_linears()``), since a
-    tree of records is useless without it.
+    The records multiply through a runner's ``LinearImpls`` (``linear.quant_linear_impls()``).
     calibration: ``(arch, token_ids)`` to quantize the layers' FP4 weights by GPTQ over those
     tokens (``models/calibrate.py``) instead of round-to-nearest; None: round-to-nearest.
     """
@@ -104,7 +101,6 @@ def quantize_params(
     if calibration is not None:
         if method not in GPTQ_METHODS:
             raise ValueError(f"calibrated quantization is for {GPTQ_METHODS}, not {method!r}")
-        register_quant_linears()  # the calibration pass runs the quantized layers
         arch, token_ids = calibration
         calibrated = quantize_layers_gptq(params, arch, token_ids, method, keys=keys)["layers"]
 
@@ -136,7 +132,5 @@ def quantize_params(
         ]
     if lm_head and "lm_head" in params:
         out["lm_head"] = convert(params["lm_head"], 0)
-    if register:
-        register_quant_linears()
     report = QuantReport(method, dense, bf16, quant, tree_nbytes(params), tree_nbytes(out))
     return out, report

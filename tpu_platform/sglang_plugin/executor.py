@@ -54,21 +54,51 @@ def loader_options(raw) -> dict:
 
 @dataclass(frozen=True)
 class ExecutorConfig:
+    """SGLang's settings for our executor. Engine settings SGLang leaves unset are None and take
+    ``EngineConfig``'s defaults (``engine_config`` is the one mapping): none of their own here."""
+
     model_path: str
     page_size: int  # SGLang's page_size; our block_size
     max_model_len: int
-    dtype: str = "auto"  # our names: auto / float32 / bfloat16 / float16
+    dtype: str | None = None  # our names: auto / float32 / bfloat16 / float16
     max_total_tokens: int | None = None  # SGLang's --max-total-tokens; None: sized from memory
-    max_num_seqs: int = 32
-    max_num_batched_tokens: int = 256
-    gpu_memory_utilization: float = 0.5
-    attention_impl: str = "auto"
-    layer_loop: str = "auto"  # config.LAYER_LOOPS: "scan" (fast compiles) / "unroll" (CPU default)
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    gpu_memory_utilization: float | None = None
+    attention_impl: str | None = None
+    layer_loop: str | None = None  # config.LayerLoop: "scan" (fast compiles) / "unroll" (CPU default)
     # Weight quantization: None (the checkpoint as it is), "fp8" / "mxfp4" / "nvfp4" (quantize at
     # load, or a pre-quantized checkpoint's own method: sglang_plugin/quantization.py resolves it).
     quantization: str | None = None
-    kv_cache_dtype: str = "auto"  # "auto" (model dtype) or "fp8_e4m3"
+    kv_cache_dtype: str | None = None  # "auto" (model dtype) or "fp8_e4m3"
     warmup: bool | None = None  # None: compile every bucket up front on accelerators only
+
+    def engine_config(self) -> EngineConfig:
+        """Our engine's configuration: the values SGLang set, EngineConfig's defaults for the rest."""
+        given = dict(
+            model=self.model_path,
+            dtype=self.dtype,
+            max_model_len=self.max_model_len,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            block_size=self.page_size,
+            attention_impl=self.attention_impl,
+            layer_loop=self.layer_loop,
+            quantization=self.quantization,
+            kv_cache_dtype=self.kv_cache_dtype,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            # +1: page 0 is reserved by both SGLang (padding) and us; SGLang's pages are 1..usable.
+            num_gpu_blocks=(
+                max(1, self.max_total_tokens // self.page_size) + 1
+                if self.max_total_tokens is not None
+                else None
+            ),
+        )
+        return EngineConfig.from_kwargs(
+            **{k: v for k, v in given.items() if v is not None},
+            # SGLang's scheduler waits for each batch's ids before building the next.
+            async_scheduling=False,
+        )
 
 
 @dataclass
@@ -124,27 +154,7 @@ class JaxExecutor:
 
         t0 = time.perf_counter()
         self.cfg = cfg
-        self.config = EngineConfig.from_kwargs(
-            model=cfg.model_path,
-            dtype=cfg.dtype,
-            max_model_len=cfg.max_model_len,
-            max_num_seqs=cfg.max_num_seqs,
-            max_num_batched_tokens=cfg.max_num_batched_tokens,
-            block_size=cfg.page_size,
-            attention_impl=cfg.attention_impl,
-            layer_loop=cfg.layer_loop,
-            quantization=cfg.quantization,
-            kv_cache_dtype=cfg.kv_cache_dtype,
-            gpu_memory_utilization=cfg.gpu_memory_utilization,
-            # +1: page 0 is reserved by both SGLang (padding) and us; SGLang's pages are 1..usable.
-            num_gpu_blocks=(
-                max(1, cfg.max_total_tokens // cfg.page_size) + 1
-                if cfg.max_total_tokens is not None
-                else None
-            ),
-            # SGLang's scheduler waits for each batch's ids before building the next.
-            async_scheduling=False,
-        )
+        self.config = cfg.engine_config()
         self.worker = Worker(self.config)
         self.worker.load(clamp_max_model_len=True)
         self.device, self.dtype, self.arch = self.worker.device, self.worker.dtype, self.worker.arch

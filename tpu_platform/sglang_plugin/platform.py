@@ -33,6 +33,7 @@ import os
 from sglang.srt.platforms.device_mixin import PlatformEnum
 from sglang.srt.platforms.interface import PlatformCapabilities, SRTPlatform
 
+from tpuserve.tpu_platform.config import CacheConfig, SchedulerConfig
 from tpuserve.tpu_platform.sglang_plugin import activation
 from tpuserve.tpu_platform.sglang_plugin.executor import loader_options
 from tpuserve.tpu_platform.sglang_plugin.quantization import refuse_unsupported_flags
@@ -40,9 +41,10 @@ from tpuserve.tpu_platform.sglang_plugin.quantization import refuse_unsupported_
 log = logging.getLogger(__name__)
 
 ATTENTION_BACKEND_NAME = "tpuserve"  # a registered name that is never built: attention runs in JAX
-DEFAULT_PAGE_SIZE = 16  # our EngineConfig.block_size default
-DEFAULT_CHUNKED_PREFILL = 256  # our EngineConfig.max_num_batched_tokens default: one runner step
-DEFAULT_MAX_RUNNING = 32  # our EngineConfig.max_num_seqs default
+# Where SGLang leaves them unset: our EngineConfig's defaults (read from it, never restated).
+DEFAULT_PAGE_SIZE = CacheConfig().block_size
+DEFAULT_CHUNKED_PREFILL = SchedulerConfig().max_num_batched_tokens  # one runner step
+DEFAULT_MAX_RUNNING = SchedulerConfig().max_num_seqs
 
 
 class TpuServeSRTPlatform(SRTPlatform):

@@ -119,7 +119,7 @@ class TpuServeModelRunnerStub(ModelRunner):
         self.max_total_num_tokens = ex.capacity_tokens
         requested = get_schedule().max_running_requests
         self.max_running_requests = min(
-            requested or ex.cfg.max_num_seqs, max(1, self.max_total_num_tokens // 2)
+            requested or ex.config.scheduler.max_num_seqs, max(1, self.max_total_num_tokens // 2)
         )
         self.req_to_token_pool = ReqToTokenPool(
             size=self.max_running_requests,

@@ -73,15 +73,15 @@ def executor_config(model_path: str, context_len: int) -> ExecutorConfig:
     chunk = sched.chunked_prefill_size
     options = loader_options(getattr(model, "model_loader_extra_config", None) or {})
     return ExecutorConfig(
-        layer_loop=options.get("layer_loop", "auto"),
+        layer_loop=options.get("layer_loop"),
         model_path=model_path,
         page_size=sched.page_size,
         max_model_len=context_len,
         dtype=_DTYPES[dtype],
         max_total_tokens=sched.max_total_tokens,
-        max_num_seqs=sched.max_running_requests or 32,
+        max_num_seqs=sched.max_running_requests or None,  # unset: EngineConfig's
         # One runner step per SGLang prefill chunk when chunking is on; bigger batches are split.
-        max_num_batched_tokens=chunk if chunk and chunk > 0 else 256,
+        max_num_batched_tokens=chunk if chunk and chunk > 0 else None,
         quantization=resolve_quantization(model.quantization, model_path),
         kv_cache_dtype=engine_kv_cache_dtype(model.kv_cache_dtype),
     )

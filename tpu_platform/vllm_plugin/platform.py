@@ -27,6 +27,7 @@ import torch
 from vllm.platforms.interface import Platform, PlatformEnum
 
 import tpuserve.tpu_platform.vllm_plugin as plugin
+from tpuserve.tpu_platform.config import KV_ROLES, CacheConfig
 from tpuserve.tpu_platform.models.arch import ModelArch, ModelConfigError
 from tpuserve.tpu_platform.vllm_plugin.activation import (
     DEVICE_CHOICES,
@@ -61,8 +62,9 @@ OFFLOAD_BUDGET_KEY = "cpu_bytes_to_use"
 # The P/D connector (pd_connector.py): KV pages from a prefill server to a decode server.
 PD_CONNECTOR = "TpuservePDConnector"
 PD_CONNECTOR_MODULE = "tpuserve.tpu_platform.vllm_plugin.pd_connector"
-PD_ROLES = ("kv_producer", "kv_consumer", "kv_both")
-DEFAULT_BLOCK_SIZE = 16  # tokens per KV page: EngineConfig's default, which our kernels are tuned for
+PD_ROLES = KV_ROLES
+# Tokens per KV page: EngineConfig's default, which our kernels are tuned for.
+DEFAULT_BLOCK_SIZE = CacheConfig().block_size
 
 
 def expected_jax_backend() -> str:

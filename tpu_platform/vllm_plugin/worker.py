@@ -58,13 +58,12 @@ from vllm.v1.outputs import (
 from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
 from tpuserve.kv_cache.host_tier import warmup_pages
-from tpuserve.tpu_platform.config import EngineConfig
 from tpuserve.tpu_platform.step_batch import pack_sampling_rows
+from tpuserve.tpu_platform.vllm_plugin.engine_config import engine_config_from_vllm
 from tpuserve.tpu_platform.vllm_plugin.offload_connector import TpuserveHostOffloadConnector
 from tpuserve.tpu_platform.vllm_plugin.options import PluginOptions
 from tpuserve.tpu_platform.vllm_plugin.pd_connector import TpuservePDConnector
 from tpuserve.tpu_platform.vllm_plugin.quantization import (
-    engine_quantization,
     register_quant_configs,
     spec_dtype_and_mode,
 )
@@ -72,8 +71,6 @@ from tpuserve.tpu_platform.vllm_plugin.request_state import RequestTable, StepPl
 from tpuserve.tpu_platform.vllm_plugin.spec_decode import DraftPlanner, NgramSettings
 
 log = logging.getLogger("vllm.tpuserve.worker")
-
-_TORCH_TO_NAME = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
 class TpuserveWorker(WorkerBase):
@@ -103,41 +100,14 @@ class TpuserveWorker(WorkerBase):
     # ---- start-up ----
 
     def _engine_config(self):
-        name = _TORCH_TO_NAME.get(self.model_config.dtype)
-        if name is None:
-            raise ValueError(
-                f"dtype {self.model_config.dtype}: the tpuserve platform runs float32, bfloat16 or float16"
-            )
-        sched, cache = self.scheduler_config, self.cache_config
         spec = self.speculation
-        # --kv-cache-dtype: auto or fp8 / fp8_e4m3 (platform.py refused the rest).
-        kv_dtype = cache.cache_dtype if cache.cache_dtype not in (None, "auto") else "auto"
-        return EngineConfig.from_kwargs(
-            model=self.model_config.model,
-            dtype=name,
-            max_model_len=int(self.model_config.max_model_len),
-            max_num_seqs=sched.max_num_seqs,
-            max_num_batched_tokens=sched.max_num_batched_tokens,
-            block_size=cache.block_size,
-            seed=int(self.model_config.seed or 0),
-            gpu_memory_utilization=float(cache.gpu_memory_utilization),
-            kv_cache_memory_bytes=(
-                int(cache.kv_cache_memory_bytes) if cache.kv_cache_memory_bytes is not None else None
-            ),
-            attention_impl=self.options.attention_impl,
-            layer_loop=self.options.layer_loop,
-            enable_chunked_prefill=bool(sched.enable_chunked_prefill),
-            compilation_cache_dir=self.options.compilation_cache_dir,
-            max_logprobs=min(max(int(self.model_config.max_logprobs), 0), 1024),
-            async_scheduling=False,  # vLLM's scheduler drives the steps
-            # --quantization on a dense checkpoint quantizes at load; a pre-quantized checkpoint's
-            # format is the loader's to read (vLLM's name for it is the producer's).
-            quantization=engine_quantization(self.model_config.model, self.model_config.quantization),
-            kv_cache_dtype=kv_dtype,
-            # One worker drives all N devices as SPMD; a ConfigError names the flag and the device
-            # count when there are fewer (raised in init_device, so vLLM's start-up fails with it).
-            tensor_parallel_size=int(self.parallel_config.tensor_parallel_size),
-            speculative_config=spec.engine_section() if spec is not None else None,
+        return engine_config_from_vllm(
+            self.model_config,
+            self.scheduler_config,
+            self.cache_config,
+            self.parallel_config,
+            self.options,
+            spec.engine_section() if spec is not None else None,
         )
 
     def init_device(self) -> None:
