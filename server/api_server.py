@@ -2,7 +2,8 @@
 
 ``build_app(async_engine, served_model_name, api_key=None, ...)`` makes the app around an
 :class:`~tpuserve.server.async_engine.AsyncEngine`; ``run_server(args)`` builds the engine from CLI flags,
-warms it up and serves until SIGTERM / SIGINT (then: stop accepting, let in-flight requests finish
+compiles the programs of a first short request, serves while the rest compile in the background
+(/health answers 503 "starting" until they are), until SIGTERM / SIGINT (then: stop accepting, let in-flight requests finish
 for up to ``--shutdown-timeout`` seconds, abort the rest, exit 0).
 
 Routes: GET /health, /version, /metrics, /v1/models; POST /v1/completions, /v1/chat/completions,
@@ -286,9 +287,19 @@ def build_app(
 
     @app.get("/health")
     async def health() -> Response:
-        if async_engine.is_healthy:
-            return Response(status_code=200)
-        return error_response(503, "the engine is not running")
+        # 200 means ready at full speed, as vLLM's and SGLang's /health do (vLLM listens only once
+        # compiled; SGLang answers 503 until its warm-up is done): readiness probes and benchmark
+        # scripts wait for it, and a load balancer should not send a replica full traffic while its
+        # steps still pad to the few compiled buckets. Requests are answered meanwhile.
+        if not async_engine.is_healthy:
+            return error_response(503, "the engine is not running")
+        remaining = async_engine.snapshot.warmup_remaining
+        if remaining:
+            return error_response(
+                503,
+                f"starting: warming up ({remaining} compile tasks left); requests are served meanwhile",
+            )
+        return Response(status_code=200)
 
     @app.get("/version", response_model=VersionResponse)
     async def version():
@@ -432,7 +443,10 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
         help="do not serve the built-in page (chat playground and live metrics) at /",
     )
     parser.add_argument(
-        "--no-warmup", action="store_true", help="skip compiling every shape bucket before serving"
+        "--no-warmup",
+        action="store_true",
+        help="do not compile the shape buckets ahead (by default the server answers once a short "
+        "request's are compiled and compiles the rest in the background)",
     )
     parser.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
@@ -486,8 +500,10 @@ def run_server(args: argparse.Namespace) -> int:
     for replica in range(config.parallel.data_parallel_size):
         engine = LLMEngine(config, grammar_factory=make_grammar_matcher, replica=replica)
         if not args.no_warmup:
-            log.info("warming up replica %d (compiling every shape bucket)", replica)
-            engine.warmup()
+            # Serve once a first short request's programs are compiled; the rest compile on a
+            # thread pool while the server answers (/health says 503 "starting" until done).
+            log.info("warming up replica %d: the first programs, then the rest in the background", replica)
+            engine.start_warmup()
         engines.append(engine)
     replicas = [AsyncEngine(e, max_waiting_requests=args.max_waiting_requests) for e in engines]
     if len(replicas) == 1:

@@ -60,6 +60,7 @@ class EngineSnapshot:
     spec_accepted_per_pos: tuple[int, ...] = ()
     steps: int = 0
     compiled_programs: int = 0
+    warmup_remaining: int = 0  # compile tasks of the background warm-up still to finish
     routed_per_replica: tuple[int, ...] = ()  # data parallel: requests sent to each replica
 
 
@@ -151,6 +152,9 @@ class AsyncEngine:
         """Stop accepting; give in-flight requests up to ``grace_s`` seconds to finish, abort the
         rest, then stop the engine thread."""
         self._accepting = False
+        stop_warmup = getattr(self.engine, "stop_warmup", None)
+        if stop_warmup is not None:
+            stop_warmup()  # compiles not started yet would hold the process after the server stops
         deadline = time.monotonic() + max(0.0, grace_s)
         while self._streams and time.monotonic() < deadline and self.is_healthy:
             await asyncio.sleep(0.02)
@@ -250,6 +254,8 @@ class AsyncEngine:
                 cmd = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
             except queue.Empty:
                 if block:
+                    # Idle: the counts a background warm-up moves still reach /metrics and /health.
+                    self.snapshot = self._take_snapshot()
                     continue
                 return True
             block = False
@@ -358,6 +364,7 @@ class AsyncEngine:
             spec_accepted_per_pos=tuple(stats.spec_accepted_per_pos),
             steps=stats.steps,
             compiled_programs=_compile_count(e),
+            warmup_remaining=int(getattr(e, "warmup_remaining", 0)),
         )
 
     # ---- event loop side ----

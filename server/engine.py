@@ -33,6 +33,7 @@ from tpuserve.spec_decode.coordinator import Drafter, DraftSupport, SpecDecodeCo
 from tpuserve.tpu_platform.config import EngineConfig
 from tpuserve.tpu_platform.model_runner import PendingStep
 from tpuserve.tpu_platform.step_batch import Logprobs, ScheduledSeq, sampling_row
+from tpuserve.tpu_platform.warmup import Warmup
 from tpuserve.tpu_platform.worker import Worker
 
 if TYPE_CHECKING:
@@ -149,6 +150,7 @@ class LLMEngine:
         self._seed_rng = np.random.default_rng(config.model.seed)
         self._ids = itertools.count()
         self._inflight: _InFlight | None = None
+        self._warmup: Warmup | None = None  # a background warm-up (start_warmup)
         self.kv_role = None
         if config.kv_transfer is not None:
             from tpuserve.server.kv_transfer import KVTransferRole
@@ -166,19 +168,40 @@ class LLMEngine:
         log.info("host KV tier: %d pages (%.2f GiB)", tier.num_slots, gib)
         return tier
 
-    def warmup(self) -> int:
-        """Compile every program a step can need; returns how many."""
-        n = self.worker.warmup()
-        if self.host_tier is not None:
-            from tpuserve.kv_cache.host_tier import warmup_pages
+    def warmup(self, *, progress: bool = True) -> int:
+        """Compile every program a step can need (on a thread pool); returns how many."""
+        return self._warm_host_tier() + self.worker.warmup(progress=progress)
 
-            most = warmup_pages(
-                self.max_model_len, self.config.cache.block_size, self.config.scheduler.max_num_batched_tokens
-            )
-            before = self.host_tier.compile_count
-            self.runner.kv_cache = self.host_tier.warmup(self.runner.kv_cache, most)
-            n += self.host_tier.compile_count - before
-        return n
+    def start_warmup(self, *, progress: bool = True) -> Warmup:
+        """Compile the programs of a first short request and return; the rest compile on a thread
+        pool while the engine steps (steps keep to what is compiled: ``ModelRunner.step_shape``).
+        ``warmup_remaining`` counts down to 0. Call before the engine's first step."""
+        self._warm_host_tier()
+        self._warmup = self.worker.start_warmup(progress=progress)
+        return self._warmup
+
+    @property
+    def warmup_remaining(self) -> int:
+        """Compile tasks of a background warm-up not finished yet (0: none running)."""
+        return 0 if self._warmup is None else self._warmup.remaining
+
+    def stop_warmup(self) -> None:
+        """Drop the background compiles not started yet (shutting down)."""
+        if self._warmup is not None:
+            self._warmup.cancel()
+
+    def _warm_host_tier(self) -> int:
+        """The host tier's page movers, in the foreground: their warm-up moves the real cache."""
+        if self.host_tier is None:
+            return 0
+        from tpuserve.kv_cache.host_tier import warmup_pages
+
+        most = warmup_pages(
+            self.max_model_len, self.config.cache.block_size, self.config.scheduler.max_num_batched_tokens
+        )
+        before = self.host_tier.compile_count
+        self.runner.kv_cache = self.host_tier.warmup(self.runner.kv_cache, most)
+        return self.host_tier.compile_count - before
 
     # ---- speculative decoding's swap point ----
 
@@ -336,6 +359,10 @@ class LLMEngine:
         reach the host: the device computes step i+1 while the host detokenizes step i (so a call
         returns the outputs of the step dispatched by the previous call).
         """
+        # While a background warm-up runs, a step is no larger than the largest compiled one.
+        self.scheduler.token_budget = min(
+            self.config.scheduler.max_num_batched_tokens, self.runner.max_ready_tokens()
+        )
         sched = self.scheduler.schedule(ScheduleInputs(held=self._held_back(), drafts=self._propose_drafts()))
         self._move_pages(sched)
         drafts = self._drafts(sched.work)

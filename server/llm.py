@@ -15,9 +15,13 @@ PromptType = str | list[int] | dict
 
 class LLM:
     """``LLM(model=None)`` runs the default model. Keyword arguments are EngineConfig fields
-    (named as vLLM names them: dtype, max_model_len, max_num_seqs, seed, ...)."""
+    (named as vLLM names them: dtype, max_model_len, max_num_seqs, seed, ...).
 
-    def __init__(self, model: str | None = None, *, warmup: bool = False, **kwargs: Any):
+    ``warmup`` (default on, as vLLM compiles in its constructor): compile every shape bucket here,
+    on a thread pool, so that a first ``generate`` runs at full speed; False skips it (each new
+    shape then compiles on its first use)."""
+
+    def __init__(self, model: str | None = None, *, warmup: bool = True, **kwargs: Any):
         self.config = EngineConfig.from_kwargs(model=model, **kwargs)
         if self.config.parallel.data_parallel_size > 1:
             raise ConfigError(

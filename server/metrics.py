@@ -117,6 +117,11 @@ class _EngineCollector(Collector):
             "XLA programs compiled so far (should stay flat after warm-up).",
             s.compiled_programs,
         )
+        yield self._gauge(
+            "tpuserve:warmup_remaining",
+            "Compile tasks of the background warm-up still to finish (0: every shape bucket is compiled).",
+            s.warmup_remaining,
+        )
         yield self._counter(
             "vllm:prefix_cache_queries", "Prefix-cache queries, in tokens.", s.prefix_cache_queries
         )

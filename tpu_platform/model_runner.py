@@ -10,7 +10,11 @@ Shapes are padded to buckets so XLA compiles a bounded set of programs:
 ``warmup()`` compiles every (T, pages_per_seq) pair and every sampler variant, and, when drafts are
 expected (``num_speculative_tokens`` > 0), the drafted shapes of every T with their verification
 programs (rejection_sampler.py); ``compile_count`` counts every trace, so a compile while
-serving shows up as a rise after warm-up.
+serving shows up as a rise after warm-up. ``start_warmup()`` does the same on a thread pool
+(tpu_platform/warmup.py) and returns once the shapes of a first short request are compiled; until
+the rest are, ``build_batch`` uses only compiled (T, pages_per_seq) pairs and
+``max_ready_tokens`` tells the scheduler how large a step may be, so nothing compiles on the
+request path.
 
 A step runs in two dispatches that return at once (JAX dispatches asynchronously): ``forward``
 (feeds, model, logits) and ``sample`` (sampler, draft acceptance). ``fetch`` waits for the host
@@ -25,6 +29,7 @@ import dataclasses
 import functools
 import logging
 import math
+import threading
 from dataclasses import dataclass
 
 import jax
@@ -56,8 +61,13 @@ from tpuserve.tpu_platform.step_batch import (
     StepOutput,
     pack_sampling_rows,
 )
+from tpuserve.tpu_platform.warmup import CompileTask, ShapeGroup, Warmup, WarmupPlan
 
 log = logging.getLogger(__name__)
+
+# The prompt a first request is expected to fit in one step (a chat turn under a system prompt):
+# its token bucket compiles before a background warm-up lets the server answer.
+FIRST_PROMPT_TOKENS = 64
 
 
 def _bucket(n: int, buckets: tuple[int, ...]) -> int:
@@ -270,6 +280,10 @@ class ModelRunner:
             self.allocate_kv_cache(num_pages)
         self._prompt_logits = jax.jit(self._traced_prompt_logits)
         self._no_feed = self._put(np.zeros(self.max_seq_slots, np.int32))
+        # The (T, pages_per_seq) pairs steps may use while a background warm-up runs; None: any
+        # bucket (what is not compiled yet compiles on the way, as without warm-up).
+        self._ready: frozenset[tuple[int, int]] | None = None
+        self._ready_lock = threading.Lock()
 
     def _cache_spec(self, num_pages: int) -> KVCacheSpec:
         return KVCacheSpec(
@@ -496,7 +510,7 @@ class ModelRunner:
         if not seqs:
             raise ValueError("a step needs at least one sequence")
         num_tokens = sum(len(s.token_ids) + len(s.draft_token_ids) for s in seqs)
-        t_slots = _bucket(num_tokens, self.token_buckets)
+        t_slots, pages_per_seq = self.step_shape(num_tokens, max(len(s.page_ids) for s in seqs))
         s_slots = min(t_slots, self.max_num_seqs)
         if len(seqs) > s_slots:
             raise ValueError(f"{len(seqs)} sequences exceed the {s_slots} slots of a {t_slots}-token step")
@@ -506,7 +520,6 @@ class ModelRunner:
         # 1 + K rows and the step at most T, so R = min(T, S * (1 + K)): one R per (T, K).
         r_slots = self._logits_slots(t_slots, k_slots)
         kv_lens = np.zeros(s_slots, np.int32)
-        pages_per_seq = _bucket(max(len(s.page_ids) for s in seqs), self.page_buckets)
         page_table = np.full((s_slots, pages_per_seq), RESERVED_PAGE, np.int32)
         token_ids = np.zeros(t_slots, np.int32)
         positions = np.zeros(t_slots, np.int32)
@@ -580,6 +593,31 @@ class ModelRunner:
             num_prompt_logprobs=pl_k,
             row_bitmask=row_bitmask,
         )
+
+    def step_shape(self, num_tokens: int, num_pages: int) -> tuple[int, int]:
+        """(T, pages_per_seq) of a step of ``num_tokens`` tokens whose longest sequence holds
+        ``num_pages`` pages: the smallest buckets that fit, among the compiled ones while a
+        background warm-up runs (a larger bucket pads the step: slower, never a compile)."""
+        ready = self._ready
+        if ready is None:
+            return _bucket(num_tokens, self.token_buckets), _bucket(num_pages, self.page_buckets)
+        fits = [(t, p) for t, p in ready if t >= num_tokens and p >= num_pages]
+        if not fits:
+            raise ValueError(
+                f"no compiled step shape holds {num_tokens} tokens and {num_pages} pages yet "
+                f"(largest ready step: {self.max_ready_tokens()} tokens); the scheduler's token "
+                f"budget must follow max_ready_tokens()"
+            )
+        return min(fits)
+
+    def max_ready_tokens(self) -> int:
+        """The largest step that runs without compiling: the largest token bucket compiled with
+        the widest page table (every bucket when no background warm-up runs)."""
+        ready = self._ready
+        if ready is None:
+            return self.token_buckets[-1]
+        widest = self.page_buckets[-1]
+        return max((t for t, p in ready if p == widest), default=0)
 
     def page_bucket(self, num_pages: int) -> int:
         """The page-table width a sequence of ``num_pages`` pages is padded to."""
@@ -707,46 +745,114 @@ class ModelRunner:
         """Logits [num_seqs, V] of each sequence's last scheduled token (tests, debugging); updates the cache."""
         return np.asarray(self.forward(batch).logits)[: batch.num_seqs]
 
-    def warmup(self) -> int:
+    def warmup(self, *, workers: int | None = None, progress: bool = False) -> int:
         """Compile every (token bucket, page bucket) forward, every sampler variant at every sequence
         bucket, and the step glue; with num_speculative_tokens > 0 also the drafted forward of every
         (T, pages) pair, the sampler at every drafted row count, and the verification programs.
-        Returns the number of programs compiled."""
+        Compiles on ``workers`` threads (None: one per core). Returns the number of programs traced."""
         before = self.compile_count
-        k = self.num_speculative_tokens
-        for t in self.token_buckets:
-            for p in self.page_buckets:
-                # Feeds travel as fixed-shape operands: the same program serves fed and plain steps.
-                self.sample(self.forward(self._empty_batch(t, p)))
-                if k and t >= 2:  # a drafted step holds at least a token and a draft
-                    drafted = self.forward(self._empty_batch(t, p, k))
-            if k and t >= 2:
-                # Greedy verification and the step glue of the [S, K+1] output; the sampler's R-row
-                # programs and the rejection sampler's follow below.
-                self.sample(drafted)
-        row_counts = set(self.seq_buckets)
-        if k:
-            drafted_buckets = [t for t in self.token_buckets if t >= 2]
-            row_counts |= {self._logits_slots(t, k) for t in drafted_buckets}
-            self.rejection_sampler.warmup(
-                [(self._logits_slots(t, k), min(t, self.max_num_seqs), k) for t in drafted_buckets],
-                self.arch.vocab_size,
-            )
-        self.sampler.warmup(
-            sorted(row_counts),
-            self.arch.vocab_size,
-            self.max_logprobs,
-            prompt_logprob_rows=self.token_buckets[-1],
-        )
-        # A sampled (not greedy) step's feed source: its [S] tokens padded to the slots.
-        for s in self.seq_buckets:
-            self._pad_tokens(self._put(np.zeros(s, np.int32)), num_slots=self.max_seq_slots)
-        # Prompt logprobs: the LM head over every row of each token bucket.
-        for t in self.token_buckets:
-            self._prompt_logits(self.params, self._put(np.zeros((t, self.arch.hidden_size), self.dtype)))
-        jax.block_until_ready(self.kv_cache)
-        log.info("warm-up compiled %d programs", self.compile_count - before)
+        warm = self.start_warmup(workers=workers, progress=progress)
+        warm.wait()
+        if warm.failed:
+            key, err = next(iter(warm.failed.items()))
+            raise RuntimeError(f"warm-up: compiling {key} failed: {type(err).__name__}: {err}") from err
+        log.info("warm-up compiled %d programs in %.1f s", self.compile_count - before, warm.seconds)
         return self.compile_count - before
+
+    def start_warmup(
+        self, *, workers: int | None = None, progress: bool = True, plan: WarmupPlan | None = None
+    ) -> Warmup:
+        """Start compiling ``plan`` (None: ``warmup_plan()``) on a thread pool and return it
+        running. From here on steps use only the (T, pages_per_seq) pairs compiled so far;
+        ``Warmup.wait_first()`` returns once the first ones are. Call from the thread that runs
+        steps, between steps."""
+        plan = plan or self.warmup_plan()
+        with self._ready_lock:
+            self._ready = frozenset()
+        return Warmup(plan, self._mark_ready, workers=workers, progress=progress)
+
+    def _mark_ready(self, shape: tuple[int, int]) -> None:
+        with self._ready_lock:  # called from the compile threads
+            self._ready = (self._ready or frozenset()) | {shape}
+
+    def warmup_plan(self) -> WarmupPlan:
+        """Every program a step can run, as independent compile tasks, grouped by the
+        (T, pages_per_seq) step shape they serve, most wanted first:
+
+        first   (smallest T, widest pages) for decode and (the T of a FIRST_PROMPT_TOKENS prompt,
+                widest pages) for a short prefill: the widest page table fits any sequence, so a
+                first request of any length runs (a longer prompt in chunks of that T)
+        then    each T ascending, widest pages first, then the narrower page tables (which only
+                save attention work): most steps are decodes of a few sequences.
+
+        A forward compiles ahead of time (``lower().compile()`` on the cache's abstract shape;
+        the later call finds it in jax's in-memory cache); the sampler programs run once on zero
+        logits, which also compiles the small eager ops of ``sample``. No task touches the KV
+        cache or any other state a running step uses."""
+        k = self.num_speculative_tokens
+        kv = self.kv_cache  # read here, on the stepping thread: steps replace it (donated)
+        cache = jax.ShapeDtypeStruct(kv.shape, kv.dtype, sharding=self._kv_sharding)
+        widest = self.page_buckets[-1]
+        tasks: dict[str, CompileTask] = {}
+
+        def task(key: str, fn, *args) -> str:
+            if key not in tasks:
+                tasks[key] = CompileTask(key, functools.partial(fn, *args))
+            return key
+
+        groups = []
+        for t in self.token_buckets:
+            s_slots = min(t, self.max_num_seqs)
+            shared = [
+                task(f"sampler rows={s_slots}", self._warm_sampler, t, 0),
+                task(f"prompt logits t={t}", self._warm_prompt_logits, t),
+            ]
+            if k and t >= 2:  # a drafted step holds at least a token and a draft
+                r = self._logits_slots(t, k)
+                shared.append(task(f"verify rows={r} seqs={s_slots} k={k}", self._warm_sampler, t, k))
+            for p in self.page_buckets:
+                keys = [task(f"forward t={t} p={p}", self._compile_forward, cache, t, p, 0)]
+                if k and t >= 2:
+                    keys.append(task(f"forward t={t} p={p} k={k}", self._compile_forward, cache, t, p, k))
+                groups.append(((t, p), tuple(keys + shared)))
+        prompt_t = next((t for t in self.token_buckets if t >= FIRST_PROMPT_TOKENS), self.token_buckets[-1])
+        first = {(self.token_buckets[0], widest), (prompt_t, widest)}
+        rank = {shape: (shape not in first, shape[0], shape[1] != widest, shape[1]) for shape, _ in groups}
+        groups.sort(key=lambda g: rank[g[0]])
+        return WarmupPlan(
+            tasks=tuple(tasks.values()),
+            groups=tuple(ShapeGroup(shape, keys, first=shape in first) for shape, keys in groups),
+        )
+
+    def _compile_forward(
+        self, cache: jax.ShapeDtypeStruct, t_slots: int, pages_per_seq: int, k_slots: int
+    ) -> None:
+        """Compile the forward of one step shape ahead of time, for the cache's abstract shape
+        (feeds travel as fixed-shape operands: the same program serves fed and plain steps)."""
+        batch = self._empty_batch(t_slots, pages_per_seq, k_slots)
+        self._step.lower(*self.step_args(batch, kv_cache=cache)).compile()
+
+    def _warm_sampler(self, t_slots: int, k_slots: int) -> None:
+        """The sampling half of a step of T = t_slots (K = k_slots drafts) on zero logits: the
+        path ``sample`` takes (glue and eager ops included), then every sampler variant at its row
+        count, and the verification programs when drafted."""
+        batch = self._empty_batch(t_slots, self.page_buckets[0], k_slots)
+        r_slots = self._logits_slots(t_slots, k_slots)
+        logits = jax.device_put(np.zeros((r_slots, self.arch.vocab_size), np.float32), self._replicated)
+        jax.block_until_ready(self.sample(ForwardState(batch, logits, None)).last_tokens)
+        self.sampler.warmup([r_slots], self.arch.vocab_size, self.max_logprobs)
+        if k_slots:
+            s_slots = min(t_slots, self.max_num_seqs)
+            self.rejection_sampler.warmup([(r_slots, s_slots, k_slots)], self.arch.vocab_size)
+
+    def _warm_prompt_logits(self, t_slots: int) -> None:
+        """Prompt logprobs of a T-token step: the LM head over every row (compiled ahead of time:
+        running it would cost a [T, V] matmul), then the logprobs of its padded rows."""
+        hidden = jax.ShapeDtypeStruct((t_slots, self.arch.hidden_size), self.dtype, sharding=self._replicated)
+        self._prompt_logits.lower(self.params, hidden).compile()
+        rows = logprob_rows_bucket(t_slots)
+        logits = jax.device_put(np.zeros((rows, self.arch.vocab_size), np.float32), self._replicated)
+        self.sampler.compute_logprobs(logits, np.zeros(rows, np.int32), 0, self.max_logprobs)
 
     def _empty_batch(self, t_slots: int, pages_per_seq: int, k_slots: int = 0) -> StepBatch:
         """A batch of bucket shape with no sequences (and K = k_slots draft slots): nothing is

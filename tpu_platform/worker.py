@@ -10,7 +10,8 @@ reports, SGLang from ``--max-total-tokens``). Steps, in the order vLLM calls the
                                   accelerator the memory plan measures the step programs first)
     w.num_pages()                 pages that budget holds, capped by what the scheduler can use
     w.init_kv_cache(num_pages)    the ModelRunner: weights + KV pages on the device
-    w.warmup()                    compile every shape bucket
+    w.warmup()                    compile every shape bucket (or w.start_warmup(): the first
+                                  ones, the rest in the background)
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from tpuserve.tpu_platform.models.sharding import (
     group_gate_up_by_device,
     replicate_kv_heads,
 )
+from tpuserve.tpu_platform.warmup import Warmup
 
 log = logging.getLogger(__name__)
 
@@ -438,13 +440,27 @@ class Worker:
         )
         return self.runner
 
-    def warmup(self) -> int:
+    def warmup(self, *, progress: bool = True) -> int:
+        """Compile every program a step can run (the runner's on a thread pool); returns how many."""
         t0 = time.perf_counter()
-        n = self.runner.warmup()
-        if self.draft_runner is not None:
-            n += self.draft_runner.warmup(self.dtype, self.config.speculative.num_speculative_tokens)
+        n = self._warm_draft_runner()
+        n += self.runner.warmup(progress=progress)
         log.info("warm-up compiled %d programs in %.1f s", n, time.perf_counter() - t0)
         return n
+
+    def start_warmup(self, *, progress: bool = True) -> Warmup:
+        """Start compiling in the background (``ModelRunner.start_warmup``) and return once the
+        programs of a first short request are ready; the draft runner's programs compile first, in
+        the foreground (its warm-up runs steps on its own cache)."""
+        self._warm_draft_runner()
+        warm = self.runner.start_warmup(progress=progress)
+        warm.wait_first()
+        return warm
+
+    def _warm_draft_runner(self) -> int:
+        if self.draft_runner is None:
+            return 0
+        return self.draft_runner.warmup(self.dtype, self.config.speculative.num_speculative_tokens)
 
     def shutdown(self) -> None:
         self.runner = None

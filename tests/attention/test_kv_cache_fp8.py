@@ -210,11 +210,11 @@ def test_engine_fp8_kv_greedy_and_pages(random_checkpoints):
 
     path = random_checkpoints["llama"]
     budget = 30 * PAGE_BYTES_F32  # fp8: 120 pages, under the 8 x 16 + 1 cap
-    ref = LLM(path, kv_cache_memory_bytes=budget, **ENGINE)
+    ref = LLM(path, kv_cache_memory_bytes=budget, **ENGINE, warmup=False)
     want = _greedy(ref, logprobs=20, prompt_logprobs=0)
     ref_pages = ref.engine.runner.kv_spec.num_pages
     del ref
-    llm = LLM(path, kv_cache_memory_bytes=budget, kv_cache_dtype="fp8", **ENGINE)
+    llm = LLM(path, kv_cache_memory_bytes=budget, kv_cache_dtype="fp8", **ENGINE, warmup=False)
     runner = llm.engine.runner
     assert runner.kv_cache.dtype == FP8
     assert ref_pages == 30 and runner.kv_spec.num_pages == 4 * ref_pages
@@ -264,7 +264,7 @@ def test_engine_reads_checkpoint_kv_scales(random_checkpoints, tmp_path):
     }
     save_file({k: np.asarray(v).reshape(()) for k, v in scales.items()}, str(dst / "kv_scales.safetensors"))
     assert len(glob.glob(os.path.join(dst, "*.safetensors"))) >= 2
-    llm = LLM(str(dst), kv_cache_dtype="fp8", num_gpu_blocks=40, **ENGINE)
+    llm = LLM(str(dst), kv_cache_dtype="fp8", num_gpu_blocks=40, **ENGINE, warmup=False)
     assert llm.engine.runner.kv_scales == pytest.approx((0.05, 0.004))
     assert llm.engine.worker.kv_scales == llm.engine.runner.kv_scales
     out = _greedy(llm)
@@ -281,8 +281,8 @@ def test_engine_reads_checkpoint_kv_scales(random_checkpoints, tmp_path):
         str(dst / "kv_scales.safetensors"),
     )
     with pytest.raises(ModelConfigError, match="kv_cache_dtype='fp8'.*some layers only"):
-        LLM(str(dst), kv_cache_dtype="fp8", num_gpu_blocks=40, **ENGINE)
-    llm = LLM(str(dst), num_gpu_blocks=40, **ENGINE)
+        LLM(str(dst), kv_cache_dtype="fp8", num_gpu_blocks=40, **ENGINE, warmup=False)
+    llm = LLM(str(dst), num_gpu_blocks=40, **ENGINE, warmup=False)
     assert llm.engine.runner.kv_scales is None and llm.engine.runner.kv_cache.dtype == jnp.float32
 
 

@@ -98,7 +98,7 @@ def test_checkpoint_loads_and_matches_transformers(source, tmp_path, name):
     path = write(source, str(tmp_path / name))
     with open(os.path.join(path, "config.json")) as f:
         assert "quantization_config" in json.load(f)
-    llm = LLM(path, **ENGINE)
+    llm = LLM(path, **ENGINE, warmup=False)
     assert llm.engine.worker.quantization == method
     out = llm.generate([PROMPT], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
     ids, got = out.prompt_token_ids, oracle.engine_prompt_logprobs(out)
@@ -124,6 +124,6 @@ def test_checkpoint_loads_and_matches_transformers(source, tmp_path, name):
 def test_flag_naming_another_format_is_refused(source, tmp_path):
     path = cw.write_compressed_tensors(source, str(tmp_path / "mx"), "MXFP4")
     with pytest.raises(ConfigError, match="already quantized as 'mxfp4'"):
-        LLM(path, quantization="fp8", **ENGINE)
-    llm = LLM(path, quantization="mxfp4", **ENGINE)  # naming its own format is fine
+        LLM(path, quantization="fp8", **ENGINE, warmup=False)
+    llm = LLM(path, quantization="mxfp4", **ENGINE, warmup=False)  # naming its own format is fine
     assert llm.engine.worker.quantization == "mxfp4"

@@ -35,7 +35,7 @@ ENGINE = dict(max_model_len=128, max_num_batched_tokens=64, max_num_seqs=4, num_
 
 
 def _engine_logprobs(path, method):
-    llm = LLM(path, quantization=method, **ENGINE)
+    llm = LLM(path, quantization=method, **ENGINE, warmup=False)
     out = llm.generate([PROMPT], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
     return llm, out
 
@@ -87,4 +87,4 @@ def test_online_quantization_matches_fake_quantized_transformers(dense, method, 
 @pytest.mark.timeout(300)
 def test_unquantizable_method_is_refused_naming_the_flag():
     with pytest.raises(ConfigError, match="quantization"):
-        LLM(None, quantization="awq")
+        LLM(None, quantization="awq", warmup=False)

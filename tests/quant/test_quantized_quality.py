@@ -84,7 +84,13 @@ def results():
     res = {}
     for key in (*METHODS, *(f"{m}:rtn" for m in RTN)):
         method, _, calibration = (key or "").partition(":")
-        llm = LLM(None, quantization=method or None, quantization_calibration=calibration or "gptq", **ENGINE)
+        llm = LLM(
+            None,
+            quantization=method or None,
+            quantization_calibration=calibration or "gptq",
+            **ENGINE,
+            warmup=False,
+        )
         nlls = prompt_nlls(llm, prompts)
         ppl, ppl_all = perplexity(nlls[:1]), perplexity(nlls)
         ans = (

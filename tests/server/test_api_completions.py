@@ -67,7 +67,13 @@ def test_server_greedy_matches_offline_llm(random_checkpoints, client):
     from tpuserve.server.sampling_params import SamplingParams
 
     prompts = ["Once upon a time", "def fibonacci(n):"]
-    llm = LLM(random_checkpoints["qwen3"], max_model_len=512, max_num_batched_tokens=64, max_num_seqs=16)
+    llm = LLM(
+        random_checkpoints["qwen3"],
+        max_model_len=512,
+        max_num_batched_tokens=64,
+        max_num_seqs=16,
+        warmup=False,
+    )
     offline = llm.generate(
         prompts, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True), use_tqdm=False
     )

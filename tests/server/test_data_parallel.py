@@ -85,7 +85,7 @@ def test_data_parallel_refuses_pd_and_offline():
     from tpuserve.server.llm import LLM
 
     with pytest.raises(ConfigError, match="offline LLM runs one engine"):
-        LLM("unused", data_parallel_size=2)
+        LLM("unused", data_parallel_size=2, warmup=False)
 
 
 @pytest.fixture(scope="module")
@@ -140,7 +140,7 @@ def test_dp2_tp2_serves_concurrent_requests_like_one_engine(dp_server, llama_che
     from tpuserve.server.llm import LLM
     from tpuserve.server.sampling_params import SamplingParams
 
-    ref = LLM(llama_checkpoint, max_model_len=256, max_num_batched_tokens=64, max_num_seqs=4)
+    ref = LLM(llama_checkpoint, max_model_len=256, max_num_batched_tokens=64, max_num_seqs=4, warmup=False)
     want = [
         o.outputs[0].text
         for o in ref.generate(PROMPTS, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))

@@ -43,14 +43,14 @@ def heads(random_checkpoints, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(random_checkpoints):
-    llm = LLM(random_checkpoints["llama"], **BASE)
+    llm = LLM(random_checkpoints["llama"], **BASE, warmup=False)
     return [o.outputs[0].token_ids for o in llm.generate(_prompts(), GREEDY, use_tqdm=False)]
 
 
 @pytest.fixture(scope="module", params=["eagle3", "mtp"])
 def spec_llm(request, heads):
     path, spec = heads[request.param]
-    return LLM(path, speculative_config=spec, **BASE)
+    return LLM(path, speculative_config=spec, **BASE, warmup=False)
 
 
 def _tokens(llm, params=GREEDY):
@@ -83,7 +83,7 @@ def test_greedy_output_is_identical_in_a_mixed_batch(spec_llm, random_checkpoint
         SamplingParams(temperature=0, max_tokens=20, n=2, ignore_eos=True),
         GREEDY,
     ]
-    want = LLM(random_checkpoints["llama"], **BASE).generate(_prompts(), params, use_tqdm=False)
+    want = LLM(random_checkpoints["llama"], **BASE, warmup=False).generate(_prompts(), params, use_tqdm=False)
     d0 = e.stats.spec_num_draft_tokens
     got = spec_llm.generate(_prompts(), params, use_tqdm=False)
     for w, g in zip(want, got):
@@ -131,6 +131,7 @@ def test_preemption_and_abort(heads, reference, method):
         path,
         speculative_config=spec,
         **{**BASE, "num_gpu_blocks": 9, "max_num_seqs": 5, "max_model_len": 128},
+        warmup=False,
     )
     assert _tokens(small) == reference
     check_preemption_then_abort(small.engine, _prompts()[0]["prompt_token_ids"])

@@ -22,6 +22,7 @@ def llm(random_checkpoints):
         max_num_batched_tokens=64,
         max_num_seqs=8,
         num_gpu_blocks=80,
+        warmup=False,
     )
 
 
@@ -62,14 +63,14 @@ def test_config_errors_are_clear(random_checkpoints, tmp_path):
     with pytest.raises(ConfigError, match="unknown engine argument"):
         EngineConfig.from_kwargs(max_num_seq=3)
     with pytest.raises(FileNotFoundError, match="does not exist"):
-        LLM(str(tmp_path / "nope"))
+        LLM(str(tmp_path / "nope"), warmup=False)
     with pytest.raises(ConfigError, match="max_model_len"):
-        LLM(random_checkpoints["qwen3"], max_model_len=10**6)
+        LLM(random_checkpoints["qwen3"], max_model_len=10**6, warmup=False)
     bad = tmp_path / "bad"
     bad.mkdir()
     (bad / "config.json").write_text('{"architectures": ["GPTBigCodeForCausalLM"]}')
     with pytest.raises(ValueError, match="unsupported architecture"):
-        LLM(str(bad))
+        LLM(str(bad), warmup=False)
 
 
 def test_seeded_sampling_reproduces_and_n_gives_distinct_samples(llm):
@@ -200,6 +201,7 @@ def test_steady_state_compiles_nothing_new(random_checkpoints):
         max_num_batched_tokens=32,
         max_num_seqs=4,
         num_gpu_blocks=40,
+        warmup=False,
     )
     from jax import monitoring
 
@@ -259,8 +261,8 @@ def test_async_scheduling_gives_the_same_outputs(random_checkpoints):
     """Overlapping step i+1's scheduling with step i's device work changes no token: greedy and
     seeded sampling, stops, min_tokens, n > 1, logprobs and penalties (held back to sync steps)."""
     kw = dict(max_model_len=256, max_num_batched_tokens=32, max_num_seqs=4, num_gpu_blocks=40)
-    sync = LLM(random_checkpoints["qwen3"], async_scheduling=False, **kw)
-    overlapped = LLM(random_checkpoints["qwen3"], async_scheduling=True, **kw)
+    sync = LLM(random_checkpoints["qwen3"], async_scheduling=False, **kw, warmup=False)
+    overlapped = LLM(random_checkpoints["qwen3"], async_scheduling=True, **kw, warmup=False)
     prompts = ["Hello there", "The capital of France is", "1 2 3 4 5", "A B C D E F G H I J K L M"]
     params = [
         SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
@@ -296,7 +298,7 @@ def test_async_scheduling_survives_preemption(random_checkpoints):
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     outs = {}
     for mode in (False, True):
-        llm = LLM(random_checkpoints["llama"], async_scheduling=mode, **kw)
+        llm = LLM(random_checkpoints["llama"], async_scheduling=mode, **kw, warmup=False)
         outs[mode] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         assert llm.engine.scheduler.num_preemptions > 0
         assert llm.engine.pool.num_free == 12

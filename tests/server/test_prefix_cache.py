@@ -51,7 +51,7 @@ def _run_rounds(llm: LLM, rounds) -> list[list[list[int]]]:
 
 
 def _llm(path, **kw):
-    base = dict(max_model_len=128, max_num_batched_tokens=64, max_num_seqs=4, block_size=PAGE)
+    base = dict(max_model_len=128, max_num_batched_tokens=64, max_num_seqs=4, block_size=PAGE, warmup=False)
     base.update(kw)
     return LLM(path, **base)
 

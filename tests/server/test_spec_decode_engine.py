@@ -22,7 +22,7 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1,
 
 
 def _llm(path, spec=None, **kw):
-    base = dict(max_model_len=256, max_num_batched_tokens=64, max_num_seqs=8, num_gpu_blocks=80)
+    base = dict(max_model_len=256, max_num_batched_tokens=64, max_num_seqs=8, num_gpu_blocks=80, warmup=False)
     base.update(kw)
     return LLM(path, speculative_config=spec, **base)
 

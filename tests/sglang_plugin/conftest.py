@@ -144,4 +144,4 @@ def reference_llm(hf_dir):
     """Our standalone engine on the same weights (f32, as the server runs on CPU)."""
     from tpuserve.server.llm import LLM
 
-    return LLM(hf_dir, dtype="float32", layer_loop="scan")
+    return LLM(hf_dir, dtype="float32", layer_loop="scan", warmup=False)

@@ -104,7 +104,7 @@ def _reference(hf_dir: str, prompts=PROMPTS, max_new: int = MAX_NEW, **engine):
     from tpuserve.server.llm import LLM
     from tpuserve.server.sampling_params import SamplingParams
 
-    llm = LLM(hf_dir, dtype="float32", layer_loop="scan", **engine)  # as the servers (conftest)
+    llm = LLM(hf_dir, dtype="float32", layer_loop="scan", warmup=False, **engine)  # as the servers (conftest)
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_new), use_tqdm=False)
     return [list(o.outputs[0].token_ids) for o in outs], llm
 

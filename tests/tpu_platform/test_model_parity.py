@@ -81,7 +81,13 @@ def test_greedy_64_tokens_match_with_chunking_and_preemption(random_checkpoints,
 
     path = random_checkpoints[arch]
     llm = LLM(
-        path, max_model_len=128, max_num_batched_tokens=16, max_num_seqs=4, num_gpu_blocks=12, block_size=16
+        path,
+        max_model_len=128,
+        max_num_batched_tokens=16,
+        max_num_seqs=4,
+        num_gpu_blocks=12,
+        block_size=16,
+        warmup=False,
     )
     params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
     outs = llm.generate(PROMPTS, params, use_tqdm=False)
@@ -124,6 +130,7 @@ def test_smollm2_logits_and_greedy_match_transformers(smollm2_hf):
         max_num_seqs=4,
         num_gpu_blocks=20,
         layer_loop="scan",
+        warmup=False,
     )
     tok = llm.get_tokenizer()
     prompts = [tok.encode(p) for p in PROMPTS]
@@ -157,7 +164,7 @@ def test_smollm2_knows_the_capital_of_france():
     from tpuserve.server.llm import LLM
     from tpuserve.server.sampling_params import SamplingParams
 
-    llm = LLM(max_model_len=128, max_num_batched_tokens=32)
+    llm = LLM(max_model_len=128, max_num_batched_tokens=32, warmup=False)
     out = llm.generate(
         "The capital of France is", SamplingParams(temperature=0, max_tokens=4), use_tqdm=False
     )[0]
