@@ -129,6 +129,7 @@ def run_model(model: str, args) -> dict:
     ready = time.perf_counter() - t0
     engine = llm.engine
     runner = engine.runner
+    compiled_at_ready = runner.compile_count
     arch = engine.arch
     itemsize = np.dtype(runner.kv_cache.dtype).itemsize
     mb = model_bytes(runner)
@@ -207,10 +208,12 @@ def run_model(model: str, args) -> dict:
     res["peak_bytes_in_use"] = stats.get("peak_bytes_in_use")
     res["bytes_limit"] = stats.get("bytes_limit")
     res["compiled"] = runner.compile_count
+    res["compiled_at_ready"] = compiled_at_ready
     if stats:
         print(
             f"  peak device memory {stats.get('peak_bytes_in_use', 0) / 2**30:.2f} GiB of "
-            f"{stats.get('bytes_limit', 0) / 2**30:.2f} GiB; {runner.compile_count} programs",
+            f"{stats.get('bytes_limit', 0) / 2**30:.2f} GiB; {runner.compile_count} programs "
+            f"({compiled_at_ready} when ready)",
             flush=True,
         )
     del llm, engine, runner
