@@ -39,6 +39,9 @@ from tpuserve.tpu_platform.worker import Worker
 if TYPE_CHECKING:
     import jax
 
+    from tpuserve.kv_cache.host_tier import HostKVTier
+    from tpuserve.server.kv_transfer import KVTransferRole
+
 __all__ = ["EngineStats", "GrammarDeadEndError", "LLMEngine", "RequestState"]
 
 log = logging.getLogger(__name__)
@@ -103,8 +106,8 @@ class LLMEngine:
         self.worker = Worker(config, replica)
         self.worker.load()
         self.device, self.dtype = self.worker.device, self.worker.dtype
-        self.arch, self.tokenizer = self.worker.arch, self.worker.tokenizer
-        self.model_source, self.max_model_len = self.worker.model_source, self.worker.max_model_len
+        self.arch, self.tokenizer = self.worker.loaded_arch(), self.worker.tokenizer
+        self.model_source, self.max_model_len = self.worker.model_source, self.worker.loaded_model_len()
         num_pages = self.worker.num_pages()
         self.runner = self.worker.init_kv_cache(num_pages)
         cache = config.cache
@@ -151,14 +154,14 @@ class LLMEngine:
         self._ids = itertools.count()
         self._inflight: _InFlight | None = None
         self._warmup: Warmup | None = None  # a background warm-up (start_warmup)
-        self.kv_role = None
+        self.kv_role: KVTransferRole | None = None
         if config.kv_transfer is not None:
             from tpuserve.server.kv_transfer import KVTransferRole
 
             model_id = config.model.served_model_name or os.path.basename(str(self.model_source))
             self.kv_role = KVTransferRole(config.kv_transfer, model_id, self.runner.kv_cache)
 
-    def _build_host_tier(self, gib: float | None):
+    def _build_host_tier(self, gib: float | None) -> HostKVTier | None:
         if gib is None:
             return None
         from tpuserve.kv_cache.host_tier import HostKVTier
@@ -236,7 +239,7 @@ class LLMEngine:
         prompt_token_ids: list[int] | None = None,
         arrival: float | None = None,
         cache_salt: str | None = None,
-        kv_transfer_params: dict | None = None,
+        kv_transfer_params: dict[str, Any] | None = None,
         remote_kv: Any = None,
     ) -> str:
         """Queue a request. Raises ValueError naming the problem when the input is bad.
@@ -268,7 +271,7 @@ class LLMEngine:
             raise ValueError(
                 f"prompt: token id {bad[0]} is outside the vocabulary [0, {self.arch.vocab_size})"
             )
-        bad = [t for t in params.stop_token_ids if t >= self.arch.vocab_size]
+        bad = [t for t in params.stop_token_ids or () if t >= self.arch.vocab_size]
         if bad:
             raise ValueError(
                 f"stop_token_ids: token id {bad[0]} is outside the vocabulary [0, {self.arch.vocab_size})"
@@ -408,6 +411,7 @@ class LLMEngine:
         st.prefix_cache_queries, st.prefix_cache_hits = ps.queries, ps.hits
         st.host_cache_queries, st.host_cache_hits = ps.host_queries, ps.host_hits
         for pages, page_ids in sched.remote_loads:
+            assert self.kv_role is not None  # the scheduler loads remote pages only for a consumer
             self.runner.kv_cache = self.kv_role.import_pages(self.runner.kv_cache, pages, page_ids)
         tier = self.host_tier
         if tier is None:
@@ -562,6 +566,7 @@ class LLMEngine:
         """Offer the prompt's pages (all computed once a token was sampled) before they are freed."""
         n = len(seq.prompt_token_ids)
         pages = seq.page_ids[: -(-n // self.config.cache.block_size)]
+        assert self.kv_role is not None  # a request exports only when kv_role produces
         state.kv_transfer_params = self.kv_role.export(state.request_id, self.runner.kv_cache, pages, n)
 
     def _finish(self, seq: Sequence) -> None:

@@ -323,7 +323,7 @@ class KVTransferConfig:
     kv_ip: str = "127.0.0.1"
     kv_port: int = 14579
     engine_id: str | None = None
-    kv_connector_extra_config: dict = field(default_factory=dict)
+    kv_connector_extra_config: dict[str, Any] = field(default_factory=dict)
     # What a consumer does when pulling a prefill's pages fails: fail the request, or recompute.
     kv_load_failure_policy: KVLoadFailurePolicy = KVLoadFailurePolicy.FAIL
 
@@ -429,7 +429,7 @@ class EngineConfig:
     # Flat flag names the user set (from_kwargs); the platform fills only the others.
     explicit: frozenset[str] = field(default=frozenset(), repr=False, compare=False)
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         self.validate()
 
     def validate(self) -> None:
@@ -506,7 +506,8 @@ class EngineConfig:
         flags the user left unset (TPU_SCHEDULER_DEFAULTS); other backends keep it as it is."""
         if backend != "tpu":
             return self
-        changes = {k: v for k, v in TPU_SCHEDULER_DEFAULTS.items() if k not in self.explicit}
+        # Any: replace() checks each keyword against its field, which a str-keyed dict cannot name.
+        changes: dict[str, Any] = {k: v for k, v in TPU_SCHEDULER_DEFAULTS.items() if k not in self.explicit}
         if not changes:
             return self
         return replace(self, scheduler=replace(self.scheduler, **changes))
@@ -568,7 +569,7 @@ def _flat_fields() -> dict[str, tuple[str, Any]]:
     return out
 
 
-def _parse_section(flag: str, cls, value: Any):
+def _parse_section(flag: str, cls: type[Any], value: Any) -> Any:
     """A JSON string or dict -> the section dataclass, naming unknown or missing keys."""
     if isinstance(value, str):
         try:

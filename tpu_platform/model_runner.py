@@ -31,6 +31,7 @@ import logging
 import math
 import threading
 from dataclasses import dataclass
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -226,7 +227,9 @@ class ModelRunner:
         self.max_logprobs = config.model.max_logprobs
         self.kv_cache_dtype = jnp.dtype(dtype if kv_cache_dtype is None else kv_cache_dtype)
         self.attn_impl = resolve_impl(config.compilation.attention_impl, device.backend, self.kv_cache_dtype)
-        self.kv_scales = None if kv_scales is None else tuple(float(x) for x in kv_scales)
+        self.kv_scales: tuple[float, float] | None = (
+            None if kv_scales is None else (float(kv_scales[0]), float(kv_scales[1]))
+        )
         if jnp.dtype(self.kv_cache_dtype).itemsize == 1 and self.kv_scales is None:
             if calibration_tokens is None:
                 raise ValueError(
@@ -275,7 +278,7 @@ class ModelRunner:
             **pin,
         )
         self.kv_spec: KVCacheSpec | None = None
-        self.kv_cache = None
+        self.kv_cache: Any = None  # the cache's device arrays, once allocate_kv_cache() runs
         if num_pages is not None:
             self.allocate_kv_cache(num_pages)
         self._prompt_logits = jax.jit(self._traced_prompt_logits)

@@ -7,6 +7,7 @@ buckets (T token slots, S sequence slots, ``pages_per_seq`` page-table columns).
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -191,7 +192,7 @@ def sampling_row(
     presence_penalty: float = 0.0,
     frequency_penalty: float = 0.0,
     min_tokens: int = 0,
-    min_tokens_stop_ids=(),
+    min_tokens_stop_ids: Collection[int] = (),
     token_bitmask: np.ndarray | None = None,
     num_logprobs: int | None = None,
 ) -> SamplingRow:

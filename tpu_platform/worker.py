@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +34,7 @@ from tpuserve.tpu_platform.config import (
     EngineConfig,
     QuantCalibration,
     SpecMethod,
+    SpeculativeConfig,
 )
 from tpuserve.tpu_platform.device import discover, enable_compilation_cache, resolve_dtype
 from tpuserve.tpu_platform.draft_runner import DraftRunner
@@ -41,8 +43,9 @@ from tpuserve.tpu_platform.loader.draft_head import load_draft
 from tpuserve.tpu_platform.mesh import plan_devices, replica_mesh
 from tpuserve.tpu_platform.model_runner import ModelRunner
 from tpuserve.tpu_platform.models import calibrate
-from tpuserve.tpu_platform.models.arch import ModelConfigError
-from tpuserve.tpu_platform.models.quantize import quantize_params
+from tpuserve.tpu_platform.models.arch import ModelArch, ModelConfigError
+from tpuserve.tpu_platform.models.draft_head import DraftHead
+from tpuserve.tpu_platform.models.quantize import QuantReport, quantize_params
 from tpuserve.tpu_platform.models.sharding import (
     check_tensor_parallel,
     group_gate_up_by_device,
@@ -127,8 +130,8 @@ def plan_memory(
     return plan
 
 
-def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype):
-    """The KV cache's jnp dtype for ``--kv-cache-dtype``: "auto" -> the model dtype; "fp8" and
+def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: Any) -> Any:
+    """The KV cache's jnp dtype (a numpy dtype; jnp.dtype is typed as returning Any) for ``--kv-cache-dtype``: "auto" -> the model dtype; "fp8" and
     "fp8_e4m3" (vLLM's names) -> float8_e4m3fn."""
     if kv_cache_dtype == "auto":
         return jnp.dtype(model_dtype)
@@ -137,13 +140,13 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype):
     raise ConfigError(f"kv_cache_dtype: must be one of {KV_CACHE_DTYPES} (got {kv_cache_dtype!r})")
 
 
-def _tree_nbytes(tree) -> int:
+def _tree_nbytes(tree: Any) -> int:
     """Bytes of every array in ``tree`` (quantized records count their data and scales)."""
     return sum(x.nbytes for x in jax.tree_util.tree_leaves(tree))
 
 
 class Worker:
-    def __init__(self, config: EngineConfig, replica: int = 0):
+    def __init__(self, config: EngineConfig, replica: int = 0) -> None:
         """replica: which data-parallel replica this worker is (its device subset, mesh.py)."""
         self.config = config
         self.device = discover()
@@ -159,20 +162,39 @@ class Worker:
         # (k_scale, v_scale) of an FP8 KV cache: the checkpoint's (load), else calibrated when the
         # runner is built (init_kv_cache). None for a cache in the model dtype.
         self.kv_scales: tuple[float, float] | None = None
-        self.arch = None
-        self.tokenizer = None
+        # Set by load(); None until then (read them after loading through loaded_arch()).
+        self.arch: ModelArch | None = None
+        self.tokenizer: Any = None  # a transformers tokenizer (the loader's LoadedModel.tokenizer)
         self.model_source: str | None = None
         self.max_model_len: int | None = None
-        self.runner = None
-        self._params = None
+        self.runner: ModelRunner | None = None
+        self._params: dict[str, Any] | None = None
         self.quantization: str | None = None  # the weights' format once loaded (None: dense)
-        self.quant_report = None  # models.quantize.QuantReport after online quantization
+        self.quant_report: QuantReport | None = None  # models.quantize.QuantReport after online quantization
         # A model-based drafter (EAGLE-3 / MTP): its DraftHead and params once loaded, then its
         # DraftRunner beside the ModelRunner (draft_runner.py).
-        self.draft_head = None
-        self._draft_params = None
-        self.draft_runner = None
+        self.draft_head: DraftHead | None = None
+        self._draft_params: dict[str, Any] | None = None
+        self.draft_runner: DraftRunner | None = None
         self._plan: MemoryPlan | None = None  # the accelerator memory plan, once measured
+
+    # What load() and init_kv_cache() set, for the steps that need them to have run: a typed
+    # value or an error that names the missing step (not an AttributeError on None).
+
+    def loaded_arch(self) -> ModelArch:
+        if self.arch is None:
+            raise RuntimeError("Worker.load() must run first")
+        return self.arch
+
+    def loaded_model_len(self) -> int:
+        if self.max_model_len is None:
+            raise RuntimeError("Worker.load() must run first")
+        return self.max_model_len
+
+    def _built_runner(self) -> ModelRunner:
+        if self.runner is None:
+            raise RuntimeError("Worker.init_kv_cache() must run first")
+        return self.runner
 
     # ---- weights ----
 
@@ -182,7 +204,8 @@ class Worker:
         t0 = time.perf_counter()
         m = self.config.model
         loaded = load_model(m.model, self.dtype, m.tokenizer)
-        self.arch, self.tokenizer, self.model_source = loaded.arch, loaded.tokenizer, loaded.source
+        arch = self.arch = loaded.arch
+        self.tokenizer, self.model_source = loaded.tokenizer, loaded.source
         params = loaded.params
         if self.tensor_parallel_size > 1:
             params = self._shard_heads(params, loaded.quantization)
@@ -197,7 +220,7 @@ class Worker:
                 "FP8 KV cache: the checkpoint's scales (max over layers): k_scale %.6g, v_scale %.6g",
                 *self.kv_scales,
             )
-        limit = self.arch.max_position_embeddings
+        limit = arch.max_position_embeddings
         want = m.max_model_len or limit
         if want > limit and clamp_max_model_len:
             want = limit
@@ -207,15 +230,15 @@ class Worker:
         log.info(
             "loaded %s (%s, %d layers) in %.1f s",
             loaded.source,
-            self.arch.architecture,
-            self.arch.num_layers,
+            arch.architecture,
+            arch.num_layers,
             time.perf_counter() - t0,
         )
         spec = self.config.speculative
         if spec is not None and spec.method in (SpecMethod.EAGLE3, SpecMethod.MTP):
             self._load_draft(spec, loaded.source)
 
-    def _load_draft(self, spec, target_source: str) -> None:
+    def _load_draft(self, spec: SpeculativeConfig, target_source: str) -> None:
         if self.mesh is not None:
             raise ConfigError(
                 f"speculative_config.method={spec.method!r} runs its draft head on one "
@@ -227,25 +250,29 @@ class Worker:
                 f"target's embedding, which a quantized target ({self.quantization}) "
                 f"does not keep dense; not supported yet"
             )
-        self.draft_head, self._draft_params = load_draft(
-            spec.method, spec.model, target_source, self.arch, self._params, self.dtype
+        if self._params is None:
+            raise RuntimeError("Worker._load_draft: the target's weights are not loaded")
+        head, self._draft_params = load_draft(
+            spec.method, spec.model, target_source, self.loaded_arch(), self._params, self.dtype
         )
+        self.draft_head = head
         log.info(
             "draft head: %s (%d-token vocabulary, features %s)",
             spec.method,
-            self.draft_head.draft_vocab_size,
-            self.draft_head.aux_layer_ids or "final hidden state",
+            head.draft_vocab_size,
+            head.aux_layer_ids or "final hidden state",
         )
 
-    def _shard_heads(self, params: dict, checkpoint_method: str | None) -> dict:
+    def _shard_heads(self, params: dict[str, Any], checkpoint_method: str | None) -> dict[str, Any]:
         """Check the model splits over the TP devices; replicate KV heads when there are fewer
         than devices (models/sharding.py), before any online quantization."""
         tp = self.tensor_parallel_size
+        arch = self.loaded_arch()
         try:
-            r = check_tensor_parallel(self.arch, tp)
+            r = check_tensor_parallel(arch, tp)
             if r > 1 and checkpoint_method is not None:
                 raise ValueError(
-                    f"tensor_parallel_size={tp}: the model's {self.arch.num_kv_heads} "
+                    f"tensor_parallel_size={tp}: the model's {arch.num_kv_heads} "
                     f"KV heads would need replicating, which a pre-quantized "
                     f"({checkpoint_method}) checkpoint's qkv cannot be; use a TP size "
                     f"that divides the KV heads"
@@ -256,15 +283,15 @@ class Worker:
             log.info(
                 "tensor parallel %d over %d KV heads: each KV head replicated %d times",
                 tp,
-                self.arch.num_kv_heads,
+                arch.num_kv_heads,
                 r,
             )
-            params, self.arch = replicate_kv_heads(params, self.arch, tp)
+            params, self.arch = replicate_kv_heads(params, arch, tp)
         if checkpoint_method is None and self.config.quantization.method is not None:
             params = group_gate_up_by_device(params, tp)  # so its quantized record splits by F
         return params
 
-    def _quantize(self, params: dict, checkpoint_method: str | None) -> dict:
+    def _quantize(self, params: dict[str, Any], checkpoint_method: str | None) -> dict[str, Any]:
         """The quantization step of loading: route ``linear`` for quantized records, and quantize an
         unquantized checkpoint's linear weights when ``--quantization`` asks (models/quantize.py).
 
@@ -280,21 +307,19 @@ class Worker:
                     f"{checkpoint_method!r} (got {method!r})"
                 )
             self.quantization = checkpoint_method
-        elif method is None:
-            return params
-        else:
-            self.quantization = method
-        if checkpoint_method is not None:
             log.info(
                 "checkpoint is pre-quantized (%s): weights %.1f MiB",
                 checkpoint_method,
                 _tree_nbytes(params) / 2**20,
             )
             return params
+        if method is None:
+            return params
+        self.quantization = method
         t0 = time.perf_counter()
         calibration = None
         if method in calibrate.GPTQ_METHODS and self.config.quantization.calibration == QuantCalibration.GPTQ:
-            calibration = (self.arch, calibrate.calibration_token_ids(self.tokenizer))
+            calibration = (self.loaded_arch(), calibrate.calibration_token_ids(self.tokenizer))
         params, report = quantize_params(params, method, calibration=calibration)
         self.quant_report = report
         log.info(
@@ -307,7 +332,7 @@ class Worker:
 
     @property
     def weight_bytes(self) -> int:
-        return _tree_nbytes(self._params if self._params is not None else self.runner.params)
+        return _tree_nbytes(self._params if self._params is not None else self._built_runner().params)
 
     # ---- KV cache sizing: the one formula ----
 
@@ -317,7 +342,7 @@ class Worker:
 
     def page_bytes_padded_and_plain(self) -> tuple[int, int]:
         """(bytes of a page as the attention backend lays it out, bytes of its real K/V)."""
-        a = self.arch
+        a = self.loaded_arch()
         impl = resolve_impl(self.config.compilation.attention_impl, self.device.backend, self.kv_cache_dtype)
         spec = KVCacheSpec(
             a.num_layers,
@@ -354,13 +379,15 @@ class Worker:
             runner = self._build_runner(None)
             t0 = time.perf_counter()
             step = runner.step_memory()
+            if not self.device.memory_bytes:  # kv_cache_budget plans only on a device that reports it
+                raise RuntimeError("Worker.memory_plan: the device reports no memory size")
             memory = self.device.memory_bytes * self.tensor_parallel_size
             self._plan = plan_memory(
                 self.config,
                 memory_bytes=memory,
                 weight_bytes=self.weight_bytes,
                 step_bytes=step,
-                vocab_size=self.arch.vocab_size,
+                vocab_size=self.loaded_arch().vocab_size,
             )
             log.info(
                 "memory plan (step programs measured in %.1f s): %s",
@@ -375,7 +402,7 @@ class Worker:
         that cannot hold one sequence of max_model_len (unless the front end's own scheduler
         admits by its pool size, as SGLang's does)."""
         cache = self.config.cache
-        pages_per_seq = -(-self.max_model_len // cache.block_size)
+        pages_per_seq = -(-self.loaded_model_len() // cache.block_size)
         if cache.num_gpu_blocks is not None:
             n = cache.num_gpu_blocks
         else:
@@ -393,7 +420,7 @@ class Worker:
 
     # ---- runner ----
 
-    def _build_runner(self, num_pages: int | None):
+    def _build_runner(self, num_pages: int | None) -> ModelRunner:
         """The ModelRunner (built once; it owns the weights from here), with ``num_pages`` KV
         pages, or without a cache yet (None)."""
         if self.runner is not None:
@@ -402,17 +429,18 @@ class Worker:
             return self.runner
         if self._params is None:
             raise RuntimeError("Worker.load() must run before init_kv_cache()")
+        arch = self.loaded_arch()
         calibration = None
         if self.kv_cache_dtype.itemsize == 1 and self.kv_scales is None:
-            calibration = kv_scales.calibration_token_ids(self.tokenizer, self.arch.vocab_size)
-        self.runner = ModelRunner(
+            calibration = kv_scales.calibration_token_ids(self.tokenizer, arch.vocab_size)
+        runner = self.runner = ModelRunner(
             self.config,
-            self.arch,
+            arch,
             self._params,
             self.device,
             self.dtype,
             num_pages,
-            self.max_model_len,
+            self.loaded_model_len(),
             mesh=self.mesh,
             kv_cache_dtype=self.kv_cache_dtype,
             kv_scales=self.kv_scales,
@@ -420,31 +448,38 @@ class Worker:
             draft_aux_layers=(None if self.draft_head is None else self.draft_head.aux_layer_ids),
         )
         self._params = None
-        return self.runner
+        return runner
 
-    def init_kv_cache(self, num_pages: int):
+    def init_kv_cache(self, num_pages: int) -> ModelRunner:
         """Build the ModelRunner over ``num_pages`` KV pages; the runner owns the weights from here."""
-        self._build_runner(num_pages)
-        self.kv_scales = self.runner.kv_scales
-        if self.draft_head is not None:
-            self.draft_runner = DraftRunner(self.draft_head, self._draft_params, self.runner)
+        runner = self._build_runner(num_pages)
+        self.kv_scales = runner.kv_scales
+        # The draft params are handed to the DraftRunner once: a second call keeps that runner.
+        if self.draft_head is not None and self._draft_params is not None:
+            self.draft_runner = DraftRunner(self.draft_head, self._draft_params, runner)
             self._draft_params = None
         log.info(
             "KV cache: %d pages of %d tokens (%.2f GiB, %s), token buckets %s, page buckets %s",
             num_pages,
             self.config.cache.block_size,
-            self.runner.kv_spec.page_bytes(self.runner.attn_impl) * num_pages / (1 << 30),
+            self._kv_spec(runner).page_bytes(runner.attn_impl) * num_pages / (1 << 30),
             self.kv_cache_dtype.name,
-            self.runner.token_buckets,
-            self.runner.page_buckets,
+            runner.token_buckets,
+            runner.page_buckets,
         )
-        return self.runner
+        return runner
+
+    @staticmethod
+    def _kv_spec(runner: ModelRunner) -> KVCacheSpec:
+        if runner.kv_spec is None:  # _build_runner(num_pages) allocated it
+            raise RuntimeError("Worker: the runner has no KV cache yet")
+        return runner.kv_spec
 
     def warmup(self, *, progress: bool = True) -> int:
         """Compile every program a step can run (the runner's on a thread pool); returns how many."""
         t0 = time.perf_counter()
         n = self._warm_draft_runner()
-        n += self.runner.warmup(progress=progress)
+        n += self._built_runner().warmup(progress=progress)
         log.info("warm-up compiled %d programs in %.1f s", n, time.perf_counter() - t0)
         return n
 
@@ -453,14 +488,17 @@ class Worker:
         programs of a first short request are ready; the draft runner's programs compile first, in
         the foreground (its warm-up runs steps on its own cache)."""
         self._warm_draft_runner()
-        warm = self.runner.start_warmup(progress=progress)
+        warm = self._built_runner().start_warmup(progress=progress)
         warm.wait_first()
         return warm
 
     def _warm_draft_runner(self) -> int:
         if self.draft_runner is None:
             return 0
-        return self.draft_runner.warmup(self.dtype, self.config.speculative.num_speculative_tokens)
+        spec = self.config.speculative
+        if spec is None:  # a draft runner is only built for a speculative config
+            raise RuntimeError("Worker: a draft runner without a speculative config")
+        return self.draft_runner.warmup(self.dtype, spec.num_speculative_tokens)
 
     def shutdown(self) -> None:
         self.runner = None
