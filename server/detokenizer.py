@@ -30,6 +30,12 @@ REPLACEMENT_CHAR = "\ufffd"
 # first step stays cheap.
 PROMPT_CONTEXT_TOKENS = 5
 
+# Window length (context + new tokens) at which it is cut back to its last
+# PROMPT_CONTEXT_TOKENS tokens. Longer windows mean fewer cut-back decodes but
+# longer per-step decodes; a decode of ~16 tokens costs about as much as one
+# of 2, since the fixed per-call overhead dominates.
+WINDOW_TOKENS = 16
+
 
 class Tokenizer(Protocol):
     """The part of a Hugging Face tokenizer that this module uses."""
@@ -59,10 +65,18 @@ class IncrementalDetokenizer:
     ``skip_special_tokens`` and ``spaces_between_special_tokens`` are passed
     to ``tokenizer.decode`` unchanged (fast tokenizers ignore the latter).
 
-    Cost: each step decodes the window once, plus once more when the window
-    slides. The window is the context (the tokens read by the previous clean
-    step) plus the tokens since; it only grows while no step ends on a
-    complete character, which valid text ends within a few tokens.
+    Cost: each step decodes the window once. A step that ends on a complete
+    character makes the whole window the context of the next one (its text is
+    the window text just decoded, so that costs no decode); only once the
+    window reaches ``WINDOW_TOKENS`` is it cut back to its last
+    ``PROMPT_CONTEXT_TOKENS`` tokens, at the price of one more decode. So a
+    step costs about 1 + 1/(WINDOW_TOKENS - PROMPT_CONTEXT_TOKENS) decodes of
+    at most WINDOW_TOKENS tokens (more only while no step ends on a complete
+    character, which valid text does within a few tokens).
+
+    Decoding calls the Rust ``tokenizers`` backend directly when the
+    transformers wrapper would add nothing to it (see ``_backend_decode``):
+    the wrapper's argument conversion costs more than the decode itself.
 
     State: ``_ids`` is the decode window. Tokens before the window were
     dropped, so the classic prefix offset is always 0 here.
@@ -83,13 +97,16 @@ class IncrementalDetokenizer:
         spaces_between_special_tokens: bool = True,
     ) -> None:
         self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
         self._decode_kwargs = {
             "skip_special_tokens": skip_special_tokens,
             "spaces_between_special_tokens": spaces_between_special_tokens,
         }
+        self._backend = _backend_decode(tokenizer)
         # The context may start inside a character; that is harmless, as the
         # context decode and every window decode start with the same bytes.
-        context = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
+        # int(): the Rust backend takes Python ints only (prompts may be numpy).
+        context = [int(t) for t in prompt_token_ids[-PROMPT_CONTEXT_TOKENS:]]
         context_text = self._decode(context)
         if context_text.endswith(REPLACEMENT_CHAR):
             # The prompt ends inside a character (or on U+FFFD): its bytes
@@ -103,7 +120,9 @@ class IncrementalDetokenizer:
         self._pieces: list[str] = []
         self._flushed = False
 
-    def _decode(self, ids: Sequence[int]) -> str:
+    def _decode(self, ids: list[int]) -> str:
+        if self._backend is not None:
+            return self._backend.decode(ids, skip_special_tokens=self._skip_special_tokens)
         return self._tokenizer.decode(list(ids), **self._decode_kwargs)
 
     @property
@@ -119,14 +138,18 @@ class IncrementalDetokenizer:
             raise RuntimeError("add_tokens() after flush()")
         if not new_ids:
             return ""
-        self._ids.extend(new_ids)
+        self._ids.extend(map(int, new_ids))
         window_text = self._decode(self._ids)
         stable_end = len(window_text) - _trailing_replacement_count(window_text)
         delta = self._take(window_text, stable_end)
         if stable_end == len(window_text):
             # The window ends on a complete character: every token up to
-            # here is emitted, so the window can slide forward.
-            self._slide()
+            # here is emitted and becomes context, whose text is window_text.
+            self._read_offset = len(self._ids)
+            self._prefix_len = len(window_text)
+            self._emitted_past_read = 0
+            if len(self._ids) >= WINDOW_TOKENS:
+                self._cut_back()
         return delta
 
     def flush(self) -> str:
@@ -136,9 +159,7 @@ class IncrementalDetokenizer:
         if self._read_offset == len(self._ids):
             return ""
         window_text = self._decode(self._ids)
-        delta = self._take(window_text, len(window_text))
-        self._slide()
-        return delta
+        return self._take(window_text, len(window_text))
 
     def _take(self, window_text: str, end: int) -> str:
         """Emit ``window_text`` from the last emitted position up to ``end``."""
@@ -150,12 +171,51 @@ class IncrementalDetokenizer:
         self._pieces.append(delta)
         return delta
 
-    def _slide(self) -> None:
-        """Make the just-read tokens the context of the next window."""
-        del self._ids[: self._read_offset]  # old context: no longer needed
-        self._read_offset = len(self._ids)
-        self._prefix_len = len(self._decode(self._ids))
-        self._emitted_past_read = 0
+    def _cut_back(self) -> None:
+        """Keep only the last PROMPT_CONTEXT_TOKENS tokens of a fully read
+        window as context, so decodes stay short."""
+        context = self._ids[-PROMPT_CONTEXT_TOKENS:]
+        context_text = self._decode(context)
+        if context_text.endswith(REPLACEMENT_CHAR):
+            # Cannot happen for decoders whose text ends depend only on the
+            # last tokens' bytes; for any other keep the (correct) long window.
+            return
+        self._ids = context
+        self._read_offset = len(context)
+        self._prefix_len = len(context_text)
+
+
+def _backend_decode(tokenizer: Tokenizer):
+    """The Rust ``tokenizers.Tokenizer`` behind a transformers fast tokenizer,
+    when calling its ``decode`` directly gives exactly ``tokenizer.decode``;
+    else None.
+
+    transformers (5.x ``TokenizersBackend._decode``) passes the ids and
+    ``skip_special_tokens`` to the backend, ignores
+    ``spaces_between_special_tokens``, and then applies
+    ``clean_up_tokenization`` only when ``clean_up_tokenization_spaces`` is set
+    and the model is not BPE (unless a force flag is set). Anything that could
+    take the cleanup path, or is not such a tokenizer, uses the wrapper.
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or not callable(getattr(backend, "decode", None)):
+        return None
+    # A subclass that overrides either method may decode differently.
+    cls = type(tokenizer)
+    if (
+        getattr(getattr(cls, "decode", None), "__qualname__", "") != "PreTrainedTokenizerBase.decode"
+        or getattr(getattr(cls, "_decode", None), "__qualname__", "") != "TokenizersBackend._decode"
+    ):
+        return None
+    cleanup = getattr(tokenizer, "clean_up_tokenization_spaces", True)
+    if cleanup is False:
+        return backend
+    forced = getattr(
+        tokenizer, "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output", True
+    )
+    if type(backend.model).__name__ == "BPE" and forced is False:
+        return backend
+    return None
 
 
 def decode_token(tokenizer: Tokenizer, token_id: int) -> str:
