@@ -227,6 +227,10 @@ class ModelRunner:
         self.max_logprobs = config.model.max_logprobs
         self.kv_cache_dtype = jnp.dtype(dtype if kv_cache_dtype is None else kv_cache_dtype)
         self.attn_impl = resolve_impl(config.compilation.attention_impl, device.backend, self.kv_cache_dtype)
+        # How this engine's programs multiply by its weights: dense, or its quantized records'
+        # kernels (a dense engine never meets a record). Active while its programs trace
+        # (the fp8 cache's calibration pass below is one).
+        self.linears = quant_linear_impls()
         self.kv_scales: tuple[float, float] | None = (
             None if kv_scales is None else (float(kv_scales[0]), float(kv_scales[1]))
         )
@@ -259,9 +263,6 @@ class ModelRunner:
         # This engine's sampling programs and their neutral inputs, on its devices (sampler.py).
         self.sampler = Sampler(self._replicated)
         self.rejection_sampler = RejectionSampler(self.sampler)
-        # How this engine's programs multiply by its weights: dense, or its quantized records'
-        # kernels (a dense engine never meets a record). Active while its programs trace.
-        self.linears = quant_linear_impls()
         self._last_tokens = jax.jit(self._traced_last_tokens, static_argnames=("num_slots",))
         self._pad_tokens = jax.jit(self._traced_pad_tokens, static_argnames=("num_slots",))
         pin = {}
