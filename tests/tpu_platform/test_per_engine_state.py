@@ -7,13 +7,8 @@ runner on each, as two data-parallel replicas are placed (``mesh.replica_mesh``)
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
-
-HERE = os.path.dirname(os.path.abspath(__file__))
+from fake_devices import run_with_devices  # tests/tpu_platform/fake_devices.py
 
 
 def _two_runners() -> None:
@@ -80,19 +75,9 @@ def _two_runners() -> None:
 
 @pytest.mark.timeout(600)
 def test_two_runners_in_one_process_share_no_state():
-    flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags.strip())
-    res = subprocess.run(
-        [sys.executable, __file__],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=580,
-        cwd=HERE,
-    )
-    assert res.returncode == 0, f"child failed:\n{res.stdout}\n{res.stderr[-6000:]}"
+    out = run_with_devices(__file__, devices=2, timeout=580)
     for line in ("OK each runner counts", "OK neutral sampler arrays", "OK both runners sample alike"):
-        assert line in res.stdout, res.stdout
+        assert line in out, out
 
 
 if __name__ == "__main__":

@@ -6,14 +6,11 @@ this file as a script in a subprocess (``python test_sharding.py``).
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from fake_devices import run_with_devices  # tests/tpu_platform/fake_devices.py
 from jax.sharding import PartitionSpec as P
 from tiny_models import empty_kv_cache, ragged_step, tiny_model  # tests/tpu_platform/tiny_models.py
 
@@ -102,18 +99,8 @@ def _sharded_matches_unsharded():
 
 @pytest.mark.timeout(300)
 def test_two_device_sharded_forward_matches_unsharded():
-    flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags.strip())
-    res = subprocess.run(
-        [sys.executable, __file__],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=280,
-        cwd=os.path.dirname(os.path.abspath(__file__)),
-    )
-    assert res.returncode == 0, f"subprocess failed:\n{res.stdout}\n{res.stderr[-4000:]}"
-    assert res.stdout.count("sharded logits match") == 3, res.stdout
+    out = run_with_devices(__file__, devices=2, timeout=280)
+    assert out.count("sharded logits match") == 3, out
 
 
 if __name__ == "__main__":

@@ -9,12 +9,11 @@ collectives of the compiled step read from its HLO; then the whole engine's gree
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from fake_devices import run_with_devices  # tests/tpu_platform/fake_devices.py
 from tiny_models import tiny_model  # tests/tpu_platform/tiny_models.py
 
 from tpuserve.tpu_platform.collectives import Collective, collectives, ring_bytes_sent
@@ -32,18 +31,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def _child(*args: str, devices: int = 8, timeout: float = 600) -> str:
-    flags = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices}"
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags.strip())
-    res = subprocess.run(
-        [sys.executable, os.path.join(HERE, "tp_child.py"), *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=HERE,
-    )
-    assert res.returncode == 0, f"tp_child {args} failed:\n{res.stdout}\n{res.stderr[-6000:]}"
-    return res.stdout
+    return run_with_devices(os.path.join(HERE, "tp_child.py"), *args, devices=devices, timeout=timeout)
 
 
 @pytest.mark.slow
