@@ -36,9 +36,6 @@ TOKENIZER_FILES = {
     ],
 }
 
-# The default model's tokenizer, loaded as the server loads it (AutoTokenizer reads its
-# tokenizer_config.json); tests with it skip where the model cache is absent.
-SMOLLM2_DIR = Path("/root/.cache/tpuserve/models/SmolLM2-135M-Instruct")
 
 # Special tokens that end a turn, per tokenizer.
 END_OF_TURN = {"qwen3": "<|im_end|>", "llama3": "<|eot_id|>", "smollm2": "<|im_end|>"}
@@ -58,11 +55,13 @@ TEXTS = [
 @functools.cache
 def _load(name: str) -> PreTrainedTokenizerFast:
     if name == "smollm2":
-        if not (SMOLLM2_DIR / "tokenizer.json").is_file():
-            pytest.skip(f"{SMOLLM2_DIR} is not downloaded")
+        # The default model's tokenizer, loaded as the server loads it (AutoTokenizer reads its
+        # tokenizer_config.json) from its Hugging Face export (made once, from the shipped GGUF).
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(str(SMOLLM2_DIR))
+        from tpuserve.tpu_platform.loader.export import default_model_hf_dir
+
+        return AutoTokenizer.from_pretrained(default_model_hf_dir())
     for package, rel_path in TOKENIZER_FILES[name]:
         spec = importlib.util.find_spec(package)
         if spec is None or not spec.submodule_search_locations:
