@@ -351,25 +351,20 @@ class ModelRunner:
         final norm (prompt logprobs score its rows later), draft features [T, A] or None, kv_cache)."""
         self._traces += 1  # runs only while tracing, i.e. once per compiled program
         with self.linears.active():
-            return self._forward_and_logits(
-                params, kv_cache, token_ids, positions, md, logits_indices, inv_freq
+            out = forward(
+                params,
+                kv_cache,
+                token_ids,
+                positions,
+                md,
+                arch=self.arch,
+                attn_impl=self.attn_impl,
+                inv_freq=inv_freq,
+                mesh=self.mesh,
+                kv_scales=self.kv_scales,
+                aux_layer_ids=self.draft_aux_layers or (),
             )
-
-    def _forward_and_logits(self, params, kv_cache, token_ids, positions, md, logits_indices, inv_freq):
-        out = forward(
-            params,
-            kv_cache,
-            token_ids,
-            positions,
-            md,
-            arch=self.arch,
-            attn_impl=self.attn_impl,
-            inv_freq=inv_freq,
-            mesh=self.mesh,
-            kv_scales=self.kv_scales,
-            aux_layer_ids=self.draft_aux_layers or (),
-        )
-        logits = compute_logits(params, out.hidden[logits_indices], arch=self.arch)
+            logits = compute_logits(params, out.hidden[logits_indices], arch=self.arch)
         hidden, kv_cache = out.hidden, out.kv_cache
         features = None
         if self.draft_aux_layers is not None:
@@ -414,20 +409,17 @@ class ModelRunner:
 
         def amax(params, cache, tokens, positions, md, inv_freq):
             with self.linears.active():
-                return _amax(params, cache, tokens, positions, md, inv_freq)
-
-        def _amax(params, cache, tokens, positions, md, inv_freq):
-            kv = forward(
-                params,
-                cache,
-                tokens,
-                positions,
-                md,
-                arch=self.arch,
-                attn_impl=self.attn_impl,
-                inv_freq=inv_freq,
-                mesh=self.mesh,
-            ).kv_cache
+                kv = forward(
+                    params,
+                    cache,
+                    tokens,
+                    positions,
+                    md,
+                    arch=self.arch,
+                    attn_impl=self.attn_impl,
+                    inv_freq=inv_freq,
+                    mesh=self.mesh,
+                ).kv_cache
             # Combined heads interleave K (even) and V (odd); padding heads and unwritten rows
             # are zeros, which never raise an amax.
             kv = jnp.abs(kv.astype(jnp.float32))
