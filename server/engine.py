@@ -503,6 +503,7 @@ class LLMEngine:
         seq, p = w.seq, w.seq.params
         start = seq.num_computed
         grammar_mask = seq.grammar.fill_bitmask() if (w.completes and seq.grammar is not None) else None
+        holds_stops = w.completes and len(seq.output_token_ids) + seq.num_pending < p.min_tokens
         row = sampling_row(
             temperature=p.temperature,
             top_k=p.top_k,
@@ -516,7 +517,11 @@ class LLMEngine:
             presence_penalty=p.presence_penalty,
             frequency_penalty=p.frequency_penalty,
             min_tokens=p.min_tokens if w.completes else 0,
-            min_tokens_stop_ids=set(p.stop_token_ids or ()) | (set() if p.ignore_eos else self.eos_token_ids),
+            min_tokens_stop_ids=(
+                set(p.stop_token_ids or ()) | (set() if p.ignore_eos else self.eos_token_ids)
+                if holds_stops
+                else ()
+            ),
             token_bitmask=grammar_mask,
             num_logprobs=p.logprobs,
         )

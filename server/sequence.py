@@ -88,10 +88,14 @@ class Sequence:
         return self.prompt_token_ids[i] if i < p else self.output_token_ids[i - p]
 
     def tokens(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + output, without joining the two lists (a decode step
+        asks for one token of a long sequence)."""
         p = len(self.prompt_token_ids)
         if end <= p:
             return self.prompt_token_ids[start:end]
-        return (self.prompt_token_ids + self.output_token_ids)[start:end]
+        if start >= p:
+            return self.output_token_ids[start - p : end - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - p]
 
     @property
     def num_known(self) -> int:

@@ -7,6 +7,7 @@ buckets (T token slots, S sequence slots, ``pages_per_seq`` page-table columns).
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
@@ -226,17 +227,35 @@ def sampling_row(
     return row
 
 
+# The SamplingBatch columns pack_sampling_rows fills from the SamplingRow attributes of the same
+# names (``step`` fills ``steps``), read in one C-level call per row.
+_ROW_COLUMNS = (
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "steps",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+)
+_row_values = operator.attrgetter(*(c if c != "steps" else "step" for c in _ROW_COLUMNS))
+
+
 def pack_sampling_rows(rows: list[SamplingRow], num_slots: int, vocab_size: int) -> SamplingBatch:
     """Pack per-sequence rows into a SamplingBatch of ``num_slots`` rows (extra rows greedy padding).
 
     Dense [S, V] penalty inputs and the [S, K] ban list are built only when some row needs them.
     """
     b = SamplingBatch.greedy(num_slots)
-    for i, r in enumerate(rows):
-        b.temperature[i], b.top_k[i], b.top_p[i], b.min_p[i] = r.temperature, r.top_k, r.top_p, r.min_p
-        b.seeds[i], b.steps[i] = r.seed & 0xFFFFFFFF, r.step
-        b.repetition_penalty[i], b.presence_penalty[i] = r.repetition_penalty, r.presence_penalty
-        b.frequency_penalty[i] = r.frequency_penalty
+    n = len(rows)
+    # One table read per row and one fill per column, rather than nine scalar writes per row:
+    # this runs for every sequence of every step. float64 holds each value exactly.
+    if n:
+        table = np.array([_row_values(r) for r in rows], np.float64)
+        for j, name in enumerate(_ROW_COLUMNS):
+            getattr(b, name)[:n] = table[:, j]
+        b.seeds[:n] = np.fromiter((r.seed & 0xFFFFFFFF for r in rows), np.uint32, n)
     if any(r.has_penalties for r in rows):
         b.output_counts = np.zeros((num_slots, vocab_size), np.int32)
         b.prompt_mask = np.zeros((num_slots, vocab_size), bool)
