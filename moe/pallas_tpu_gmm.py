@@ -1,0 +1,253 @@
+"""Pallas TPU grouped matmul: each group of consecutive rows of ``lhs`` times its own ``rhs[g]``.
+
+Contract (the jnp reference is ``moe.grouped_matmul.grouped_matmul_reference``):
+``lhs [M, K]`` rows sorted by group, ``rhs [G, K, N]``, ``group_sizes [G]`` int32 with
+``sum <= M``; rows ``start_g .. start_g + size_g - 1`` of the result are ``lhs[rows] @ rhs[g]``,
+rows past ``sum(group_sizes)`` are zero. Output in ``lhs.dtype``, accumulated in f32.
+
+Visit schedule
+--------------
+Rows are cut into tiles of ``tm``. A tile may hold rows of several groups, so the kernel walks a
+list of *visits*, each one (row tile, group): the tile's rows of that group times ``rhs[group]``.
+Visits run group by group, so row tiles come in non-decreasing order and all visits of one tile
+are consecutive. That lets the output tile stay in VMEM across them: Pallas only writes an output
+block back to HBM when its block index changes, so the first visit of a tile writes every row
+(its own rows, zero elsewhere) and later ones overwrite only their own rows.
+
+The list is built with jnp from ``group_sizes`` (``visit_schedule``, a handful of tiny vector
+ops) and handed to the kernel as scalar-prefetch operands in SMEM, where the index maps read it
+to choose the ``lhs`` tile and the ``rhs`` group to DMA. Its length is static: a tile crossed by
+a group boundary is visited once more per boundary, so ``tiles + min(G, M) - 1`` visits always
+suffice. Tiles wholly past ``sum(group_sizes)`` get one visit that only writes zeros; the static
+list is padded with idle visits that repeat the last tile and group, so they cost a grid step
+but no DMA and no matmul (idle and zero visits also point their ``lhs`` / ``rhs`` block at the
+one the previous step used, so the pipeline has nothing to fetch). Empty groups have no visit.
+
+Grid and tiles
+--------------
+grid = (N / tn, visits, K / tk), semantics ("parallel", "arbitrary", "arbitrary"). The N tile is
+outermost so the visits of a row tile stay consecutive for each N tile. An f32 ``[tm, tn]`` VMEM
+accumulator is zeroed at k == 0 and stored, masked to the visit's rows with a select (never a
+multiply: rows outside the visit can hold garbage from a partial edge block), at the last k.
+
+Rows: ``tm`` rows per tile (default 128, the v5e MXU's height); ``M`` itself when smaller (a full
+dim is always a legal block). M need not divide by ``tm``: the last tile is a partial block whose
+out-of-range rows are never selected and are dropped on write-back. N: ``tn`` a multiple of 128
+(default: N itself up to 1024 lanes, else the largest 128-multiple divisor <= 1024, else 512 with a
+partial last block; columns are independent, so garbage columns past N only reach dropped output
+columns). K: ``tk`` must divide K (a partial K block would add garbage into the sum) and be a
+multiple of 128 or K itself (default: K up to 3072, else the largest 128-multiple divisor <= 2048).
+``rhs`` is cast to ``lhs.dtype`` in VMEM when the two differ.
+
+Status: verified in TPU interpret mode (race detection on) on CPU and lowered to Mosaic for TPU
+(tests/moe/test_grouped_matmul.py); benchmarks/moe_gmm_tpu.py times it on a real TPU.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+DEFAULT_TM = 128  # the v5e MXU is 128 x 128
+_MAX_FULL_TN = 1024
+_MAX_FULL_TK = 3072  # gpt-oss's K = 2880 is no multiple of 128, so it must be one tile
+_MAX_TK = 2048
+_SCOPED_VMEM_DEFAULT = 16 * 2**20  # v5e's default scoped VMEM limit
+
+
+def _largest_divisor(dim: int, cap: int, quantum: int) -> int | None:
+    """Largest multiple of ``quantum`` <= ``cap`` dividing ``dim``, or None."""
+    for t in range(cap - cap % quantum, 0, -quantum):
+        if dim % t == 0:
+            return t
+    return None
+
+
+def default_tiling(m: int, k: int, n: int) -> tuple[int, int, int]:
+    """(tm, tk, tn) for the v5e: see the module docstring."""
+    tm = min(m, DEFAULT_TM)
+    tk = k if k <= _MAX_FULL_TK else (_largest_divisor(k, _MAX_TK, 128) or k)
+    tn = n if n <= _MAX_FULL_TN else (_largest_divisor(n, _MAX_FULL_TN, 128) or 512)
+    return tm, tk, tn
+
+
+def _check_tiling(m: int, k: int, n: int, tm: int, tk: int, tn: int, dtype) -> None:
+    sub = 8 * max(1, 4 // jnp.dtype(dtype).itemsize)  # sublane tile rows: 8 f32, 16 bf16
+    if not (tm == m or (0 < tm <= m and tm % sub == 0)):
+        raise ValueError(f"tm={tm} must be M={m} or a multiple of {sub} <= M")
+    if k % tk or not (tk == k or tk % 128 == 0):
+        raise ValueError(f"tk={tk} must divide K={k} and be a multiple of 128 (or K itself)")
+    if not (tn == n or (tn % 128 == 0 and 0 < tn)):
+        raise ValueError(f"tn={tn} must be N={n} or a multiple of 128")
+
+
+def visit_schedule(group_sizes: jax.Array, m: int, tm: int, num_visits: int):
+    """The visit list for ``group_sizes [G]`` over ``ceil(m / tm)`` row tiles (traceable).
+
+    Returns five int32 arrays of length ``num_visits``: ``out_tile`` (the output row tile),
+    ``in_tile`` and ``group`` (the ``lhs`` tile and ``rhs`` group whose blocks to fetch), and
+    ``lo``, ``hi`` (global rows ``lo .. hi - 1`` of the output tile come from this visit; empty
+    for zero and idle visits), plus the number of real (non-idle) visits as a scalar.
+    """
+    g = group_sizes.shape[0]
+    tiles = -(-m // tm)
+    sizes = group_sizes.astype(jnp.int32)
+    ends = jnp.cumsum(sizes)
+    starts = ends - sizes
+    total = ends[-1]
+    first = starts // tm
+    last = jnp.maximum(ends - 1, 0) // tm
+    count = jnp.where(sizes > 0, last - first + 1, 0)  # visits of each group
+    group_end = jnp.cumsum(count)  # visit index just past each group's visits
+    group_visits = group_end[-1]
+    used_tiles = -(-total // tm)  # tiles holding any grouped row
+    real = group_visits + (tiles - used_tiles)
+
+    v = jnp.arange(num_visits, dtype=jnp.int32)
+    # group of a grouped visit: the first group whose visits end after v (empty groups end where
+    # the previous one did, so they are skipped)
+    gv = jnp.minimum(jnp.searchsorted(group_end, v, side="right").astype(jnp.int32), g - 1)
+    grouped_tile = first[gv] + (v - (group_end[gv] - count[gv]))
+    zero_tile = used_tiles + (v - group_visits)  # visits after the grouped ones: tiles past the sum
+    is_grouped = v < group_visits
+    is_real = v < real
+    tile = jnp.where(is_grouped, grouped_tile, zero_tile)
+    lo = jnp.where(is_grouped, jnp.maximum(starts[gv], tile * tm), 0)
+    hi = jnp.where(is_grouped, jnp.minimum(ends[gv], (tile + 1) * tm), 0)
+
+    # blocks to fetch: a grouped visit's own; otherwise the last grouped visit's (no new DMA)
+    last_grouped = jnp.maximum(group_visits - 1, 0)
+    fetch_tile = jnp.where(group_visits > 0, grouped_tile[last_grouped], 0)
+    fetch_group = jnp.where(group_visits > 0, gv[last_grouped], 0)
+    in_tile = jnp.where(is_grouped, tile, fetch_tile)
+    group = jnp.where(is_grouped, gv, fetch_group)
+    # idle visits (past the real ones) repeat the last real visit's output tile
+    out_tile = jnp.where(is_real, tile, jnp.where(real > 0, tile[jnp.maximum(real - 1, 0)], 0))
+    return out_tile, in_tile, group, lo, hi, real
+
+
+def _gmm_kernel(
+    out_tile_ref, in_tile_ref, group_ref, lo_ref, hi_ref, lhs_ref, rhs_ref, out_ref, acc_ref, *, tm, nk
+):
+    del in_tile_ref, group_ref  # read by the index maps only
+    v = pl.program_id(1)
+    kk = pl.program_id(2)
+    lo = lo_ref[v]
+    hi = hi_ref[v]
+    busy = lo < hi
+
+    @pl.when(busy & (kk == 0))
+    def _zero():
+        acc_ref[...] = jnp.zeros_like(acc_ref)
+
+    @pl.when(busy)
+    def _accumulate():
+        x = lhs_ref[...]
+        w = rhs_ref[...]
+        if w.dtype != x.dtype:
+            w = w.astype(x.dtype)
+        acc_ref[...] += jnp.dot(x, w, preferred_element_type=jnp.float32)
+
+    @pl.when(kk == nk - 1)
+    def _store():
+        tile = out_tile_ref[v]
+        first = (v == 0) | (tile != out_tile_ref[jnp.maximum(v - 1, 0)])
+        rows = tile * tm + lax.broadcasted_iota(jnp.int32, out_ref.shape, 0)
+        mine = (rows >= lo) & (rows < hi)
+
+        @pl.when(first & busy)
+        def _first():
+            out_ref[...] = jnp.where(mine, acc_ref[...], 0.0).astype(out_ref.dtype)
+
+        @pl.when(first & ~busy)
+        def _zeros():
+            out_ref[...] = jnp.zeros_like(out_ref)
+
+        @pl.when(~first & busy)
+        def _merge():
+            # the select in f32 (exact for a bf16 output): the v5e's VPU has no bf16
+            kept = out_ref[...].astype(jnp.float32)
+            out_ref[...] = jnp.where(mine, acc_ref[...], kept).astype(out_ref.dtype)
+
+
+def _vmem_limit(tm: int, tk: int, tn: int, in_bytes: int, w_bytes: int, out_bytes: int) -> int | None:
+    """A scoped VMEM limit when double-buffered tiles outgrow the default; None keeps it."""
+    need = 2 * (tm * tk * in_bytes + tk * tn * w_bytes + tm * tn * out_bytes) + tm * tn * 4
+    need = int(need * 1.25) + 2**20
+    return None if need <= _SCOPED_VMEM_DEFAULT else min(need, 100 * 2**20)
+
+
+@functools.partial(jax.jit, static_argnames=("tiling", "interpret"))
+def grouped_matmul_tpu(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    group_sizes: jax.Array,
+    *,
+    tiling: tuple[int, int, int] | None = None,
+    interpret=None,
+) -> jax.Array:
+    """``lhs [M, K]``, ``rhs [G, K, N]``, ``group_sizes [G]`` int32 -> ``[M, N]`` in lhs.dtype.
+
+    ``tiling``: (tm, tk, tn), default ``default_tiling(M, K, N)``. ``interpret``: None compiles
+    for TPU; a ``pltpu.InterpretParams`` runs the kernel in TPU interpret mode.
+    """
+    if lhs.ndim != 2 or rhs.ndim != 3 or rhs.shape[1] != lhs.shape[1] or group_sizes.shape != rhs.shape[:1]:
+        raise ValueError(
+            f"grouped_matmul_tpu: lhs {lhs.shape}, rhs {rhs.shape}, group_sizes {group_sizes.shape} "
+            "do not fit [M, K], [G, K, N], [G]"
+        )
+    m, k = lhs.shape
+    g, _, n = rhs.shape
+    tm, tk, tn = tiling or default_tiling(m, k, n)
+    _check_tiling(m, k, n, tm, tk, tn, lhs.dtype)
+    nk = k // tk
+    tiles_m = -(-m // tm)
+    tiles_n = -(-n // tn)
+    num_visits = tiles_m + min(g, m) - 1
+    schedule = visit_schedule(group_sizes, m, tm, num_visits)
+    out_tile, in_tile, group, lo, hi, _ = schedule
+
+    def lhs_map(j, v, kk, out_tile, in_tile, group, lo, hi):
+        busy = lo[v] < hi[v]
+        return in_tile[v], jnp.where(busy, kk, nk - 1)
+
+    def rhs_map(j, v, kk, out_tile, in_tile, group, lo, hi):
+        busy = lo[v] < hi[v]
+        return group[v], jnp.where(busy, kk, nk - 1), j
+
+    def out_map(j, v, kk, out_tile, in_tile, group, lo, hi):
+        return out_tile[v], j
+
+    vmem = _vmem_limit(tm, tk, tn, lhs.dtype.itemsize, rhs.dtype.itemsize, lhs.dtype.itemsize)
+    # bytes: every N tile reads lhs once per visit; rhs of each visited group once; out once
+    cost = pl.CostEstimate(
+        flops=2 * m * k * n,
+        transcendentals=0,
+        bytes_accessed=tiles_n * num_visits * tm * k * lhs.dtype.itemsize
+        + min(num_visits, g) * k * n * rhs.dtype.itemsize
+        + m * n * lhs.dtype.itemsize,
+    )
+    return pl.pallas_call(
+        functools.partial(_gmm_kernel, tm=tm, nk=nk),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=5,
+            grid=(tiles_n, num_visits, nk),
+            in_specs=[
+                pl.BlockSpec((tm, tk), lhs_map),
+                pl.BlockSpec((None, tk, tn), rhs_map),
+            ],
+            out_specs=pl.BlockSpec((tm, tn), out_map),
+            scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32)],
+        ),
+        out_shape=jax.ShapeDtypeStruct((m, n), lhs.dtype),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "arbitrary", "arbitrary"), vmem_limit_bytes=vmem
+        ),
+        cost_estimate=cost,
+        interpret=interpret if interpret is not None else False,
+    )(out_tile, in_tile, group, lo, hi, lhs, rhs)
