@@ -20,8 +20,13 @@ IMPLS = ("reference", "pallas_tpu", "pallas_tpu_interpret")
 TPU_INTERPRET_PARAMS = pltpu.InterpretParams(detect_races=False)
 
 
-def grouped_matmul_reference(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Array:
+def grouped_matmul_reference(
+    lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, rhs_scale: jax.Array | None = None
+) -> jax.Array:
     """``lhs [M, K]``, ``rhs [G, K, N]``, ``group_sizes [G]`` int32 -> ``[M, N]`` in lhs.dtype.
+
+    ``rhs_scale``: f32 ``[G, 1, N]`` per-output-channel scales of a quantized ``rhs`` (int8 or
+    float8_e4m3fn): the weight is ``rhs * rhs_scale``.
 
     Row ``r`` of group ``g`` (``start_g <= r < start_g + group_sizes[g]``, starts the exclusive
     cumulative sum) is ``lhs[r] @ rhs[g]``, in f32 at HIGHEST precision; rows at or past
@@ -35,13 +40,15 @@ def grouped_matmul_reference(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Ar
     row_group = jnp.sum(row[:, None] >= ends[None, :], axis=1)
     x = lhs.astype(jnp.float32)
 
-    def one_group(acc, gw):
-        g, w = gw
-        y = jnp.dot(x, w.astype(jnp.float32), precision=lax.Precision.HIGHEST)
+    scales = jnp.ones((rhs.shape[0], 1, rhs.shape[2]), jnp.float32) if rhs_scale is None else rhs_scale
+
+    def one_group(acc, gws):
+        g, w, s = gws
+        y = jnp.dot(x, w.astype(jnp.float32) * s, precision=lax.Precision.HIGHEST)
         return jnp.where((row_group == g)[:, None], y, acc), None
 
     init = jnp.zeros((m, rhs.shape[2]), jnp.float32)
-    out, _ = lax.scan(one_group, init, (jnp.arange(rhs.shape[0], dtype=jnp.int32), rhs))
+    out, _ = lax.scan(one_group, init, (jnp.arange(rhs.shape[0], dtype=jnp.int32), rhs, scales))
     return out.astype(lhs.dtype)
 
 
@@ -49,6 +56,7 @@ def grouped_matmul(
     lhs: jax.Array,
     rhs: jax.Array,
     group_sizes: jax.Array,
+    rhs_scale: jax.Array | None = None,
     *,
     impl: str = "reference",
     tiling: tuple[int, int, int] | None = None,
@@ -59,13 +67,13 @@ def grouped_matmul(
     impl: "reference" (jnp, any backend), "pallas_tpu" (the compiled kernel, TPU only) or
     "pallas_tpu_interpret" (the same kernel in TPU interpret mode on any backend; ``interpret``
     overrides its ``pltpu.InterpretParams``). ``tiling`` = (tm, tk, tn) for the kernel.
+    ``rhs_scale``: per-output-channel scales of an 8-bit ``rhs`` (see the reference).
     """
     if impl == "reference":
-        return grouped_matmul_reference(lhs, rhs, group_sizes)
+        return grouped_matmul_reference(lhs, rhs, group_sizes, rhs_scale)
     if impl == "pallas_tpu":
-        return grouped_matmul_tpu(lhs, rhs, group_sizes, tiling=tiling)
+        return grouped_matmul_tpu(lhs, rhs, group_sizes, rhs_scale, tiling=tiling)
     if impl == "pallas_tpu_interpret":
-        return grouped_matmul_tpu(
-            lhs, rhs, group_sizes, tiling=tiling, interpret=interpret or TPU_INTERPRET_PARAMS
-        )
+        params = interpret or TPU_INTERPRET_PARAMS
+        return grouped_matmul_tpu(lhs, rhs, group_sizes, rhs_scale, tiling=tiling, interpret=params)
     raise ValueError(f"grouped_matmul: impl {impl!r} is not one of {IMPLS}")

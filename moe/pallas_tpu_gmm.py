@@ -39,6 +39,15 @@ columns). K: ``tk`` must divide K (a partial K block would add garbage into the 
 multiple of 128 or K itself (default: K up to 3072, else the largest 128-multiple divisor <= 2048).
 ``rhs`` is cast to ``lhs.dtype`` in VMEM when the two differ.
 
+Quantized experts
+-----------------
+``rhs`` may be int8 or float8_e4m3fn with a per-output-channel f32 ``rhs_scale [G, 1, N]`` (the
+``Fp8Weight`` "channel" record of ``quant/fp8.py`` with the experts as its leading axis): the
+8-bit tile is widened to ``lhs.dtype`` in VMEM (int8 through f32: exact) and, since the scale does
+not vary along K, it multiplies the f32 accumulator once at the store instead of every weight.
+HBM moves one byte per weight plus ``4 * N`` bytes of scale per expert. 8-bit tiles need ``tk`` a
+multiple of 32 rows (their sublane tile) or K itself.
+
 Status: verified in TPU interpret mode (race detection on) on CPU and lowered to Mosaic for TPU
 (tests/moe/test_grouped_matmul.py); benchmarks/moe_gmm_tpu.py times it on a real TPU.
 """
@@ -76,11 +85,16 @@ def default_tiling(m: int, k: int, n: int) -> tuple[int, int, int]:
     return tm, tk, tn
 
 
-def _check_tiling(m: int, k: int, n: int, tm: int, tk: int, tn: int, dtype) -> None:
-    sub = 8 * max(1, 4 // jnp.dtype(dtype).itemsize)  # sublane tile rows: 8 f32, 16 bf16
+def _sublanes(dtype) -> int:
+    """Rows of one (sublane, 128-lane) tile: 8 for 32-bit, 16 for 16-bit, 32 for 8-bit."""
+    return 8 * max(1, 4 // jnp.dtype(dtype).itemsize)
+
+
+def _check_tiling(m: int, k: int, n: int, tm: int, tk: int, tn: int, dtype, rhs_dtype) -> None:
+    sub = _sublanes(dtype)
     if not (tm == m or (0 < tm <= m and tm % sub == 0)):
         raise ValueError(f"tm={tm} must be M={m} or a multiple of {sub} <= M")
-    if k % tk or not (tk == k or tk % 128 == 0):
+    if k % tk or not (tk == k or (tk % 128 == 0 and tk % _sublanes(rhs_dtype) == 0)):
         raise ValueError(f"tk={tk} must divide K={k} and be a multiple of 128 (or K itself)")
     if not (tn == n or (tn % 128 == 0 and 0 < tn)):
         raise ValueError(f"tn={tn} must be N={n} or a multiple of 128")
@@ -132,9 +146,10 @@ def visit_schedule(group_sizes: jax.Array, m: int, tm: int, num_visits: int):
 
 
 def _gmm_kernel(
-    out_tile_ref, in_tile_ref, group_ref, lo_ref, hi_ref, lhs_ref, rhs_ref, out_ref, acc_ref, *, tm, nk
+    out_tile_ref, in_tile_ref, group_ref, lo_ref, hi_ref, lhs_ref, rhs_ref, *refs, tm, nk, scaled
 ):
     del in_tile_ref, group_ref  # read by the index maps only
+    scale_ref, out_ref, acc_ref = refs if scaled else (None, *refs)
     v = pl.program_id(1)
     kk = pl.program_id(2)
     lo = lo_ref[v]
@@ -149,6 +164,8 @@ def _gmm_kernel(
     def _accumulate():
         x = lhs_ref[...]
         w = rhs_ref[...]
+        if jnp.issubdtype(w.dtype, jnp.integer):
+            w = w.astype(jnp.float32)  # int8 -> f32 -> bf16 is exact and lowers on every TPU
         if w.dtype != x.dtype:
             w = w.astype(x.dtype)
         acc_ref[...] += jnp.dot(x, w, preferred_element_type=jnp.float32)
@@ -160,9 +177,13 @@ def _gmm_kernel(
         rows = tile * tm + lax.broadcasted_iota(jnp.int32, out_ref.shape, 0)
         mine = (rows >= lo) & (rows < hi)
 
+        def result():
+            acc = acc_ref[...]
+            return acc * scale_ref[...] if scaled else acc  # [tm, tn] * [1, tn]
+
         @pl.when(first & busy)
         def _first():
-            out_ref[...] = jnp.where(mine, acc_ref[...], 0.0).astype(out_ref.dtype)
+            out_ref[...] = jnp.where(mine, result(), 0.0).astype(out_ref.dtype)
 
         @pl.when(first & ~busy)
         def _zeros():
@@ -172,7 +193,7 @@ def _gmm_kernel(
         def _merge():
             # the select in f32 (exact for a bf16 output): the v5e's VPU has no bf16
             kept = out_ref[...].astype(jnp.float32)
-            out_ref[...] = jnp.where(mine, acc_ref[...], kept).astype(out_ref.dtype)
+            out_ref[...] = jnp.where(mine, result(), kept).astype(out_ref.dtype)
 
 
 def _vmem_limit(tm: int, tk: int, tn: int, in_bytes: int, w_bytes: int, out_bytes: int) -> int | None:
@@ -187,14 +208,17 @@ def grouped_matmul_tpu(
     lhs: jax.Array,
     rhs: jax.Array,
     group_sizes: jax.Array,
+    rhs_scale: jax.Array | None = None,
     *,
     tiling: tuple[int, int, int] | None = None,
     interpret=None,
 ) -> jax.Array:
     """``lhs [M, K]``, ``rhs [G, K, N]``, ``group_sizes [G]`` int32 -> ``[M, N]`` in lhs.dtype.
 
-    ``tiling``: (tm, tk, tn), default ``default_tiling(M, K, N)``. ``interpret``: None compiles
-    for TPU; a ``pltpu.InterpretParams`` runs the kernel in TPU interpret mode.
+    ``rhs_scale``: f32 ``[G, 1, N]`` per-output-channel scales of an int8 / float8_e4m3fn ``rhs``
+    (dequantized weight = ``rhs * rhs_scale``), or None for a plain ``rhs``. ``tiling``: (tm, tk,
+    tn), default ``default_tiling(M, K, N)``. ``interpret``: None compiles for TPU; a
+    ``pltpu.InterpretParams`` runs the kernel in TPU interpret mode.
     """
     if lhs.ndim != 2 or rhs.ndim != 3 or rhs.shape[1] != lhs.shape[1] or group_sizes.shape != rhs.shape[:1]:
         raise ValueError(
@@ -203,8 +227,11 @@ def grouped_matmul_tpu(
         )
     m, k = lhs.shape
     g, _, n = rhs.shape
+    scaled = rhs_scale is not None
+    if scaled and rhs_scale.shape != (g, 1, n):
+        raise ValueError(f"grouped_matmul_tpu: rhs_scale {rhs_scale.shape} is not [G, 1, N] = {(g, 1, n)}")
     tm, tk, tn = tiling or default_tiling(m, k, n)
-    _check_tiling(m, k, n, tm, tk, tn, lhs.dtype)
+    _check_tiling(m, k, n, tm, tk, tn, lhs.dtype, rhs.dtype)
     nk = k // tk
     tiles_m = -(-m // tm)
     tiles_n = -(-n // tn)
@@ -220,27 +247,36 @@ def grouped_matmul_tpu(
         busy = lo[v] < hi[v]
         return group[v], jnp.where(busy, kk, nk - 1), j
 
+    def scale_map(j, v, kk, out_tile, in_tile, group, lo, hi):
+        return group[v], 0, j
+
     def out_map(j, v, kk, out_tile, in_tile, group, lo, hi):
         return out_tile[v], j
 
+    in_specs = [pl.BlockSpec((tm, tk), lhs_map), pl.BlockSpec((None, tk, tn), rhs_map)]
+    operands = [lhs, rhs]
+    if scaled:
+        in_specs.append(pl.BlockSpec((None, 1, tn), scale_map))
+        operands.append(rhs_scale.astype(jnp.float32))
+
     vmem = _vmem_limit(tm, tk, tn, lhs.dtype.itemsize, rhs.dtype.itemsize, lhs.dtype.itemsize)
-    # bytes: every N tile reads lhs once per visit; rhs of each visited group once; out once
+    # bytes, with one K tile (the default): each N tile reads lhs once and each visited group's
+    # rhs once (consecutive visits share blocks); with several, every visit re-reads both
+    visits_read = tiles_m if nk == 1 else num_visits
+    groups_read = min(num_visits, g) if nk == 1 else num_visits
     cost = pl.CostEstimate(
         flops=2 * m * k * n,
         transcendentals=0,
-        bytes_accessed=tiles_n * num_visits * tm * k * lhs.dtype.itemsize
-        + min(num_visits, g) * k * n * rhs.dtype.itemsize
+        bytes_accessed=tiles_n * visits_read * tm * k * lhs.dtype.itemsize
+        + groups_read * k * n * rhs.dtype.itemsize
         + m * n * lhs.dtype.itemsize,
     )
     return pl.pallas_call(
-        functools.partial(_gmm_kernel, tm=tm, nk=nk),
+        functools.partial(_gmm_kernel, tm=tm, nk=nk, scaled=scaled),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=5,
             grid=(tiles_n, num_visits, nk),
-            in_specs=[
-                pl.BlockSpec((tm, tk), lhs_map),
-                pl.BlockSpec((None, tk, tn), rhs_map),
-            ],
+            in_specs=in_specs,
             out_specs=pl.BlockSpec((tm, tn), out_map),
             scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32)],
         ),
@@ -250,4 +286,4 @@ def grouped_matmul_tpu(
         ),
         cost_estimate=cost,
         interpret=interpret if interpret is not None else False,
-    )(out_tile, in_tile, group, lo, hi, lhs, rhs)
+    )(out_tile, in_tile, group, lo, hi, *operands)

@@ -20,6 +20,7 @@ from pallas_interpret import RACES, fresh_interpreter, races_found  # noqa: F401
 
 from tpuserve.moe.grouped_matmul import grouped_matmul, grouped_matmul_reference
 from tpuserve.moe.pallas_tpu_gmm import default_tiling, grouped_matmul_tpu, visit_schedule
+from tpuserve.quant import fp8
 
 
 def data(m, k, g, n, dtype, seed=0):
@@ -117,6 +118,36 @@ def test_dispatch_interpret_matches_reference_under_jit():
         grouped_matmul(x, w, jnp.zeros((5,), jnp.int32), impl="cuda")
 
 
+def quantize_per_channel(w, kind):
+    """Stacked experts ``[G, K, N]`` -> (8-bit codes, f32 scales ``[G, 1, N]``). fp8 through the
+    repo's own record (``quant.fp8``, "channel": one scale per expert and output column)."""
+    if kind == "fp8":
+        rec = fp8.quantize_fp8(w, "channel", num_lead=1)
+        assert rec.qweight.shape == w.shape and rec.scale.shape == (w.shape[0], 1, w.shape[2])
+        return rec.qweight, rec.scale
+    scale = jnp.max(jnp.abs(w), axis=1, keepdims=True) / 127.0
+    return jnp.round(w / scale).astype(jnp.int8), scale
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_quantized_rhs_matches_ragged_dot_on_the_dequantized_weight(kind):
+    sizes, m, k, n = [6, 0, 13, 9], 32, 256, 256  # sum 28: rows 28..31 past it
+    x, w = data(m, k, len(sizes), n, jnp.bfloat16, seed=11)
+    q, scale = quantize_per_channel(w.astype(jnp.float32), kind)
+    gs = jnp.asarray(sizes, jnp.int32)
+    y = grouped_matmul_tpu(x, q, gs, scale, tiling=(16, 128, 128), interpret=RACES)
+    jax.block_until_ready(y)
+    assert not races_found(), "the race detector reported a data race"
+    # the dequantized weight by numpy / ml_dtypes' casts, not ours
+    deq = jnp.asarray(np.asarray(q).astype(np.float32) * np.asarray(scale))
+    close(y, ragged_dot_oracle(x.astype(jnp.float32), deq, gs), jnp.bfloat16)
+    close(y, grouped_matmul_reference(x, q, gs, scale), jnp.bfloat16)
+    assert not np.any(np.asarray(y[sum(sizes) :], np.float32))
+    with pytest.raises(ValueError, match="rhs_scale"):
+        grouped_matmul_tpu(x, q, gs, scale[:, :, :128], interpret=RACES)
+
+
 def brute_force_visits(sizes, m, tm):
     """(tile, group, lo, hi) of every visit with rows, then (tile, -1, 0, 0) for tiles past the sum."""
     visits, start = [], 0
@@ -171,19 +202,22 @@ def test_bad_tiles_are_refused():
         (64, 768, 128, 2048, jnp.bfloat16),  # its down projection, decode-sized
         (200, 2880, 32, 2880, jnp.bfloat16),  # gpt-oss-20b-like: K one tile, N with a partial tile
         (100, 256, 4, 384, jnp.float32),
+        (512, 2048, 128, 768, jnp.int8),  # int8 experts, per-channel scales, bf16 activations
+        (64, 2880, 32, 2880, jnp.float8_e4m3fn),
     ],
-    ids=["qwen3_up", "qwen3_down", "gpt_oss", "f32"],
+    ids=["qwen3_up", "qwen3_down", "gpt_oss", "f32", "qwen3_up_int8", "gpt_oss_fp8"],
 )
 def test_lowers_to_mosaic(m, k, g, n, dtype):
     """The kernel exports for TPU from CPU (Mosaic lowering, default tiling; the layout passes run
     only on a TPU: benchmarks/moe_gmm_tpu.py compiles and runs it there)."""
-    shapes = (
-        jax.ShapeDtypeStruct((m, k), dtype),
+    act = dtype if jnp.dtype(dtype).itemsize > 1 else jnp.bfloat16
+    shapes = [
+        jax.ShapeDtypeStruct((m, k), act),
         jax.ShapeDtypeStruct((g, k, n), dtype),
         jax.ShapeDtypeStruct((g,), jnp.int32),
-    )
-    exported = jax.export.export(jax.jit(lambda a, b, c: grouped_matmul_tpu(a, b, c)), platforms=["tpu"])(
-        *shapes
-    )
+    ]
+    if act != dtype:
+        shapes.append(jax.ShapeDtypeStruct((g, 1, n), jnp.float32))
+    exported = jax.export.export(jax.jit(lambda *a: grouped_matmul_tpu(*a)), platforms=["tpu"])(*shapes)
     assert "tpu_custom_call" in exported.mlir_module()
-    assert exported.out_avals[0].shape == (m, n) and exported.out_avals[0].dtype == dtype
+    assert exported.out_avals[0].shape == (m, n) and exported.out_avals[0].dtype == act
