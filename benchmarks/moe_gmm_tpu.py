@@ -18,6 +18,9 @@ bf16 peak (197 TFLOP/s), and ``roofline_fraction`` = max(bytes / 819 GB/s, flops
 time, the share of the better bound reached. Results are checked against ragged_dot with f32
 accumulation (relative max error <= 2e-2 of the largest magnitude). A failing case or
 implementation is recorded and the rest still run; the exit status is 1 if any failed.
+
+``--int8`` adds ``ours_int8``: our kernel on the same experts quantized to int8 per output channel
+(bytes counted at one per weight), checked against ragged_dot on the dequantized weight.
 """
 
 from __future__ import annotations
@@ -63,6 +66,7 @@ def parse_args(argv=None):
         default="",
         help="extra tilings of our kernel to time, 'tm,tk,tn;tm,tk,tn' (the default tiling always runs)",
     )
+    p.add_argument("--int8", action="store_true", help="also time our kernel on int8 per-channel experts")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
@@ -108,7 +112,42 @@ def implementations(m: int, k: int, n: int, interpret, extra_tilings):
     return impls
 
 
-def run_case(model, projection, tokens, dims, args, rng, weights, interpret, extra_tilings):
+def measure(fn, operands, want, bytes_moved: int, flops: int, args) -> dict:
+    """Check ``fn(*operands)`` against ``want`` (f32), then time it; errors are recorded, not raised."""
+    res = {}
+    bound = max(bytes_moved / HBM_BYTES_PER_S, flops / PEAK_FLOPS)
+    try:
+        jitted = jax.jit(fn)
+        t0 = time.perf_counter()
+        got = np.asarray(jax.block_until_ready(jitted(*operands)), np.float32)
+        res["first_call_s"] = round(time.perf_counter() - t0, 3)
+        err = float(np.max(np.abs(got - want))) / (float(np.max(np.abs(want))) or 1.0)
+        res["max_rel_err"] = err
+        res["agrees"] = bool(err <= 2e-2)
+        sec = median_seconds(jitted, operands, args.iters, args.repeats)
+        res.update(
+            bytes=bytes_moved,
+            median_ms=sec * 1e3,
+            gb_per_s=bytes_moved / sec / 1e9,
+            tflop_per_s=flops / sec / 1e12,
+            hbm_fraction=bytes_moved / sec / HBM_BYTES_PER_S,
+            peak_fraction=flops / sec / PEAK_FLOPS,
+            roofline_fraction=bound / sec,
+        )
+    except Exception as e:  # one implementation failing must not stop the others
+        res["error"] = f"{type(e).__name__}: {str(e)[:2000]}"
+        res["traceback"] = traceback.format_exc()[-4000:]
+    return res
+
+
+def ragged_dot_f32(lhs, rhs, gs, scale=None):
+    """The check's oracle: ragged_dot with f32 accumulation (of ``rhs * scale`` when quantized)."""
+    if scale is not None:
+        lhs, rhs = lhs.astype(jnp.float32), rhs.astype(jnp.float32) * scale
+    return jax.lax.ragged_dot(lhs, rhs, gs, preferred_element_type=jnp.float32)
+
+
+def run_case(model, projection, tokens, dims, args, rng, weights, qweights, interpret, extra_tilings):
     h, f, g, top_k = dims
     k, n = (h, 2 * f) if projection == "gate_up" else (f, h)
     m = tokens * top_k
@@ -123,37 +162,29 @@ def run_case(model, projection, tokens, dims, args, rng, weights, interpret, ext
         model=model, projection=projection, tokens=tokens, m=m, k=k, n=n, experts=g, top_k=top_k,
         active_experts=active, bytes=bytes_moved, flops=flops, roofline_ms=bound * 1e3, results={},
     )  # fmt: skip
-    want = np.asarray(
-        jax.jit(lambda a, b, c: jax.lax.ragged_dot(a, b, c, preferred_element_type=jnp.float32))(
-            lhs, weights, gs
-        )
-    )
-    scale = float(np.max(np.abs(want))) or 1.0
+    want = np.asarray(jax.jit(ragged_dot_f32)(lhs, weights, gs))
     for name, (fn, tiling) in implementations(m, k, n, interpret, extra_tilings).items():
         res = dict(tiling=list(tiling) if tiling else None)
-        try:
-            jitted = jax.jit(fn)
-            t0 = time.perf_counter()
-            got = np.asarray(jax.block_until_ready(jitted(lhs, weights, gs)), np.float32)
-            res["first_call_s"] = round(time.perf_counter() - t0, 3)
-            err = float(np.max(np.abs(got - want))) / scale
-            res["max_rel_err"] = err
-            res["agrees"] = bool(err <= 2e-2)
-            sec = median_seconds(jitted, (lhs, weights, gs), args.iters, args.repeats)
-            res.update(
-                median_ms=sec * 1e3,
-                gb_per_s=bytes_moved / sec / 1e9,
-                tflop_per_s=flops / sec / 1e12,
-                hbm_fraction=bytes_moved / sec / HBM_BYTES_PER_S,
-                peak_fraction=flops / sec / PEAK_FLOPS,
-                roofline_fraction=bound / sec,
-            )
-        except Exception as e:  # one implementation failing must not stop the others
-            res["error"] = f"{type(e).__name__}: {str(e)[:2000]}"
-            res["traceback"] = traceback.format_exc()[-4000:]
+        res.update(measure(fn, (lhs, weights, gs), want, bytes_moved, flops, args))
         case["results"][name] = res
         print(format_result(case, name, res), flush=True)
+    if qweights is not None:  # int8 experts: one byte per weight, 4 per scale; checked on the dequant
+        q, scale = qweights
+        q_bytes = 2 * (m * k + m * n) + active * (k * n + 4 * n)
+        q_want = np.asarray(jax.jit(ragged_dot_f32)(lhs, q, gs, scale))
+        res = dict(tiling=list(default_tiling(m, k, n)), int8=True)
+        fn = lambda a, b, c, s: grouped_matmul_tpu(a, b, c, s, interpret=interpret)  # noqa: E731
+        res.update(measure(fn, (lhs, q, gs, scale), q_want, q_bytes, flops, args))
+        case["results"]["ours_int8"] = res
+        print(format_result(case, "ours_int8", res), flush=True)
     return case
+
+
+def quantize_int8(weights):
+    """Per-expert, per-output-channel int8: codes ``[G, K, N]`` and f32 scales ``[G, 1, N]``."""
+    w = weights.astype(jnp.float32)
+    scale = jnp.maximum(jnp.max(jnp.abs(w), axis=1, keepdims=True), 1e-12) / 127.0
+    return jnp.round(w / scale).astype(jnp.int8), scale
 
 
 def format_result(case, name, res):
@@ -200,9 +231,18 @@ def main(argv=None) -> int:
                 print(f"{model} {projection}: could not build the weights: {e}", flush=True)
                 failures += 1
                 continue
+            qweights = None
+            if args.int8:
+                try:
+                    qweights = jax.jit(quantize_int8)(weights)
+                except Exception as e:
+                    print(f"{model} {projection}: could not quantize the weights: {e}", flush=True)
+                    failures += 1
             for tokens in token_counts:
                 try:
-                    case = run_case(model, projection, tokens, dims, args, rng, weights, interpret, extra)
+                    case = run_case(
+                        model, projection, tokens, dims, args, rng, weights, qweights, interpret, extra
+                    )
                 except Exception as e:
                     case = dict(model=model, projection=projection, tokens=tokens, error=repr(e)[:2000])
                     print(f"{model} {projection} T={tokens}: case failed: {e!r}"[:400], flush=True)
@@ -211,7 +251,7 @@ def main(argv=None) -> int:
                 failures += "error" in case or any(
                     "error" in r or not r.get("agrees", True) for r in results.values()
                 )
-            del weights
+            del weights, qweights
     summary = dict(
         command=" ".join(sys.argv),
         jax=jax.__version__,
