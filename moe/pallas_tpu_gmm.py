@@ -43,8 +43,9 @@ Quantized experts
 -----------------
 ``rhs`` may be int8 or float8_e4m3fn with a per-output-channel f32 ``rhs_scale [G, 1, N]`` (the
 ``Fp8Weight`` "channel" record of ``quant/fp8.py`` with the experts as its leading axis): the
-8-bit tile is widened to ``lhs.dtype`` in VMEM (int8 through f32: exact) and, since the scale does
-not vary along K, it multiplies the f32 accumulator once at the store instead of every weight.
+8-bit tile is widened to ``lhs.dtype`` in VMEM 512 K rows at a time (int8 through f32: exact;
+chunks bound the widened copy at 512 x tn values whatever tk is) and, since the scale does not
+vary along K, it multiplies the f32 accumulator once at the store instead of every weight.
 HBM moves one byte per weight plus ``4 * N`` bytes of scale per expert. 8-bit tiles need ``tk`` a
 multiple of 32 rows (their sublane tile) or K itself.
 
@@ -67,6 +68,7 @@ _MAX_FULL_TN = 1024
 _MAX_FULL_TK = 3072  # gpt-oss's K = 2880 is no multiple of 128, so it must be one tile
 _MAX_TK = 2048
 _SCOPED_VMEM_DEFAULT = 16 * 2**20  # v5e's default scoped VMEM limit
+_WIDEN_ROWS = 512  # K rows of an 8-bit weight tile widened at a time (a multiple of 128 and 32)
 
 
 def _largest_divisor(dim: int, cap: int, quantum: int) -> int | None:
@@ -162,13 +164,20 @@ def _gmm_kernel(
 
     @pl.when(busy)
     def _accumulate():
-        x = lhs_ref[...]
-        w = rhs_ref[...]
-        if jnp.issubdtype(w.dtype, jnp.integer):
-            w = w.astype(jnp.float32)  # int8 -> f32 -> bf16 is exact and lowers on every TPU
-        if w.dtype != x.dtype:
-            w = w.astype(x.dtype)
-        acc_ref[...] += jnp.dot(x, w, preferred_element_type=jnp.float32)
+        if rhs_ref.dtype == lhs_ref.dtype:
+            acc_ref[...] += jnp.dot(lhs_ref[...], rhs_ref[...], preferred_element_type=jnp.float32)
+            return
+        # a weight to widen: chunks of K rows, so the widened copy stays small next to the tile
+        tk = rhs_ref.shape[0]
+        acc = acc_ref[...]
+        for lo in range(0, tk, _WIDEN_ROWS):
+            hi = min(lo + _WIDEN_ROWS, tk)
+            w = rhs_ref[lo:hi, :]
+            if jnp.issubdtype(w.dtype, jnp.integer):
+                w = w.astype(jnp.float32)  # int8 -> f32 -> bf16 is exact and lowers on every TPU
+            w = w.astype(lhs_ref.dtype)
+            acc += jnp.dot(lhs_ref[:, lo:hi], w, preferred_element_type=jnp.float32)
+        acc_ref[...] = acc
 
     @pl.when(kk == nk - 1)
     def _store():

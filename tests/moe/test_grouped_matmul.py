@@ -132,11 +132,12 @@ def quantize_per_channel(w, kind):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("kind", ["int8", "fp8"])
 def test_quantized_rhs_matches_ragged_dot_on_the_dequantized_weight(kind):
-    sizes, m, k, n = [6, 0, 13, 9], 32, 256, 256  # sum 28: rows 28..31 past it
+    # sum 28: rows 28..31 past it; K = 640 is one tile widened in two chunks (512 + 128 rows)
+    sizes, m, k, n = [6, 0, 13, 9], 32, 640, 256
     x, w = data(m, k, len(sizes), n, jnp.bfloat16, seed=11)
     q, scale = quantize_per_channel(w.astype(jnp.float32), kind)
     gs = jnp.asarray(sizes, jnp.int32)
-    y = grouped_matmul_tpu(x, q, gs, scale, tiling=(16, 128, 128), interpret=RACES)
+    y = grouped_matmul_tpu(x, q, gs, scale, tiling=(16, 640, 128), interpret=RACES)
     jax.block_until_ready(y)
     assert not races_found(), "the race detector reported a data race"
     # the dequantized weight by numpy / ml_dtypes' casts, not ours
