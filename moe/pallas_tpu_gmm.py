@@ -49,8 +49,16 @@ vary along K, it multiplies the f32 accumulator once at the store instead of eve
 HBM moves one byte per weight plus ``4 * N`` bytes of scale per expert. 8-bit tiles need ``tk`` a
 multiple of 32 rows (their sublane tile) or K itself.
 
+Traffic: with one K tile (the default up to K = 3072) a block index that does not change between
+grid steps is not fetched again, so each N tile reads every expert's weight once (its visits are
+consecutive) and every row tile of ``lhs`` once (likewise); with several K tiles each visit walks
+K again and re-reads both. Per visit the MXU still does a full ``[tm, K] @ [K, tn]``, so a tile
+shared by many groups (decode: a few rows per expert) costs one matmul per group in it.
+
 Status: verified in TPU interpret mode (race detection on) on CPU and lowered to Mosaic for TPU
-(tests/moe/test_grouped_matmul.py); benchmarks/moe_gmm_tpu.py times it on a real TPU.
+(tests/moe/test_grouped_matmul.py). Not yet compiled or timed on a real TPU:
+benchmarks/moe_gmm_tpu.py does both. Mosaic masks the padding of an unaligned contracting dim
+(gpt-oss's K = 2880) itself; the 8-bit widening is the likeliest snag there.
 """
 
 from __future__ import annotations
