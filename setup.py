@@ -8,7 +8,7 @@ folders, never listed by hand.
 
 from setuptools import find_packages, setup
 
-SUBPACKAGES = ("attention", "kv_cache", "quant", "server", "spec_decode", "tpu_platform")
+SUBPACKAGES = ("attention", "kv_cache", "moe", "quant", "server", "spec_decode", "tpu_platform")
 
 packages = ["tpuserve"] + [f"tpuserve.{p}" for p in find_packages(include=[f"{s}*" for s in SUBPACKAGES])]
 package_dir = {"tpuserve": "tpuserve", **{f"tpuserve.{s}": s for s in SUBPACKAGES}}

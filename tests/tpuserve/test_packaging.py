@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-FOLDERS = ("tpuserve", "attention", "kv_cache", "quant", "server", "spec_decode", "tpu_platform")
+FOLDERS = ("tpuserve", "attention", "kv_cache", "moe", "quant", "server", "spec_decode", "tpu_platform")
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,306 @@
+"""Pallas TPU grouped matmul: each group of consecutive rows of ``lhs`` times its own ``rhs[g]``.
+
+Contract (the jnp reference is ``moe.grouped_matmul.grouped_matmul_reference``):
+``lhs [M, K]`` rows sorted by group, ``rhs [G, K, N]``, ``group_sizes [G]`` int32 with
+``sum <= M``; rows ``start_g .. start_g + size_g - 1`` of the result are ``lhs[rows] @ rhs[g]``,
+rows past ``sum(group_sizes)`` are zero. Output in ``lhs.dtype``, accumulated in f32.
+
+Visit schedule
+--------------
+Rows are cut into tiles of ``tm``. A tile may hold rows of several groups, so the kernel walks a
+list of *visits*, each one (row tile, group): the tile's rows of that group times ``rhs[group]``.
+Visits run group by group, so row tiles come in non-decreasing order and all visits of one tile
+are consecutive. That lets the output tile stay in VMEM across them: Pallas only writes an output
+block back to HBM when its block index changes, so the first visit of a tile writes every row
+(its own rows, zero elsewhere) and later ones overwrite only their own rows.
+
+The list is built with jnp from ``group_sizes`` (``visit_schedule``, a handful of tiny vector
+ops) and handed to the kernel as scalar-prefetch operands in SMEM, where the index maps read it
+to choose the ``lhs`` tile and the ``rhs`` group to DMA. Its length is static: a tile crossed by
+a group boundary is visited once more per boundary, so ``tiles + min(G, M) - 1`` visits always
+suffice. Tiles wholly past ``sum(group_sizes)`` get one visit that only writes zeros; the static
+list is padded with idle visits that repeat the last tile and group, so they cost a grid step
+but no DMA and no matmul (idle and zero visits also point their ``lhs`` / ``rhs`` block at the
+one the previous step used, so the pipeline has nothing to fetch). Empty groups have no visit.
+
+Grid and tiles
+--------------
+grid = (N / tn, visits, K / tk), semantics ("parallel", "arbitrary", "arbitrary"). The N tile is
+outermost so the visits of a row tile stay consecutive for each N tile. An f32 ``[tm, tn]`` VMEM
+accumulator is zeroed at k == 0 and stored, masked to the visit's rows with a select (never a
+multiply: rows outside the visit can hold garbage from a partial edge block), at the last k.
+
+Rows: ``tm`` rows per tile (default 128, the v5e MXU's height); ``M`` itself when smaller (a full
+dim is always a legal block). M need not divide by ``tm``: the last tile is a partial block whose
+out-of-range rows are never selected and are dropped on write-back. N: ``tn`` a multiple of 128
+(default: N itself up to 1024 lanes, else the largest 128-multiple divisor <= 1024, else 512 with a
+partial last block; columns are independent, so garbage columns past N only reach dropped output
+columns). K: ``tk`` must divide K (a partial K block would add garbage into the sum) and be a
+multiple of 128 or K itself (default: K up to 3072, else the largest 128-multiple divisor <= 2048).
+``rhs`` is cast to ``lhs.dtype`` in VMEM when the two differ.
+
+Quantized experts
+-----------------
+``rhs`` may be int8 or float8_e4m3fn with a per-output-channel f32 ``rhs_scale [G, 1, N]`` (the
+``Fp8Weight`` "channel" record of ``quant/fp8.py`` with the experts as its leading axis): the
+8-bit tile is widened to ``lhs.dtype`` in VMEM 512 K rows at a time (int8 through f32: exact;
+chunks bound the widened copy at 512 x tn values whatever tk is) and, since the scale does not
+vary along K, it multiplies the f32 accumulator once at the store instead of every weight.
+HBM moves one byte per weight plus ``4 * N`` bytes of scale per expert. 8-bit tiles need ``tk`` a
+multiple of 32 rows (their sublane tile) or K itself.
+
+Traffic: with one K tile (the default up to K = 3072) a block index that does not change between
+grid steps is not fetched again, so each N tile reads every expert's weight once (its visits are
+consecutive) and every row tile of ``lhs`` once (likewise); with several K tiles each visit walks
+K again and re-reads both. Per visit the MXU still does a full ``[tm, K] @ [K, tn]``, so a tile
+shared by many groups (decode: a few rows per expert) costs one matmul per group in it.
+
+Status: verified in TPU interpret mode (race detection on) on CPU and lowered to Mosaic for TPU
+(tests/moe/test_grouped_matmul.py). Not yet compiled or timed on a real TPU:
+benchmarks/moe_gmm_tpu.py does both. Mosaic masks the padding of an unaligned contracting dim
+(gpt-oss's K = 2880) itself; the 8-bit widening is the likeliest snag there.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+DEFAULT_TM = 128  # the v5e MXU is 128 x 128
+_MAX_FULL_TN = 1024
+_MAX_FULL_TK = 3072  # gpt-oss's K = 2880 is no multiple of 128, so it must be one tile
+_MAX_TK = 2048
+_SCOPED_VMEM_DEFAULT = 16 * 2**20  # v5e's default scoped VMEM limit
+_WIDEN_ROWS = 512  # K rows of an 8-bit weight tile widened at a time (a multiple of 128 and 32)
+
+
+def _largest_divisor(dim: int, cap: int, quantum: int) -> int | None:
+    """Largest multiple of ``quantum`` <= ``cap`` dividing ``dim``, or None."""
+    for t in range(cap - cap % quantum, 0, -quantum):
+        if dim % t == 0:
+            return t
+    return None
+
+
+def default_tiling(m: int, k: int, n: int) -> tuple[int, int, int]:
+    """(tm, tk, tn) for the v5e: see the module docstring."""
+    tm = min(m, DEFAULT_TM)
+    tk = k if k <= _MAX_FULL_TK else (_largest_divisor(k, _MAX_TK, 128) or k)
+    tn = n if n <= _MAX_FULL_TN else (_largest_divisor(n, _MAX_FULL_TN, 128) or 512)
+    return tm, tk, tn
+
+
+def _sublanes(dtype) -> int:
+    """Rows of one (sublane, 128-lane) tile: 8 for 32-bit, 16 for 16-bit, 32 for 8-bit."""
+    return 8 * max(1, 4 // jnp.dtype(dtype).itemsize)
+
+
+def _check_tiling(m: int, k: int, n: int, tm: int, tk: int, tn: int, dtype, rhs_dtype) -> None:
+    sub = _sublanes(dtype)
+    if not (tm == m or (0 < tm <= m and tm % sub == 0)):
+        raise ValueError(f"tm={tm} must be M={m} or a multiple of {sub} <= M")
+    if k % tk or not (tk == k or (tk % 128 == 0 and tk % _sublanes(rhs_dtype) == 0)):
+        raise ValueError(f"tk={tk} must divide K={k} and be a multiple of 128 (or K itself)")
+    if not (tn == n or (tn % 128 == 0 and 0 < tn)):
+        raise ValueError(f"tn={tn} must be N={n} or a multiple of 128")
+
+
+def visit_schedule(group_sizes: jax.Array, m: int, tm: int, num_visits: int):
+    """The visit list for ``group_sizes [G]`` over ``ceil(m / tm)`` row tiles (traceable).
+
+    Returns five int32 arrays of length ``num_visits``: ``out_tile`` (the output row tile),
+    ``in_tile`` and ``group`` (the ``lhs`` tile and ``rhs`` group whose blocks to fetch), and
+    ``lo``, ``hi`` (global rows ``lo .. hi - 1`` of the output tile come from this visit; empty
+    for zero and idle visits), plus the number of real (non-idle) visits as a scalar.
+    """
+    g = group_sizes.shape[0]
+    tiles = -(-m // tm)
+    sizes = group_sizes.astype(jnp.int32)
+    ends = jnp.cumsum(sizes)
+    starts = ends - sizes
+    total = ends[-1]
+    first = starts // tm
+    last = jnp.maximum(ends - 1, 0) // tm
+    count = jnp.where(sizes > 0, last - first + 1, 0)  # visits of each group
+    group_end = jnp.cumsum(count)  # visit index just past each group's visits
+    group_visits = group_end[-1]
+    used_tiles = -(-total // tm)  # tiles holding any grouped row
+    real = group_visits + (tiles - used_tiles)
+
+    v = jnp.arange(num_visits, dtype=jnp.int32)
+    # group of a grouped visit: the first group whose visits end after v (empty groups end where
+    # the previous one did, so they are skipped)
+    gv = jnp.minimum(jnp.searchsorted(group_end, v, side="right").astype(jnp.int32), g - 1)
+    grouped_tile = first[gv] + (v - (group_end[gv] - count[gv]))
+    zero_tile = used_tiles + (v - group_visits)  # visits after the grouped ones: tiles past the sum
+    is_grouped = v < group_visits
+    is_real = v < real
+    tile = jnp.where(is_grouped, grouped_tile, zero_tile)
+    lo = jnp.where(is_grouped, jnp.maximum(starts[gv], tile * tm), 0)
+    hi = jnp.where(is_grouped, jnp.minimum(ends[gv], (tile + 1) * tm), 0)
+
+    # blocks to fetch: a grouped visit's own; otherwise the last grouped visit's (no new DMA)
+    last_grouped = jnp.maximum(group_visits - 1, 0)
+    fetch_tile = jnp.where(group_visits > 0, grouped_tile[last_grouped], 0)
+    fetch_group = jnp.where(group_visits > 0, gv[last_grouped], 0)
+    in_tile = jnp.where(is_grouped, tile, fetch_tile)
+    group = jnp.where(is_grouped, gv, fetch_group)
+    # idle visits (past the real ones) repeat the last real visit's output tile
+    out_tile = jnp.where(is_real, tile, jnp.where(real > 0, tile[jnp.maximum(real - 1, 0)], 0))
+    return out_tile, in_tile, group, lo, hi, real
+
+
+def _gmm_kernel(
+    out_tile_ref, in_tile_ref, group_ref, lo_ref, hi_ref, lhs_ref, rhs_ref, *refs, tm, nk, scaled
+):
+    del in_tile_ref, group_ref  # read by the index maps only
+    scale_ref, out_ref, acc_ref = refs if scaled else (None, *refs)
+    v = pl.program_id(1)
+    kk = pl.program_id(2)
+    lo = lo_ref[v]
+    hi = hi_ref[v]
+    busy = lo < hi
+
+    @pl.when(busy & (kk == 0))
+    def _zero():
+        acc_ref[...] = jnp.zeros_like(acc_ref)
+
+    @pl.when(busy)
+    def _accumulate():
+        if rhs_ref.dtype == lhs_ref.dtype:
+            acc_ref[...] += jnp.dot(lhs_ref[...], rhs_ref[...], preferred_element_type=jnp.float32)
+            return
+        # a weight to widen: chunks of K rows, so the widened copy stays small next to the tile
+        tk = rhs_ref.shape[0]
+        acc = acc_ref[...]
+        for lo in range(0, tk, _WIDEN_ROWS):
+            hi = min(lo + _WIDEN_ROWS, tk)
+            w = rhs_ref[lo:hi, :]
+            if jnp.issubdtype(w.dtype, jnp.integer):
+                w = w.astype(jnp.float32)  # int8 -> f32 -> bf16 is exact and lowers on every TPU
+            w = w.astype(lhs_ref.dtype)
+            acc += jnp.dot(lhs_ref[:, lo:hi], w, preferred_element_type=jnp.float32)
+        acc_ref[...] = acc
+
+    @pl.when(kk == nk - 1)
+    def _store():
+        tile = out_tile_ref[v]
+        first = (v == 0) | (tile != out_tile_ref[jnp.maximum(v - 1, 0)])
+        rows = tile * tm + lax.broadcasted_iota(jnp.int32, out_ref.shape, 0)
+        mine = (rows >= lo) & (rows < hi)
+
+        def result():
+            acc = acc_ref[...]
+            return acc * scale_ref[...] if scaled else acc  # [tm, tn] * [1, tn]
+
+        @pl.when(first & busy)
+        def _first():
+            out_ref[...] = jnp.where(mine, result(), 0.0).astype(out_ref.dtype)
+
+        @pl.when(first & ~busy)
+        def _zeros():
+            out_ref[...] = jnp.zeros_like(out_ref)
+
+        @pl.when(~first & busy)
+        def _merge():
+            # the select in f32 (exact for a bf16 output): the v5e's VPU has no bf16
+            kept = out_ref[...].astype(jnp.float32)
+            out_ref[...] = jnp.where(mine, result(), kept).astype(out_ref.dtype)
+
+
+def _vmem_limit(tm: int, tk: int, tn: int, in_bytes: int, w_bytes: int, out_bytes: int) -> int | None:
+    """A scoped VMEM limit when double-buffered tiles outgrow the default; None keeps it."""
+    need = 2 * (tm * tk * in_bytes + tk * tn * w_bytes + tm * tn * out_bytes) + tm * tn * 4
+    need = int(need * 1.25) + 2**20
+    return None if need <= _SCOPED_VMEM_DEFAULT else min(need, 100 * 2**20)
+
+
+@functools.partial(jax.jit, static_argnames=("tiling", "interpret"))
+def grouped_matmul_tpu(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    group_sizes: jax.Array,
+    rhs_scale: jax.Array | None = None,
+    *,
+    tiling: tuple[int, int, int] | None = None,
+    interpret=None,
+) -> jax.Array:
+    """``lhs [M, K]``, ``rhs [G, K, N]``, ``group_sizes [G]`` int32 -> ``[M, N]`` in lhs.dtype.
+
+    ``rhs_scale``: f32 ``[G, 1, N]`` per-output-channel scales of an int8 / float8_e4m3fn ``rhs``
+    (dequantized weight = ``rhs * rhs_scale``), or None for a plain ``rhs``. ``tiling``: (tm, tk,
+    tn), default ``default_tiling(M, K, N)``. ``interpret``: None compiles for TPU; a
+    ``pltpu.InterpretParams`` runs the kernel in TPU interpret mode.
+    """
+    if lhs.ndim != 2 or rhs.ndim != 3 or rhs.shape[1] != lhs.shape[1] or group_sizes.shape != rhs.shape[:1]:
+        raise ValueError(
+            f"grouped_matmul_tpu: lhs {lhs.shape}, rhs {rhs.shape}, group_sizes {group_sizes.shape} "
+            "do not fit [M, K], [G, K, N], [G]"
+        )
+    m, k = lhs.shape
+    g, _, n = rhs.shape
+    scaled = rhs_scale is not None
+    if scaled and rhs_scale.shape != (g, 1, n):
+        raise ValueError(f"grouped_matmul_tpu: rhs_scale {rhs_scale.shape} is not [G, 1, N] = {(g, 1, n)}")
+    tm, tk, tn = tiling or default_tiling(m, k, n)
+    _check_tiling(m, k, n, tm, tk, tn, lhs.dtype, rhs.dtype)
+    nk = k // tk
+    tiles_m = -(-m // tm)
+    tiles_n = -(-n // tn)
+    num_visits = tiles_m + min(g, m) - 1
+    schedule = visit_schedule(group_sizes, m, tm, num_visits)
+    out_tile, in_tile, group, lo, hi, _ = schedule
+
+    def lhs_map(j, v, kk, out_tile, in_tile, group, lo, hi):
+        busy = lo[v] < hi[v]
+        return in_tile[v], jnp.where(busy, kk, nk - 1)
+
+    def rhs_map(j, v, kk, out_tile, in_tile, group, lo, hi):
+        busy = lo[v] < hi[v]
+        return group[v], jnp.where(busy, kk, nk - 1), j
+
+    def scale_map(j, v, kk, out_tile, in_tile, group, lo, hi):
+        return group[v], 0, j
+
+    def out_map(j, v, kk, out_tile, in_tile, group, lo, hi):
+        return out_tile[v], j
+
+    in_specs = [pl.BlockSpec((tm, tk), lhs_map), pl.BlockSpec((None, tk, tn), rhs_map)]
+    operands = [lhs, rhs]
+    if scaled:
+        in_specs.append(pl.BlockSpec((None, 1, tn), scale_map))
+        operands.append(rhs_scale.astype(jnp.float32))
+
+    vmem = _vmem_limit(tm, tk, tn, lhs.dtype.itemsize, rhs.dtype.itemsize, lhs.dtype.itemsize)
+    # bytes, with one K tile (the default): each N tile reads lhs once and each visited group's
+    # rhs once (consecutive visits share blocks); with several, every visit re-reads both
+    visits_read = tiles_m if nk == 1 else num_visits
+    groups_read = min(num_visits, g) if nk == 1 else num_visits
+    cost = pl.CostEstimate(
+        flops=2 * m * k * n,
+        transcendentals=0,
+        bytes_accessed=tiles_n * visits_read * tm * k * lhs.dtype.itemsize
+        + groups_read * k * n * rhs.dtype.itemsize
+        + m * n * lhs.dtype.itemsize,
+    )
+    return pl.pallas_call(
+        functools.partial(_gmm_kernel, tm=tm, nk=nk, scaled=scaled),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=5,
+            grid=(tiles_n, num_visits, nk),
+            in_specs=in_specs,
+            out_specs=pl.BlockSpec((tm, tn), out_map),
+            scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32)],
+        ),
+        out_shape=jax.ShapeDtypeStruct((m, n), lhs.dtype),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "arbitrary", "arbitrary"), vmem_limit_bytes=vmem
+        ),
+        cost_estimate=cost,
+        interpret=interpret if interpret is not None else False,
+    )(out_tile, in_tile, group, lo, hi, *operands)
