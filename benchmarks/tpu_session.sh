@@ -76,6 +76,8 @@ for s in $stages; do
       stage host-t1 100 python benchmarks/tpu_e2e.py --models /tmp/m/smollm2-135m --rounds 1 \
           --prefill "" --batches 1,128 --temperature 1.0 --host-profile "$out/host_t1_135m" \
           --out "$out/host_t1_135m.json" ;;
+    moe-gmm)   # the MoE grouped matmul compiled by Mosaic: ours against megablox gmm and ragged_dot
+      stage moe-gmm 200 python benchmarks/moe_gmm_tpu.py --int8 --out "$out/moe_gmm.json" ;;
     parts)     # where a decode step's device time goes: matmuls alone, empty steps per bucket, HLO
       stage parts 240 python benchmarks/tpu_step_parts.py --model llama-1b --trace --out "$out/parts" ;;
     *) echo "unknown stage $s" | tee -a "$out/session.log" ;;
