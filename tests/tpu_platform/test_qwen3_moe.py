@@ -178,10 +178,9 @@ def test_last_position_logits_match_transformers(checkpoints, kind):
     loaded = load_model(path, jnp.float32)
     assert isinstance(loaded.params["layers"], list if kind == "mixed" else dict)
     runner = ModelRunner(
-        # the all-expert model's stacked layers run in a scan (one layer body); the mixed one unrolled
-        EngineConfig.from_kwargs(
-            model=path, max_num_batched_tokens=64, layer_loop="scan" if kind == "sparse" else "unroll"
-        ),
+        # asked to scan: the all-expert model's stacked layers do (one layer body); the mixed
+        # model's dense and expert layers cannot share a body and run unrolled instead
+        EngineConfig.from_kwargs(model=path, max_num_batched_tokens=64, layer_loop="scan"),
         loaded.arch,
         loaded.params,
         discover(),
@@ -197,6 +196,7 @@ def test_last_position_logits_match_transformers(checkpoints, kind):
         seqs.append(ScheduledSeq(p, 0, list(range(next_page, next_page + n)), SamplingRow()))
         next_page += n
     assert isinstance(runner.params["layers"], dict if kind == "sparse" else list)
+    assert runner.layer_loop == ("scan" if kind == "sparse" else "unroll")
     ours = runner.compute_logits(runner.build_batch(seqs))
     hf = _hf(path)
     for i, p in enumerate(prompts):
@@ -230,3 +230,23 @@ def test_quantization_with_moe_is_refused(checkpoints):
 
     with pytest.raises(ConfigError, match="quantization='fp8' with a mixture-of-experts model"):
         LLM(checkpoints["sparse"], max_model_len=64, quantization="fp8", warmup=False)
+
+
+@pytest.mark.timeout(900)
+def test_memory_plan_and_warmup_then_serve(checkpoints):
+    """The engine sizes its KV cache and compiles every step shape up front (warm-up on) for a MoE
+    model, then serves a request with the same tokens as transformers without compiling more."""
+    from tpuserve.server.llm import LLM
+    from tpuserve.server.sampling_params import SamplingParams
+
+    path = checkpoints["mixed"]
+    llm = LLM(path, max_model_len=64, max_num_batched_tokens=16, max_num_seqs=2)
+    runner = llm.engine.runner
+    # what an accelerator's memory plan measures: the widest step's compiled temporaries
+    assert runner.step_memory()["forward"] > 0
+    before = runner.compile_count
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    out = llm.generate([PROMPTS[0]], params, use_tqdm=False)[0]
+    assert runner.compile_count == before, "serving compiled a program warm-up did not"
+    tok = llm.get_tokenizer()
+    assert out.outputs[0].token_ids == _hf_greedy(_hf(path), tok.encode(PROMPTS[0]), 8)
