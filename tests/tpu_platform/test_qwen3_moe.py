@@ -232,6 +232,38 @@ def test_quantization_with_moe_is_refused(checkpoints):
         LLM(checkpoints["sparse"], max_model_len=64, quantization="fp8", warmup=False)
 
 
+@pytest.mark.parametrize(
+    "kwargs, named",
+    [
+        (dict(tensor_parallel_size=2), "tensor_parallel_size=2"),
+        (dict(data_parallel_size=2), "data_parallel_size=2"),
+        (dict(quantization="nvfp4"), "quantization='nvfp4'"),
+        (dict(speculative_config={"method": "mtp", "num_speculative_tokens": 2}), "method='mtp'"),
+    ],
+)
+def test_unsupported_combinations_are_named(kwargs, named):
+    """Each setting the MoE path does not handle fails with its own name; a dense model passes."""
+    from tpuserve.tpu_platform.config import EngineConfig
+    from tpuserve.tpu_platform.worker import check_moe_combinations
+
+    base = dict(
+        vocab_size=16,
+        hidden_size=8,
+        intermediate_size=8,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=4,
+    )
+    config = EngineConfig.from_kwargs(model=None, **kwargs)
+    with pytest.raises(ConfigError, match=f"{named} with a mixture-of-experts model"):
+        check_moe_combinations(
+            config, ModelArch.from_hf_config(dict(base, architectures=["Qwen3MoeForCausalLM"]))
+        )
+    check_moe_combinations(config, ModelArch.from_hf_config(dict(base, architectures=["Qwen3ForCausalLM"])))
+
+
 @pytest.mark.timeout(900)
 def test_memory_plan_and_warmup_then_serve(checkpoints):
     """The engine sizes its KV cache and compiles every step shape up front (warm-up on) for a MoE
