@@ -232,6 +232,24 @@ def test_quantization_with_moe_is_refused(checkpoints):
         LLM(checkpoints["sparse"], max_model_len=64, quantization="fp8", warmup=False)
 
 
+def test_prequantized_moe_checkpoint_is_refused(checkpoints, tmp_path):
+    """A quantization_config on a MoE checkpoint: its experts would be read without their scales."""
+    import json
+    import os
+    import shutil
+
+    from tpuserve.tpu_platform.loader import load_model
+
+    path = shutil.copytree(checkpoints["sparse"], tmp_path / "fp8")
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    with pytest.raises(ModelConfigError, match=r"pre-quantized \(fp8\) mixture-of-experts"):
+        load_model(str(path), jnp.float32)
+
+
 @pytest.mark.parametrize(
     "kwargs, named",
     [
