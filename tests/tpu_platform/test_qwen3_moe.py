@@ -225,6 +225,36 @@ def test_greedy_generation_matches_transformers_batched_and_alone(checkpoints):
         assert a.outputs[0].token_ids == want
 
 
+@pytest.mark.timeout(900)
+def test_ngram_speculative_decoding_keeps_greedy_tokens(checkpoints):
+    """n-gram drafts are verified by a multi-token forward per sequence through the experts; the
+    greedy tokens stay transformers'."""
+    from tpuserve.server.llm import LLM
+    from tpuserve.server.sampling_params import SamplingParams
+
+    path = checkpoints["mixed"]
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    llm = LLM(
+        path,
+        max_model_len=128,
+        max_num_batched_tokens=32,
+        max_num_seqs=4,
+        speculative_config=spec,
+        warmup=False,
+    )
+    rng = np.random.default_rng(0)
+    prompts = []
+    for n in (5, 7):  # repeated motifs: the n-gram drafter finds matches
+        motif = [int(t) for t in rng.integers(100, 3000, n)]
+        prompts.append(motif * 3 + motif[:2])
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert llm.engine.stats.spec_num_draft_tokens > 0
+    hf = _hf(path)
+    for p, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == _hf_greedy(hf, p, 12)
+
+
 def test_quantization_with_moe_is_refused(checkpoints):
     from tpuserve.server.llm import LLM
 
