@@ -56,21 +56,25 @@ def _stack_records(key: str, recs: list):
         ) from e
 
 
-def _expert_weights(arch: ModelArch, p: str, need, check) -> dict[str, np.ndarray]:
+def _expert_weights(arch: ModelArch, p: str, need, check, dtype) -> dict[str, np.ndarray]:
     """One MoE layer's router and experts (prefix ``p`` = "model.layers.N."), in moe.py's layout:
-    router [H, E], experts_gate_up [E, H, 2F] (gate columns then up), experts_down [E, F, H]."""
+    router [H, E], experts_gate_up [E, H, 2F] (gate columns then up), experts_down [E, F, H].
+
+    The expert arrays are filled in ``dtype`` one expert at a time: they are most of a MoE model's
+    bytes, and an f32 copy of every layer's experts would double the host memory loading needs."""
     moe = arch.moe
     assert moe is not None
     hid, f, e = arch.hidden_size, moe.expert_intermediate_size, moe.num_experts
     router = check(p + "mlp.gate.weight", need(p + "mlp.gate.weight"), (e, hid))
-    gate_up, down = [], []
+    np_dtype = jnp.dtype(dtype)
+    gate_up = np.empty((e, hid, 2 * f), np_dtype)
+    down = np.empty((e, f, hid), np_dtype)
     for j in range(e):
         x = f"{p}mlp.experts.{j}."
-        gate = check(x + "gate_proj.weight", need(x + "gate_proj.weight"), (f, hid))
-        up = check(x + "up_proj.weight", need(x + "up_proj.weight"), (f, hid))
-        gate_up.append(np.concatenate([gate.T, up.T], axis=1))
-        down.append(check(x + "down_proj.weight", need(x + "down_proj.weight"), (hid, f)).T)
-    return {"router": router.T, "experts_gate_up": np.stack(gate_up), "experts_down": np.stack(down)}
+        gate_up[j, :, :f] = check(x + "gate_proj.weight", need(x + "gate_proj.weight"), (f, hid)).T
+        gate_up[j, :, f:] = check(x + "up_proj.weight", need(x + "up_proj.weight"), (f, hid)).T
+        down[j] = check(x + "down_proj.weight", need(x + "down_proj.weight"), (hid, f)).T
+    return {"router": router.T, "experts_gate_up": gate_up, "experts_down": down}
 
 
 def _stack_layers(layer_tensors: list[dict], dtype):
@@ -167,7 +171,7 @@ def build_params(
         if arch.o_bias:
             add("o_bias", need(p + "self_attn.o_proj.bias"))
         if arch.moe is not None and i in arch.moe.moe_layers:
-            for key, t in _expert_weights(arch, p, need, check).items():
+            for key, t in _expert_weights(arch, p, need, check, dtype).items():
                 add(key, t)
         else:
             recs = [linear_rec(p + f"mlp.{n}_proj", hid, f) for n in ("gate", "up")]
