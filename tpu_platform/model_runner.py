@@ -214,6 +214,11 @@ class ModelRunner:
         # one built by hand (tests, benchmarks) gets the same rule here.
         byte_cache = jnp.dtype(dtype if kv_cache_dtype is None else kv_cache_dtype).itemsize == 1
         self.layer_loop = config.compilation.resolved(device.backend, byte_cache).layer_loop
+        if self.layer_loop == LayerLoop.SCAN and isinstance(params["layers"], (list, tuple)):
+            # layers of different structure (a MoE model's dense layers, weights._stack_layers)
+            # have no one body to scan: say so, rather than report a scan that does not happen
+            log.info("layer_loop=scan: this model's layers differ in structure; running them unrolled")
+            self.layer_loop = LayerLoop.UNROLL
         params = unstack_layers(params) if self.layer_loop == LayerLoop.UNROLL else params
         self._replicated = None if mesh is None else NamedSharding(mesh, P())
         self._kv_sharding = None if mesh is None else NamedSharding(mesh, kv_cache_partition_spec(MODEL_AXIS))

@@ -145,6 +145,28 @@ def _tree_nbytes(tree: Any) -> int:
     return sum(x.nbytes for x in jax.tree_util.tree_leaves(tree))
 
 
+def check_moe_combinations(config: EngineConfig, arch: ModelArch) -> None:
+    """Refuse, by name, what a mixture-of-experts model does not support yet: its experts are
+    dense arrays multiplied by models/moe.py's grouped matmul, which neither quantized records,
+    the tensor-parallel PartitionSpecs nor the draft heads' target interface know about.
+    Raises ConfigError naming the setting; returns for a dense model or a plain single-device one."""
+    if arch.moe is None:
+        return
+    par, spec, quant = config.parallel, config.speculative, config.quantization.method
+    draft = None if spec is None else str(spec.method)
+    unsupported = [
+        (par.tensor_parallel_size > 1, f"tensor_parallel_size={par.tensor_parallel_size}"),
+        (par.data_parallel_size > 1, f"data_parallel_size={par.data_parallel_size}"),
+        (quant is not None, f"quantization={quant!r}"),
+        (draft in (SpecMethod.EAGLE3, SpecMethod.MTP), f"speculative_config.method={draft!r}"),
+    ]
+    for bad, what in unsupported:
+        if bad:
+            raise ConfigError(
+                f"{what} with a mixture-of-experts model ({arch.architecture}) is not supported yet"
+            )
+
+
 class Worker:
     def __init__(self, config: EngineConfig, replica: int = 0) -> None:
         """replica: which data-parallel replica this worker is (its device subset, mesh.py)."""
@@ -205,6 +227,7 @@ class Worker:
         m = self.config.model
         loaded = load_model(m.model, self.dtype, m.tokenizer)
         arch = self.arch = loaded.arch
+        check_moe_combinations(self.config, arch)
         self.tokenizer, self.model_source = loaded.tokenizer, loaded.source
         params = loaded.params
         if self.tensor_parallel_size > 1:

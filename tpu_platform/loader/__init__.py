@@ -87,6 +87,12 @@ def _load_hf_dir(path: str, dtype, tokenizer: str | None) -> LoadedModel:
         return None if t is None else t.astype(np.float32)
 
     quant = detect(cfg, path)
+    if quant is not None and arch.moe is not None:
+        # the experts would be read as plain floats, their scales ignored: refuse instead
+        raise ModelConfigError(
+            f"{path!r}: a pre-quantized ({quant.method}) mixture-of-experts checkpoint "
+            f"({arch.architecture}) is not supported; use a dense (bf16/f32) checkpoint"
+        )
     get_linear = None if quant is None else (lambda module: read_linear(quant, module, raw))
     params = build_params(arch, get, dtype, get_linear)
     kv_scales, kv_scales_error = None, None

@@ -13,11 +13,64 @@ SUPPORTED = {
     "MistralForCausalLM": dict(qk_norm=False, default_qkv_bias=False),
     "Qwen2ForCausalLM": dict(qk_norm=False, default_qkv_bias=True),
     "Qwen3ForCausalLM": dict(qk_norm=True, default_qkv_bias=False),
+    "Qwen3MoeForCausalLM": dict(qk_norm=True, default_qkv_bias=False),
+}
+
+# Mixture-of-experts architectures we recognise but do not serve, with the feature that is missing.
+# Named so that such a checkpoint fails with the reason, not as an unknown architecture.
+UNSUPPORTED_MOE = {
+    "Qwen2MoeForCausalLM": "shared experts with a sigmoid gate",
+    "MixtralForCausalLM": "Mixtral's block_sparse_moe tensor names and router",
+    "DeepseekV2ForCausalLM": "multi-head latent attention and grouped expert routing",
+    "DeepseekV3ForCausalLM": "multi-head latent attention and grouped expert routing",
+    "GptOssForCausalLM": "attention sinks and biased, clamped SwiGLU experts",
+    "Qwen3NextForCausalLM": "linear-attention layers and shared experts",
+    "OlmoeForCausalLM": "OLMoE's expert layout",
+    "PhimoeForCausalLM": "sparse-mixer routing",
 }
 
 
 class ModelConfigError(ValueError):
     """The checkpoint's config is unsupported or inconsistent."""
+
+
+@dataclass(frozen=True)
+class MoeArch:
+    """The sparse expert block of a mixture-of-experts model (Qwen3-MoE).
+
+    moe_layers: the layer indices whose MLP is the expert block; the others have the dense MLP of
+    ``ModelArch.intermediate_size`` (Qwen3-MoE's ``mlp_only_layers`` / ``decoder_sparse_step``).
+    """
+
+    num_experts: int
+    top_k: int
+    expert_intermediate_size: int
+    norm_topk_prob: bool
+    moe_layers: tuple[int, ...]
+
+    @classmethod
+    def from_qwen3_moe_config(cls, cfg: dict, num_layers: int) -> MoeArch:
+        # transformers 5 writes the expert count as num_local_experts; published configs say num_experts
+        experts = cfg.get("num_experts", cfg.get("num_local_experts"))
+        top_k, ffn = cfg.get("num_experts_per_tok"), cfg.get("moe_intermediate_size")
+        if not experts or not top_k or not ffn:
+            raise ModelConfigError(
+                "a Qwen3-MoE config.json needs num_experts, num_experts_per_tok and moe_intermediate_size"
+            )
+        experts, top_k = int(experts), int(top_k)
+        if not 0 < top_k <= experts:
+            raise ModelConfigError(f"num_experts_per_tok={top_k} must be in 1..num_experts={experts}")
+        step = int(cfg.get("decoder_sparse_step", 1) or 1)
+        dense_only = {int(i) for i in cfg.get("mlp_only_layers") or ()}
+        # transformers' rule: a layer is sparse unless listed, and only every step-th layer (1-based)
+        moe_layers = tuple(i for i in range(num_layers) if i not in dense_only and (i + 1) % step == 0)
+        return cls(
+            num_experts=experts,
+            top_k=top_k,
+            expert_intermediate_size=int(ffn),
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+            moe_layers=moe_layers,
+        )
 
 
 @dataclass(frozen=True)
@@ -42,11 +95,18 @@ class ModelArch:
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    moe: MoeArch | None = None  # None: every layer has the dense MLP
 
     @classmethod
     def from_hf_config(cls, cfg: dict) -> ModelArch:
         archs = cfg.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED), None)
+        moe_arch = next((a for a in archs if a in UNSUPPORTED_MOE), None)
+        if arch is None and moe_arch is not None:
+            raise ModelConfigError(
+                f"mixture-of-experts architecture {moe_arch} is not supported "
+                f"(needs {UNSUPPORTED_MOE[moe_arch]}); the supported MoE architecture is Qwen3MoeForCausalLM"
+            )
         if arch is None:
             raise ModelConfigError(
                 f"unsupported architecture {archs or cfg.get('model_type')!r}; "
@@ -87,12 +147,14 @@ class ModelArch:
         )
         feats = SUPPORTED[arch]
         qkv_bias = bool(cfg.get("attention_bias", feats["default_qkv_bias"]))
+        num_layers = int(need("num_hidden_layers"))
+        moe = MoeArch.from_qwen3_moe_config(cfg, num_layers) if arch == "Qwen3MoeForCausalLM" else None
         return cls(
             architecture=arch,
             vocab_size=int(need("vocab_size")),
             hidden_size=hidden,
             intermediate_size=int(need("intermediate_size")),
-            num_layers=int(need("num_hidden_layers")),
+            num_layers=num_layers,
             num_heads=heads,
             num_kv_heads=kv_heads,
             head_dim=head_dim,
@@ -112,6 +174,7 @@ class ModelArch:
             sliding_window=int(sliding) if sliding else None,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            moe=moe,
         )
 
     def inv_freq(self) -> np.ndarray:

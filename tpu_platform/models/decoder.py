@@ -1,4 +1,4 @@
-"""Decoder-only transformer (Llama / Mistral / Qwen2 / Qwen3) in JAX over a ragged batch and paged KV.
+"""Decoder-only transformer (Llama / Mistral / Qwen2 / Qwen3 / Qwen3-MoE) in JAX over a ragged batch and paged KV.
 
 ``forward`` runs the layers and returns hidden states (``DecoderOutput``); ``compute_logits`` is the
 LM head, applied by the caller to just the rows it samples from. One ``forward`` serves all four
@@ -16,6 +16,8 @@ Parameter tree (L layers, H hidden, F ffn, Hq/Hkv heads of D, G = Hq/Hkv, V voca
             q_norm / k_norm [L, D]?, o [L, Hq*D, H], o_bias [L, H]?, post_norm [L, H],
             gate_up [L, 2, H, F] (gate, up), gate_up_bias [L, 2, F]?, down [L, F, H], down_bias [L, H]?
             (a quantized gate_up is a record of [H, 2, F], or of [H, TP, 2, F/TP] under TP)
+            or, in a mixture-of-experts layer, router / experts_gate_up / experts_down (moe.py)
+            in place of gate_up and down; a model mixing both kinds is a list of layers
 qkv groups by KV head: [.., kv, g] for g < G is query head kv*G + g, [.., kv, G] is K, [.., kv, G+1] V
 (weights.build_params). Tensor parallelism is then one PartitionSpec per array (sharding.py): qkv
 splits on Hkv, gate_up on F, o and down on their input rows. With ``unstack_layers`` the leading [L]
@@ -36,6 +38,7 @@ from tpuserve.attention.metadata import AttentionMetadata
 from tpuserve.tpu_platform.linear import linear
 from tpuserve.tpu_platform.mesh import MODEL_AXIS, model_axis_size
 from tpuserve.tpu_platform.models.arch import ModelArch
+from tpuserve.tpu_platform.models.moe import moe_mlp
 
 
 def rms_norm(x, weight, eps: float):
@@ -141,6 +144,9 @@ def block_from_normed(
     h = h + linear(attn.reshape(t, hq * d), w["o"], w.get("o_bias"))
 
     x = rms_norm(h, w["post_norm"], arch.rms_norm_eps)
+    if "router" in w:  # an expert layer of a mixture-of-experts model (models/moe.py)
+        assert arch.moe is not None
+        return h + moe_mlp(x, w, arch.moe), kv_cache
     wgu, bgu = w["gate_up"], w.get("gate_up_bias")
     if getattr(wgu, "ndim", 0) == 3:  # dense [2, H, F]: two dots, each reading its [H, F] in place
         gate = linear(x, wgu[0], None if bgu is None else bgu[0])

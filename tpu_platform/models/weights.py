@@ -56,6 +56,45 @@ def _stack_records(key: str, recs: list):
         ) from e
 
 
+def _expert_weights(arch: ModelArch, p: str, need, check, dtype) -> dict[str, np.ndarray]:
+    """One MoE layer's router and experts (prefix ``p`` = "model.layers.N."), in moe.py's layout:
+    router [H, E], experts_gate_up [E, H, 2F] (gate columns then up), experts_down [E, F, H].
+
+    The expert arrays are filled in ``dtype`` one expert at a time: they are most of a MoE model's
+    bytes, and an f32 copy of every layer's experts would double the host memory loading needs."""
+    moe = arch.moe
+    assert moe is not None
+    hid, f, e = arch.hidden_size, moe.expert_intermediate_size, moe.num_experts
+    router = check(p + "mlp.gate.weight", need(p + "mlp.gate.weight"), (e, hid))
+    np_dtype = jnp.dtype(dtype)
+    gate_up = np.empty((e, hid, 2 * f), np_dtype)
+    down = np.empty((e, f, hid), np_dtype)
+    for j in range(e):
+        x = f"{p}mlp.experts.{j}."
+        gate_up[j, :, :f] = check(x + "gate_proj.weight", need(x + "gate_proj.weight"), (f, hid)).T
+        gate_up[j, :, f:] = check(x + "up_proj.weight", need(x + "up_proj.weight"), (f, hid)).T
+        down[j] = check(x + "down_proj.weight", need(x + "down_proj.weight"), (hid, f)).T
+    return {"router": router.T, "experts_gate_up": gate_up, "experts_down": down}
+
+
+def _stack_layers(layer_tensors: list[dict], dtype):
+    """Per-layer {key: tensor} -> one dict of [L, ...] arrays when every layer has the same keys
+    (the decoder scans over it), else a list of per-layer dicts (run unrolled): a model mixing dense
+    and expert MLP layers (Qwen3-MoE's ``mlp_only_layers``) has no single layer body to scan."""
+
+    def dense(t):
+        return jnp.asarray(t, dtype) if isinstance(t, np.ndarray) else t
+
+    keys = {frozenset(layer) for layer in layer_tensors}
+    if len(keys) > 1:
+        return [{k: dense(v) for k, v in layer.items()} for layer in layer_tensors]
+    out = {}
+    for k in layer_tensors[0]:
+        v = [layer[k] for layer in layer_tensors]
+        out[k] = jnp.asarray(np.stack(v), dtype) if isinstance(v[0], np.ndarray) else _stack_records(k, v)
+    return out
+
+
 def build_params(
     arch: ModelArch,
     get: Callable[[str], np.ndarray | None],
@@ -70,7 +109,8 @@ def build_params(
     records (quant/fuse.py); their parts must be all quantized or all dense.
 
     Returns the tree documented in ``tpu_platform/models/decoder.py`` (layers stacked on a leading
-    [L] axis), dense arrays in ``dtype``, records as they were read.
+    [L] axis, or a list of per-layer dicts when layers differ in structure: ``_stack_layers``),
+    dense arrays in ``dtype``, records as they were read.
     ``tpu_platform/models/sharding.py`` gives its PartitionSpecs.
     """
 
@@ -91,12 +131,13 @@ def build_params(
 
     hq, hkv, d, hid = arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.hidden_size
     f = arch.intermediate_size
-    per_layer: dict[str, list[np.ndarray]] = {}
+    layer_tensors: list[dict] = []
 
-    def add(key: str, t: np.ndarray):
-        per_layer.setdefault(key, []).append(t)
+    def add(key: str, t):
+        layer_tensors[-1][key] = t
 
     for i in range(arch.num_layers):
+        layer_tensors.append({})
         p = f"model.layers.{i}."
         recs = [
             linear_rec(p + f"self_attn.{n}_proj", hid, rows)
@@ -129,28 +170,32 @@ def build_params(
         )
         if arch.o_bias:
             add("o_bias", need(p + "self_attn.o_proj.bias"))
-        recs = [linear_rec(p + f"mlp.{n}_proj", hid, f) for n in ("gate", "up")]
-        if all(r is not None for r in recs):
-            add("gate_up", fuse.concat_out(recs, (2, f)))  # [gate | up] columns = [2, F]
-        elif any(r is not None for r in recs):
-            raise ModelConfigError(f"{p}mlp: gate/up must be all quantized or all dense")
+        if arch.moe is not None and i in arch.moe.moe_layers:
+            for key, t in _expert_weights(arch, p, need, check, dtype).items():
+                add(key, t)
         else:
-            gate = check(p + "mlp.gate_proj.weight", need(p + "mlp.gate_proj.weight"), (f, hid))
-            up = check(p + "mlp.up_proj.weight", need(p + "mlp.up_proj.weight"), (f, hid))
-            # [2, H, F]: the gate and up [H, F] one after the other. As [H, 2, F], XLA:TPU copied
-            # each layer's weight into another layout before every dot of 2+ rows (on a v5e:
-            # 318 us per Llama-1B MLP layer at 8 rows against 141; benchmarks/tpu_step_parts.py).
-            add("gate_up", np.stack([gate.T, up.T], axis=0))
-        down = linear_rec(p + "mlp.down_proj", f, hid)
-        add(
-            "down",
-            down
-            if down is not None
-            else check(p + "mlp.down_proj.weight", need(p + "mlp.down_proj.weight"), (hid, f)).T,
-        )
-        if arch.mlp_bias:
-            add("gate_up_bias", np.stack([need(p + "mlp.gate_proj.bias"), need(p + "mlp.up_proj.bias")]))
-            add("down_bias", need(p + "mlp.down_proj.bias"))
+            recs = [linear_rec(p + f"mlp.{n}_proj", hid, f) for n in ("gate", "up")]
+            if all(r is not None for r in recs):
+                add("gate_up", fuse.concat_out(recs, (2, f)))  # [gate | up] columns = [2, F]
+            elif any(r is not None for r in recs):
+                raise ModelConfigError(f"{p}mlp: gate/up must be all quantized or all dense")
+            else:
+                gate = check(p + "mlp.gate_proj.weight", need(p + "mlp.gate_proj.weight"), (f, hid))
+                up = check(p + "mlp.up_proj.weight", need(p + "mlp.up_proj.weight"), (f, hid))
+                # [2, H, F]: the gate and up [H, F] one after the other. As [H, 2, F], XLA:TPU copied
+                # each layer's weight into another layout before every dot of 2+ rows (on a v5e:
+                # 318 us per Llama-1B MLP layer at 8 rows against 141; benchmarks/tpu_step_parts.py).
+                add("gate_up", np.stack([gate.T, up.T], axis=0))
+            down = linear_rec(p + "mlp.down_proj", f, hid)
+            add(
+                "down",
+                down
+                if down is not None
+                else check(p + "mlp.down_proj.weight", need(p + "mlp.down_proj.weight"), (hid, f)).T,
+            )
+            if arch.mlp_bias:
+                add("gate_up_bias", np.stack([need(p + "mlp.gate_proj.bias"), need(p + "mlp.up_proj.bias")]))
+                add("down_bias", need(p + "mlp.down_proj.bias"))
         add("input_norm", check(p + "input_layernorm.weight", need(p + "input_layernorm.weight"), (hid,)))
         add(
             "post_norm",
@@ -161,10 +206,7 @@ def build_params(
     params = {
         "embed": jnp.asarray(embed, dtype),
         "final_norm": jnp.asarray(need("model.norm.weight"), dtype),
-        "layers": {
-            k: (jnp.asarray(np.stack(v), dtype) if isinstance(v[0], np.ndarray) else _stack_records(k, v))
-            for k, v in per_layer.items()
-        },
+        "layers": _stack_layers(layer_tensors, dtype),
     }
     head_rec = None if arch.tie_word_embeddings else linear_rec("lm_head", hid, arch.vocab_size)
     if head_rec is not None:
@@ -186,7 +228,10 @@ def unstack_layers(params: dict) -> dict:
     stacked array would be copied first. The stacked arrays are released as each key is split.
     A value may also be a pytree of arrays that all lead with [L] (a quantized weight record of
     ``quant/``: data and scales); each leaf is split the same way, the record type kept.
+    A tree whose layers are already a list (``_stack_layers``) is returned as it is.
     """
+    if isinstance(params["layers"], (list, tuple)):
+        return params
     stacked = dict(params["layers"])
     num_layers = int(jax.tree_util.tree_leaves(next(iter(stacked.values())))[0].shape[0])
     layers: list[dict] = [{} for _ in range(num_layers)]

@@ -1,0 +1,66 @@
+"""The sparse expert MLP of a mixture-of-experts layer (Qwen3-MoE), over all T token slots at once.
+
+Each token picks its top-k experts from a softmax router; its MLP output is the routing-weighted sum
+of those experts' SiLU-gated MLPs. Rather than running every expert on every token (E times the
+work), the T*k (token, expert) assignments are sorted by expert so that each expert's rows are one
+contiguous block, and one grouped matmul multiplies block g by expert g's weight. Every shape is
+static: there are always exactly T*k assignment rows, only how they split among experts varies.
+
+Per-layer weights (E experts, H hidden, F expert ffn; [in, out] like every weight here):
+    router [H, E]; experts_gate_up [E, H, 2F] (gate columns, then up); experts_down [E, F, H]
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from tpuserve.tpu_platform.models.arch import MoeArch
+
+
+def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """lhs [M, K] (rows sorted by group), rhs [G, K, N], group_sizes [G] i32 summing to M -> [M, N].
+
+    Rows group_sizes[:g].sum() .. group_sizes[:g+1].sum() - 1 are multiplied by rhs[g]. The one
+    place experts are multiplied, so that a kernel with the same contract can replace it.
+    """
+    return jax.lax.ragged_dot(lhs, rhs, group_sizes)
+
+
+def route(x: jax.Array, router: jax.Array, moe: MoeArch) -> tuple[jax.Array, jax.Array]:
+    """x [T, H], router [H, E] -> (weights [T, k] f32, experts [T, k] i32), best expert first.
+
+    Logits and softmax in f32 whatever the activation dtype: a rounding there can change which
+    experts a token gets, a discrete jump no later precision recovers.
+    """
+    logits = jnp.dot(x.astype(jnp.float32), router.astype(jnp.float32))
+    probs = jax.nn.softmax(logits, axis=-1)
+    weights, experts = jax.lax.top_k(probs, moe.top_k)
+    if moe.norm_topk_prob:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights, experts.astype(jnp.int32)
+
+
+def moe_mlp(x: jax.Array, w: dict, moe: MoeArch) -> jax.Array:
+    """The expert block: x [T, H] (after the post-attention norm) -> [T, H] in x's dtype.
+
+    w holds one layer's ``router``, ``experts_gate_up`` and ``experts_down`` (module docstring).
+    Padding slots of a ragged batch route like any token (their rows are finite, so are their
+    outputs) and their results are discarded by the caller.
+    """
+    t, k = x.shape[0], moe.top_k
+    weights, experts = route(x, w["router"], moe)
+    flat_expert = experts.reshape(t * k)
+    # Assignment a = token * k + slot; sorting by expert makes each expert's rows contiguous.
+    order = jnp.argsort(flat_expert, stable=True)
+    token_of = order // k
+    group_sizes = jnp.bincount(flat_expert, length=moe.num_experts).astype(jnp.int32)
+    rows = x[token_of]  # [T*k, H]
+    gate_up = grouped_matmul(rows, w["experts_gate_up"], group_sizes)  # [T*k, 2F]
+    f = gate_up.shape[-1] // 2
+    act = jax.nn.silu(gate_up[:, :f]) * gate_up[:, f:]
+    out = grouped_matmul(act, w["experts_down"], group_sizes)  # [T*k, H]
+    # Weight and sum in f32: a token's k expert outputs add up in one place.
+    scaled = out.astype(jnp.float32) * weights.reshape(t * k)[order][:, None]
+    y = jnp.zeros((t, x.shape[1]), jnp.float32).at[token_of].add(scaled)
+    return y.astype(x.dtype)
