@@ -330,3 +330,33 @@ def test_memory_plan_and_warmup_then_serve(checkpoints):
     assert runner.compile_count == before, "serving compiled a program warm-up did not"
     tok = llm.get_tokenizer()
     assert out.outputs[0].token_ids == _hf_greedy(_hf(path), tok.encode(PROMPTS[0]), 8)
+
+
+@pytest.mark.timeout(300)
+def test_expert_block_on_the_pallas_kernel_equals_ragged_dot():
+    """The expert block through the grouped-matmul kernel (what a TPU runs, here interpreted)
+    equals it through XLA's ragged_dot, tokens routed unevenly over the experts."""
+    arch = ModelArch.from_hf_config(
+        dict(
+            architectures=["Qwen3MoeForCausalLM"],
+            vocab_size=16,
+            hidden_size=128,
+            intermediate_size=128,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=64,
+            norm_topk_prob=True,
+        )
+    )
+    rng = np.random.RandomState(3)
+    w = {
+        "router": jnp.asarray(rng.standard_normal((128, 8)), jnp.float32),
+        "experts_gate_up": jnp.asarray(rng.standard_normal((8, 128, 128)) * 0.1, jnp.float32),
+        "experts_down": jnp.asarray(rng.standard_normal((8, 64, 128)) * 0.1, jnp.float32),
+    }
+    x = jnp.asarray(rng.standard_normal((24, 128)), jnp.float32)
+    want = moe_mlp(x, w, arch.moe, impl="ragged_dot")
+    got = moe_mlp(x, w, arch.moe, impl="pallas_tpu_interpret")
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
