@@ -2,7 +2,7 @@
 
 For timing on a machine the real weights cannot reach (the lent TPU machine takes 64 MiB of files; a
 135M-parameter checkpoint is 0.5 GiB): speed does not depend on the weights' values. Weights are
-N(0, 0.02), norm scales 1, all float32.
+N(0, 0.02), norm scales 1, float32 (or float16 with ``--dtype float16``).
 
     python benchmarks/random_checkpoint.py --like MODEL_DIR --shapes-only OUT_DIR   # small: no weights
     python benchmarks/random_checkpoint.py --like OUT_DIR --out RANDOM_DIR          # weights from shapes
@@ -68,6 +68,12 @@ def main(argv=None) -> int:
     g.add_argument("--shapes-only", metavar="DIR", help="write config, tokenizer and shapes.json here")
     g.add_argument("--out", metavar="DIR", help="write the random-weight checkpoint here")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=("float32", "float16"),
+        help="float16 halves the file and the host memory of a big checkpoint (the engine casts on load)",
+    )
     args = p.parse_args(argv)
     shapes = tensor_shapes(args.like)
     if args.shapes_only:
@@ -79,14 +85,15 @@ def main(argv=None) -> int:
     from safetensors.numpy import save_file
 
     rng = np.random.default_rng(args.seed)
+    dtype = np.dtype(args.dtype)
     tensors = {}
     for name, shape in shapes.items():
         if name.endswith("norm.weight") or len(shape) == 1 and "norm" in name:
-            tensors[name] = np.ones(shape, np.float32)
+            tensors[name] = np.ones(shape, dtype)
         elif name.endswith(".bias"):
-            tensors[name] = np.zeros(shape, np.float32)
+            tensors[name] = np.zeros(shape, dtype)
         else:
-            tensors[name] = (rng.standard_normal(shape, np.float32) * 0.02).astype(np.float32)
+            tensors[name] = (rng.standard_normal(shape, np.float32) * 0.02).astype(dtype)
     copy_small_files(args.like, args.out)
     save_file(tensors, os.path.join(args.out, "model.safetensors"), metadata={"format": "pt"})
     print(

@@ -39,22 +39,41 @@ V5E_BF16_TFLOPS = 197.0
 
 
 def model_bytes(runner) -> dict:
-    """Bytes of the weights, and of the weights one decode step reads (an untied input embedding
-    is only gathered: B rows, not the table)."""
+    """Bytes of the weights, of the weights every decode step reads (an untied input embedding is
+    only gathered: B rows, not the table), and of the expert weights (read only as routed)."""
     leaves = jax.tree_util.tree_leaves_with_path(runner.params)
     total = sum(int(x.nbytes) for _, x in leaves)
     embed = sum(int(x.nbytes) for p, x in leaves if "embed" in jax.tree_util.keystr(p))
+    experts = sum(int(x.nbytes) for p, x in leaves if "experts" in jax.tree_util.keystr(p))
     tied = bool(getattr(runner.arch, "tie_word_embeddings", True))
-    return dict(weights=total, decode_read=total if tied else total - embed)
+    dense = (total if tied else total - embed) - experts
+    return dict(weights=total, decode_read=dense, experts=experts)
+
+
+def decode_read_bytes(mb: dict, arch, tokens: int) -> float:
+    """Weight bytes a decode step of ``tokens`` tokens reads: every dense weight, plus the experts the
+    tokens are routed to, expected over uniform routing (E * (1 - (1 - k/E)^tokens) of E per layer)."""
+    moe = getattr(arch, "moe", None)
+    if moe is None or not mb["experts"]:
+        return mb["decode_read"] + mb["experts"]
+    touched = 1.0 - (1.0 - moe.top_k / moe.num_experts) ** tokens
+    return mb["decode_read"] + mb["experts"] * touched
 
 
 def matmul_params(arch) -> int:
-    """Parameters that take part in a token's matmuls (layers and the LM head; not the gather)."""
+    """Parameters that take part in a token's matmuls (layers and the LM head; not the gather): for a
+    mixture-of-experts layer, its top-k experts'."""
     h, L = arch.hidden_size, arch.num_layers
     q = arch.num_heads * arch.head_dim
     kv = arch.num_kv_heads * arch.head_dim
-    per_layer = h * q + 2 * h * kv + q * h + 3 * h * arch.intermediate_size
-    return L * per_layer + h * arch.vocab_size
+    attn = h * q + 2 * h * kv + q * h
+    moe = getattr(arch, "moe", None)
+    sparse = set(moe.moe_layers) if moe is not None else set()
+    mlp = sum(
+        3 * h * (moe.top_k * moe.expert_intermediate_size if i in sparse else arch.intermediate_size)
+        for i in range(L)
+    )
+    return L * attn + mlp + h * arch.vocab_size
 
 
 def kv_bytes_per_token(arch, itemsize: int) -> int:
@@ -167,7 +186,7 @@ def run_model(model: str, args) -> dict:
         tpot = statistics.median(r["tpot_ms"] for r in runs)
         tok_s = statistics.median(r["tokens"] / r["wall_s"] for r in runs)
         ctx = args.prompt_len + args.new_tokens / 2
-        read = mb["decode_read"] + batch * ctx * kv_bytes_per_token(arch, itemsize)
+        read = decode_read_bytes(mb, arch, batch) + batch * ctx * kv_bytes_per_token(arch, itemsize)
         roof_ms = read / hbm * 1e3
         dev_ms = empty_step_ms(runner, batch)
         row = dict(

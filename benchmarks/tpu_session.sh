@@ -78,6 +78,11 @@ for s in $stages; do
           --out "$out/host_t1_135m.json" ;;
     moe-gmm)   # the MoE grouped matmul compiled by Mosaic: ours against megablox gmm and ragged_dot
       stage moe-gmm 200 python benchmarks/moe_gmm_tpu.py --int8 --out "$out/moe_gmm.json" ;;
+    e2e-qmoe)  # a Qwen3-30B-A3B layer (128 experts, top-8) x 4 layers: MoE decode against the roofline
+      [ -d /tmp/m/qwen3-moe-30b-a3b-4l ] || python benchmarks/random_checkpoint.py --dtype float16 \
+          --like .tpu_carry/shapes/qwen3-moe-30b-a3b-4l --out /tmp/m/qwen3-moe-30b-a3b-4l > /dev/null
+      stage e2e-qmoe 330 python benchmarks/tpu_e2e.py --models /tmp/m/qwen3-moe-30b-a3b-4l --rounds 1 \
+          --out "$out/e2e_qmoe.json" ;;
     parts)     # where a decode step's device time goes: matmuls alone, empty steps per bucket, HLO
       stage parts 240 python benchmarks/tpu_step_parts.py --model llama-1b --trace --out "$out/parts" ;;
     *) echo "unknown stage $s" | tee -a "$out/session.log" ;;
