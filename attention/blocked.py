@@ -81,10 +81,11 @@ class _Ctx:
     soft_cap: float | None
     k_scale: float | None
     v_scale: float | None
+    kv_dtype: jnp.dtype | None  # the values' dtype when a uint8 cache holds their bytes
 
     def gather(self, pages):
         """pages [..., n] -> (k, v) [..., n * page_size, Hkv, D] f32, scaled."""
-        kv = gather_pages(self.kv_pages, pages, self.layer)
+        kv = gather_pages(self.kv_pages, pages, self.layer, self.kv_dtype)
         kv = kv.reshape(
             *pages.shape[:-1], pages.shape[-1] * self.page_size, self.num_kv_heads, 2, self.head_dim
         ).astype(jnp.float32)
@@ -391,11 +392,13 @@ def ragged_paged_attention_blocked(
     tile_kv_pages: int | None = None,
     tail_kv_pages: int | None = None,
     cascade: bool = True,
+    kv_dtype=None,
 ):
     """Causal attention of ragged queries over paged KV. Returns [T, Hq, D] in queries.dtype.
 
     Shapes as in attention/reference.py; with ``layer`` (a scalar) kv_pages is the stacked
-    [L, P, page_size, 2*Hkv, D] cache. Padding tokens (past cu_q_lens[num_seqs]) produce zeros.
+    [L, P, page_size, 2*Hkv, D] cache; ``kv_dtype`` as there (a uint8 cache of fp8 bytes). Padding
+    tokens (past cu_q_lens[num_seqs]) produce zeros.
     ``cascade``: attend the leading pages every sequence shares in one pass for all rows
     (``common_prefix_pages``; found at run time, so a step without one pays only an empty loop).
     Blocks (pages per loop iteration): ``pages_per_block`` for the per-row path, ``tile_kv_pages`` for
@@ -444,6 +447,7 @@ def ragged_paged_attention_blocked(
         soft_cap=soft_cap,
         k_scale=k_scale,
         v_scale=v_scale,
+        kv_dtype=None if kv_dtype is None else jnp.dtype(kv_dtype),
     )
     prefix = None
     if cascade and sliding_window is None:

@@ -37,6 +37,9 @@ class AttentionParams:
     # The cache holds k / k_scale and v / v_scale (an FP8 KV cache); attention multiplies back.
     k_scale: float | None = None
     v_scale: float | None = None
+    # The cached values' dtype name when the cache holds their bytes as uint8 (an FP8 cache on
+    # XLA:CPU, kv_cache_shape.kv_storage_dtype); None: the values are the cache's own dtype.
+    kv_dtype: str | None = None
 
 
 def interleave_kv(k, v):
@@ -124,8 +127,12 @@ def ragged_paged_attention(
 def _attend(
     queries, new_k, new_v, kv_cache, layer, md: AttentionMetadata, params: AttentionParams, impl: str
 ):
+    values = jnp.dtype(params.kv_dtype or kv_cache.dtype)  # what the cache holds (its bytes, if uint8)
+    as_bytes = values != kv_cache.dtype
+    if as_bytes and (kv_cache.dtype != jnp.uint8 or values.itemsize != 1):
+        raise ValueError(f"a {kv_cache.dtype} KV cache cannot hold {values.name} values")
     if impl == "auto":
-        impl = resolve_impl(impl, jax.default_backend(), kv_cache.dtype)
+        impl = resolve_impl(impl, jax.default_backend(), values)
     num_combined = 2 * new_k.shape[1]
     cache_heads = kv_cache.shape[-2]
     # Only the TPU kernel knows padding heads; the others read C as 2*Hkv and would misplace heads.
@@ -138,7 +145,7 @@ def _attend(
         )
     if impl in ("reference", "blocked"):
         # In place on the stacked cache: slicing a layer out and back would copy it twice a step.
-        new_kv = quantize_kv(new_k, new_v, params, kv_cache.dtype)
+        new_kv = quantize_kv(new_k, new_v, params, values)
         kv_cache = write_kv_ref(
             kv_cache, new_kv, md.kv_lens, md.page_indices, md.cu_q_lens, md.num_seqs, layer=layer
         )
@@ -156,8 +163,14 @@ def _attend(
             k_scale=params.k_scale,
             v_scale=params.v_scale,
             layer=layer,
+            kv_dtype=values,
         )
         return out, kv_cache
+    if as_bytes:
+        raise ValueError(
+            f"attention impl {impl!r} reads a KV cache in its own dtype, not {values.name} values "
+            f"stored as uint8 bytes (the CPU's FP8 cache); the jnp paths (reference, blocked) read those"
+        )
     # The kernels write the layer in place: the layer index travels as a scalar, no slicing.
     new_kv = quantize_kv(new_k, new_v, params, kv_cache.dtype)
     args = (queries, new_kv, kv_cache, layer, md.kv_lens, md.page_indices, md.cu_q_lens, md.num_seqs)

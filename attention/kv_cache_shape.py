@@ -60,6 +60,19 @@ def resolve_attention_impl(impl: str, backend: str, byte_cache: bool, cache_dtyp
     return {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}.get(backend, "blocked")
 
 
+def kv_storage_dtype(dtype, backend: str) -> np.dtype:
+    """The dtype a KV cache of ``dtype`` values is stored in on ``backend``.
+
+    XLA:CPU widens the whole operand of an fp8 gather or scatter, so every layer of every step
+    copied the entire cache; bitcasting the whole cache to uint8 inside the step copied it too.
+    Stored as uint8 (the same bytes), the cache is read and written in place, and only the rows a
+    step reads or writes are bitcast. Elsewhere (a TPU runs an fp8 cache on the jnp reference) the
+    cache stays in its own dtype."""
+    dtype = np.dtype(dtype)
+    byte_float = dtype.itemsize == 1 and dtype.kind not in "biu"  # ml_dtypes' float8 types
+    return np.dtype(np.uint8) if byte_float and backend == "cpu" else dtype
+
+
 def sublane_tile(dtype) -> int:
     """Rows of one TPU (sublane x lane) tile of ``dtype``: 8 of 32 bits, more when packed."""
     itemsize = np.dtype(dtype).itemsize

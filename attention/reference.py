@@ -48,13 +48,15 @@ def write_kv_ref(kv_pages, new_kv, kv_lens, page_indices, cu_q_lens, num_seqs, *
     new_kv: [T, 2*Hkv, D] (interleaved). Padding tokens are dropped. Returns the updated kv_pages.
     With ``layer`` (a scalar), kv_pages is the stacked [L, P, page_size, 2*Hkv, D] cache and only that
     layer is written, in place: no per-layer slice is copied out and back.
+    A uint8 cache holds the bytes of 1-byte values (an FP8 cache on XLA:CPU,
+    ``kv_cache_shape.kv_storage_dtype``): new_kv's bytes are written, so it must be quantized already.
     """
     num_pages, page_size = kv_pages.shape[-4:-2]
     seq, pos, valid = token_sequence_info(kv_lens, cu_q_lens, num_seqs, new_kv.shape[0])
     page = page_indices[seq, pos // page_size]
     page = jnp.where(valid, page, num_pages)  # out of range -> dropped by the scatter
     index = (page, pos % page_size) if layer is None else (layer, page, pos % page_size)
-    new_kv = new_kv.astype(kv_pages.dtype)
+    new_kv = _as_bytes(new_kv) if kv_pages.dtype == jnp.uint8 else new_kv.astype(kv_pages.dtype)
     if _is_fp8(kv_pages.dtype):
         # XLA:CPU has no 8-bit float scatter: it widens the whole cache to scatter into it (a copy
         # of every page, every layer, every step). The same bytes scattered as uint8 stay in place;
@@ -69,19 +71,30 @@ def _is_fp8(dtype) -> bool:
     return jnp.issubdtype(dtype, jnp.floating) and jnp.dtype(dtype).itemsize == 1
 
 
-def gather_pages(kv_pages, pages, layer=None):
-    """``kv_pages[pages]`` (or ``kv_pages[layer, pages]`` of a stacked cache), in the cache dtype.
+def _as_bytes(values):
+    """1-byte values as the uint8 a byte-stored cache holds (a bitcast of the few written rows)."""
+    if values.dtype == jnp.uint8:
+        return values
+    if jnp.dtype(values.dtype).itemsize != 1:
+        raise ValueError(f"a uint8 KV cache stores 1-byte values, got {values.dtype} ones")
+    return jax.lax.bitcast_convert_type(values, jnp.uint8)
 
-    On XLA:CPU an 8-bit float cache is read as uint8: XLA:CPU widens an fp8 gather's whole operand,
-    a copy of the entire cache every layer of every step; the same bytes gathered as uint8 are just
-    the pages. Elsewhere (a TPU runs an fp8 cache on this path) a bitcast of the whole cache may be
-    a copy itself (it was for bf16 -> uint16 on a v5e), so the gather stays as it is.
+
+def gather_pages(kv_pages, pages, layer=None, kv_dtype=None):
+    """``kv_pages[pages]`` (or ``kv_pages[layer, pages]`` of a stacked cache), as ``kv_dtype`` values
+    (None: the cache dtype). A uint8 cache holding another 1-byte type's bytes (an FP8 cache on
+    XLA:CPU) is gathered as bytes and only the gathered pages are bitcast.
+
+    A cache stored as fp8 itself is read as uint8 on XLA:CPU too: XLA:CPU widens an fp8 gather's
+    whole operand, a copy of the entire cache every layer of every step. Elsewhere (a TPU runs an
+    fp8 cache on this path) a bitcast of the whole cache may be a copy itself (it was for bf16 ->
+    uint16 on a v5e), so the gather stays as it is.
     """
-    if not (_is_fp8(kv_pages.dtype) and jax.default_backend() == "cpu"):
-        return kv_pages[pages] if layer is None else kv_pages[layer, pages]
-    raw = jax.lax.bitcast_convert_type(kv_pages, jnp.uint8)
-    raw = raw[pages] if layer is None else raw[layer, pages]
-    return jax.lax.bitcast_convert_type(raw, kv_pages.dtype)
+    kv_dtype = kv_pages.dtype if kv_dtype is None else jnp.dtype(kv_dtype)
+    if _is_fp8(kv_pages.dtype) and jax.default_backend() == "cpu":
+        kv_pages = jax.lax.bitcast_convert_type(kv_pages, jnp.uint8)
+    got = kv_pages[pages] if layer is None else kv_pages[layer, pages]
+    return got if got.dtype == kv_dtype else jax.lax.bitcast_convert_type(got, kv_dtype)
 
 
 def ragged_paged_attention_ref(
@@ -99,10 +112,13 @@ def ragged_paged_attention_ref(
     k_scale: float | None = None,
     v_scale: float | None = None,
     layer=None,
+    kv_dtype=None,
 ):
     """Causal attention of ragged queries over paged KV. Returns [T, Hq, D] in queries.dtype.
 
     With ``layer`` (a scalar), kv_pages is the stacked [L, P, page_size, 2*Hkv, D] cache.
+    ``kv_dtype``: the dtype of the cached values when a uint8 cache holds their bytes (an FP8 cache
+    on XLA:CPU); None: the cache's own dtype.
     """
     if mask_value is None:
         mask_value = DEFAULT_MASK_VALUE
@@ -122,7 +138,7 @@ def ragged_paged_attention_ref(
         """q [t, Hq, D], seq / q_pos [t] -> [t, Hq, D] f32 for a tile of t tokens."""
         t = q.shape[0]
         pages = page_indices[seq]
-        kv = gather_pages(kv_pages, pages, layer).reshape(t, ctx, num_combined, head_dim)
+        kv = gather_pages(kv_pages, pages, layer, kv_dtype).reshape(t, ctx, num_combined, head_dim)
         k = kv[:, :, 0::2, :].astype(jnp.float32)
         v = kv[:, :, 1::2, :].astype(jnp.float32)
         if k_scale is not None:

@@ -41,6 +41,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from tpuserve.attention.dispatch import resolve_impl
+from tpuserve.attention.kv_cache_shape import kv_storage_dtype
 from tpuserve.attention.metadata import AttentionMetadata
 from tpuserve.attention.names import AttentionImpl
 from tpuserve.kv_cache.layout import RESERVED_PAGE, KVCacheSpec, kv_cache_format
@@ -232,6 +233,9 @@ class ModelRunner:
         self.max_num_seqs = config.scheduler.max_num_seqs
         self.max_logprobs = config.model.max_logprobs
         self.kv_cache_dtype = jnp.dtype(dtype if kv_cache_dtype is None else kv_cache_dtype)
+        # What the cache array holds: the values themselves, or their bytes (an FP8 cache on CPU,
+        # which XLA:CPU would copy whole around every fp8 scatter and gather; kv_storage_dtype).
+        self.kv_storage_dtype = jnp.dtype(kv_storage_dtype(self.kv_cache_dtype, device.backend))
         self.attn_impl = resolve_impl(config.compilation.attention_impl, device.backend, self.kv_cache_dtype)
         # How this engine's programs multiply by its weights: dense, or its quantized records'
         # kernels (a dense engine never meets a record). Active while its programs trace
@@ -252,7 +256,7 @@ class ModelRunner:
         # why), else the compiler's choice (None).
         self.kv_format = kv_cache_format(
             self.attn_impl,
-            self.kv_cache_dtype,
+            self.kv_storage_dtype,
             self._kv_sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0]),
         )
         self.max_pages_per_seq = math.ceil(max_model_len / self.page_size)
@@ -302,7 +306,7 @@ class ModelRunner:
             self.page_size,
             self.arch.num_kv_heads,
             self.arch.head_dim,
-            self.kv_cache_dtype,
+            self.kv_storage_dtype,
             num_shards=model_axis_size(self.mesh),
         )
 
@@ -325,9 +329,7 @@ class ModelRunner:
         t, p = self.token_buckets[-1], self.page_buckets[-1]
         batch = self._empty_batch(t, p, self.num_speculative_tokens if t >= 2 else 0)
         spec = self._cache_spec(p + 1)
-        cache = jax.ShapeDtypeStruct(
-            spec.shape_for(self.attn_impl), self.kv_cache_dtype, sharding=self._kv_sharding
-        )
+        cache = jax.ShapeDtypeStruct(spec.shape_for(self.attn_impl), spec.dtype, sharding=self._kv_sharding)
         args = self.step_args(batch, kv_cache=cache)
         fwd = self._step.lower(*args).compile()
         hidden = jax.ShapeDtypeStruct((t, self.arch.hidden_size), self.dtype, sharding=self._replicated)
@@ -368,6 +370,7 @@ class ModelRunner:
                 inv_freq=inv_freq,
                 mesh=self.mesh,
                 kv_scales=self.kv_scales,
+                kv_dtype=self.kv_cache_dtype,
                 aux_layer_ids=self.draft_aux_layers or (),
             )
             logits = compute_logits(params, out.hidden[logits_indices], arch=self.arch)

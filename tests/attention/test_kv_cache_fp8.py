@@ -108,16 +108,24 @@ def fp8_case(name="mixed_g3_d128", seed=3):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("impl", IMPLS)
-def test_fp8_cache_matches_f32_cache_and_oracle(impl):
+@pytest.mark.parametrize(
+    "impl, stored",
+    [(impl, "fp8") for impl in IMPLS] + [("reference", "bytes"), ("blocked", "bytes")],
+)
+def test_fp8_cache_matches_f32_cache_and_oracle(impl, stored):
+    """stored="bytes": the cache holds the fp8 values' bytes as uint8, as the engine stores an FP8
+    cache on XLA:CPU (kv_cache_shape.kv_storage_dtype); the jnp paths read and write those."""
     case, kwargs, k_scale, v_scale = fp8_case()
     hkv = case.new_kv.shape[1] // 2
     old8 = np_quantize_pages(case.kv_pages, k_scale, v_scale)  # the pages earlier steps wrote
     cache8 = padded(old8, impl, hkv, FP8)
     p8 = AttentionParams(**kwargs, k_scale=k_scale, v_scale=v_scale)
+    if stored == "bytes":
+        cache8 = jnp.asarray(bits(cache8))
+        p8 = AttentionParams(**kwargs, k_scale=k_scale, v_scale=v_scale, kv_dtype="float8_e4m3fn")
     out8, got8 = run(case, impl, cache8, p8)
     out32, _ = run(case, impl, padded(case.kv_pages, impl, hkv, jnp.float32), AttentionParams(**kwargs))
-    assert got8.dtype == FP8 and got8.shape == cache8.shape
+    assert got8.dtype == cache8.dtype and got8.shape == cache8.shape
 
     # The write, bit for bit: this step's K/V quantized, scattered like write_kv_ref does.
     from tpuserve.attention.reference import write_kv_ref
@@ -159,6 +167,20 @@ def test_overflow_saturates_never_nan(impl):
     assert np.abs(stored).max() == FP8_E4M3_MAX
     # The jax behaviour the clip exists for (if this ever saturates by itself, the clip is free).
     assert np.isnan(np.asarray(jnp.asarray([1e4], jnp.float32).astype(FP8), np.float32)).all()
+
+
+@pytest.mark.parametrize("impl", ["pallas_tpu_interpret", "pallas_gpu"])
+def test_kernels_refuse_a_cache_of_fp8_bytes(impl):
+    """Only the jnp paths read a uint8 cache as the fp8 values it holds; a kernel would read the
+    bytes as numbers, so it refuses (a TPU or GPU stores an FP8 cache as fp8)."""
+    case, kwargs, k_scale, v_scale = fp8_case("decode_g8", seed=4)
+    hkv = case.new_kv.shape[1] // 2
+    cache = jnp.asarray(bits(padded(np_quantize_pages(case.kv_pages, k_scale, v_scale), impl, hkv, FP8)))
+    p8 = AttentionParams(**kwargs, k_scale=k_scale, v_scale=v_scale, kv_dtype="float8_e4m3fn")
+    with pytest.raises(ValueError, match=f"{impl}.*reads a KV cache in its own dtype"):
+        run(case, impl, cache, p8)
+    with pytest.raises(ValueError, match="uint8 KV cache cannot hold bfloat16"):
+        run(case, "reference", cache, AttentionParams(**kwargs, kv_dtype="bfloat16"))
 
 
 def test_quantize_kv_only_touches_scaled_or_fp8():
@@ -216,7 +238,8 @@ def test_engine_fp8_kv_greedy_and_pages(random_checkpoints):
     del ref
     llm = LLM(path, kv_cache_memory_bytes=budget, kv_cache_dtype="fp8", **ENGINE, warmup=False)
     runner = llm.engine.runner
-    assert runner.kv_cache.dtype == FP8
+    # Stored as the fp8 values' bytes on CPU (XLA:CPU copies a whole fp8 cache around each access).
+    assert runner.kv_cache_dtype == FP8 and runner.kv_cache.dtype == jnp.uint8
     assert ref_pages == 30 and runner.kv_spec.num_pages == 4 * ref_pages
     k_scale, v_scale = runner.kv_scales  # calibrated: the checkpoint carries none
     assert 0 < k_scale < 1 and 0 < v_scale < 1

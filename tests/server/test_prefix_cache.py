@@ -121,7 +121,8 @@ def test_full_host_pool_evicts_without_errors(random_checkpoints, rounds, refere
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
 def test_reloaded_pages_are_bitwise_equal_to_the_originals(random_checkpoints, kv_cache_dtype):
-    # fp8: the host tier moves e4m3 pages as they are; the engine's one k/v scale pair reads them.
+    # fp8: the host tier moves the pages as stored (e4m3 bytes, uint8 on CPU); the engine's one
+    # k/v scale pair reads them.
     llm = _llm(
         random_checkpoints["llama"],
         num_gpu_blocks=9,

@@ -173,6 +173,7 @@ def forward(
     aux_layer_ids: tuple[int, ...] = (),
     mesh=None,
     kv_scales: tuple[float, float] | None = None,
+    kv_dtype=None,
 ) -> DecoderOutput:
     """One ragged step over all T token slots; returns hidden states, not logits.
 
@@ -186,6 +187,8 @@ def forward(
         down); attention and the embedding lookup run per device under ``shard_map``.
     kv_scales: (k_scale, v_scale), static floats of an FP8 KV cache (the cache holds K/k_scale and
         V/v_scale, attention/dispatch.py); None: the cache holds K and V as they are.
+    kv_dtype: the dtype of the cached values, when the cache stores them as uint8 bytes (an FP8
+        cache on XLA:CPU, ``kv_cache_shape.kv_storage_dtype``); None: the cache's own dtype.
     Returns DecoderOutput(hidden [T, H], aux_hidden (len(aux_layer_ids) x [T, H]), kv_cache).
     """
     num_layers = arch.num_layers
@@ -198,7 +201,11 @@ def forward(
     cos, sin = jnp.cos(freqs), jnp.sin(freqs)
     k_scale, v_scale = (None, None) if kv_scales is None else (float(x) for x in kv_scales)
     attn_params = AttentionParams(
-        sm_scale=arch.head_dim**-0.5, sliding_window=arch.sliding_window, k_scale=k_scale, v_scale=v_scale
+        sm_scale=arch.head_dim**-0.5,
+        sliding_window=arch.sliding_window,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        kv_dtype=None if kv_dtype is None else jnp.dtype(kv_dtype).name,
     )
 
     def block(h, kv_cache, w, layer_idx):

@@ -194,7 +194,8 @@ class JaxExecutor:
 
     @property
     def kv_cache_dtype(self) -> np.dtype:
-        return np.dtype(self.runner.kv_cache.dtype)
+        """The cached values' dtype (an FP8 cache's array holds their bytes as uint8 on CPU)."""
+        return np.dtype(self.runner.kv_cache_dtype)
 
     @property
     def kv_scales(self) -> tuple[float, float] | None:
