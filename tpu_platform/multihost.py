@@ -331,7 +331,11 @@ def _exit_with(lost: HostLost) -> None:
 
 class Leader:
     """Host 0's end: ``send`` each device call's message before making the call locally;
-    ``check`` raises ``HostLost`` once a follower stopped."""
+    ``check`` raises ``HostLost`` once a follower stopped.
+
+    A step waits until every follower finished the set-up calls before it (``InitKVCache``,
+    ``Warmup``): a follower still compiling when the first collective starts would leave this
+    host waiting in gloo's context set-up, which gives up after 30 s with no name of the host."""
 
     def __init__(self, group: HostGroup, *, dead_after_s: float = DEAD_AFTER_S):
         self.group = group
@@ -339,10 +343,33 @@ class Leader:
         self.heartbeat = Heartbeat(group, _exit_on_store_loss(group), dead_after_s=dead_after_s)
         self.watchdog = Watchdog(group, dead_after_s=dead_after_s)
         self.closed = False
+        self._unacked: list[int] = []  # set-up messages the followers have not confirmed yet
 
     def send(self, op: Op) -> int:
         self.check()
-        return self.channel.send(op)
+        if isinstance(op, RunStep):
+            self.await_setup()
+        seq = self.channel.send(op)
+        if isinstance(op, InitKVCache | Warmup):
+            self._unacked.append(seq)
+        return seq
+
+    def await_setup(self) -> None:
+        """Block until every follower confirmed the set-up messages sent so far (HostLost if one
+        stops meanwhile)."""
+        client = self.channel.client
+        for seq in self._unacked:
+            for rank in range(1, self.group.num_hosts):
+                key = _PREFIX + f"ack/{rank}/{seq}"
+                while True:
+                    self.check()
+                    try:
+                        client.blocking_key_value_get(key, int(self.watchdog.interval_s * 1000))
+                        break
+                    except Exception as e:
+                        if "DEADLINE_EXCEEDED" not in str(e) and "timed out" not in str(e).lower():
+                            raise
+        self._unacked.clear()
 
     def check(self) -> None:
         self.watchdog.check()
@@ -409,12 +436,18 @@ class Follower:
     def apply(self, seq: int, op: Op) -> None:
         if isinstance(op, InitKVCache):
             self.runner = self.worker.init_kv_cache(op.num_pages)
+            self._ack(seq)
         elif isinstance(op, Warmup):
             self.worker.warmup(progress=False)
+            self._ack(seq)
         elif isinstance(op, RunStep):
             self._step(seq, op)
         else:
             raise ProtocolError(f"host {self.group.rank}: unknown message {type(op).__name__}")
+
+    def _ack(self, seq: int) -> None:
+        """Tell the leader a set-up call is done here (``Leader.await_setup``)."""
+        self.channel.client.key_value_set(_PREFIX + f"ack/{self.group.rank}/{seq}", "1")
 
     def _step(self, seq: int, op: RunStep) -> None:
         import jax

@@ -12,6 +12,7 @@ The leader prints "STEP n" as it goes (the host-loss test kills the follower aft
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 
@@ -73,7 +74,8 @@ def main() -> None:
         tokens = generate(engine, max_tokens)
     except HostLost as e:
         print(f"HOSTLOST {e.rank} after {time.perf_counter() - t0:.1f} s: {e}", flush=True)
-        sys.exit(3)
+        # Not sys.exit: jax.distributed's exit barrier would wait for the dead host.
+        os._exit(3)
     print("TOKENS", json.dumps(tokens), flush=True)
     engine.shutdown()
 

@@ -45,6 +45,12 @@ class FakeStore:
                 raise RuntimeError("DEADLINE_EXCEEDED: timed out waiting for key")
             return self.data[key]
 
+    def key_value_set(self, key, value):
+        self.key_value_set_bytes(key, value)
+
+    def blocking_key_value_get(self, key, timeout_ms):
+        return self.blocking_key_value_get_bytes(key, timeout_ms)
+
     def key_value_delete(self, key):
         with self.cond:
             self.data.pop(key, None)
@@ -142,7 +148,8 @@ class _FakeWorker:
 
 
 def test_follower_replays_calls_and_checks_the_feed_order(monkeypatch):
-    monkeypatch.setattr(multihost, "_client", lambda: FakeStore())
+    store = FakeStore()
+    monkeypatch.setattr(multihost, "_client", lambda: store)
     worker = _FakeWorker()
     f = multihost.Follower(worker, multihost.HostGroup(2, 1))
     with pytest.raises(multihost.ProtocolError, match="before InitKVCache"):
@@ -152,6 +159,7 @@ def test_follower_replays_calls_and_checks_the_feed_order(monkeypatch):
     f.apply(3, multihost.RunStep("b1", -1))
     f.apply(4, multihost.RunStep("b2", 3))  # feeds from the step before: the same prev as host 0
     assert worker.calls == [("init", 9), ("warmup",)]
+    assert "tpuserve/mh/ack/1/1" in store.data and "tpuserve/mh/ack/1/2" in store.data  # set-up confirmed
     calls = worker.runner.calls
     assert calls[0][1:] == ("b1", None) and calls[1][1] == "b2" and calls[1][2].batch == "b1"
     with pytest.raises(multihost.ProtocolError, match="feeds from step 3, but the last step here was 4"):
