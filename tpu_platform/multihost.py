@@ -150,6 +150,12 @@ def initialize(parallel: ParallelConfig) -> HostGroup | None:
             )
         else:
             jax.distributed.initialize()
+        log.info(
+            "host %d of %d: %d local device(s)",
+            jax.process_index(),
+            jax.process_count(),
+            jax.local_device_count(),
+        )
     group = HostGroup(jax.process_count(), jax.process_index())
     if parallel.multi_host and (group.num_hosts, group.rank) != (parallel.num_hosts, parallel.host_rank):
         raise ConfigError(
@@ -161,7 +167,6 @@ def initialize(parallel: ParallelConfig) -> HostGroup | None:
             f"tensor_parallel_size: {parallel.tensor_parallel_size} must be a multiple of the "
             f"{group.num_hosts} hosts: tensor parallelism spans every host"
         )
-    log.info("host %d of %d: %d local device(s)", group.rank, group.num_hosts, jax.local_device_count())
     return group
 
 

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import threading
 import time
+import urllib.request
 
 import pytest
 from fake_devices import popen_with_devices, run_with_devices  # tests/tpu_platform/fake_devices.py
@@ -262,7 +264,53 @@ def test_killed_host_stops_the_leader_with_its_name(tmp_path):
             if p.poll() is None:
                 p.kill()
     out = "".join(lines) + out
+    print(
+        f"leader stopped {took:.1f} s after host 1 was killed:",
+        [x for x in out.splitlines() if "HOSTLOST" in x],
+    )
     # Within the watchdog's timeout (15 s) plus its grace and the process's exit.
     assert took < 60, (took, out[-6000:])
     assert leader.returncode != 0, out[-6000:]
     assert "HOSTLOST 1" in out or "host 1 is gone" in out, out[-6000:]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_http_to_host_zero_of_a_two_host_server(tmp_path):
+    """`tpuserve serve` on both hosts: host 0 answers HTTP, host 1 follows and returns once
+    host 0 stops."""
+    from tpuserve.server.launcher import ServerProcess, tpuserve_argv
+
+    path = _checkpoint(tmp_path)
+    coord, port = f"127.0.0.1:{free_port()}", free_port()
+    flags = ["--tensor-parallel-size", "4", "--max-model-len", "128", "--max-num-batched-tokens", "64"]
+    flags += ["--max-num-seqs", "4", "--distributed-coordinator", coord, "--num-hosts", "2"]
+    env = dict(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    follower = subprocess.Popen(
+        tpuserve_argv("serve", path, *flags, "--host-rank", "1", "--port", str(free_port())),
+        env={**os.environ, **env},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    server = ServerProcess(
+        tpuserve_argv("serve", path, *flags, "--host-rank", "0", "--port", str(port)), port, env=env
+    )
+    try:
+        server.start()
+        body = json.dumps(
+            {"model": path, "prompt": "The capital of France is", "max_tokens": 12, "temperature": 0}
+        )
+        req = urllib.request.Request(
+            server.base_url + "/v1/completions", body.encode(), {"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(req, timeout=300) as r:
+            out = json.loads(r.read())
+        assert out["usage"]["completion_tokens"] == 12 and out["choices"][0]["text"], out
+        assert server.stop() == 0, server.log_tail()
+        fout = _finish(follower, 120)
+        assert follower.returncode == 0 and "done (leader shut down)" in fout, fout[-6000:]
+    finally:
+        server.stop()
+        if follower.poll() is None:
+            follower.kill()
