@@ -18,7 +18,7 @@ message ``seq`` under its own key, followers read the keys in order, so a lost o
 message is a clear error, not a silent divergence. Only the leader reads tokens back (a
 follower's step results stay on its devices until the next step replaces them).
 
-A host that dies: every host bumps a heartbeat counter in the same store; the leader's
+A host that dies: every follower bumps a heartbeat counter in the same store; the leader's
 ``Watchdog`` names a follower whose counter stops for ``dead_after_s`` and makes the engine raise
 ``HostLost`` (or, if the engine thread is stuck inside a collective, ends the process with that
 message), and a follower whose leader is gone stops with the same error.
@@ -345,7 +345,7 @@ class Leader:
     def __init__(self, group: HostGroup, *, dead_after_s: float = DEAD_AFTER_S):
         self.group = group
         self.channel = StepChannel(group)
-        self.heartbeat = Heartbeat(group, _exit_on_store_loss(group), dead_after_s=dead_after_s)
+        # No heartbeat of its own: the coordinator lives in this process, so followers see it go.
         self.watchdog = Watchdog(group, dead_after_s=dead_after_s)
         self.closed = False
         self._unacked: list[int] = []  # set-up messages the followers have not confirmed yet
@@ -400,7 +400,6 @@ class Leader:
                 self.channel.send(Shutdown(reason))
         finally:
             self.watchdog.stop()
-            self.heartbeat.stop()
 
 
 def _exit_on_store_loss(group: HostGroup) -> Callable[[BaseException], None]:
