@@ -32,6 +32,7 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import queue
 import sys
 import threading
 import time
@@ -193,12 +194,21 @@ class StepChannel:
 
     def send(self, op: Op) -> int:
         """Publish ``op`` as the next message; returns its sequence number."""
+        seq, raw = self.encode(op)
+        self.publish(seq, raw)
+        return seq
+
+    def encode(self, op: Op) -> tuple[int, bytes]:
+        """Number ``op`` as the next message and serialize it (``publish`` sends it; messages
+        must be published in the order they were encoded)."""
         self._seq += 1
-        self.client.key_value_set_bytes(_PREFIX + f"msg/{self._seq}", pickle.dumps(Message(self._seq, op)))
-        old = self._seq - _KEEP_MESSAGES
+        return self._seq, pickle.dumps(Message(self._seq, op))
+
+    def publish(self, seq: int, raw: bytes) -> None:
+        self.client.key_value_set_bytes(_PREFIX + f"msg/{seq}", raw)
+        old = seq - _KEEP_MESSAGES
         if old > 0:
             self.client.key_value_delete(_PREFIX + f"msg/{old}")
-        return self._seq
 
     def recv(self, timeout_s: float) -> Message | None:
         """The next message, or None when none came within ``timeout_s``."""
@@ -340,24 +350,43 @@ class Leader:
 
     A step waits until every follower finished the set-up calls before it (``InitKVCache``,
     ``Warmup``): a follower still compiling when the first collective starts would leave this
-    host waiting in gloo's context set-up, which gives up after 30 s with no name of the host."""
+    host waiting in gloo's context set-up, which gives up after 30 s with no name of the host.
 
-    def __init__(self, group: HostGroup, *, dead_after_s: float = DEAD_AFTER_S):
+    Messages are serialized on the caller's thread (the batch as it is now) and written to the
+    store by a sender thread, in order: a store write is a round trip to the coordinator
+    (~0.6 ms on localhost, benchmarks/multihost_channel.py) that the engine's step need not wait
+    for; the followers wait for it instead, as they wait for the step's collectives anyway."""
+
+    def __init__(self, group: HostGroup, *, dead_after_s: float = DEAD_AFTER_S, client: Any = None):
         self.group = group
-        self.channel = StepChannel(group)
+        self.channel = StepChannel(group, client=client)
         # No heartbeat of its own: the coordinator lives in this process, so followers see it go.
-        self.watchdog = Watchdog(group, dead_after_s=dead_after_s)
+        self.watchdog = Watchdog(group, dead_after_s=dead_after_s, client=self.channel.client)
         self.closed = False
         self._unacked: list[int] = []  # set-up messages the followers have not confirmed yet
+        self._outbox: queue.Queue[tuple[int, bytes] | None] = queue.Queue()
+        self._send_error: BaseException | None = None
+        self._sender = threading.Thread(target=self._send_loop, name="multihost-sender", daemon=True)
+        self._sender.start()
 
     def send(self, op: Op) -> int:
         self.check()
         if isinstance(op, RunStep):
             self.await_setup()
-        seq = self.channel.send(op)
+        seq, raw = self.channel.encode(op)
+        self._outbox.put((seq, raw))
         if isinstance(op, InitKVCache | Warmup):
             self._unacked.append(seq)
         return seq
+
+    def _send_loop(self) -> None:
+        while (item := self._outbox.get()) is not None:
+            try:
+                self.channel.publish(*item)
+            except Exception as e:  # the coordinator is in this process: this is not a lost host
+                self._send_error = e
+                log.error("multi-host engine: publishing message %d failed: %s", item[0], e)
+                return
 
     def await_setup(self) -> None:
         """Block until every follower confirmed the set-up messages sent so far (HostLost if one
@@ -378,6 +407,8 @@ class Leader:
 
     def check(self) -> None:
         self.watchdog.check()
+        if self._send_error is not None:
+            raise RuntimeError(f"multi-host engine: the step broadcast failed: {self._send_error}")
 
     def wait_for_loss(self) -> HostLost | None:
         """After a failed device wait (a peer's collective broke): the lost host once the
@@ -396,9 +427,11 @@ class Leader:
             return
         self.closed = True
         try:
-            if self.watchdog.lost is None:
-                self.channel.send(Shutdown(reason))
+            if self.watchdog.lost is None and self._send_error is None:
+                self._outbox.put(self.channel.encode(Shutdown(reason)))
         finally:
+            self._outbox.put(None)
+            self._sender.join(30.0)
             self.watchdog.stop()
 
 

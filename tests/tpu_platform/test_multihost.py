@@ -85,6 +85,31 @@ def test_channel_delivers_in_order_and_refuses_a_gap():
         follower.recv(1.0)
 
 
+def test_leader_sends_in_order_off_the_caller_thread_and_waits_for_setup():
+    store = FakeStore()
+    leader = multihost.Leader(multihost.HostGroup(2, 0), client=store)
+    follower = multihost.StepChannel(multihost.HostGroup(2, 1), client=store)
+    assert leader.send(multihost.InitKVCache(3)) == 1
+    got: list[int] = []
+
+    def follow():  # confirms the set-up a moment later, as a follower does once its cache exists
+        msg = follower.recv(5.0)
+        assert msg is not None
+        time.sleep(0.2)
+        store.key_value_set("tpuserve/mh/ack/1/1", "1")
+        got.append(msg.seq)
+
+    t = threading.Thread(target=follow)
+    t.start()
+    t0 = time.monotonic()
+    assert leader.send(multihost.RunStep("batch", -1)) == 2  # waits for the ack of message 1
+    assert time.monotonic() - t0 >= 0.15 and got == [1]
+    t.join()
+    leader.shutdown("done")
+    assert follower.recv(1.0).op == multihost.RunStep("batch", -1)
+    assert follower.recv(1.0).op == multihost.Shutdown("done")
+
+
 def test_channel_drops_old_messages():
     store = FakeStore()
     leader = multihost.StepChannel(multihost.HostGroup(2, 0), client=store)
