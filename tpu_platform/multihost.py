@@ -8,6 +8,10 @@ call, in the order the leader made them. Programs with collectives (the sharded 
 start in the same order on every host or they deadlock, so the protocol is per call, not per
 array:
 
+    PlanMemory()               Worker.num_pages       (on an accelerator the memory plan builds
+                                                      the runner: weights placed, an FP8 cache's
+                                                      calibration forward run; the leader's count
+                                                      is the one used)
     InitKVCache(num_pages)     Worker.init_kv_cache   (the leader sizes the cache; hosts agree)
     Warmup()                   Worker.warmup          (compiles only; no collective runs)
     RunStep(batch, feeds_from) ModelRunner.forward + sample of one StepBatch
@@ -90,6 +94,11 @@ class HostGroup:
 
 
 @dataclass(frozen=True)
+class PlanMemory:
+    pass
+
+
+@dataclass(frozen=True)
 class InitKVCache:
     num_pages: int
 
@@ -110,7 +119,7 @@ class Shutdown:
     reason: str
 
 
-Op = InitKVCache | Warmup | RunStep | Shutdown
+Op = PlanMemory | InitKVCache | Warmup | RunStep | Shutdown
 
 
 @dataclass(frozen=True)
@@ -375,7 +384,7 @@ class Leader:
             self.await_setup()
         seq, raw = self.channel.encode(op)
         self._outbox.put((seq, raw))
-        if isinstance(op, InitKVCache | Warmup):
+        if isinstance(op, PlanMemory | InitKVCache | Warmup):
             self._unacked.append(seq)
         return seq
 
@@ -471,7 +480,10 @@ class Follower:
             self.apply(msg.seq, op)
 
     def apply(self, seq: int, op: Op) -> None:
-        if isinstance(op, InitKVCache):
+        if isinstance(op, PlanMemory):
+            self.worker.num_pages()  # for its device work; InitKVCache brings the leader's count
+            self._ack(seq)
+        elif isinstance(op, InitKVCache):
             self.runner = self.worker.init_kv_cache(op.num_pages)
             self._ack(seq)
         elif isinstance(op, Warmup):

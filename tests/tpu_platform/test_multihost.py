@@ -166,6 +166,10 @@ class _FakeWorker:
         self.runner = _FakeRunner()
         self.calls = []
 
+    def num_pages(self):
+        self.calls.append(("plan",))
+        return 5
+
     def init_kv_cache(self, n):
         self.calls.append(("init", n))
         return self.runner
@@ -181,12 +185,13 @@ def test_follower_replays_calls_and_checks_the_feed_order(monkeypatch):
     f = multihost.Follower(worker, multihost.HostGroup(2, 1))
     with pytest.raises(multihost.ProtocolError, match="before InitKVCache"):
         f.apply(1, multihost.RunStep("b0", -1))
+    f.apply(0, multihost.PlanMemory())
     f.apply(1, multihost.InitKVCache(9))
     f.apply(2, multihost.Warmup())
     f.apply(3, multihost.RunStep("b1", -1))
     f.apply(4, multihost.RunStep("b2", 3))  # feeds from the step before: the same prev as host 0
-    assert worker.calls == [("init", 9), ("warmup",)]
-    assert "tpuserve/mh/ack/1/1" in store.data and "tpuserve/mh/ack/1/2" in store.data  # set-up confirmed
+    assert worker.calls == [("plan",), ("init", 9), ("warmup",)]  # the leader's page count, not 5
+    assert all(f"tpuserve/mh/ack/1/{i}" in store.data for i in (0, 1, 2))  # set-up confirmed
     calls = worker.runner.calls
     assert calls[0][1:] == ("b1", None) and calls[1][1] == "b2" and calls[1][2].batch == "b1"
     with pytest.raises(multihost.ProtocolError, match="feeds from step 3, but the last step here was 4"):
