@@ -344,3 +344,33 @@ def test_http_to_host_zero_of_a_two_host_server(tmp_path):
         server.stop()
         if follower.poll() is None:
             follower.kill()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_killed_leader_stops_the_follower(tmp_path):
+    path = _checkpoint(tmp_path)
+    port = str(free_port())
+    follower = popen_with_devices(CHILD, "follower", port, path, devices=2)
+    leader = popen_with_devices(CHILD, "leader", port, path, "100", devices=2)
+    lines: list[str] = []
+    try:
+        assert leader.stdout is not None
+        for line in leader.stdout:
+            lines.append(line)
+            if line.startswith("STEP 3"):
+                break
+        else:
+            raise AssertionError("".join(lines)[-6000:])
+        leader.kill()
+        killed = time.monotonic()
+        out = _finish(follower, 180)
+        took = time.monotonic() - killed
+    finally:
+        for p in (leader, follower):
+            if p.poll() is None:
+                p.kill()
+    said = [x for x in out.splitlines() if "host 0 is gone" in x or "Terminating process" in x]
+    print(f"follower stopped {took:.1f} s after host 0 was killed:", said[:2])
+    assert took < 60 and follower.returncode != 0, (took, out[-6000:])
+    assert "host 0 is gone" in out, out[-6000:]
