@@ -3,7 +3,7 @@
     python multihost_child.py leader PORT CHECKPOINT [MAX_TOKENS]   host 0: LLMEngine TP=4 over
                                                         2 hosts; prints "TOKENS <json>" per prompt
     python multihost_child.py follower PORT CHECKPOINT  host 1: the follower loop
-    python multihost_child.py single TP CHECKPOINT      one process, TP over its own devices
+    python multihost_child.py single TP CHECKPOINT [MAX_TOKENS]   one process, TP over its own devices
 
 The leader prints "STEP n" as it goes (the host-loss test kills the follower after a few), and
 "HOSTLOST <rank>" when the engine raises HostLost.
@@ -42,12 +42,14 @@ def generate(engine, max_tokens: int) -> list[list[int]]:
         engine.add_request(str(i), p, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
     done: dict[str, list[int]] = {}
     steps = 0
+    t0 = time.perf_counter()
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.finished:
                 done[out.request_id] = list(out.outputs[0].token_ids)
         steps += 1
         print(f"STEP {steps}", flush=True)
+    print(f"TIME {steps} steps in {time.perf_counter() - t0:.2f} s", flush=True)
     return [done[str(i)] for i in range(len(PROMPTS))]
 
 
@@ -62,7 +64,9 @@ def main() -> None:
 
     if mode == "single":
         engine = LLMEngine(config(sys.argv[3], int(sys.argv[2])))
-        print("TOKENS", json.dumps(generate(engine, 12)), flush=True)
+        engine.warmup(progress=False)
+        max_tokens = int(sys.argv[4]) if len(sys.argv) > 4 else 12
+        print("TOKENS", json.dumps(generate(engine, max_tokens)), flush=True)
         return
     from tpuserve.tpu_platform.multihost import HostLost
 
