@@ -491,11 +491,18 @@ def run_server(args: argparse.Namespace) -> int:
     import uvicorn
 
     from tpuserve.server.engine import LLMEngine
+    from tpuserve.tpu_platform import multihost
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     config = engine_config_from_args(args)
+    # Several hosts: only host 0 serves; the others replay its device calls until it stops.
+    group = multihost.initialize(config.parallel)
+    if group is not None and not group.is_leader:
+        log.info("host %d of %d: following host 0", group.rank, group.num_hosts)
+        log.info("host %d: done (%s)", group.rank, multihost.run_follower(config))
+        return 0
     engines = []
     for replica in range(config.parallel.data_parallel_size):
         engine = LLMEngine(config, grammar_factory=make_grammar_matcher, replica=replica)

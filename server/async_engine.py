@@ -164,6 +164,9 @@ class AsyncEngine:
             self._commands.put(("stop",))
             await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 30.0)
             self._thread = None
+        release = getattr(self.engine, "shutdown", None)
+        if release is not None:
+            release()  # a multi-host engine's other hosts return from their follower loops
 
     # ---- requests (event loop side) ----
 

@@ -30,9 +30,10 @@ from tpuserve.server.sampling_params import SamplingParams
 from tpuserve.server.scheduler import ScheduledWork, ScheduleInputs, Scheduler, SchedulerOutput
 from tpuserve.server.sequence import GrammarMatcher, RequestState, Sequence
 from tpuserve.spec_decode.coordinator import Drafter, DraftSupport, SpecDecodeCoordinator, draft_masks
-from tpuserve.tpu_platform.config import EngineConfig
+from tpuserve.tpu_platform import multihost
+from tpuserve.tpu_platform.config import ConfigError, EngineConfig
 from tpuserve.tpu_platform.model_runner import PendingStep
-from tpuserve.tpu_platform.step_batch import Logprobs, ScheduledSeq, sampling_row
+from tpuserve.tpu_platform.step_batch import Logprobs, ScheduledSeq, StepOutput, sampling_row
 from tpuserve.tpu_platform.warmup import Warmup
 from tpuserve.tpu_platform.worker import Worker
 
@@ -80,6 +81,7 @@ class _InFlight:
     prompt_rows: list[int]  # first prompt-logprob row of each item in the step's output
     step: PendingStep
     features: jax.Array | None = None  # the step's draft-head features [T, A] (EAGLE-3 / MTP)
+    seq: int = -1  # the step's message number to the other hosts (multi-host engine; else -1)
 
     def feed_slots(self) -> dict[Sequence, int]:
         """Where each sequence whose sample this step keeps finds it in the step's output (a later
@@ -99,6 +101,13 @@ class LLMEngine:
         ``replica``: which data-parallel replica (device subset) this engine runs on."""
         from tpuserve.tpu_platform.device import discover
 
+        # Several hosts: join them before anything touches a device (jax.distributed).
+        group = multihost.initialize(config.parallel)
+        if group is not None and not group.is_leader:
+            raise ConfigError(
+                f"host_rank={group.rank}: only host 0 runs the engine; the other hosts run "
+                f"tpuserve.tpu_platform.multihost.run_follower(config) (`tpuserve serve` does)"
+            )
         backend = discover().backend
         # The platform's scheduler sizes, and its concrete attention and layer-loop modes.
         config = config.for_backend(backend).with_modes_resolved(backend)
@@ -108,7 +117,11 @@ class LLMEngine:
         self.device, self.dtype = self.worker.device, self.worker.dtype
         self.arch, self.tokenizer = self.worker.loaded_arch(), self.worker.tokenizer
         self.model_source, self.max_model_len = self.worker.model_source, self.worker.loaded_model_len()
+        # The other hosts replay each device call of this engine (multihost.py), in its order.
+        self.hosts: multihost.Leader | None = None if group is None else multihost.Leader(group)
+        self._tell_hosts(multihost.PlanMemory())
         num_pages = self.worker.num_pages()
+        self._tell_hosts(multihost.InitKVCache(num_pages))
         self.runner = self.worker.init_kv_cache(num_pages)
         cache = config.cache
         self.host_tier = self._build_host_tier(cache.kv_offloading_size)
@@ -171,8 +184,20 @@ class LLMEngine:
         log.info("host KV tier: %d pages (%.2f GiB)", tier.num_slots, gib)
         return tier
 
+    def _tell_hosts(self, op: multihost.Op) -> int:
+        """Send a device call to the other hosts before making it here; its message number
+        (-1 on one host). Raises HostLost once a host stopped."""
+        return -1 if self.hosts is None else self.hosts.send(op)
+
+    def shutdown(self) -> None:
+        """Release the other hosts (their follower loops return); a no-op on one host."""
+        self.stop_warmup()
+        if self.hosts is not None:
+            self.hosts.shutdown()
+
     def warmup(self, *, progress: bool = True) -> int:
         """Compile every program a step can need (on a thread pool); returns how many."""
+        self._tell_hosts(multihost.Warmup())
         return self._warm_host_tier() + self.worker.warmup(progress=progress)
 
     def start_warmup(self, *, progress: bool = True) -> Warmup:
@@ -180,6 +205,9 @@ class LLMEngine:
         pool while the engine steps (steps keep to what is compiled: ``ModelRunner.step_shape``).
         ``warmup_remaining`` counts down to 0. Call before the engine's first step."""
         self._warm_host_tier()
+        # Followers compile in their foreground: warm-up runs no collective, so their order
+        # against this host's background compiles does not matter.
+        self._tell_hosts(multihost.Warmup())
         self._warmup = self.worker.start_warmup(progress=progress)
         return self._warmup
 
@@ -440,6 +468,7 @@ class LLMEngine:
             prompt_rows.append(row)
             row += len(item.prompt_logprob_targets or ())
         batch = self.runner.build_batch(items)
+        seq = self._tell_hosts(multihost.RunStep(batch, prev.seq if prev is not None else -1))
         fwd = self.runner.forward(batch, prev.step if prev is not None else None)
         step = self.runner.sample(fwd)
         starts, completes = [], []
@@ -451,10 +480,10 @@ class LLMEngine:
                 w.seq.num_pending += 1
             # Drafts' K/V counts once verified: the accepted ones are added after the step.
             w.seq.num_computed += w.num_tokens - w.num_drafts
-        return _InFlight(work, starts, completes, prompt_rows, step, fwd.features)
+        return _InFlight(work, starts, completes, prompt_rows, step, fwd.features, seq)
 
     def _process(self, inflight: _InFlight) -> list[RequestOutput]:
-        result = self.runner.fetch(inflight.step)
+        result = self._fetch(inflight.step)
         self.stats.steps += 1
         touched: dict[str, RequestState] = {}
         # Logits rows: one per item, plus one per draft it verified (logprobs are per row).
@@ -498,6 +527,20 @@ class LLMEngine:
             if state.finished:
                 self.requests.pop(state.request_id, None)
         return outputs
+
+    def _fetch(self, step: PendingStep) -> StepOutput:
+        """The step's results on the host. On several hosts a failed wait is told as the host
+        that died, when the watchdog names one within its timeout."""
+        if self.hosts is None:
+            return self.runner.fetch(step)
+        self.hosts.check()
+        try:
+            return self.runner.fetch(step)
+        except Exception as e:
+            lost = self.hosts.wait_for_loss()
+            if lost is not None:
+                raise lost from e
+            raise
 
     def _scheduled_seq(self, w: ScheduledWork, drafts: list[int]) -> ScheduledSeq:
         seq, p = w.seq, w.seq.params

@@ -29,10 +29,21 @@ class LLM:
                 f"LLM runs one engine; replicas are served by `tpuserve serve "
                 f"--data-parallel-size N` (tensor_parallel_size works here)"
             )
+        par = self.config.parallel
+        if par.multi_host and par.host_rank != 0:
+            raise ConfigError(
+                f"host_rank={par.host_rank}: LLM runs on host 0; the other hosts run "
+                f"tpuserve.tpu_platform.multihost.run_follower(config) with the same engine arguments"
+            )
         grammar_factory = _default_grammar_factory()
         self.engine = LLMEngine(self.config, grammar_factory=grammar_factory)
         if warmup:
             self.engine.warmup()
+
+    def shutdown(self) -> None:
+        """Release a multi-host engine's other hosts (their follower loops return); one host:
+        stops a background warm-up, nothing else."""
+        self.engine.shutdown()
 
     def get_tokenizer(self):
         return self.engine.tokenizer

@@ -230,15 +230,68 @@ class SchedulerConfig:
 
 @dataclass
 class ParallelConfig:
+    """Tensor / data parallel sizes, and the hosts one engine spans (``tpu_platform/multihost.py``).
+
+    ``--distributed-coordinator HOST:PORT --num-hosts H --host-rank R``: this process is host R of
+    an engine over H processes joined by ``jax.distributed`` (the coordinator is host 0's address);
+    tensor parallelism then spans every host's devices. All three unset on a TPU pod slice whose
+    environment names several workers (``TPU_WORKER_HOSTNAMES``): ``jax.distributed.initialize()``
+    finds them itself."""
+
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
+    distributed_coordinator: str | None = None
+    num_hosts: int = 1
+    host_rank: int = 0
 
     def validate(self) -> None:
-        for name in ("tensor_parallel_size", "data_parallel_size"):
+        for name in ("tensor_parallel_size", "data_parallel_size", "num_hosts"):
             v = getattr(self, name)
             _need(
                 isinstance(v, int) and not isinstance(v, bool) and v >= 1, name, v, "must be an integer >= 1"
             )
+        r = self.host_rank
+        _need(
+            isinstance(r, int) and not isinstance(r, bool) and 0 <= r < self.num_hosts,
+            "host_rank",
+            r,
+            f"must be an integer in [0, num_hosts={self.num_hosts})",
+        )
+        addr = self.distributed_coordinator
+        if addr is not None:
+            host, _, port = addr.rpartition(":")
+            _need(bool(host) and port.isdigit(), "distributed_coordinator", addr, "must be HOST:PORT")
+            _need(
+                self.num_hosts > 1, "num_hosts", self.num_hosts, "must be > 1 with --distributed-coordinator"
+            )
+        elif self.num_hosts > 1:
+            _need(
+                False,
+                "distributed_coordinator",
+                addr,
+                f"num_hosts={self.num_hosts} needs --distributed-coordinator HOST:PORT (host 0's "
+                f"address; on a TPU pod slice leave all three flags unset)",
+            )
+        if self.num_hosts > 1:
+            tp = self.tensor_parallel_size
+            _need(
+                tp % self.num_hosts == 0,
+                "tensor_parallel_size",
+                tp,
+                f"must be a multiple of num_hosts={self.num_hosts}: tensor parallelism spans every host",
+            )
+            _need(
+                self.data_parallel_size == 1,
+                "data_parallel_size",
+                self.data_parallel_size,
+                "must be 1 on several hosts (one engine spans them all)",
+            )
+
+    @property
+    def multi_host(self) -> bool:
+        """Whether the flags ask for an engine over several processes (a TPU pod's own
+        environment is read later, by ``multihost.initialize``)."""
+        return self.num_hosts > 1
 
 
 @dataclass

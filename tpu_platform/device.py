@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -55,3 +56,16 @@ def enable_compilation_cache(path: str | None = None) -> str:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     return path
+
+
+def place(x, sharding):
+    """``jax.device_put(x, sharding)`` of a host value. On a mesh over several processes each
+    builds its own shards from its copy of ``x`` (every host holds the same value: the same
+    weights, the same step inputs from the leader), instead of device_put's cross-host equality
+    check, which all-gathers the whole value on every call: the weights' full bytes at load, a
+    collective per step input, and collectives whose order would differ between hosts when a
+    warm-up thread pool puts arrays."""
+    if sharding is None or sharding.is_fully_addressable:
+        return jax.device_put(x, sharding)
+    host = np.asarray(x)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])

@@ -77,3 +77,21 @@ def build_mesh(tensor_parallel_size: int, data_parallel_size: int = 1, replica: 
 def model_axis_size(mesh) -> int:
     """TP degree of ``mesh`` (1 for None: no mesh, a single device)."""
     return 1 if mesh is None else int(mesh.shape[MODEL_AXIS])
+
+
+def mesh_devices(tensor_parallel_size: int, num_hosts: int) -> list:
+    """The devices of a TP group spanning every host: the first TP/H local devices of each
+    process, host by host (neighbours on one host stay neighbours on the "model" axis)."""
+    import jax
+
+    per_host = tensor_parallel_size // num_hosts
+    out = []
+    for p in range(num_hosts):
+        local = sorted((d for d in jax.devices() if d.process_index == p), key=lambda d: d.id)
+        if len(local) < per_host:
+            raise ConfigError(
+                f"tensor_parallel_size={tensor_parallel_size} over {num_hosts} hosts needs "
+                f"{per_host} devices on each; host {p} has {len(local)}"
+            )
+        out.extend(local[:per_host])
+    return out

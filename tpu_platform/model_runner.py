@@ -47,7 +47,7 @@ from tpuserve.attention.names import AttentionImpl
 from tpuserve.kv_cache.layout import RESERVED_PAGE, KVCacheSpec, kv_cache_format
 from tpuserve.tpu_platform import kv_scales as ks
 from tpuserve.tpu_platform.config import EngineConfig, LayerLoop
-from tpuserve.tpu_platform.device import DeviceInfo
+from tpuserve.tpu_platform.device import DeviceInfo, place
 from tpuserve.tpu_platform.linear import quant_linear_impls
 from tpuserve.tpu_platform.mesh import MODEL_AXIS, model_axis_size
 from tpuserve.tpu_platform.models.arch import ModelArch
@@ -225,7 +225,7 @@ class ModelRunner:
         self._kv_sharding = None if mesh is None else NamedSharding(mesh, kv_cache_partition_spec(MODEL_AXIS))
         if mesh is not None:
             specs = param_partition_specs(params, MODEL_AXIS)
-            params = jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), params, specs)
+            params = jax.tree.map(lambda a, s: place(a, NamedSharding(mesh, s)), params, specs)
         self.params = params
         self.dtype = dtype
         self.page_size = config.cache.block_size
@@ -506,7 +506,7 @@ class ModelRunner:
 
     def _put(self, x) -> jax.Array:
         """A host array as a step input: on the default device, or replicated over the mesh."""
-        return jnp.asarray(x) if self._replicated is None else jax.device_put(x, self._replicated)
+        return jnp.asarray(x) if self._replicated is None else place(x, self._replicated)
 
     # ---- building a padded batch ----
 
@@ -897,7 +897,7 @@ class ModelRunner:
         count, and the verification programs when drafted."""
         batch = self._empty_batch(t_slots, self.page_buckets[0], k_slots)
         r_slots = self._logits_slots(t_slots, k_slots)
-        logits = jax.device_put(np.zeros((r_slots, self.arch.vocab_size), np.float32), self._replicated)
+        logits = place(np.zeros((r_slots, self.arch.vocab_size), np.float32), self._replicated)
         jax.block_until_ready(self.sample(ForwardState(batch, logits, None)).last_tokens)
         self.sampler.warmup([r_slots], self.arch.vocab_size, self.max_logprobs)
         if k_slots:
@@ -910,7 +910,7 @@ class ModelRunner:
         hidden = jax.ShapeDtypeStruct((t_slots, self.arch.hidden_size), self.dtype, sharding=self._replicated)
         self._prompt_logits.lower(self.params, hidden).compile()
         rows = logprob_rows_bucket(t_slots)
-        logits = jax.device_put(np.zeros((rows, self.arch.vocab_size), np.float32), self._replicated)
+        logits = place(np.zeros((rows, self.arch.vocab_size), np.float32), self._replicated)
         self.sampler.compute_logprobs(logits, np.zeros(rows, np.int32), 0, self.max_logprobs)
 
     def _empty_batch(self, t_slots: int, pages_per_seq: int, k_slots: int = 0) -> StepBatch:

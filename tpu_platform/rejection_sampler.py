@@ -40,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tpuserve.tpu_platform import sampler
+from tpuserve.tpu_platform.device import place
 from tpuserve.tpu_platform.sampler import Sampler
 from tpuserve.tpu_platform.step_batch import SamplingBatch
 
@@ -280,11 +281,11 @@ class RejectionSampler:
         sharding = self.sampler.sharding
         before = self.compile_count()
         for num_rows, num_seqs, k in sorted(set(shapes)):
-            x = jax.device_put(np.zeros((num_rows, vocab_size), np.float32), sharding)
+            x = place(np.zeros((num_rows, vocab_size), np.float32), sharding)
             drafts = np.full((num_seqs, k), -1, np.int32)
             cu = np.zeros(num_seqs + 1, np.int32)
             rows = SamplingBatch.greedy(num_rows)
-            self._accept_greedy_jit(jax.device_put(np.zeros(num_rows, np.int32), sharding), drafts, cu)
+            self._accept_greedy_jit(place(np.zeros(num_rows, np.int32), sharding), drafts, cu)
             rows.temperature[0] = 1.0
             _, random_args, _ = self.sampler.prepare_verification(x, rows)
             for probs in (None, np.zeros((num_seqs, k, vocab_size), np.float32)) if draft_probs else (None,):

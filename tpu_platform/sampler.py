@@ -54,6 +54,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tpuserve.tpu_platform.device import place
 from tpuserve.tpu_platform.step_batch import Logprobs, SamplerOutput, SamplingBatch
 
 # Rows whose temperature is below this are greedy (float32 so host and device agree on the boundary).
@@ -491,9 +492,7 @@ class Sampler:
         key = (name, num_rows, vocab)
         arr = self._neutral_arrays.get(key)
         if arr is None:
-            arr = self._neutral_arrays[key] = jax.device_put(
-                _neutral_host(name, num_rows, vocab), self.sharding
-            )
+            arr = self._neutral_arrays[key] = place(_neutral_host(name, num_rows, vocab), self.sharding)
         return arr
 
     def _prepare(
@@ -507,8 +506,7 @@ class Sampler:
         )
         if self.sharding is not None:
             extras_args = {
-                k: jax.device_put(v, self.sharding) if isinstance(v, np.ndarray) else v
-                for k, v in extras_args.items()
+                k: place(v, self.sharding) if isinstance(v, np.ndarray) else v for k, v in extras_args.items()
             }
         return variant, random_args, extras_args, columns
 
@@ -677,7 +675,7 @@ class Sampler:
         """
         before = self.compile_count()
         for num_rows in sorted(set(int(n) for n in row_counts)):
-            logits = jax.device_put(np.zeros((num_rows, vocab_size), dtype), self.sharding)
+            logits = place(np.zeros((num_rows, vocab_size), dtype), self.sharding)
             for name in ("output_counts", "prompt_mask", "token_bitmask"):
                 self._neutral(name, num_rows, vocab_size)
             for random in (False, True):
@@ -695,7 +693,7 @@ class Sampler:
         if prompt_logprob_rows > 0:
             rows = MIN_LOGPROB_ROWS
             while rows <= logprob_rows_bucket(prompt_logprob_rows):
-                logits = jax.device_put(np.zeros((rows, vocab_size), dtype), self.sharding)
+                logits = place(np.zeros((rows, vocab_size), dtype), self.sharding)
                 self.compute_logprobs(logits, np.zeros(rows, np.int32), 0, max_logprobs)
                 rows *= 2
         return self.compile_count() - before

@@ -40,7 +40,7 @@ from tpuserve.tpu_platform.device import discover, enable_compilation_cache, res
 from tpuserve.tpu_platform.draft_runner import DraftRunner
 from tpuserve.tpu_platform.loader import load_model
 from tpuserve.tpu_platform.loader.draft_head import load_draft
-from tpuserve.tpu_platform.mesh import plan_devices, replica_mesh
+from tpuserve.tpu_platform.mesh import mesh_devices, plan_devices, replica_mesh
 from tpuserve.tpu_platform.model_runner import ModelRunner
 from tpuserve.tpu_platform.models import calibrate
 from tpuserve.tpu_platform.models.arch import ModelArch, ModelConfigError
@@ -177,7 +177,11 @@ class Worker:
         # No mesh on a single device: the one-device engine stays exactly what it was.
         self.mesh = None
         if par.tensor_parallel_size * par.data_parallel_size > 1:
-            self.mesh = replica_mesh(plan_devices(par.tensor_parallel_size, par.data_parallel_size), replica)
+            # Several processes (multihost.py): the TP group takes devices of every host.
+            hosts = jax.process_count()
+            devices = None if hosts == 1 else mesh_devices(par.tensor_parallel_size, hosts)
+            plan = plan_devices(par.tensor_parallel_size, par.data_parallel_size, devices)
+            self.mesh = replica_mesh(plan, replica)
         self.compilation_cache_dir = enable_compilation_cache(config.compilation.compilation_cache_dir)
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, self.dtype)

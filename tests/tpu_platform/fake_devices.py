@@ -27,3 +27,18 @@ def run_with_devices(script: str, *args: str, devices: int, timeout: float) -> s
     name = os.path.basename(script)
     assert res.returncode == 0, f"{name} {' '.join(args)} failed:\n{res.stdout}\n{res.stderr[-6000:]}"
     return res.stdout
+
+
+def popen_with_devices(script: str, *args: str, devices: int) -> subprocess.Popen:
+    """Start ``python script *args`` on ``devices`` fake CPU devices without waiting (several
+    processes of one multi-host engine); stdout and stderr merged, as text."""
+    flags = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices}"
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags.strip())
+    return subprocess.Popen(
+        [sys.executable, script, *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=os.path.dirname(os.path.abspath(script)),
+    )

@@ -1,0 +1,376 @@
+"""One engine over two processes (tpu_platform/multihost.py).
+
+The slow checks spawn 2 processes x 2 fake CPU devices joined by jax.distributed on localhost
+(``multihost_child.py``): greedy output with TP=4 over both equals one process's TP=4 and TP=1;
+killing host 1 mid-run makes host 0 raise HostLost naming it within a bounded time. The fast ones
+drive the message channel, the watchdog and the follower with an in-memory key-value store.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import threading
+import time
+import urllib.request
+
+import pytest
+from fake_devices import popen_with_devices, run_with_devices  # tests/tpu_platform/fake_devices.py
+
+from tpuserve.server.launcher import free_port
+from tpuserve.tpu_platform import multihost
+from tpuserve.tpu_platform.config import ConfigError, EngineConfig
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CHILD = os.path.join(HERE, "multihost_child.py")
+
+
+# ---- in-memory stand-in for the coordinator's key-value store ----
+
+
+class FakeStore:
+    """The calls of jax's DistributedRuntimeClient that multihost.py makes."""
+
+    def __init__(self):
+        self.data: dict[str, bytes | str] = {}
+        self.cond = threading.Condition()
+
+    def key_value_set_bytes(self, key, value):
+        with self.cond:
+            self.data[key] = value
+            self.cond.notify_all()
+
+    def blocking_key_value_get_bytes(self, key, timeout_ms):
+        with self.cond:
+            if not self.cond.wait_for(lambda: key in self.data, timeout_ms / 1000):
+                raise RuntimeError("DEADLINE_EXCEEDED: timed out waiting for key")
+            return self.data[key]
+
+    def key_value_set(self, key, value):
+        self.key_value_set_bytes(key, value)
+
+    def blocking_key_value_get(self, key, timeout_ms):
+        return self.blocking_key_value_get_bytes(key, timeout_ms)
+
+    def key_value_delete(self, key):
+        with self.cond:
+            self.data.pop(key, None)
+
+    def key_value_increment(self, key, n):
+        with self.cond:
+            self.data[key] = str(int(self.data.get(key, "0")) + n)
+
+    def key_value_try_get(self, key):
+        with self.cond:
+            if key not in self.data:
+                raise RuntimeError("NOT_FOUND")
+            return self.data[key]
+
+
+def test_channel_delivers_in_order_and_refuses_a_gap():
+    store = FakeStore()
+    leader = multihost.StepChannel(multihost.HostGroup(2, 0), client=store)
+    follower = multihost.StepChannel(multihost.HostGroup(2, 1), client=store)
+    assert follower.recv(0.05) is None  # nothing sent yet: a timeout, not an error
+    assert leader.send(multihost.InitKVCache(7)) == 1
+    assert leader.send(multihost.Warmup()) == 2
+    assert follower.recv(1.0) == multihost.Message(1, multihost.InitKVCache(7))
+    assert follower.recv(1.0) == multihost.Message(2, multihost.Warmup())
+    # A message under the next key that claims another number: the hosts would diverge.
+    import pickle
+
+    store.key_value_set_bytes("tpuserve/mh/msg/3", pickle.dumps(multihost.Message(5, multihost.Warmup())))
+    with pytest.raises(multihost.ProtocolError, match="expected message 3, got 5"):
+        follower.recv(1.0)
+
+
+def test_leader_sends_in_order_off_the_caller_thread_and_waits_for_setup():
+    store = FakeStore()
+    leader = multihost.Leader(multihost.HostGroup(2, 0), client=store)
+    follower = multihost.StepChannel(multihost.HostGroup(2, 1), client=store)
+    assert leader.send(multihost.InitKVCache(3)) == 1
+    got: list[int] = []
+
+    def follow():  # confirms the set-up a moment later, as a follower does once its cache exists
+        msg = follower.recv(5.0)
+        assert msg is not None
+        time.sleep(0.2)
+        store.key_value_set("tpuserve/mh/ack/1/1", "1")
+        got.append(msg.seq)
+
+    t = threading.Thread(target=follow)
+    t.start()
+    t0 = time.monotonic()
+    assert leader.send(multihost.RunStep("batch", -1)) == 2  # waits for the ack of message 1
+    assert time.monotonic() - t0 >= 0.15 and got == [1]
+    t.join()
+    leader.shutdown("done")
+    assert follower.recv(1.0).op == multihost.RunStep("batch", -1)
+    assert follower.recv(1.0).op == multihost.Shutdown("done")
+
+
+def test_channel_drops_old_messages():
+    store = FakeStore()
+    leader = multihost.StepChannel(multihost.HostGroup(2, 0), client=store)
+    for _ in range(multihost._KEEP_MESSAGES + 3):
+        leader.send(multihost.Warmup())
+    assert len([k for k in store.data if k.startswith("tpuserve/mh/msg/")]) == multihost._KEEP_MESSAGES
+
+
+def test_watchdog_names_a_silent_host_and_ends_a_stuck_engine():
+    store = FakeStore()
+    stuck: list[multihost.HostLost] = []
+    dog = multihost.Watchdog(
+        multihost.HostGroup(3, 0), interval_s=0.02, dead_after_s=0.3, on_stuck=stuck.append, client=store
+    )
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 0.6:  # host 1 beats, host 2 never does
+        store.key_value_increment("tpuserve/mh/alive/1", 1)
+        time.sleep(0.02)
+    assert dog.lost is not None and dog.lost.rank == 2
+    with pytest.raises(multihost.HostLost, match="host 2 is gone"):
+        dog.check()
+    time.sleep(0.1)
+    assert not stuck  # the engine noticed: the watchdog leaves the process alone
+    dog.stop()
+
+    dog2 = multihost.Watchdog(
+        multihost.HostGroup(2, 0),
+        interval_s=0.02,
+        dead_after_s=0.1,
+        on_stuck=stuck.append,
+        client=FakeStore(),
+    )
+    deadline = time.monotonic() + multihost._STUCK_GRACE_S + 2
+    while not stuck and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert stuck and stuck[0].rank == 1  # nobody called check(): the process would end
+    dog2.stop()
+
+
+class _FakeRunner:
+    def __init__(self):
+        self.calls = []
+
+    def forward(self, batch, prev):
+        self.calls.append(("forward", batch, prev))
+        return batch
+
+    def sample(self, fwd):
+        return type("Pending", (), {"last_tokens": 0, "batch": fwd})()
+
+
+class _FakeWorker:
+    def __init__(self):
+        self.runner = _FakeRunner()
+        self.calls = []
+
+    def num_pages(self):
+        self.calls.append(("plan",))
+        return 5
+
+    def init_kv_cache(self, n):
+        self.calls.append(("init", n))
+        return self.runner
+
+    def warmup(self, progress):
+        self.calls.append(("warmup",))
+
+
+def test_follower_replays_calls_and_checks_the_feed_order(monkeypatch):
+    store = FakeStore()
+    monkeypatch.setattr(multihost, "_client", lambda: store)
+    worker = _FakeWorker()
+    f = multihost.Follower(worker, multihost.HostGroup(2, 1))
+    with pytest.raises(multihost.ProtocolError, match="before InitKVCache"):
+        f.apply(1, multihost.RunStep("b0", -1))
+    f.apply(0, multihost.PlanMemory())
+    f.apply(1, multihost.InitKVCache(9))
+    f.apply(2, multihost.Warmup())
+    f.apply(3, multihost.RunStep("b1", -1))
+    f.apply(4, multihost.RunStep("b2", 3))  # feeds from the step before: the same prev as host 0
+    assert worker.calls == [("plan",), ("init", 9), ("warmup",)]  # the leader's page count, not 5
+    assert all(f"tpuserve/mh/ack/1/{i}" in store.data for i in (0, 1, 2))  # set-up confirmed
+    calls = worker.runner.calls
+    assert calls[0][1:] == ("b1", None) and calls[1][1] == "b2" and calls[1][2].batch == "b1"
+    with pytest.raises(multihost.ProtocolError, match="feeds from step 3, but the last step here was 4"):
+        f.apply(5, multihost.RunStep("b3", 3))
+
+
+def test_config_names_the_flags():
+    ok = EngineConfig.from_kwargs(
+        tensor_parallel_size=4, distributed_coordinator="10.0.0.1:1234", num_hosts=2, host_rank=1
+    )
+    assert ok.parallel.multi_host
+    for kwargs, match in (
+        (dict(num_hosts=2, tensor_parallel_size=2), "num_hosts=2 needs --distributed-coordinator"),
+        (dict(distributed_coordinator="h:1", num_hosts=2, host_rank=2, tensor_parallel_size=2), "host_rank"),
+        (dict(distributed_coordinator="nohost", num_hosts=2, tensor_parallel_size=2), "HOST:PORT"),
+        (dict(distributed_coordinator="h:1", num_hosts=2, tensor_parallel_size=3), "multiple of num_hosts"),
+        (dict(distributed_coordinator="h:1"), "must be > 1"),
+        (
+            dict(distributed_coordinator="h:1", num_hosts=2, tensor_parallel_size=2, data_parallel_size=2),
+            "data_parallel_size",
+        ),
+    ):
+        with pytest.raises(ConfigError, match=match):
+            EngineConfig.from_kwargs(**kwargs)
+
+
+# ---- two real processes ----
+
+
+def _checkpoint(tmp_path) -> str:
+    from conftest import build_random_checkpoint
+
+    # 8 query / 2 KV heads: split over TP=4 (KV heads replicated twice); Llama-3's vocabulary
+    # splits over 4.
+    return build_random_checkpoint(
+        "llama", str(tmp_path / "llama"), num_attention_heads=8, num_key_value_heads=2
+    )
+
+
+def _tokens(out: str) -> list[list[int]]:
+    line = next(x for x in out.splitlines() if x.startswith("TOKENS "))
+    return json.loads(line[len("TOKENS ") :])
+
+
+def _finish(proc, timeout: float) -> str:
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except Exception:
+        proc.kill()
+        out, _ = proc.communicate()
+        raise AssertionError(f"timed out:\n{out[-6000:]}") from None
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_two_hosts_greedy_output_equals_one_process(tmp_path):
+    path = _checkpoint(tmp_path)
+    port = str(free_port())
+    follower = popen_with_devices(CHILD, "follower", port, path, devices=2)
+    leader = popen_with_devices(CHILD, "leader", port, path, devices=2)
+    try:
+        out = _finish(leader, 600)
+        assert leader.returncode == 0, out[-6000:]
+        fout = _finish(follower, 120)
+        assert follower.returncode == 0 and "FOLLOWER leader shut down" in fout, fout[-6000:]
+    finally:
+        for p in (leader, follower):
+            if p.poll() is None:
+                p.kill()
+    two_hosts = _tokens(out)
+    tp4 = _tokens(run_with_devices(CHILD, "single", "4", path, devices=4, timeout=600))
+    tp1 = _tokens(run_with_devices(CHILD, "single", "1", path, devices=1, timeout=600))
+    assert two_hosts == tp4 == tp1, (two_hosts, tp4, tp1)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_killed_host_stops_the_leader_with_its_name(tmp_path):
+    path = _checkpoint(tmp_path)
+    port = str(free_port())
+    follower = popen_with_devices(CHILD, "follower", port, path, devices=2)
+    # Enough tokens that the run is still going when host 1 dies.
+    leader = popen_with_devices(CHILD, "leader", port, path, "100", devices=2)
+    lines: list[str] = []
+    try:
+        assert leader.stdout is not None
+        for line in leader.stdout:
+            lines.append(line)
+            if line.startswith("STEP 3"):
+                break
+        else:
+            raise AssertionError("".join(lines)[-6000:])
+        follower.kill()
+        killed = time.monotonic()
+        out = _finish(leader, 180)
+        took = time.monotonic() - killed
+    finally:
+        for p in (leader, follower):
+            if p.poll() is None:
+                p.kill()
+    out = "".join(lines) + out
+    print(
+        f"leader stopped {took:.1f} s after host 1 was killed:",
+        [x for x in out.splitlines() if "HOSTLOST" in x],
+    )
+    # Within the watchdog's timeout (15 s) plus its grace and the process's exit.
+    assert took < 60, (took, out[-6000:])
+    assert leader.returncode != 0, out[-6000:]
+    assert "HOSTLOST 1" in out or "host 1 is gone" in out, out[-6000:]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_http_to_host_zero_of_a_two_host_server(tmp_path):
+    """`tpuserve serve` on both hosts: host 0 answers HTTP, host 1 follows and returns once
+    host 0 stops."""
+    from tpuserve.server.launcher import ServerProcess, tpuserve_argv
+
+    path = _checkpoint(tmp_path)
+    coord, port = f"127.0.0.1:{free_port()}", free_port()
+    flags = ["--tensor-parallel-size", "4", "--max-model-len", "128", "--max-num-batched-tokens", "64"]
+    flags += ["--max-num-seqs", "4", "--distributed-coordinator", coord, "--num-hosts", "2"]
+    env = dict(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    follower = subprocess.Popen(
+        tpuserve_argv("serve", path, *flags, "--host-rank", "1", "--port", str(free_port())),
+        env={**os.environ, **env},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    server = ServerProcess(
+        tpuserve_argv("serve", path, *flags, "--host-rank", "0", "--port", str(port)), port, env=env
+    )
+    try:
+        server.start()
+        body = json.dumps(
+            {"model": path, "prompt": "The capital of France is", "max_tokens": 12, "temperature": 0}
+        )
+        req = urllib.request.Request(
+            server.base_url + "/v1/completions", body.encode(), {"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(req, timeout=300) as r:
+            out = json.loads(r.read())
+        assert out["usage"]["completion_tokens"] == 12 and out["choices"][0]["text"], out
+        assert server.stop() == 0, server.log_tail()
+        fout = _finish(follower, 120)
+        assert follower.returncode == 0 and "done (leader shut down)" in fout, fout[-6000:]
+    finally:
+        server.stop()
+        if follower.poll() is None:
+            follower.kill()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_killed_leader_stops_the_follower(tmp_path):
+    path = _checkpoint(tmp_path)
+    port = str(free_port())
+    follower = popen_with_devices(CHILD, "follower", port, path, devices=2)
+    leader = popen_with_devices(CHILD, "leader", port, path, "100", devices=2)
+    lines: list[str] = []
+    try:
+        assert leader.stdout is not None
+        for line in leader.stdout:
+            lines.append(line)
+            if line.startswith("STEP 3"):
+                break
+        else:
+            raise AssertionError("".join(lines)[-6000:])
+        leader.kill()
+        killed = time.monotonic()
+        out = _finish(follower, 180)
+        took = time.monotonic() - killed
+    finally:
+        for p in (leader, follower):
+            if p.poll() is None:
+                p.kill()
+    said = [x for x in out.splitlines() if "host 0 is gone" in x or "Terminating process" in x]
+    print(f"follower stopped {took:.1f} s after host 0 was killed:", said[:2])
+    assert took < 60 and follower.returncode != 0, (took, out[-6000:])
+    assert "host 0 is gone" in out, out[-6000:]
