@@ -496,10 +496,8 @@ class ModelRunner:
         return self._traces + self.sampler.compile_count() + self.rejection_sampler.compile_count()
 
     def _put(self, x) -> jax.Array:
-        """A host array as a step input: on the default device, or replicated over the mesh.
-        ``device_put`` copies without a program; ``jnp.asarray`` of a host array compiles one per
-        shape (jax's ``stage``), i.e. one more for every step shape warm-up covers."""
-        return jax.device_put(x, self._replicated)
+        """A host array as a step input: on the default device, or replicated over the mesh."""
+        return jnp.asarray(x) if self._replicated is None else jax.device_put(x, self._replicated)
 
     # ---- building a padded batch ----
 
