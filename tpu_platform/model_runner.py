@@ -837,7 +837,7 @@ class ModelRunner:
         logits = jax.device_put(np.zeros((r_slots, self.arch.vocab_size), np.float32), self._replicated)
         # A forward always hands ``sample`` its argmax, so a plain step needs no argmax program of
         # its own; draft verification (k_slots > 0) takes the sampler's greedy path, which does.
-        greedy = None if k_slots else self._put(np.zeros(r_slots, np.int32))
+        greedy = None if k_slots else jax.device_put(np.zeros(r_slots, np.int32), self._replicated)
         jax.block_until_ready(self.sample(ForwardState(batch, logits, None, greedy=greedy)).last_tokens)
         self.sampler.warmup([r_slots], self.arch.vocab_size, self.max_logprobs, argmax=bool(k_slots))
         if k_slots:
