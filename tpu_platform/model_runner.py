@@ -898,8 +898,11 @@ class ModelRunner:
         batch = self._empty_batch(t_slots, self.page_buckets[0], k_slots)
         r_slots = self._logits_slots(t_slots, k_slots)
         logits = place(np.zeros((r_slots, self.arch.vocab_size), np.float32), self._replicated)
-        jax.block_until_ready(self.sample(ForwardState(batch, logits, None)).last_tokens)
-        self.sampler.warmup([r_slots], self.arch.vocab_size, self.max_logprobs)
+        # A forward always hands ``sample`` its argmax, so a plain step needs no argmax program of
+        # its own; draft verification (k_slots > 0) takes the sampler's greedy path, which does.
+        greedy = None if k_slots else place(np.zeros(r_slots, np.int32), self._replicated)
+        jax.block_until_ready(self.sample(ForwardState(batch, logits, None, greedy=greedy)).last_tokens)
+        self.sampler.warmup([r_slots], self.arch.vocab_size, self.max_logprobs, argmax=bool(k_slots))
         if k_slots:
             s_slots = min(t_slots, self.max_num_seqs)
             self.rejection_sampler.warmup([(r_slots, s_slots, k_slots)], self.arch.vocab_size)

@@ -663,6 +663,7 @@ class Sampler:
         max_logprobs: int = DEFAULT_MAX_LOGPROBS,
         prompt_logprob_rows: int = 0,
         dtype: Any = jnp.float32,
+        argmax: bool = True,
     ) -> int:
         """Compile every sampler variant for every row count in ``row_counts`` (logits [S, vocab_size] of
         ``dtype``), and compute_logprobs for every row bucket up to ``prompt_logprob_rows`` (0: none).
@@ -671,7 +672,9 @@ class Sampler:
         as long as ``max_logprobs`` matches what ``sample`` / ``compute_logprobs`` are called with.
         The warm-up logits live where the real ones do (the sampler's ``sharding``).
         Costs 5 programs per row count (argmax, extras x 2, random, logprobs) plus one per prompt
-        bucket not among them. Returns the number of programs compiled (0 when everything was warm).
+        bucket not among them. ``argmax=False`` leaves out the argmax-only program, for a caller
+        that always passes ``sample_async`` the argmax it has (the runner's forward computes it):
+        4 programs per row count. Returns the number of programs compiled (0 when everything was warm).
         """
         before = self.compile_count()
         for num_rows in sorted(set(int(n) for n in row_counts)):
@@ -681,6 +684,8 @@ class Sampler:
             for random in (False, True):
                 for extras in (False, True):
                     for logprobs in (False, True):
+                        if not (argmax or random or extras):
+                            continue  # the argmax-only kinds (the logprobs program comes with the others)
                         batch = SamplingBatch.greedy(num_rows)
                         if random:
                             batch.temperature[0] = 1.0
