@@ -83,6 +83,10 @@ for s in $stages; do
           --like .tpu_carry/shapes/qwen3-moe-30b-a3b-4l --out /tmp/m/qwen3-moe-30b-a3b-4l > /dev/null
       stage e2e-qmoe 330 python benchmarks/tpu_e2e.py --models /tmp/m/qwen3-moe-30b-a3b-4l --rounds 1 \
           --out "$out/e2e_qmoe.json" ;;
+    startup)   # where the 1B shape's start-up goes: LLM() cold (empty compilation cache), then warm
+      checkpoint llama-1b-gqa
+      stage startup 300 python benchmarks/startup.py --model /tmp/m/llama-1b-gqa --what llm \
+          --runs cold,warm --cache-dir /tmp/xla-startup --json "$out/startup_1b.json" ;;
     parts)     # where a decode step's device time goes: matmuls alone, empty steps per bucket, HLO
       stage parts 240 python benchmarks/tpu_step_parts.py --model llama-1b --trace --out "$out/parts" ;;
     *) echo "unknown stage $s" | tee -a "$out/session.log" ;;
