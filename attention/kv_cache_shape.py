@@ -29,6 +29,25 @@ PADDED_HEAD_IMPLS = ("pallas_tpu", "pallas_tpu_interpret")
 TPU_LANES = 128
 
 
+# Bytes of SMEM the Pallas TPU kernel's page table may take. The kernel prefetches the whole table
+# (max_num_seqs x pages per sequence int32) into SMEM, 1 MiB on a v5e, beside its other scalars: on
+# the chip a 512 KiB table compiled (8,192 tokens of 16-token pages x 256 sequences) and a 2.5 MiB
+# one (40,960 tokens) failed with RESOURCE_EXHAUSTED.
+PAGE_TABLE_SMEM_BYTES = 512 * 1024
+
+
+def min_page_size(impl: str, max_model_len: int, max_num_seqs: int) -> int:
+    """The smallest power-of-two page size whose page table fits ``impl``'s budget (1: no limit).
+
+    Only the Pallas TPU kernel (and its interpret mode, so CPU tests take the same decision) holds
+    the table in SMEM; longer contexts there need bigger pages, as vLLM's TPU backend does."""
+    if impl not in PADDED_HEAD_IMPLS:
+        return 1
+    max_pages = max(1, PAGE_TABLE_SMEM_BYTES // (4 * max_num_seqs))
+    need = -(-max_model_len // max_pages)
+    return 1 << max(0, (need - 1).bit_length())
+
+
 def resolve_impl(impl: str, backend: str, kv_cache_dtype=None) -> str:
     """Turn ``auto`` into a concrete implementation for a JAX backend ('tpu', 'gpu', 'cpu').
 

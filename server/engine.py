@@ -114,6 +114,8 @@ class LLMEngine:
         self.config = config
         self.worker = Worker(config, replica)
         self.worker.load()
+        # Loading may have raised the page size to what this max_model_len needs (Worker.load).
+        config = self.config = self.worker.config
         self.device, self.dtype = self.worker.device, self.worker.dtype
         self.arch, self.tokenizer = self.worker.loaded_arch(), self.worker.tokenizer
         self.model_source, self.max_model_len = self.worker.model_source, self.worker.loaded_model_len()

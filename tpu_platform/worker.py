@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from tpuserve.attention.kv_cache_shape import resolve_impl
+from tpuserve.attention.kv_cache_shape import min_page_size, resolve_impl
 from tpuserve.kv_cache.layout import KVCacheSpec
 from tpuserve.tpu_platform import kv_scales
 from tpuserve.tpu_platform.config import (
@@ -254,6 +254,7 @@ class Worker:
         if want > limit:
             raise ConfigError(f"max_model_len: {want} exceeds the model's max_position_embeddings={limit}")
         self.max_model_len = want
+        self._fit_page_size()
         log.info(
             "loaded %s (%s, %d layers) in %.1f s",
             loaded.source,
@@ -264,6 +265,34 @@ class Worker:
         spec = self.config.speculative
         if spec is not None and spec.method in (SpecMethod.EAGLE3, SpecMethod.MTP):
             self._load_draft(spec, loaded.source)
+
+    def _fit_page_size(self) -> None:
+        """Raise the page size (block_size) to what the attention kernel's page table needs at
+        this max_model_len (attention/kv_cache_shape.min_page_size: the Pallas TPU kernel holds
+        the table in SMEM); a block_size the user set that is too small is an error."""
+        cache = self.config.cache
+        impl = resolve_impl(self.config.compilation.attention_impl, self.device.backend, self.kv_cache_dtype)
+        max_num_seqs = self.config.scheduler.max_num_seqs
+        need = min_page_size(impl, self.loaded_model_len(), max_num_seqs)
+        if cache.block_size >= need:
+            return
+        if "block_size" in self.config.explicit:
+            raise ConfigError(
+                f"block_size={cache.block_size}: the {impl} attention kernel's page table "
+                f"(max_num_seqs={max_num_seqs} x max_model_len={self.loaded_model_len()} / block_size) "
+                f"would not fit its SMEM; use block_size >= {need} (vLLM's --block-size, SGLang's "
+                f"--page-size), or a smaller max_model_len or max_num_seqs"
+            )
+        log.info(
+            "block_size %d -> %d: max_model_len=%d x max_num_seqs=%d needs bigger pages for the %s "
+            "kernel's page table (SMEM)",
+            cache.block_size,
+            need,
+            self.loaded_model_len(),
+            max_num_seqs,
+            impl,
+        )
+        self.config = replace(self.config, cache=replace(cache, block_size=need))
 
     def _load_draft(self, spec: SpeculativeConfig, target_source: str) -> None:
         if self.mesh is not None:

@@ -281,3 +281,45 @@ def test_worker_sizes_the_cache_from_the_measured_plan(random_checkpoints, monke
     w._plan = None
     assert w.num_pages(need_full_sequence=False) == want
     assert w.init_kv_cache(want) is runner and runner.kv_spec.num_pages == want  # built once
+
+
+def test_page_size_keeps_the_kernels_page_table_within_smem():
+    """The Pallas TPU kernel prefetches the whole page table (max_num_seqs x pages a sequence)
+    into SMEM: on a v5e a 512 KiB table compiled and a 2.5 MiB one (a 40,960-token model, 16-token
+    pages, 256 sequences) failed. Pages grow with the context there; other impls keep theirs."""
+    from tpuserve.attention.kv_cache_shape import PAGE_TABLE_SMEM_BYTES, min_page_size
+
+    assert min_page_size("pallas_tpu", 8192, 256) == 16  # the 1B shape that compiled on the chip
+    assert min_page_size("pallas_tpu", 40960, 256) == 128  # the one that did not, at 16
+    assert min_page_size("pallas_tpu", 131072, 256) == 256
+    assert min_page_size("pallas_tpu_interpret", 131072, 1) == 1
+    for impl in ("blocked", "reference", "pallas_gpu"):
+        assert min_page_size(impl, 131072, 1024) == 1
+    for length in (1000, 8192, 40960, 131072):
+        for seqs in (1, 64, 256, 1024):
+            page = min_page_size("pallas_tpu", length, seqs)
+            assert seqs * -(-length // page) * 4 <= PAGE_TABLE_SMEM_BYTES
+            assert page == 1 or seqs * -(-length // (page // 2)) * 4 > PAGE_TABLE_SMEM_BYTES
+
+
+def test_worker_raises_the_page_size_a_long_context_needs_and_refuses_a_set_one(random_checkpoints):
+    from tpuserve.attention.kv_cache_shape import PAGE_TABLE_SMEM_BYTES
+    from tpuserve.tpu_platform.worker import Worker
+
+    common = dict(
+        model=random_checkpoints["llama"],
+        attention_impl="pallas_tpu_interpret",
+        max_model_len=256,
+        max_num_seqs=16384,  # 16384 x 16 pages of 16 tokens = 1 MiB of page table: too much
+        max_num_batched_tokens=256,
+    )
+    w = Worker(EngineConfig.from_kwargs(**common))
+    w.load()
+    page = w.config.cache.block_size
+    assert page == 32 and 16384 * (256 // page) * 4 <= PAGE_TABLE_SMEM_BYTES
+    with pytest.raises(ConfigError, match=r"block_size=16: .*page table.*block_size >= 32"):
+        Worker(EngineConfig.from_kwargs(block_size=16, **common)).load()
+    # The jnp paths keep no table in SMEM: the page size stays as configured.
+    blocked = Worker(EngineConfig.from_kwargs(**{**common, "attention_impl": "blocked"}))
+    blocked.load()
+    assert blocked.config.cache.block_size == 16

@@ -27,6 +27,7 @@ import torch
 from vllm.platforms.interface import Platform, PlatformEnum
 
 import tpuserve.tpu_platform.vllm_plugin as plugin
+from tpuserve.attention.kv_cache_shape import min_page_size, resolve_attention_impl
 from tpuserve.tpu_platform.config import KV_ROLES, CacheConfig
 from tpuserve.tpu_platform.models.arch import ModelArch, ModelConfigError
 from tpuserve.tpu_platform.vllm_plugin.activation import (
@@ -182,7 +183,9 @@ class TpuservePlatform(Platform):
         problems = _unsupported_config(vllm_config)
         if problems:
             raise ValueError("the tpuserve vLLM platform does not support: " + "; ".join(problems))
-        PluginOptions.from_vllm(vllm_config)  # validates --additional-config early, in the front end
+        options = PluginOptions.from_vllm(
+            vllm_config
+        )  # validates --additional-config early, in the front end
 
         parallel = vllm_config.parallel_config
         if parallel.worker_cls == "auto":
@@ -209,7 +212,18 @@ class TpuservePlatform(Platform):
 
         cache = vllm_config.cache_config
         if not cache.user_specified_block_size:
-            cache.block_size = DEFAULT_BLOCK_SIZE
+            # Long contexts on the Pallas TPU kernel need bigger pages: its page table lives in
+            # SMEM (attention/kv_cache_shape.min_page_size; our worker refuses a smaller size).
+            impl = resolve_attention_impl(
+                options.attention_impl, expected_jax_backend(), str(cache.cache_dtype).startswith("fp8")
+            )
+            model = vllm_config.model_config
+            need = (
+                1
+                if model is None
+                else min_page_size(impl, int(model.max_model_len), vllm_config.scheduler_config.max_num_seqs)
+            )
+            cache.block_size = max(DEFAULT_BLOCK_SIZE, need)
         if cache.block_size < 1 or cache.block_size & (cache.block_size - 1):
             raise ValueError(f"--block-size {cache.block_size}: the tpuserve platform needs a power of two")
         space = os.environ.get("VLLM_CPU_KVCACHE_SPACE")
