@@ -4,6 +4,8 @@
 # Here, before the call (builds the wheel, tpu-inference's wheel and the shape-only model dirs):
 #   rm -rf build && bash ../shared/tpu/build_carry.sh --rpa
 #   python ../shared/tpu/mkshapes.py "$DEFAULT_MODEL_DIR" .tpu_carry/shapes
+#   python benchmarks/moe_shape.py "$DEFAULT_MODEL_DIR" .tpu_carry/shapes/qwen3-moe-30b-a3b-4l   # e2e-qmoe
+#   (DEFAULT_MODEL_DIR: python -c "from tpuserve.tpu_platform.loader.export import default_model_hf_dir as d; print(d())")
 #   git rev-parse HEAD > .tpu_carry/REV     # named in the logs
 # The call (device tool, carry [".whl-tpu", ".tpu_carry"]):
 #   bash benchmarks/tpu_session.sh                       # every stage, within one call's 10 minutes
