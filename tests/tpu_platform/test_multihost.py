@@ -373,4 +373,9 @@ def test_killed_leader_stops_the_follower(tmp_path):
     said = [x for x in out.splitlines() if "host 0 is gone" in x or "Terminating process" in x]
     print(f"follower stopped {took:.1f} s after host 0 was killed:", said[:2])
     assert took < 60 and follower.returncode != 0, (took, out[-6000:])
-    assert "host 0 is gone" in out, out[-6000:]
+    # Two watchers race when host 0 dies: ours (the coordinator's store closes: HostLost naming
+    # host 0) and JAX's coordination agent, which aborts the process itself when its error poll
+    # loses the service that lived in host 0 (seen on a loaded 2-core host). Either names the cause.
+    ours = "host 0 is gone" in out
+    jaxs = "Terminating process" in out and "leader task was preempted/died" in out
+    assert ours or jaxs, out[-6000:]
