@@ -174,7 +174,12 @@ class LLMEngine:
             from tpuserve.server.kv_transfer import KVTransferRole
 
             model_id = config.model.served_model_name or os.path.basename(str(self.model_source))
-            self.kv_role = KVTransferRole(config.kv_transfer, model_id, self.runner.kv_cache)
+            self.kv_role = KVTransferRole(
+                config.kv_transfer,
+                model_id,
+                self.runner.kv_cache,
+                tp_size=config.parallel.tensor_parallel_size,
+            )
 
     def _build_host_tier(self, gib: float | None) -> HostKVTier | None:
         if gib is None:

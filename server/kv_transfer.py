@@ -13,6 +13,7 @@ and the engine scatters the pages into the fresh device pages before the step (`
 from __future__ import annotations
 
 import logging
+import uuid
 from typing import Any
 
 from tpuserve.kv_cache.transfer.device_pages import DevicePageMover
@@ -55,8 +56,12 @@ def listener_options(extra: dict | None) -> dict[str, Any]:
 
 
 class KVTransferRole:
-    def __init__(self, cfg: KVTransferConfig, model_id: str, kv_cache):
+    def __init__(self, cfg: KVTransferConfig, model_id: str, kv_cache, tp_size: int = 1):
         self.cfg = cfg
+        # vLLM's producers name themselves in every response (``remote_engine_id``); routers and
+        # logs written for vLLM key on it, so keep it stable for the process (vLLM: a uuid).
+        self.engine_id = cfg.engine_id or uuid.uuid4().hex
+        self.tp_size = tp_size
         self.layout = KVLayout.from_cache_shape(model_id, tuple(kv_cache.shape), kv_cache.dtype)
         self.mover = DevicePageMover()
         self.sender = None
@@ -86,7 +91,16 @@ class KVTransferRole:
         pages = self.mover.gather(kv_cache, page_ids)
         handle = self.sender.offer(request_id, pages, num_tokens)
         self.sender.drain_finished()  # lease bookkeeping: drop ended leases' events
-        return handle.to_kv_transfer_params()
+        params = handle.to_kv_transfer_params()
+        # vLLM's keys too (its NixlConnector's ``request_finished``), so a proxy or sidecar written
+        # for vLLM finds what it logs and checks; the pages' ids are informative only (the lease
+        # holds a copy), remote_host / remote_port are where the copy is pulled from.
+        params.update(
+            remote_engine_id=self.engine_id,
+            remote_block_ids=[int(i) for i in page_ids],
+            tp_size=self.tp_size,
+        )
+        return params
 
     def pull(self, params: dict[str, Any], timeout_s: float = 60.0) -> PageBatch:
         """Fetch a prefill's pages (blocking: call it off the engine thread). ValueError for bad

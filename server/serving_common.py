@@ -16,6 +16,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from tpuserve.kv_cache.transfer.errors import KVTransferError
+from tpuserve.kv_cache.transfer.transport import check_kv_transfer_params
 from tpuserve.server.api_errors import APIError, bad_request, error_body, param_of
 from tpuserve.server.async_engine import AsyncEngine, EngineUnavailableError, QueueFullError, RequestStream
 from tpuserve.server.detokenizer import decode_token
@@ -227,6 +228,11 @@ class ServingContext:
     ) -> list[RequestStream]:
         """Add each (request_id, prompt text, prompt ids, params) as an engine request; all or none."""
         streams: list[RequestStream] = []
+        if kv_transfer_params:
+            try:
+                check_kv_transfer_params(kv_transfer_params)
+            except ValueError as e:
+                raise bad_request(str(e), "kv_transfer_params") from e
         remote_kv = await self.pull_remote_kv(kv_transfer_params)
         if remote_kv is not None and len(items) != 1:
             raise bad_request("kv_transfer_params: a decode request carries one prompt", "kv_transfer_params")

@@ -71,6 +71,14 @@ class TransferHandle:
     @classmethod
     def from_kv_transfer_params(cls, p: dict[str, Any]) -> TransferHandle:
         """ValueError naming the missing or mistyped key."""
+        if "remote_transfer_id" not in p and "remote_block_ids" in p:
+            # vLLM's NixlConnector answers block ids on its own side channel, with no lease id: a
+            # consumer here cannot pull from it, and should say that rather than "missing key".
+            raise ValueError(
+                "kv_transfer_params.remote_transfer_id is missing: these params name a producer "
+                "that is not tpuserve (vLLM's NIXL connector?); a tpuserve consumer pulls KV only "
+                "from a tpuserve producer"
+            )
         spec = {
             "remote_transfer_id": str,
             "remote_request_id": str,
@@ -92,6 +100,61 @@ class TransferHandle:
             p["remote_num_tokens"],
             p["layout_digest"],
             str(p.get("transport", "tcp")),
+        )
+
+
+# The keys of vLLM's P/D protocol (its NixlConnector's ``kv_transfer_params``) with their JSON
+# types. Proxies send every one as null on the prefill request, so null is always allowed.
+_VLLM_KEYS: dict[str, type] = {
+    "do_remote_decode": bool,
+    "do_remote_prefill": bool,
+    "remote_engine_id": str,
+    "remote_request_id": str,
+    "remote_block_ids": list,
+    "remote_host": str,
+    "remote_port": int,
+    "tp_size": int,
+}
+# Ours: typed here when present; a pull needs them all (``TransferHandle.from_kv_transfer_params``).
+_OWN_KEYS: dict[str, type] = {
+    "remote_transfer_id": str,
+    "remote_num_pages": int,
+    "remote_num_tokens": int,
+    "layout_digest": str,
+    "transport": str,
+}
+
+_JSON_NAMES = {bool: "a boolean", int: "an integer", str: "a string", list: "a list"}
+
+
+def _is_block_id(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def check_kv_transfer_params(p: dict[str, Any]) -> None:
+    """ValueError naming the first known key whose value has the wrong type or range. Unknown
+    keys pass: other connectors add their own (vLLM's ``pp_size``, ``remote_num_tokens``...)."""
+    for key, kind in (_VLLM_KEYS | _OWN_KEYS).items():
+        v = p.get(key)
+        if v is None:
+            continue
+        if not isinstance(v, kind) or (kind is not bool and isinstance(v, bool)):
+            want = _JSON_NAMES[kind]
+            raise ValueError(f"kv_transfer_params.{key} must be {want} or null, got {v!r}")
+    port = p.get("remote_port")
+    if port is not None and not 0 < port < 65536:
+        raise ValueError(f"kv_transfer_params.remote_port must be a TCP port in [1, 65535], got {port}")
+    for key in ("tp_size", "remote_num_pages", "remote_num_tokens"):
+        if p.get(key) is not None and p[key] < 1:
+            raise ValueError(f"kv_transfer_params.{key} must be positive, got {p[key]}")
+    ids = p.get("remote_block_ids")
+    # vLLM sends one list of block ids, or one list per KV cache group (hybrid models).
+    if ids is not None and not all(
+        _is_block_id(i) or (isinstance(i, list) and all(_is_block_id(j) for j in i)) for i in ids
+    ):
+        raise ValueError(
+            "kv_transfer_params.remote_block_ids must be a list of non-negative integers "
+            f"(or of such lists), got {ids!r}"
         )
 
 

@@ -32,7 +32,7 @@ from tpuserve.kv_cache.transfer.errors import (
 )
 from tpuserve.kv_cache.transfer.layout import KVLayout
 from tpuserve.kv_cache.transfer.tcp import TcpKVReceiver, TcpKVSender
-from tpuserve.kv_cache.transfer.transport import TransferHandle
+from tpuserve.kv_cache.transfer.transport import TransferHandle, check_kv_transfer_params
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -291,3 +291,51 @@ def test_offer_checks_the_pages_against_the_layout():
             s.offer("r", np.zeros((3, 2, 4, 4, 9), np.float32), num_tokens=8)
         with pytest.raises(ValueError, match="dtype"):
             s.offer("r", np.zeros((3, 2, 4, 4, 8), np.float16), num_tokens=8)
+
+
+def test_check_kv_transfer_params_takes_vllm_shapes_and_names_bad_keys():
+    # What vLLM's P/D proxies put on a prefill request: every remote key null.
+    check_kv_transfer_params(
+        {
+            "do_remote_decode": True,
+            "do_remote_prefill": False,
+            "remote_engine_id": None,
+            "remote_block_ids": None,
+            "remote_host": None,
+            "remote_port": None,
+        }
+    )
+    # vLLM's producer answers, with one block list per KV cache group on hybrid models; keys of
+    # other connectors (pp_size) pass.
+    ok = {"do_remote_prefill": True, "remote_engine_id": "e", "remote_port": 5600, "tp_size": 2}
+    check_kv_transfer_params({**ok, "remote_block_ids": [1, 2], "pp_size": 1})
+    check_kv_transfer_params({**ok, "remote_block_ids": [[1, 2], [7]]})
+    for key, bad in [
+        ("do_remote_decode", 1),
+        ("remote_port", True),
+        ("remote_port", 0),
+        ("remote_port", 65536),
+        ("tp_size", 0),
+        ("remote_block_ids", [1, -1]),
+        ("remote_block_ids", [True]),
+        ("remote_block_ids", "1,2"),
+        ("remote_num_pages", "3"),
+        ("remote_host", 127),
+    ]:
+        with pytest.raises(ValueError, match=f"kv_transfer_params\\.{key} "):
+            check_kv_transfer_params({**ok, key: bad})
+
+
+def test_a_vllm_producers_params_are_refused_by_name():
+    nixl = {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_engine_id": "nixl-engine",
+        "remote_block_ids": [3, 4],
+        "remote_request_id": "r",
+        "remote_host": "10.0.0.2",
+        "remote_port": 5600,
+        "tp_size": 1,
+    }
+    with pytest.raises(ValueError, match="remote_transfer_id is missing.*not tpuserve"):
+        TransferHandle.from_kv_transfer_params(nixl)
