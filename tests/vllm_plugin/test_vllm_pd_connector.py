@@ -30,9 +30,13 @@ def _connector(role: str, kv_role: str, secret: str, monkeypatch):
     monkeypatch.setenv("TPUSERVE_KV_SECRET", secret)  # read when the worker side registers
     cfg = SimpleNamespace(
         kv_transfer_config=SimpleNamespace(
-            kv_role=kv_role, kv_port=0, kv_connector_extra_config={"pull_timeout_s": 3}
+            kv_role=kv_role,
+            kv_port=0,
+            kv_connector_extra_config={"pull_timeout_s": 3},
+            engine_id=f"{kv_role}-engine",
         ),
         model_config=SimpleNamespace(model="tiny"),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1),
     )
     kv_cfg = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=SimpleNamespace(block_size=BS))])
     return TpuservePDConnector(cfg, getattr(KVConnectorRole, role), kv_cfg)
@@ -135,6 +139,9 @@ def test_pages_arrive_bitwise_with_a_local_prefix_hit(monkeypatch):
         params = _finish_prefill(p_sched, "r1", src_blocks, 14)
         assert params["remote_num_pages"] == 4 and params["remote_num_tokens"] == 14
         assert params["remote_port"] == p_worker.worker_side.sender.port
+        # vLLM's own producers' keys, which proxies written for vLLM's P/D read
+        assert params["remote_block_ids"] == src_blocks and params["tp_size"] == 1
+        assert params["remote_engine_id"] == "kv_producer-engine"
 
         dst_blocks = [2, 11, 4, 6]
         before = np.asarray(d_runner.kv_cache).copy()

@@ -122,8 +122,13 @@ def _extra(vllm_config: VllmConfig, key: str, default: float) -> float:
 
 
 class _SchedulerSide:
-    def __init__(self, block_size: int, produces: bool, consumes: bool):
+    def __init__(
+        self, block_size: int, produces: bool, consumes: bool, engine_id: str = "", tp_size: int = 1
+    ):
         self.block_size = block_size
+        # Named in every offer as vLLM's own producers name themselves (remote_engine_id, tp_size):
+        # proxies written for vLLM's P/D read them.
+        self.engine_id, self.tp_size = engine_id, tp_size
         self.produces, self.consumes = produces, consumes
         self.handshake: PDHandshake | None = None
         self.meta = PDMetadata()
@@ -190,6 +195,9 @@ class _SchedulerSide:
             "remote_num_tokens": num_tokens,
             "layout_digest": hs.layout_digest,
             "transport": "tcp",
+            "remote_engine_id": self.engine_id,
+            "remote_block_ids": [int(b) for b in block_ids[:n_pages]],
+            "tp_size": self.tp_size,
         }
         return True, params
 
@@ -339,7 +347,15 @@ class TpuservePDConnector(KVConnectorBase_V1):
         consumes = ktc.kv_role in ("kv_consumer", "kv_both")
         block_size = kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
         self.scheduler_side = (
-            _SchedulerSide(block_size, produces, consumes) if role == KVConnectorRole.SCHEDULER else None
+            _SchedulerSide(
+                block_size,
+                produces,
+                consumes,
+                engine_id=str(ktc.engine_id or ""),
+                tp_size=int(vllm_config.parallel_config.tensor_parallel_size),
+            )
+            if role == KVConnectorRole.SCHEDULER
+            else None
         )
         self.worker_side = (
             _WorkerSide(vllm_config, produces, consumes) if role == KVConnectorRole.WORKER else None
