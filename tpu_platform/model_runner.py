@@ -48,6 +48,7 @@ from tpuserve.kv_cache.layout import RESERVED_PAGE, KVCacheSpec, kv_cache_format
 from tpuserve.tpu_platform import kv_scales as ks
 from tpuserve.tpu_platform.config import EngineConfig, LayerLoop
 from tpuserve.tpu_platform.device import DeviceInfo, place
+from tpuserve.tpu_platform.executable_cache import ExecutableCache
 from tpuserve.tpu_platform.linear import quant_linear_impls
 from tpuserve.tpu_platform.mesh import MODEL_AXIS, model_axis_size
 from tpuserve.tpu_platform.models.arch import ModelArch
@@ -189,6 +190,7 @@ class ModelRunner:
         kv_scales: tuple[float, float] | None = None,
         calibration_tokens: np.ndarray | None = None,
         draft_aux_layers: tuple[int, ...] | None = None,
+        executable_cache_dir: str | None = None,
     ):
         """num_pages: KV pages to allocate; None defers the cache to ``allocate_kv_cache`` (so that
         ``step_memory`` can size it first).
@@ -202,7 +204,9 @@ class ModelRunner:
         (``calibrate_kv_scales``; tpu_platform/kv_scales.py).
         draft_aux_layers: what a draft head reads (models/draft_head.py): None, nothing;
         () the final hidden states (MTP); layer ids, the residual streams entering those layers,
-        concatenated (EAGLE-3). ``ForwardState.features`` carries them."""
+        concatenated (EAGLE-3). ``ForwardState.features`` carries them.
+        executable_cache_dir: where warm-up keeps the compiled forwards across restarts
+        (executable_cache.py); None: nowhere (each start traces and compiles them)."""
         self.config = config
         self.mesh = mesh
         if num_speculative_tokens is None:
@@ -260,6 +264,14 @@ class ModelRunner:
             self._kv_sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0]),
         )
         self.max_pages_per_seq = math.ceil(max_model_len / self.page_size)
+        # Warm-up's compiled forwards by step layout, called directly (no trace on a restart
+        # whose executables come from disk); a layout not here goes through the jitted step.
+        self._forward_programs: dict[StepLayout, Any] = {}
+        self.executable_cache = (
+            None
+            if executable_cache_dir is None
+            else ExecutableCache(executable_cache_dir, self._program_context())
+        )
         # The blocked path's work follows the live context, not the table width: one page bucket.
         self.page_buckets = (
             (self.max_pages_per_seq,)
@@ -331,9 +343,9 @@ class ModelRunner:
         spec = self._cache_spec(p + 1)
         cache = jax.ShapeDtypeStruct(spec.shape_for(self.attn_impl), spec.dtype, sharding=self._kv_sharding)
         args = self.step_args(batch, kv_cache=cache)
-        fwd = self._step.lower(*args).compile()
+        fwd = self._compiled("forward", self._step, args)
         hidden = jax.ShapeDtypeStruct((t, self.arch.hidden_size), self.dtype, sharding=self._replicated)
-        head = self._prompt_logits.lower(self.params, hidden).compile()
+        head = self._compiled("prompt-logits", self._prompt_logits, (self.params, hidden))
 
         def need(compiled, exclude: int) -> int:
             ma = compiled.memory_analysis()
@@ -715,7 +727,11 @@ class ModelRunner:
         ``prev`` is the still-running step whose tokens ``batch.feed_rows`` refer to.
         """
         args = self.step_args(batch, prev)
-        logits, (greedy, greedy_last), hidden, features, self.kv_cache = self._step(*args)
+        program = self._forward_programs.get(args[-1])
+        if program is not None:
+            logits, (greedy, greedy_last), hidden, features, self.kv_cache = program(*args[:-1])
+        else:
+            logits, (greedy, greedy_last), hidden, features, self.kv_cache = self._step(*args)
         return ForwardState(batch, logits, hidden, features, greedy, greedy_last)
 
     def step_hlo(self, batch: StepBatch) -> str:
@@ -889,7 +905,45 @@ class ModelRunner:
         """Compile the forward of one step shape ahead of time, for the cache's abstract shape
         (feeds travel as fixed-shape operands: the same program serves fed and plain steps)."""
         batch = self._empty_batch(t_slots, pages_per_seq, k_slots)
-        self._step.lower(*self.step_args(batch, kv_cache=cache)).compile()
+        args = self.step_args(batch, kv_cache=cache)
+        self._forward_programs[args[-1]] = self._compiled("forward", self._step, args)
+
+    def _compiled(self, name: str, jitted, args: tuple):
+        """``jitted.lower(*args).compile()``, from the executable cache when it holds it (then
+        nothing is traced) and stored there otherwise. Static arguments are part of the key (by
+        their repr); the executable is called without them."""
+        disk = self.executable_cache
+        if disk is None:
+            return jitted.lower(*args).compile()
+        key = disk.key(name, args)
+        program = disk.load(key)
+        if program is None:
+            program = jitted.lower(*args).compile()
+            disk.save(key, program)
+        return program
+
+    def _program_context(self) -> str:
+        """What a forward's trace closes over besides its arguments (the executable cache's key)."""
+        # the devices by id: data-parallel replicas share a mesh shape, not devices, and an
+        # executable runs on the devices it was compiled for
+        mesh = None if self.mesh is None else (self.mesh.axis_names, [d.id for d in self.mesh.devices.flat])
+        return "\n".join(
+            repr(x)
+            for x in (
+                self.config,
+                self.arch,
+                self.attn_impl,
+                self.layer_loop,
+                self.dtype,
+                self.kv_cache_dtype,
+                self.kv_storage_dtype,
+                self.kv_scales,
+                self.num_speculative_tokens,
+                self.draft_aux_layers,
+                self.max_model_len,
+                mesh,
+            )
+        )
 
     def _warm_sampler(self, t_slots: int, k_slots: int) -> None:
         """The sampling half of a step of T = t_slots (K = k_slots drafts) on zero logits: the

@@ -17,6 +17,7 @@ reports, SGLang from ``--max-total-tokens``). Steps, in the order vLLM calls the
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, replace
 from typing import Any
@@ -266,6 +267,13 @@ class Worker:
         if spec is not None and spec.method in (SpecMethod.EAGLE3, SpecMethod.MTP):
             self._load_draft(spec, loaded.source)
 
+    def _executable_cache_dir(self) -> str | None:
+        """Where the runner keeps its compiled forwards across restarts: beside JAX's persistent
+        cache. None over several processes, whose programs must be built together."""
+        if jax.process_count() > 1:
+            return None
+        return os.path.join(self.compilation_cache_dir, "tpuserve-executables")
+
     def _fit_page_size(self) -> None:
         """Raise the page size (block_size) to what the attention kernel's page table needs at
         this max_model_len (attention/kv_cache_shape.min_page_size: the Pallas TPU kernel holds
@@ -502,6 +510,7 @@ class Worker:
             kv_scales=self.kv_scales,
             calibration_tokens=calibration,
             draft_aux_layers=(None if self.draft_head is None else self.draft_head.aux_layer_ids),
+            executable_cache_dir=self._executable_cache_dir(),
         )
         self._params = None
         return runner

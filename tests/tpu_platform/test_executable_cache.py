@@ -1,0 +1,104 @@
+"""Warm-up's compiled forwards are kept on disk (tpu_platform/executable_cache.py): a restart with
+the same model and flags loads them instead of tracing, and gets the same tokens."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from tpuserve.tpu_platform.executable_cache import ExecutableCache, signature
+
+pytestmark = pytest.mark.timeout(600)
+
+CHILD = """
+import json, sys
+from tpuserve import LLM, SamplingParams
+llm = LLM(model=sys.argv[1], compilation_cache_dir=sys.argv[2], max_model_len=256, max_num_seqs=4,
+          max_num_batched_tokens=32, layer_loop="scan")
+runner = llm.engine.runner
+after_warmup = runner.compile_count
+outs = llm.generate(["The capital of France is", "1, 2, 3,"],
+                    SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+cache = runner.executable_cache
+print("RESULT", json.dumps(dict(
+    hits=cache.hits, misses=cache.misses, forwards=len(runner._forward_programs),
+    traces_at_warmup=after_warmup, traces_after=runner.compile_count,
+    tokens=[list(o.outputs[0].token_ids) for o in outs])))
+"""
+
+
+def _start(model: str, cache_dir: str) -> dict:
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    out = subprocess.run(
+        [sys.executable, "-c", CHILD, model, cache_dir], env=env, capture_output=True, text=True, timeout=500
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    line = next(x for x in out.stdout.splitlines() if x.startswith("RESULT "))
+    return json.loads(line.removeprefix("RESULT "))
+
+
+@pytest.mark.slow
+def test_a_restart_loads_the_forwards_instead_of_tracing_them(random_checkpoints, tmp_path):
+    model, cache_dir = random_checkpoints["llama"], str(tmp_path / "xla")
+    first = _start(model, cache_dir)
+    assert first["hits"] == 0 and first["misses"] == first["forwards"] > 0
+    files = os.listdir(os.path.join(cache_dir, "tpuserve-executables"))
+    assert len([f for f in files if f.endswith(".exe")]) == first["forwards"]
+
+    again = _start(model, cache_dir)
+    assert again["hits"] == again["forwards"] == first["forwards"] and again["misses"] == 0
+    assert again["tokens"] == first["tokens"]
+    # every forward was traced the first time and none on the restart; nothing after warm-up
+    assert again["traces_at_warmup"] == first["traces_at_warmup"] - first["forwards"]
+    assert (
+        first["traces_after"] == first["traces_at_warmup"]
+        and again["traces_after"] == again["traces_at_warmup"]
+    )
+
+    for f in files:
+        with open(os.path.join(cache_dir, "tpuserve-executables", f), "r+b") as fh:
+            fh.write(b"torn")  # and a damaged file is a miss, not an error
+    damaged = _start(model, cache_dir)
+    assert damaged["hits"] == 0 and damaged["tokens"] == first["tokens"]
+
+
+def test_key_follows_the_arguments_signature_and_the_context(tmp_path):
+    a = (jnp.zeros((4, 8), jnp.float32), {"w": jnp.zeros(3, jnp.bfloat16)})
+    cache = ExecutableCache(str(tmp_path), "config A")
+    key = cache.key("forward", a)
+    assert key == ExecutableCache(str(tmp_path), "config A").key("forward", a)
+    assert key != ExecutableCache(str(tmp_path), "config B").key("forward", a)
+    assert key != cache.key("sampler", a)
+    for other in (
+        (jnp.zeros((4, 9), jnp.float32), a[1]),
+        (jnp.zeros((4, 8), jnp.int32), a[1]),
+        (a[0], {"v": a[1]["w"]}),
+        (jax.ShapeDtypeStruct((4, 8), jnp.float32), a[1], 3),
+    ):
+        assert cache.key("forward", other) != key, signature(other)
+    # an abstract stand-in keys as the concrete array it stands for
+    abstract = (jax.ShapeDtypeStruct((4, 8), jnp.float32, sharding=a[0].sharding), a[1])
+    assert cache.key("forward", abstract) == key
+
+
+def test_load_and_save_round_trip_and_misses(tmp_path):
+    f = jax.jit(lambda x, y: (x * 2 + y, y), donate_argnums=(0,))
+    x, y = jnp.arange(6.0), jnp.ones(6)
+    cache = ExecutableCache(str(tmp_path / "exe"), "ctx")
+    key = cache.key("f", (x, y))
+    assert cache.load(key) is None and cache.misses == 1
+    cache.save(key, f.lower(x, y).compile())
+    loaded = ExecutableCache(str(tmp_path / "exe"), "ctx").load(key)
+    assert loaded is not None
+    out, _ = loaded(jnp.arange(6.0), y)
+    assert out.tolist() == [1.0, 3.0, 5.0, 7.0, 9.0, 11.0]
+    with open(os.path.join(str(tmp_path / "exe"), key + ".exe"), "wb") as fh:
+        fh.write(b"not an executable")
+    bad = ExecutableCache(str(tmp_path / "exe"), "ctx")
+    assert bad.load(key) is None and bad.misses == 1
