@@ -29,7 +29,8 @@ Two ways to feed a block to the queries:
 Before both, a shared-prefix pass (cascade attention): the leading pages every sequence of the step
 shares (prefix caching hands requests with one system prompt the same pages) are gathered once per
 block and attended by all rows in one matmul per KV head; the two paths above then cover only what
-follows the prefix, and the results merge by their softmax denominators. Four decodes over a shared
+follows the prefix, and the results merge by their softmax denominators. Attention sinks join the
+same way, last: a key set with the sink as its log-denominator and no value, once per row. Four decodes over a shared
 1.4k-token prompt read its KV once instead of four times (attention ~50 -> ~30 ms over 30 layers).
 """
 
@@ -41,7 +42,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from tpuserve.attention.reference import gather_pages, token_sequence_info
+from tpuserve.attention.reference import gather_pages, sink_array, token_sequence_info
 
 # Elements of gathered KV one loop iteration may hold: ~2 MiB of f32, inside a core's L2/L3 share.
 _BLOCK_BUDGET = 512 * 1024
@@ -393,12 +394,14 @@ def ragged_paged_attention_blocked(
     tail_kv_pages: int | None = None,
     cascade: bool = True,
     kv_dtype=None,
+    sinks=None,
 ):
     """Causal attention of ragged queries over paged KV. Returns [T, Hq, D] in queries.dtype.
 
     Shapes as in attention/reference.py; with ``layer`` (a scalar) kv_pages is the stacked
     [L, P, page_size, 2*Hkv, D] cache; ``kv_dtype`` as there (a uint8 cache of fp8 bytes). Padding
-    tokens (past cu_q_lens[num_seqs]) produce zeros.
+    tokens (past cu_q_lens[num_seqs]) produce zeros. ``sinks``: None, or f32 [Hq] attention-sink
+    logits as in the reference (in each row's denominator, no value, not scaled or capped).
     ``cascade``: attend the leading pages every sequence shares in one pass for all rows
     (``common_prefix_pages``; found at run time, so a step without one pays only an empty loop).
     Blocks (pages per loop iteration): ``pages_per_block`` for the per-row path, ``tile_kv_pages`` for
@@ -480,5 +483,13 @@ def ragged_paged_attention_blocked(
             tile_ctx, q, out, lse, kv_lens, cu_q_lens, q_lens, tiled, tile_kv_pages, tile_tail, sizes
         )
     if prefix is not None:
-        out = _merge(out, lse, *prefix)
+        out_all = _merge(out, lse, *prefix)
+        if sinks is not None:  # the sink below needs the denominator over both key sets
+            lse = jnp.logaddexp(lse, prefix[1])
+        out = out_all
+    if sinks is not None:
+        # Merged last, so once per row whichever passes covered its keys: a sink is a key set whose
+        # lse is the sink logit and whose value is 0. Padding rows (lse -inf) stay 0.
+        sink_lse = jnp.broadcast_to(sink_array(sinks, num_q_heads).reshape(num_kv_heads, group), lse.shape)
+        out = _merge(out, lse, jnp.zeros_like(out), sink_lse)
     return out.reshape(num_tokens, num_q_heads, head_dim).astype(queries.dtype)

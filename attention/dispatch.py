@@ -89,6 +89,7 @@ def ragged_paged_attention(
     impl: str,
     mesh=None,
     heads_axis: str | None = None,
+    sinks: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Write this step's K/V into layer ``layer`` of the stacked cache, then attend.
 
@@ -102,6 +103,10 @@ def ragged_paged_attention(
     Pallas TPU kernel, which also takes an unpadded cache); layer: scalar int32.
     The write goes through ``quantize_kv``: with ``params.k_scale`` / ``v_scale`` the cache holds
     K / k_scale and V / v_scale, clipped and cast when it is an FP8 cache.
+    sinks: None, or f32 [Hq] attention-sink logits of this layer (gpt-oss), in the queries' head
+    order: each query row's softmax denominator gains exp(sink of its head), a key with no value
+    (not scaled by sm_scale, not soft-capped). A traced array; None leaves the program as without.
+    Under tensor parallelism they split over ``heads_axis`` like the query heads.
     Returns (out [T, Hq, D], updated kv_cache).
     """
     if mesh is not None and heads_axis is None:
@@ -111,21 +116,31 @@ def ragged_paged_attention(
     if mesh is not None and mesh.shape[heads_axis] > 1:
         heads, cache = P(None, heads_axis, None), P(None, None, None, heads_axis, None)
 
-        def local(q, k, v, kv, layer, md):
-            return _attend(q, k, v, kv, layer, md, params, impl)
+        def local(q, k, v, kv, layer, md, *sinks):
+            return _attend(q, k, v, kv, layer, md, params, impl, *sinks)
 
+        # The sinks (if any) split like the query heads: a device's rows meet their own heads' sinks.
+        sink_args, sink_specs = ((), ()) if sinks is None else ((sinks,), (P(heads_axis),))
         return jax.shard_map(
             local,
             mesh=mesh,
-            in_specs=(heads, heads, heads, cache, P(), P()),
+            in_specs=(heads, heads, heads, cache, P(), P(), *sink_specs),
             out_specs=(heads, cache),
             check_vma=False,
-        )(queries, new_k, new_v, kv_cache, layer, md)
-    return _attend(queries, new_k, new_v, kv_cache, layer, md, params, impl)
+        )(queries, new_k, new_v, kv_cache, layer, md, *sink_args)
+    return _attend(queries, new_k, new_v, kv_cache, layer, md, params, impl, sinks)
 
 
 def _attend(
-    queries, new_k, new_v, kv_cache, layer, md: AttentionMetadata, params: AttentionParams, impl: str
+    queries,
+    new_k,
+    new_v,
+    kv_cache,
+    layer,
+    md: AttentionMetadata,
+    params: AttentionParams,
+    impl: str,
+    sinks: jax.Array | None = None,
 ):
     values = jnp.dtype(params.kv_dtype or kv_cache.dtype)  # what the cache holds (its bytes, if uint8)
     as_bytes = values != kv_cache.dtype
@@ -164,6 +179,7 @@ def _attend(
             v_scale=params.v_scale,
             layer=layer,
             kv_dtype=values,
+            sinks=sinks,
         )
         return out, kv_cache
     if as_bytes:
@@ -180,6 +196,7 @@ def _attend(
         soft_cap=params.soft_cap,
         k_scale=params.k_scale,
         v_scale=params.v_scale,
+        sinks=sinks,
     )
     if impl == "pallas_tpu":
         return ragged_paged_attention_tpu_stacked(*args, num_kv_heads=new_k.shape[1], **kwargs)

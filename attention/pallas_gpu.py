@@ -13,7 +13,8 @@ Structure (simpler than the TPU kernel; Triton schedules the loads itself):
    are computed with jnp outside the kernel, bounded statically by ``_max_tiles``.
 3. grid = (tiles, Hkv, kv_splits). A program loads its [R, D] query rows for one KV head and
    walks its share of the KV blocks (``pages_per_block * page_size`` tokens) that the tile's rows
-   can see (causal; sliding window), with an online softmax in f32. K and V rows are gathered
+   can see (causal; sliding window), with an online softmax in f32 (with attention sinks, split 0
+   of each row starts from its head's sink: max s_h, denominator 1). K and V rows are gathered
    from the flattened cache ``[L*P*page_size*2*Hkv, D]`` by computed row indices (K of head h at
    ``(..)*2*Hkv + 2h``, V right after it, so one 2*D*itemsize run per token and head).
 4. With one split the kernel normalises and stores the output directly; with several (long
@@ -33,7 +34,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from tpuserve.attention.reference import token_sequence_info
+from tpuserve.attention.reference import sink_array, token_sequence_info
 
 DEFAULT_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 _NUM_SMS_TARGET = 132  # H100/H200 SM count: split KV until ~2 programs per SM
@@ -88,8 +89,8 @@ def _kernel(
     layer_ref,  # i32[1]
     q_ref,  # [Hkv, T*G + R, D]
     kv_ref,  # [L*P*page_size*2*Hkv, D]
-    o_ref,  # [R, D] block of [NT, Hkv, K, R, D]
-    *stats_refs,  # with K > 1: m, l: [R] blocks of [NT, Hkv, K, R]
+    *refs,  # with sinks: f32[Hq]; then o: [R, D] block of [NT, Hkv, K, R, D]; with K > 1: m, l [R] blocks
+    has_sinks: bool,
     rows: int,
     group: int,
     page_size: int,
@@ -105,6 +106,7 @@ def _kernel(
     k_scale: float | None,
     v_scale: float | None,
 ):
+    sinks_ref, (o_ref, *stats_refs) = (refs[0], refs[1:]) if has_sinks else (None, refs)
     tile, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     kv_block = pages_per_block * page_size
     seq_raw = tile_seq_ref[tile]
@@ -163,11 +165,16 @@ def _kernel(
         return acc, m_new, l
 
     head_dim = q.shape[-1]
-    init = (
-        jnp.zeros((rows, head_dim), jnp.float32),
-        jnp.full((rows,), mask_value, jnp.float32),
-        jnp.zeros((rows,), jnp.float32),
-    )
+    acc0 = jnp.zeros((rows, head_dim), jnp.float32)
+    m0 = jnp.full((rows,), mask_value, jnp.float32)
+    l0 = jnp.zeros((rows,), jnp.float32)
+    if sinks_ref is not None:
+        # A sink is a key with logit s_h and no value: start as if it had been seen (max s_h,
+        # denominator 1). Only split 0 does, so the flash-decoding merge counts it once.
+        sink = sinks_ref[h * group + lax.rem(row, group)]  # row t*G + g is query head h*G + g
+        m0 = jnp.where(split == 0, sink, m0)
+        l0 = jnp.where(split == 0, 1.0, l0)
+    init = (acc0, m0, l0)
     acc, m, l = lax.fori_loop(lo, hi, body, init)
     if v_scale is not None:
         acc = acc * v_scale
@@ -245,11 +252,13 @@ def ragged_paged_attention_gpu_stacked(
     num_warps: int = 4,
     num_stages: int = 2,
     interpret: bool = False,
+    sinks=None,
 ):
     """Write new_kv into layer ``layer`` of kv_cache [L, P, ps, 2*Hkv, D], then attend.
 
     queries [T, Hq, D]; new_kv [T, 2*Hkv, D] (or None: attend only); metadata as in
-    attention/reference.py. Returns (out [T, Hq, D], kv_cache).
+    attention/reference.py; ``sinks``: None, or f32 [Hq] attention-sink logits (traced), as in the
+    reference. Returns (out [T, Hq, D], kv_cache).
     """
     if mask_value is None:
         mask_value = DEFAULT_MASK_VALUE
@@ -294,6 +303,7 @@ def ragged_paged_attention_gpu_stacked(
 
     kernel = functools.partial(
         _kernel,
+        has_sinks=sinks is not None,
         rows=rows,
         group=group,
         page_size=page_size,
@@ -341,6 +351,7 @@ def ragged_paged_attention_gpu_stacked(
         jnp.asarray(layer, jnp.int32).reshape(1),
         q,
         kv_flat,
+        *(() if sinks is None else (sink_array(sinks, num_q_heads),)),
     )
 
     if splits == 1:

@@ -56,7 +56,8 @@ grid = (NB,) over query blocks, "arbitrary" (sequential) because DMAs cross grid
 * Online softmax per KV head in f32 VMEM scratch (m, l: [Hkv, bq*G, 1]; acc: [Hkv, bq*G, D]).
   Rows of other sequences in the block are masked out of an item, which leaves their running
   state untouched (their max stays, their p is 0). ``m`` starts at ``mask_value`` (finite), so
-  ``exp(m_prev - m_new)`` never sees inf - inf. Masks are built from integer products only
+  ``exp(m_prev - m_new)`` never sees inf - inf. With attention sinks (f32 [Hq] in SMEM) each
+  row starts instead at its head's sink: m = s_h, l = 1 (a key with no value). Masks are built from integer products only
   (row >= (kv_pos - base) * G) - no vector integer division, which Mosaic handles poorly.
 * Scales: ``sm_scale * k_scale`` multiplies the scores, ``v_scale`` the final output (both are
   linear), so FP8 pages are only cast, never rescaled element-wise.
@@ -99,6 +100,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from tpuserve.attention.kv_cache_shape import device_head_dim
+from tpuserve.attention.reference import sink_array
 
 DEFAULT_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
@@ -184,6 +186,7 @@ def _kernel(
     first_seq_ref,  # i32[NB]
     # inputs
     q_ref,  # VMEM [1, Hkv, bq*G, D]
+    sinks_ref,  # SMEM f32[Hq] attention-sink logits, or None
     new_kv_hbm,  # ANY [T, C, D] (cache dtype, padding heads zero), or None
     kv_in_hbm,  # ANY [L, P, page_size*C, D], aliased to kv_hbm
     # outputs
@@ -378,8 +381,23 @@ def _kernel(
             start_fetch(s, kvb, 0)
             next_slot_ref[0] = 0
 
-    m_ref[...] = jnp.full(m_ref.shape, mask_value, jnp.float32)
-    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+    if sinks_ref is None:
+        m_ref[...] = jnp.full(m_ref.shape, mask_value, jnp.float32)
+        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+    else:
+        # A sink is a key with logit s_h and no value: the softmax starts as if it had seen it
+        # (max s_h, denominator exp(s_h - s_h) = 1, nothing accumulated). Row t*G + g is query
+        # head h*G + g; g = row mod G comes from an f32 product (exact at these sizes), as Mosaic
+        # has no cheap vector integer division.
+        row = lax.broadcasted_iota(jnp.int32, (rows, 1), 0)
+        token = ((row.astype(jnp.float32) + 0.5) * (1.0 / group)).astype(jnp.int32)  # floor: >= 0
+        head_in_group = row - token * group
+        for h in range(num_kv_heads):
+            start = jnp.full((rows, 1), sinks_ref[h * group], jnp.float32)
+            for g in range(1, group):
+                start = jnp.where(head_in_group == g, sinks_ref[h * group + g], start)
+            m_ref[h] = start
+        l_ref[...] = jnp.ones(l_ref.shape, jnp.float32)
     acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
     @pl.when(blk * bq < total)
@@ -495,6 +513,7 @@ def ragged_paged_attention_tpu_stacked(
     vmem_limit_bytes: int | None = None,
     num_kv_heads: int | None = None,
     interpret=None,
+    sinks=None,
 ):
     """Ragged paged attention on layer ``layer`` of a stacked cache, updated in place.
 
@@ -506,7 +525,10 @@ def ragged_paged_attention_tpu_stacked(
     ``num_kv_heads``: Hkv; taken from new_kv when it is given, else C // 2 - so pass it when
     attending to a padded cache without writing. Returns (out [T, Hq, D] in queries.dtype,
     kv_cache). ``interpret``: None to compile for TPU, or a ``pltpu.InterpretParams`` to run in
-    TPU interpret mode.
+    TPU interpret mode. ``sinks``: None, or f32 [Hq] attention-sink logits (traced), as in the
+    reference: each row's softmax starts from its head's sink. They travel in SMEM: Hq scalars
+    cost nothing there, where a VMEM block holding a sink per softmax row ([Hkv, bq*G, 1], a
+    lane-padded 128 wide like m and l) would take up to MiBs of the scoped VMEM.
     """
     if mask_value is None:
         mask_value = DEFAULT_MASK_VALUE
@@ -535,6 +557,8 @@ def ragged_paged_attention_tpu_stacked(
     if new_kv is not None and new_kv.shape != (num_tokens, num_combined, head_dim):
         raise ValueError(f"new_kv must be {(num_tokens, num_combined, head_dim)}, got {new_kv.shape}")
     group = num_q_heads // num_kv_heads
+    if sinks is not None:
+        sinks = sink_array(sinks, num_q_heads)
     bq, ppb = default_block_sizes(
         page_size,
         num_tokens,
@@ -584,12 +608,13 @@ def ragged_paged_attention_tpu_stacked(
         v_scale=v_scale,
         packed_loads=interpret is None,
     )
-    if new_kv is None:
-        kernel = functools.partial(_drop_new_kv, kernel)
+    if sinks is None or new_kv is None:
+        kernel = functools.partial(_without_optional_inputs, kernel, sinks is not None, new_kv is not None)
+    sinks_spec = [pl.BlockSpec(memory_space=pltpu.SMEM)] if sinks is not None else []
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=len(scalars),
         grid=(num_blocks,),
-        in_specs=[q_spec] + ([any_spec] if new_kv is not None else []) + [any_spec],
+        in_specs=[q_spec] + sinks_spec + ([any_spec] if new_kv is not None else []) + [any_spec],
         out_specs=[q_spec, any_spec],
         scratch_shapes=[
             pltpu.VMEM((2, ppb * page_size * cache_heads, head_dim), kv_cache.dtype),
@@ -601,7 +626,8 @@ def ragged_paged_attention_tpu_stacked(
             pltpu.VMEM((num_kv_heads, bq * group, head_dim), jnp.float32),
         ],
     )
-    operands = (q,) + ((new_kv,) if new_kv is not None else ()) + (kv_cache,)
+    operands = (q,) + ((sinks,) if sinks is not None else ()) + ((new_kv,) if new_kv is not None else ())
+    operands += (kv_cache,)
     num_layers, num_pages = kv_cache.shape[:2]
     cache_2d = kv_cache.reshape(num_layers, num_pages, page_size * cache_heads, head_dim)
     operands = operands[:-1] + (cache_2d,)
@@ -625,11 +651,14 @@ def ragged_paged_attention_tpu_stacked(
     return out, cache_2d.reshape(kv_cache.shape)
 
 
-def _drop_new_kv(kernel, *refs):
-    """Adapter when there is no new_kv operand: insert None where the kernel expects it."""
-    num_scalars = 6
+def _without_optional_inputs(kernel, has_sinks: bool, has_new_kv: bool, *refs):
+    """Adapter when the sinks or new_kv operand is absent: None where the kernel expects its ref."""
+    after_q = 6 + 1  # the scalar-prefetch refs, then q
     refs = list(refs)
-    refs.insert(num_scalars + 1, None)
+    if not has_sinks:
+        refs.insert(after_q, None)
+    if not has_new_kv:
+        refs.insert(after_q + 1, None)
     return kernel(*refs)
 
 
@@ -653,6 +682,7 @@ def ragged_paged_attention_tpu(
     vmem_limit_bytes: int | None = None,
     num_kv_heads: int | None = None,
     interpret=None,
+    sinks=None,
 ):
     """Single-layer form: kv_pages [P, page_size, C, D]. Returns (out [T, Hq, D], kv_pages).
 
@@ -678,5 +708,6 @@ def ragged_paged_attention_tpu(
         vmem_limit_bytes=vmem_limit_bytes,
         num_kv_heads=num_kv_heads,
         interpret=interpret,
+        sinks=sinks,
     )
     return out, kv_cache[0]

@@ -80,6 +80,13 @@ def _as_bytes(values):
     return jax.lax.bitcast_convert_type(values, jnp.uint8)
 
 
+def sink_array(sinks, num_q_heads: int):
+    """Attention-sink logits as f32 [Hq], or a ValueError naming the shape they must have."""
+    if sinks.shape != (num_q_heads,):
+        raise ValueError(f"sinks must be one logit per query head, shape ({num_q_heads},), got {sinks.shape}")
+    return sinks.astype(jnp.float32)
+
+
 def gather_pages(kv_pages, pages, layer=None, kv_dtype=None):
     """``kv_pages[pages]`` (or ``kv_pages[layer, pages]`` of a stacked cache), as ``kv_dtype`` values
     (None: the cache dtype). A uint8 cache holding another 1-byte type's bytes (an FP8 cache on
@@ -113,12 +120,16 @@ def ragged_paged_attention_ref(
     v_scale: float | None = None,
     layer=None,
     kv_dtype=None,
+    sinks=None,
 ):
     """Causal attention of ragged queries over paged KV. Returns [T, Hq, D] in queries.dtype.
 
     With ``layer`` (a scalar), kv_pages is the stacked [L, P, page_size, 2*Hkv, D] cache.
     ``kv_dtype``: the dtype of the cached values when a uint8 cache holds their bytes (an FP8 cache
     on XLA:CPU); None: the cache's own dtype.
+    ``sinks``: None, or f32 [Hq] attention-sink logits (gpt-oss), one per query head in the queries'
+    head order: each row's softmax denominator gains exp(sink) for a key with no value. The sink is
+    neither scaled by sm_scale nor soft-capped.
     """
     if mask_value is None:
         mask_value = DEFAULT_MASK_VALUE
@@ -133,6 +144,8 @@ def ragged_paged_attention_ref(
 
     seq, q_pos, valid = token_sequence_info(kv_lens, cu_q_lens, num_seqs, num_tokens)
     kv_pos = jnp.arange(ctx, dtype=jnp.int32)
+    if sinks is not None:
+        sink_logits = sink_array(sinks, num_q_heads).reshape(num_kv_heads, group, 1)
 
     def attend(q, seq, q_pos):
         """q [t, Hq, D], seq / q_pos [t] -> [t, Hq, D] f32 for a tile of t tokens."""
@@ -153,7 +166,12 @@ def ragged_paged_attention_ref(
         if sliding_window is not None:
             mask &= kv_pos[None, :] > q_pos[:, None] - sliding_window
         scores = jnp.where(mask[:, None, None, :], scores, mask_value)
-        probs = jax.nn.softmax(scores, axis=-1)
+        if sinks is None:
+            probs = jax.nn.softmax(scores, axis=-1)
+        else:
+            # The sink as one more key column: it joins the max and the denominator, then is dropped.
+            sink = jnp.broadcast_to(sink_logits, (t, num_kv_heads, group, 1))
+            probs = jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1]
         return jnp.einsum("thgc,tchd->thgd", probs, v).reshape(t, num_q_heads, head_dim)
 
     # Gathering a page row per token costs t * ctx memory: bound it by mapping over token tiles.
