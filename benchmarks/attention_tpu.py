@@ -40,7 +40,7 @@ from jax.experimental.pallas.ops.tpu import ragged_paged_attention as jax_rpa
 
 from tpuserve.attention.kv_cache_shape import combined_heads
 from tpuserve.attention.pallas_tpu import ragged_paged_attention_tpu_stacked
-from tpuserve.attention.reference import write_kv_ref
+from tpuserve.attention.reference import ragged_paged_attention_ref, write_kv_ref
 
 
 def parse_args(argv=None):
@@ -114,13 +114,17 @@ def check_against_oracle(args) -> list[dict]:
     models = [(args.num_q_heads, args.num_kv_heads, args.head_dim)]
     if not args.smoke:
         models.append((6, 2, 64))  # GQA 3, head_dim 64: 4 combined heads padded to the sublane tile
-    options = [dict(), dict(sliding_window=64, soft_cap=30.0)]
+    # The sinks case (gpt-oss) has no jax oracle: ours (attention/reference.py, itself tested against
+    # transformers' gpt-oss attention on CPU) stands in for it there.
+    options = [dict(), dict(sliding_window=64, soft_cap=30.0), dict(sliding_window=64, sinks=True)]
     results = []
     for hq, hkv, d in models:
         for name, seqs in (SMOKE_BATCHES if args.smoke else CHECK_BATCHES).items():
             for dtype in [jnp.dtype(x) for x in args.check_dtypes.split(",")]:
                 for opt in options:
                     kw = dict(sm_scale=d**-0.5, **opt)
+                    if kw.pop("sinks", False):
+                        kw["sinks"] = (rng.standard_normal(hq) * 2.0).astype(np.float32)
                     slots = len(seqs) + 1
                     kv_lens, pages, cu, ns, num_pages = step_metadata(seqs, ps, slots, rng)
                     t = int(cu[-1]) + 3  # padding tokens past the last sequence
@@ -138,9 +142,10 @@ def check_against_oracle(args) -> list[dict]:
                         want_kv = write_kv_ref(
                             jnp.asarray(cache[:, :, : 2 * hkv]), jnp.asarray(new_kv), *map(jnp.asarray, md_np)
                         )
-                        want = jax_rpa.ref_ragged_paged_attention(
-                            jnp.asarray(q), want_kv, *map(jnp.asarray, md_np), **kw
+                        oracle = (
+                            ragged_paged_attention_ref if "sinks" in kw else jax_rpa.ref_ragged_paged_attention
                         )
+                        want = oracle(jnp.asarray(q), want_kv, *map(jnp.asarray, md_np), **kw)
                         want, want_kv = np.asarray(want), np.asarray(want_kv)
                     md = tuple(jnp.asarray(a) for a in md_np)
                     q_d, kv_d = jnp.asarray(q, dtype), jnp.asarray(new_kv, dtype)
@@ -178,7 +183,7 @@ def check_against_oracle(args) -> list[dict]:
                         not np.asarray(got_cache[0, :, :, 2 * hkv :].astype(jnp.float32)).any()
                     )
                     peer_err = None
-                    if on_tpu() and c == 2 * hkv:  # jax's kernel wants the unpadded layout
+                    if on_tpu() and c == 2 * hkv and "sinks" not in kw:  # jax's: unpadded, no sinks
                         try:
                             peer = jax_rpa.ragged_paged_attention(q_d, jnp.asarray(want_kv, dtype), *md, **kw)
                             peer_err = float(
