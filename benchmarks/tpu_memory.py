@@ -16,6 +16,7 @@ Runs on CPU too (the TPU kernel then runs interpreted), where the numbers only c
 from __future__ import annotations
 
 import argparse
+import collections
 import gzip
 import json
 import os
@@ -419,15 +420,30 @@ def kernel_case(
 
 
 def llm_case(
-    model: str, util: float, max_num_seqs: int, warmup: bool, batches, prompt_len: int, new_tokens: int
+    model: str,
+    util: float,
+    max_num_seqs: int,
+    warmup: bool,
+    batches,
+    prompt_len: int,
+    new_tokens: int,
+    kv_cache_dtype: str = "auto",
 ) -> dict:
     """The public API as a user runs it: LLM(model, bf16, gpu_memory_utilization=util,
-    max_num_seqs) warmed up, then batches of prompt_len random prompt tokens x new_tokens
-    greedy tokens (ignore_eos); device memory in use and at peak; an empty step at this cache."""
+    max_num_seqs, kv_cache_dtype) warmed up, then batches of prompt_len random prompt tokens x
+    new_tokens greedy tokens (ignore_eos); device memory in use and at peak; an empty step at this
+    cache, and that step program's temporaries and whole-cache copies (an FP8 cache's path too)."""
     from tpuserve import LLM, SamplingParams
 
     t0 = time.perf_counter()
-    llm = LLM(model, dtype="bfloat16", gpu_memory_utilization=util, max_num_seqs=max_num_seqs, warmup=warmup)
+    llm = LLM(
+        model,
+        dtype="bfloat16",
+        gpu_memory_utilization=util,
+        max_num_seqs=max_num_seqs,
+        warmup=warmup,
+        kv_cache_dtype=kv_cache_dtype,
+    )
     ready = time.perf_counter() - t0
     engine = llm.engine
     runner, worker = engine.runner, engine.worker
@@ -435,6 +451,8 @@ def llm_case(
         model=model,
         util=util,
         max_num_seqs=max_num_seqs,
+        kv_cache_dtype=kv_cache_dtype,
+        attention_impl=str(runner.attn_impl),
         ready_s=ready,
         plan=None if worker._plan is None else worker._plan.describe(),
         num_pages=runner.kv_spec.num_pages,
@@ -470,9 +488,21 @@ def llm_case(
 
     res["empty_step_ms"] = median_ms(empty_step, 20)
     res["compiled_after"] = runner.compile_count
+    # The step program over this cache: its temporaries against the cache, and any whole-cache copy.
+    compiled = runner._step.lower(*runner.step_args(b)).compile()
+    res["step_memory"] = memory_stats(compiled)
+    res["step_cache_copies"] = cache_lines(compiled.as_text(), int(np.prod(runner.kv_cache.shape)))
     res["memory_end"] = jax.devices()[0].memory_stats()
     stats = res["memory_end"] or {}
-    print(json.dumps({k: v for k, v in res.items() if k not in ("runs", "memory_after_ready")}), flush=True)
+    brief = ("runs", "memory_after_ready", "step_cache_copies")
+    print(json.dumps({k: v for k, v in res.items() if k not in brief}), flush=True)
+    ops = [re.search(r"\} (\S+?)\(", line) for line in res["step_cache_copies"]]
+    print(
+        f"step over the cache ({res['cache_bytes'] / 2**30:.2f} GiB): temporaries "
+        f"{res['step_memory'].get('temp_size_in_bytes', 0) / 2**20:.1f} MiB, whole-cache ops by kind "
+        f"{dict(collections.Counter(m.group(1) if m else '?' for m in ops))}",
+        flush=True,
+    )
     if stats:
         print(
             f"peak HBM {stats.get('peak_bytes_in_use', 0) / 2**30:.2f} GiB of "
@@ -517,6 +547,7 @@ def main(argv=None) -> int:
     p.add_argument("--batches", default="1,128")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--kv-cache-dtype", default="auto", help="with --llm: auto or fp8")
     args = p.parse_args(argv)
     if args.llm:
         res = llm_case(
@@ -527,6 +558,7 @@ def main(argv=None) -> int:
             [int(x) for x in args.batches.split(",")],
             args.prompt_len,
             args.new_tokens,
+            args.kv_cache_dtype,
         )
         if args.out:
             with open(args.out, "w") as f:

@@ -89,6 +89,11 @@ for s in $stages; do
       checkpoint llama-1b-gqa
       stage startup 300 python benchmarks/startup.py --model /tmp/m/llama-1b-gqa --what llm \
           --runs cold,warm --cache-dir /tmp/xla-startup --json "$out/startup_1b.json" ;;
+    fp8-kv)    # an FP8 KV cache through LLM(...) at 0.9: warm-up, generation, peak HBM, and whether
+               # its step program (the jnp reference attention on a TPU) copies the cache
+      checkpoint llama-1b-gqa
+      stage fp8-kv 260 python benchmarks/tpu_memory.py --llm /tmp/m/llama-1b-gqa --kv-cache-dtype fp8 \
+          --batches 1,128 --out "$out/fp8kv_1b.json" ;;
     parts)     # where a decode step's device time goes: matmuls alone, empty steps per bucket, HLO
       stage parts 240 python benchmarks/tpu_step_parts.py --model llama-1b --trace --out "$out/parts" ;;
     *) echo "unknown stage $s" | tee -a "$out/session.log" ;;
