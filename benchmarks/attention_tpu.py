@@ -28,8 +28,9 @@ import platform
 import sys
 import time
 
+# benchmarks/ only: the repository root would shadow the installed package with its tpuserve/
+# folder (the package's top-level modules alone), which is how the TPU machine imports it.
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax
 import jax.numpy as jnp
