@@ -57,6 +57,7 @@ def grouped_matmul(
     rhs: jax.Array,
     group_sizes: jax.Array,
     rhs_scale: jax.Array | None = None,
+    layer: jax.Array | None = None,
     *,
     impl: str = "reference",
     tiling: tuple[int, int, int] | None = None,
@@ -68,12 +69,17 @@ def grouped_matmul(
     "pallas_tpu_interpret" (the same kernel in TPU interpret mode on any backend; ``interpret``
     overrides its ``pltpu.InterpretParams``). ``tiling`` = (tm, tk, tn) for the kernel.
     ``rhs_scale``: per-output-channel scales of an 8-bit ``rhs`` (see the reference).
+    ``layer``: a scalar int32 when ``rhs`` (and ``rhs_scale``) hold every layer's experts,
+    ``[L, G, K, N]``: layer ``layer``'s are used (the kernel reads them in place).
     """
     if impl == "reference":
+        if layer is not None:
+            rhs = rhs[layer]
+            rhs_scale = None if rhs_scale is None else rhs_scale[layer]
         return grouped_matmul_reference(lhs, rhs, group_sizes, rhs_scale)
     if impl == "pallas_tpu":
-        return grouped_matmul_tpu(lhs, rhs, group_sizes, rhs_scale, tiling=tiling)
+        return grouped_matmul_tpu(lhs, rhs, group_sizes, rhs_scale, layer, tiling=tiling)
     if impl == "pallas_tpu_interpret":
         params = interpret or TPU_INTERPRET_PARAMS
-        return grouped_matmul_tpu(lhs, rhs, group_sizes, rhs_scale, tiling=tiling, interpret=params)
+        return grouped_matmul_tpu(lhs, rhs, group_sizes, rhs_scale, layer, tiling=tiling, interpret=params)
     raise ValueError(f"grouped_matmul: impl {impl!r} is not one of {IMPLS}")

@@ -56,9 +56,8 @@ K again and re-reads both. Per visit the MXU still does a full ``[tm, K] @ [K, t
 shared by many groups (decode: a few rows per expert) costs one matmul per group in it.
 
 Status: verified in TPU interpret mode (race detection on) on CPU and lowered to Mosaic for TPU
-(tests/moe/test_grouped_matmul.py). Not yet compiled or timed on a real TPU:
-benchmarks/moe_gmm_tpu.py does both. Mosaic masks the padding of an unaligned contracting dim
-(gpt-oss's K = 2880) itself; the 8-bit widening is the likeliest snag there.
+(tests/moe/test_grouped_matmul.py); compiled and timed on a v5e by benchmarks/moe_gmm_tpu.py
+(benchmarks/RESULTS.md, "Mixture of experts on a TPU v5e"), bf16, int8 and gpt-oss's K = 2880.
 """
 
 from __future__ import annotations
@@ -156,9 +155,9 @@ def visit_schedule(group_sizes: jax.Array, m: int, tm: int, num_visits: int):
 
 
 def _gmm_kernel(
-    out_tile_ref, in_tile_ref, group_ref, lo_ref, hi_ref, lhs_ref, rhs_ref, *refs, tm, nk, scaled
+    out_tile_ref, in_tile_ref, group_ref, lo_ref, hi_ref, layer_ref, lhs_ref, rhs_ref, *refs, tm, nk, scaled
 ):
-    del in_tile_ref, group_ref  # read by the index maps only
+    del in_tile_ref, group_ref, layer_ref  # read by the index maps only
     scale_ref, out_ref, acc_ref = refs if scaled else (None, *refs)
     v = pl.program_id(1)
     kk = pl.program_id(2)
@@ -226,6 +225,7 @@ def grouped_matmul_tpu(
     rhs: jax.Array,
     group_sizes: jax.Array,
     rhs_scale: jax.Array | None = None,
+    layer: jax.Array | None = None,
     *,
     tiling: tuple[int, int, int] | None = None,
     interpret=None,
@@ -233,20 +233,32 @@ def grouped_matmul_tpu(
     """``lhs [M, K]``, ``rhs [G, K, N]``, ``group_sizes [G]`` int32 -> ``[M, N]`` in lhs.dtype.
 
     ``rhs_scale``: f32 ``[G, 1, N]`` per-output-channel scales of an int8 / float8_e4m3fn ``rhs``
-    (dequantized weight = ``rhs * rhs_scale``), or None for a plain ``rhs``. ``tiling``: (tm, tk,
-    tn), default ``default_tiling(M, K, N)``. ``interpret``: None compiles for TPU; a
-    ``pltpu.InterpretParams`` runs the kernel in TPU interpret mode.
+    (dequantized weight = ``rhs * rhs_scale``), or None for a plain ``rhs``. ``layer``: a scalar
+    int32 when ``rhs`` is every layer's experts stacked, ``[L, G, K, N]`` (scales ``[L, G, 1, N]``):
+    the kernel fetches layer ``layer``'s blocks itself. A layer scan that sliced the stack instead
+    would hand the custom call a copy of the whole layer's experts (all G of them, every step),
+    where the kernel reads only the groups that have rows. ``tiling``: (tm, tk, tn), default
+    ``default_tiling(M, K, N)``. ``interpret``: None compiles for TPU; a ``pltpu.InterpretParams``
+    runs the kernel in TPU interpret mode.
     """
-    if lhs.ndim != 2 or rhs.ndim != 3 or rhs.shape[1] != lhs.shape[1] or group_sizes.shape != rhs.shape[:1]:
+    stacked = layer is not None
+    per_layer = rhs.shape[1:] if stacked else rhs.shape
+    if (
+        lhs.ndim != 2
+        or len(per_layer) != 3
+        or per_layer[1] != lhs.shape[1]
+        or group_sizes.shape != per_layer[:1]
+    ):
         raise ValueError(
             f"grouped_matmul_tpu: lhs {lhs.shape}, rhs {rhs.shape}, group_sizes {group_sizes.shape} "
-            "do not fit [M, K], [G, K, N], [G]"
+            f"do not fit [M, K], {'[L, G, K, N]' if stacked else '[G, K, N]'}, [G]"
         )
     m, k = lhs.shape
-    g, _, n = rhs.shape
+    g, _, n = per_layer
     scaled = rhs_scale is not None
-    if scaled and rhs_scale.shape != (g, 1, n):
-        raise ValueError(f"grouped_matmul_tpu: rhs_scale {rhs_scale.shape} is not [G, 1, N] = {(g, 1, n)}")
+    want_scale = (rhs.shape[0], g, 1, n) if stacked else (g, 1, n)
+    if scaled and rhs_scale.shape != want_scale:
+        raise ValueError(f"grouped_matmul_tpu: rhs_scale {rhs_scale.shape} is not {want_scale}")
     tm, tk, tn = tiling or default_tiling(m, k, n)
     _check_tiling(m, k, n, tm, tk, tn, lhs.dtype, rhs.dtype)
     nk = k // tk
@@ -256,25 +268,30 @@ def grouped_matmul_tpu(
     schedule = visit_schedule(group_sizes, m, tm, num_visits)
     out_tile, in_tile, group, lo, hi, _ = schedule
 
-    def lhs_map(j, v, kk, out_tile, in_tile, group, lo, hi):
+    # Index maps get the grid indices, then the scalar-prefetch refs: the schedule's five arrays
+    # and the layer ([1] i32; 0 and unused for an unstacked rhs).
+    def lhs_map(j, v, kk, out_tile, in_tile, group, lo, hi, lyr):
         busy = lo[v] < hi[v]
         return in_tile[v], jnp.where(busy, kk, nk - 1)
 
-    def rhs_map(j, v, kk, out_tile, in_tile, group, lo, hi):
+    def rhs_map(j, v, kk, out_tile, in_tile, group, lo, hi, lyr):
         busy = lo[v] < hi[v]
-        return group[v], jnp.where(busy, kk, nk - 1), j
+        block = (group[v], jnp.where(busy, kk, nk - 1), j)
+        return (lyr[0], *block) if stacked else block
 
-    def scale_map(j, v, kk, out_tile, in_tile, group, lo, hi):
-        return group[v], 0, j
+    def scale_map(j, v, kk, out_tile, in_tile, group, lo, hi, lyr):
+        return (lyr[0], group[v], 0, j) if stacked else (group[v], 0, j)
 
-    def out_map(j, v, kk, out_tile, in_tile, group, lo, hi):
+    def out_map(j, v, kk, out_tile, in_tile, group, lo, hi, lyr):
         return out_tile[v], j
 
-    in_specs = [pl.BlockSpec((tm, tk), lhs_map), pl.BlockSpec((None, tk, tn), rhs_map)]
+    lead = (None, None) if stacked else (None,)
+    in_specs = [pl.BlockSpec((tm, tk), lhs_map), pl.BlockSpec((*lead, tk, tn), rhs_map)]
     operands = [lhs, rhs]
     if scaled:
-        in_specs.append(pl.BlockSpec((None, 1, tn), scale_map))
+        in_specs.append(pl.BlockSpec((*lead, 1, tn), scale_map))
         operands.append(rhs_scale.astype(jnp.float32))
+    layer_ref = jnp.reshape(jnp.asarray(0 if layer is None else layer, jnp.int32), (1,))
 
     vmem = _vmem_limit(tm, tk, tn, lhs.dtype.itemsize, rhs.dtype.itemsize, lhs.dtype.itemsize)
     # bytes, with one K tile (the default): each N tile reads lhs once and each visited group's
@@ -291,7 +308,7 @@ def grouped_matmul_tpu(
     return pl.pallas_call(
         functools.partial(_gmm_kernel, tm=tm, nk=nk, scaled=scaled),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=5,
+            num_scalar_prefetch=6,
             grid=(tiles_n, num_visits, nk),
             in_specs=in_specs,
             out_specs=pl.BlockSpec((tm, tn), out_map),
@@ -303,4 +320,4 @@ def grouped_matmul_tpu(
         ),
         cost_estimate=cost,
         interpret=interpret if interpret is not None else False,
-    )(out_tile, in_tile, group, lo, hi, *operands)
+    )(out_tile, in_tile, group, lo, hi, layer_ref, *operands)

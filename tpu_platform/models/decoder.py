@@ -92,6 +92,10 @@ def embed_tokens(table, token_ids, mesh=None):
     )(table, token_ids)
 
 
+# Stacked layer weights a layer scan passes whole instead of sliced (forward says why).
+_UNSLICED = ("experts_gate_up", "experts_down")
+
+
 def _layer(
     arch: ModelArch,
     attn_params: AttentionParams,
@@ -146,7 +150,9 @@ def block_from_normed(
     x = rms_norm(h, w["post_norm"], arch.rms_norm_eps)
     if "router" in w:  # an expert layer of a mixture-of-experts model (models/moe.py)
         assert arch.moe is not None
-        return h + moe_mlp(x, w, arch.moe), kv_cache
+        # Experts stacked over layers ([L, E, ...], a layer scan's): the kernel indexes the layer.
+        stacked = w["experts_gate_up"].ndim == 4
+        return h + moe_mlp(x, w, arch.moe, layer=layer_idx if stacked else None), kv_cache
     wgu, bgu = w["gate_up"], w.get("gate_up_bias")
     if getattr(wgu, "ndim", 0) == 3:  # dense [2, H, F]: two dots, each reading its [H, F] in place
         gate = linear(x, wgu[0], None if bgu is None else bgu[0])
@@ -208,12 +214,22 @@ def forward(
         kv_dtype=None if kv_dtype is None else jnp.dtype(kv_dtype).name,
     )
 
+    layers, whole = params["layers"], {}
+    if not isinstance(layers, (list, tuple)):
+        # A scan hands each layer a slice of every stacked weight; a slice that feeds a Pallas
+        # call is materialized, so the expert stacks would be copied whole (every expert, every
+        # layer, every step: 1.2 GB a layer for Qwen3-30B-A3B's 128 experts). They stay out of
+        # the slices, whole, and the grouped matmul fetches the layer's active experts itself.
+        whole = {key: layers[key] for key in _UNSLICED if key in layers}
+        layers = {key: value for key, value in layers.items() if key not in whole}
+
     def block(h, kv_cache, w, layer_idx):
+        w = {**w, **whole}
         return _layer(arch, attn_params, attn_impl, md, cos, sin, h, kv_cache, w, layer_idx, mesh)
 
     captured: dict[int, jax.Array] = {}
-    if isinstance(params["layers"], (list, tuple)):  # unrolled: layer i is a constant
-        for i, w in enumerate(params["layers"]):
+    if isinstance(layers, (list, tuple)):  # unrolled: layer i is a constant
+        for i, w in enumerate(layers):
             if i in aux_layer_ids:
                 captured[i] = h
             h, kv_cache = block(h, kv_cache, w, jnp.int32(i))
@@ -223,7 +239,7 @@ def forward(
             return block(*carry, *xs), None
 
         (h, kv_cache), _ = jax.lax.scan(
-            body, (h, kv_cache), (params["layers"], jnp.arange(num_layers, dtype=jnp.int32))
+            body, (h, kv_cache), (layers, jnp.arange(num_layers, dtype=jnp.int32))
         )
     else:
         # Each wanted layer gets a slot of a [S+1, T, H] buffer carried through the scan; every layer
@@ -243,7 +259,7 @@ def forward(
         (h, kv_cache, buf), _ = jax.lax.scan(
             body,
             (h, kv_cache, buf),
-            (params["layers"], jnp.arange(num_layers, dtype=jnp.int32), jnp.asarray(slot_of)),
+            (layers, jnp.arange(num_layers, dtype=jnp.int32), jnp.asarray(slot_of)),
         )
         captured = {i: buf[s] for s, i in enumerate(wanted)}
     if num_layers in aux_layer_ids:

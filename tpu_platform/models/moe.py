@@ -19,20 +19,24 @@ from tpuserve.moe import grouped_matmul as moe_kernels
 from tpuserve.tpu_platform.models.arch import MoeArch
 
 
-def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, impl: str = "auto") -> jax.Array:
+def grouped_matmul(
+    lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, impl: str = "auto", layer: jax.Array | None = None
+) -> jax.Array:
     """lhs [M, K] (rows sorted by group), rhs [G, K, N], group_sizes [G] i32 summing to M -> [M, N].
 
     Rows group_sizes[:g].sum() .. group_sizes[:g+1].sum() - 1 are multiplied by rhs[g]. The one
     place experts are multiplied. impl: "auto" decides at trace time, as the quantized linears do:
     the Pallas kernel (moe/pallas_tpu_gmm.py) on a TPU, XLA's ``ragged_dot`` elsewhere; or
     "ragged_dot", "pallas_tpu", "pallas_tpu_interpret" (the kernel interpreted on CPU: tests).
+    layer: a scalar int32 when rhs is every layer's experts stacked, [L, G, K, N] (a layer scan
+    leaves them out of its slices, see decoder.py): the kernel reads layer ``layer``'s in place.
     """
     if impl == "auto":
         impl = "pallas_tpu" if jax.default_backend() == "tpu" else "ragged_dot"
     if impl == "ragged_dot":
-        return jax.lax.ragged_dot(lhs, rhs, group_sizes)
+        return jax.lax.ragged_dot(lhs, rhs if layer is None else rhs[layer], group_sizes)
     if impl in ("pallas_tpu", "pallas_tpu_interpret"):
-        return moe_kernels.grouped_matmul(lhs, rhs, group_sizes, impl=impl)
+        return moe_kernels.grouped_matmul(lhs, rhs, group_sizes, layer=layer, impl=impl)
     raise ValueError(
         f"grouped_matmul: impl {impl!r} is not one of auto, ragged_dot, pallas_tpu, pallas_tpu_interpret"
     )
@@ -52,12 +56,15 @@ def route(x: jax.Array, router: jax.Array, moe: MoeArch) -> tuple[jax.Array, jax
     return weights, experts.astype(jnp.int32)
 
 
-def moe_mlp(x: jax.Array, w: dict, moe: MoeArch, impl: str = "auto") -> jax.Array:
+def moe_mlp(
+    x: jax.Array, w: dict, moe: MoeArch, impl: str = "auto", layer: jax.Array | None = None
+) -> jax.Array:
     """The expert block: x [T, H] (after the post-attention norm) -> [T, H] in x's dtype.
 
-    w holds one layer's ``router``, ``experts_gate_up`` and ``experts_down`` (module docstring).
-    Padding slots of a ragged batch route like any token (their rows are finite, so are their
-    outputs) and their results are discarded by the caller. impl: ``grouped_matmul``'s.
+    w holds one layer's ``router``, ``experts_gate_up`` and ``experts_down`` (module docstring),
+    or with ``layer`` (a scalar int32) every layer's experts stacked ([L, E, ...]) and this
+    layer's router. Padding slots of a ragged batch route like any token (their rows are finite,
+    so are their outputs) and their results are discarded by the caller. impl: ``grouped_matmul``'s.
     """
     t, k = x.shape[0], moe.top_k
     weights, experts = route(x, w["router"], moe)
@@ -67,10 +74,10 @@ def moe_mlp(x: jax.Array, w: dict, moe: MoeArch, impl: str = "auto") -> jax.Arra
     token_of = order // k
     group_sizes = jnp.bincount(flat_expert, length=moe.num_experts).astype(jnp.int32)
     rows = x[token_of]  # [T*k, H]
-    gate_up = grouped_matmul(rows, w["experts_gate_up"], group_sizes, impl)  # [T*k, 2F]
+    gate_up = grouped_matmul(rows, w["experts_gate_up"], group_sizes, impl, layer)  # [T*k, 2F]
     f = gate_up.shape[-1] // 2
     act = jax.nn.silu(gate_up[:, :f]) * gate_up[:, f:]
-    out = grouped_matmul(act, w["experts_down"], group_sizes, impl)  # [T*k, H]
+    out = grouped_matmul(act, w["experts_down"], group_sizes, impl, layer)  # [T*k, H]
     # Weight and sum in f32: a token's k expert outputs add up in one place.
     scaled = out.astype(jnp.float32) * weights.reshape(t * k)[order][:, None]
     y = jnp.zeros((t, x.shape[1]), jnp.float32).at[token_of].add(scaled)
