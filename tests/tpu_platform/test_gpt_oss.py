@@ -293,3 +293,88 @@ def test_greedy_generation_matches_transformers(checkpoints, kind, oracle):
     tok = llm.get_tokenizer()
     for prompt, out in zip(PROMPTS, outs):
         assert out.outputs[0].token_ids == _hf_greedy(hf, tok.encode(prompt), 10)
+
+
+def test_published_20b_config_parses():
+    """The fields of openai/gpt-oss-20b's config.json (old-style ``rope_scaling``, MXFP4 config)."""
+    cfg = {
+        "architectures": ["GptOssForCausalLM"],
+        "model_type": "gpt_oss",
+        "vocab_size": 201088,
+        "hidden_size": 2880,
+        "intermediate_size": 2880,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+        "num_local_experts": 32,
+        "num_experts_per_tok": 4,
+        "experts_per_token": 4,
+        "sliding_window": 128,
+        "layer_types": ["sliding_attention", "full_attention"] * 12,
+        "rope_theta": 150000,
+        "rope_scaling": {
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "factor": 32.0,
+            "original_max_position_embeddings": 4096,
+            "rope_type": "yarn",
+            "truncate": False,
+        },
+        "swiglu_limit": 7.0,
+        "attention_bias": True,
+        "rms_norm_eps": 1e-05,
+        "max_position_embeddings": 131072,
+        "tie_word_embeddings": False,
+        "quantization_config": {
+            "quant_method": "mxfp4",
+            "modules_to_not_convert": ["model.layers.*.self_attn"],
+        },
+    }
+    arch = ModelArch.from_hf_config(cfg)
+    assert arch.layer_window(0) == 128 and arch.layer_window(1) is None
+    assert arch.moe is not None and (arch.moe.num_experts, arch.moe.top_k) == (32, 4)
+    assert arch.moe.swiglu_alpha == 1.702 and arch.rope_theta == 150000.0
+    assert arch.rope_attention_factor() == pytest.approx(0.1 * np.log(32.0) + 1.0)
+    from tpuserve.tpu_platform.loader.gpt_oss_mxfp4 import is_gpt_oss_mxfp4
+
+    assert is_gpt_oss_mxfp4(cfg)
+
+
+@pytest.mark.timeout(600)
+def test_ngram_speculative_decoding_and_prefix_cache_keep_greedy_tokens(checkpoints):
+    """n-gram drafts verified by multi-token forwards through the sliding layers, and a second
+    round served from cached prefix pages, both give transformers' greedy tokens."""
+    from tpuserve.server.llm import LLM
+    from tpuserve.server.sampling_params import SamplingParams
+
+    llm = LLM(
+        checkpoints["dense"],
+        max_model_len=64,
+        max_num_batched_tokens=16,
+        max_num_seqs=2,
+        warmup=False,
+        enable_prefix_caching=True,
+        speculative_config={
+            "method": "ngram",
+            "num_speculative_tokens": 3,
+            "prompt_lookup_min": 1,
+            "prompt_lookup_max": 3,
+        },
+    )
+    rng = np.random.default_rng(0)
+    prompts = []
+    for n in (5, 7):  # repeated motifs, longer than the window: the n-gram drafter finds matches
+        motif = [int(t) for t in rng.integers(100, 3000, n)]
+        prompts.append(motif * 3 + motif[:2])
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    reqs = [{"prompt_token_ids": p} for p in prompts]
+    first = llm.generate(reqs, params, use_tqdm=False)
+    assert llm.engine.stats.spec_num_draft_tokens > 0
+    hits = llm.engine.stats.prefix_cache_hits
+    again = llm.generate(reqs, params, use_tqdm=False)
+    assert llm.engine.stats.prefix_cache_hits > hits  # the second round read cached pages
+    hf = _hf(checkpoints["dense"])
+    for p, a, b in zip(prompts, first, again):
+        want = _hf_greedy(hf, p, 10)
+        assert a.outputs[0].token_ids == want and b.outputs[0].token_ids == want
