@@ -214,8 +214,9 @@ def test_this_checkpoint_exercises_the_clamp_and_the_window(checkpoints):
     assert np.abs(base - no_window).max() > 1e-2
 
 
-def _our_last_logits(path: str) -> tuple[list[np.ndarray], list[list[int]]]:
-    """One ragged step over all prompts through the runner: each prompt's last-position logits."""
+def _our_last_logits(path: str, layers_differ: bool = True) -> tuple[list[np.ndarray], list[list[int]]]:
+    """One ragged step over all prompts through the runner (asked to scan its layers): each
+    prompt's last-position logits."""
     from tpuserve.tpu_platform.config import EngineConfig
     from tpuserve.tpu_platform.device import discover
     from tpuserve.tpu_platform.loader import load_model
@@ -224,7 +225,7 @@ def _our_last_logits(path: str) -> tuple[list[np.ndarray], list[list[int]]]:
 
     loaded = load_model(path, jnp.float32)
     # sliding and full layers cannot share a scanned body: the loader hands them over as a list
-    assert isinstance(loaded.params["layers"], list)
+    assert isinstance(loaded.params["layers"], list if layers_differ else dict)
     runner = ModelRunner(
         EngineConfig.from_kwargs(model=path, max_num_batched_tokens=64, layer_loop="scan"),
         loaded.arch,
@@ -234,7 +235,7 @@ def _our_last_logits(path: str) -> tuple[list[np.ndarray], list[list[int]]]:
         num_pages=32,
         max_model_len=256,
     )
-    assert runner.layer_loop == "unroll"
+    assert runner.layer_loop == ("unroll" if layers_differ else "scan")
     tok = loaded.tokenizer
     prompts = [tok.encode(p) for p in PROMPTS]
     seqs, next_page = [], 1
@@ -378,3 +379,37 @@ def test_ngram_speculative_decoding_and_prefix_cache_keep_greedy_tokens(checkpoi
     for p, a, b in zip(prompts, first, again):
         want = _hf_greedy(hf, p, 10)
         assert a.outputs[0].token_ids == want and b.outputs[0].token_ids == want
+
+
+@pytest.mark.timeout(600)
+def test_full_attention_only_layers_run_scanned_and_match_transformers(tmp_path):
+    """With every layer full attention the layers share one body: stacked and scanned (sinks and
+    expert biases through ``lax.scan``), still transformers' logits."""
+    tok = _tokenizer()
+    cfg = _config(len(tok), tok.eos_token_id)
+    cfg.layer_types = ["full_attention"] * LAYERS
+    _random_model(cfg).save_pretrained(str(tmp_path))
+    tok.save_pretrained(str(tmp_path))
+    ours, prompts = _our_last_logits(str(tmp_path), layers_differ=False)
+    hf = _hf(str(tmp_path))
+    for got, p in zip(ours, prompts):
+        with torch.no_grad():
+            ref = hf(torch.tensor([p])).logits[0, -1].numpy()
+        np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "kwargs, named",
+    [
+        (dict(tensor_parallel_size=2), "tensor_parallel_size=2"),
+        (dict(quantization="mxfp4"), "quantization='mxfp4'"),
+    ],
+)
+def test_unsupported_combinations_are_named(kwargs, named):
+    """gpt-oss takes the MoE path's refusals (experts are dense, one device, for now)."""
+    from tpuserve.tpu_platform.config import ConfigError, EngineConfig
+    from tpuserve.tpu_platform.worker import check_moe_combinations
+
+    arch = ModelArch.from_hf_config({**_config(32, 0).to_dict(), "architectures": ["GptOssForCausalLM"]})
+    with pytest.raises(ConfigError, match=f"{named} with a mixture-of-experts model"):
+        check_moe_combinations(EngineConfig.from_kwargs(model=None, **kwargs), arch)
