@@ -124,7 +124,7 @@ def test_padding_rows_stay_finite():
 
 @pytest.mark.parametrize(
     "arch_name",
-    ["Qwen2MoeForCausalLM", "MixtralForCausalLM", "DeepseekV3ForCausalLM", "GptOssForCausalLM"],
+    ["Qwen2MoeForCausalLM", "MixtralForCausalLM", "DeepseekV3ForCausalLM", "Qwen3NextForCausalLM"],
 )
 def test_unsupported_moe_architectures_are_refused_by_name(arch_name):
     cfg = dict(

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from tpuserve.tpu_platform.kv_scales import scales_from_checkpoint
+from tpuserve.tpu_platform.loader.gpt_oss_mxfp4 import is_gpt_oss_mxfp4, with_dequantized_experts
 from tpuserve.tpu_platform.loader.quantized import detect, read_linear
 from tpuserve.tpu_platform.loader.safetensors_raw import SafetensorsFiles
 from tpuserve.tpu_platform.models.arch import ModelArch, ModelConfigError
@@ -86,7 +87,10 @@ def _load_hf_dir(path: str, dtype, tokenizer: str | None) -> LoadedModel:
         t = raw(name)
         return None if t is None else t.astype(np.float32)
 
-    quant = detect(cfg, path)
+    gpt_oss_mxfp4 = is_gpt_oss_mxfp4(cfg)
+    if gpt_oss_mxfp4:  # the experts' blocks/scales decode to dense names; the rest is dense already
+        get = with_dequantized_experts(get, raw)
+    quant = None if gpt_oss_mxfp4 else detect(cfg, path)
     if quant is not None and arch.moe is not None:
         # the experts would be read as plain floats, their scales ignored: refuse instead
         raise ModelConfigError(

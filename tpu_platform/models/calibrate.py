@@ -89,7 +89,10 @@ class _Batch:
             cu_q_lens=jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32),
             num_seqs=jnp.asarray([len(lens)], jnp.int32),
         )
-        return cls(jnp.asarray(token_ids), jnp.asarray(np.cos(freqs)), jnp.asarray(np.sin(freqs)), md)
+        scale = arch.rope_attention_factor()  # YaRN's, as decoder.forward applies it; else 1
+        return cls(
+            jnp.asarray(token_ids), jnp.asarray(np.cos(freqs) * scale), jnp.asarray(np.sin(freqs) * scale), md
+        )
 
 
 def _run_layer(arch, md, cos, sin, h, w):

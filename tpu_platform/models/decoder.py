@@ -1,4 +1,4 @@
-"""Decoder-only transformer (Llama / Mistral / Qwen2 / Qwen3 / Qwen3-MoE) in JAX over a ragged batch and paged KV.
+"""Decoder-only transformer (Llama / Mistral / Qwen2 / Qwen3 / Qwen3-MoE / gpt-oss) in JAX over a ragged batch and paged KV.
 
 ``forward`` runs the layers and returns hidden states (``DecoderOutput``); ``compute_logits`` is the
 LM head, applied by the caller to just the rows it samples from. One ``forward`` serves all four
@@ -17,7 +17,9 @@ Parameter tree (L layers, H hidden, F ffn, Hq/Hkv heads of D, G = Hq/Hkv, V voca
             gate_up [L, 2, H, F] (gate, up), gate_up_bias [L, 2, F]?, down [L, F, H], down_bias [L, H]?
             (a quantized gate_up is a record of [H, 2, F], or of [H, TP, 2, F/TP] under TP)
             or, in a mixture-of-experts layer, router / experts_gate_up / experts_down (moe.py)
-            in place of gate_up and down; a model mixing both kinds is a list of layers
+            in place of gate_up and down; a model mixing both kinds is a list of layers;
+            sinks [L, Hq]? f32 (gpt-oss's attention sinks; its layers are a list too, since
+            sliding-window and full-attention layers alternate: ModelArch.layer_window)
 qkv groups by KV head: [.., kv, g] for g < G is query head kv*G + g, [.., kv, G] is K, [.., kv, G+1] V
 (weights.build_params). Tensor parallelism is then one PartitionSpec per array (sharding.py): qkv
 splits on Hkv, gate_up on F, o and down on their input rows. With ``unstack_layers`` the leading [L]
@@ -26,7 +28,7 @@ axis becomes a list of per-layer dicts.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import jax
 import jax.numpy as jnp
@@ -143,7 +145,17 @@ def block_from_normed(
         k = rms_norm(k, w["k_norm"], arch.rms_norm_eps)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     attn, kv_cache = ragged_paged_attention(
-        q, k, v, kv_cache, layer_idx, md, attn_params, attn_impl, mesh=mesh, heads_axis=MODEL_AXIS
+        q,
+        k,
+        v,
+        kv_cache,
+        layer_idx,
+        md,
+        attn_params,
+        attn_impl,
+        mesh=mesh,
+        heads_axis=MODEL_AXIS,
+        sinks=w.get("sinks"),  # gpt-oss: f32 [Hq], one learned logit per query head
     )
     h = h + linear(attn.reshape(t, hq * d), w["o"], w.get("o_bias"))
 
@@ -205,10 +217,13 @@ def forward(
     h = embed_tokens(params["embed"], token_ids, mesh)
     freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
     cos, sin = jnp.cos(freqs), jnp.sin(freqs)
+    rope_factor = arch.rope_attention_factor()
+    if rope_factor != 1.0:  # YaRN scales cos and sin, so every q.k logit by rope_factor**2
+        cos, sin = cos * rope_factor, sin * rope_factor
     k_scale, v_scale = (None, None) if kv_scales is None else (float(x) for x in kv_scales)
     attn_params = AttentionParams(
         sm_scale=arch.head_dim**-0.5,
-        sliding_window=arch.sliding_window,
+        sliding_window=arch.layer_window(0),  # the scanned body's; unrolled layers take their own
         k_scale=k_scale,
         v_scale=v_scale,
         kv_dtype=None if kv_dtype is None else jnp.dtype(kv_dtype).name,
@@ -222,17 +237,23 @@ def forward(
         # the slices, whole, and the grouped matmul fetches the layer's active experts itself.
         whole = {key: layers[key] for key in _UNSLICED if key in layers}
         layers = {key: value for key, value in layers.items() if key not in whole}
+    # Static per layer: gpt-oss alternates sliding-window and full-attention layers. Layers that
+    # differ cannot share a scanned body, so their weights come as a list (weights._stack_layers).
+    windows = [arch.layer_window(i) for i in range(num_layers)]
+    layer_params = [replace(attn_params, sliding_window=wnd) for wnd in windows]
 
-    def block(h, kv_cache, w, layer_idx):
+    def block(h, kv_cache, w, layer_idx, params_i=attn_params):
         w = {**w, **whole}
-        return _layer(arch, attn_params, attn_impl, md, cos, sin, h, kv_cache, w, layer_idx, mesh)
+        return _layer(arch, params_i, attn_impl, md, cos, sin, h, kv_cache, w, layer_idx, mesh)
 
     captured: dict[int, jax.Array] = {}
     if isinstance(layers, (list, tuple)):  # unrolled: layer i is a constant
         for i, w in enumerate(layers):
             if i in aux_layer_ids:
                 captured[i] = h
-            h, kv_cache = block(h, kv_cache, w, jnp.int32(i))
+            h, kv_cache = block(h, kv_cache, w, jnp.int32(i), layer_params[i])
+    elif len(set(windows)) > 1:
+        raise ValueError("layers with different sliding windows cannot be scanned; unstack them first")
     elif not aux_layer_ids:
 
         def body(carry, xs):

@@ -77,7 +77,8 @@ def draft_forward(
     eps = arch.rms_norm_eps
     embeds = params["embed"][token_ids]
     freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
-    cos, sin = jnp.cos(freqs), jnp.sin(freqs)
+    scale = arch.rope_attention_factor()  # YaRN's, as decoder.forward applies it; else 1
+    cos, sin = jnp.cos(freqs) * scale, jnp.sin(freqs) * scale
     attn = AttentionParams(sm_scale=arch.head_dim**-0.5, sliding_window=arch.sliding_window)
     w = params["layer"]
     layer = jnp.int32(0)

@@ -1,4 +1,4 @@
-"""The sparse expert MLP of a mixture-of-experts layer (Qwen3-MoE), over all T token slots at once.
+"""The sparse expert MLP of a mixture-of-experts layer (Qwen3-MoE, gpt-oss), over all T token slots at once.
 
 Each token picks its top-k experts from a softmax router; its MLP output is the routing-weighted sum
 of those experts' SiLU-gated MLPs. Rather than running every expert on every token (E times the
@@ -8,6 +8,8 @@ static: there are always exactly T*k assignment rows, only how they split among 
 
 Per-layer weights (E experts, H hidden, F expert ffn; [in, out] like every weight here):
     router [H, E]; experts_gate_up [E, H, 2F] (gate columns, then up); experts_down [E, F, H]
+    gpt-oss adds router_bias [E], experts_gate_up_bias [E, 2F] (gate, then up), experts_down_bias
+    [E, H] (the loader de-interleaves gpt-oss's alternating gate/up columns into this layout).
 """
 
 from __future__ import annotations
@@ -42,13 +44,21 @@ def grouped_matmul(
     )
 
 
-def route(x: jax.Array, router: jax.Array, moe: MoeArch) -> tuple[jax.Array, jax.Array]:
-    """x [T, H], router [H, E] -> (weights [T, k] f32, experts [T, k] i32), best expert first.
+def route(
+    x: jax.Array, router: jax.Array, moe: MoeArch, bias: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array]:
+    """x [T, H], router [H, E], bias [E] or None -> (weights [T, k] f32, experts [T, k] i32),
+    best expert first.
 
     Logits and softmax in f32 whatever the activation dtype: a rounding there can change which
     experts a token gets, a discrete jump no later precision recovers.
     """
     logits = jnp.dot(x.astype(jnp.float32), router.astype(jnp.float32))
+    if bias is not None:
+        logits = logits + bias.astype(jnp.float32)
+    if moe.softmax_after_topk:  # gpt-oss: the softmax sees only the k chosen logits
+        top, experts = jax.lax.top_k(logits, moe.top_k)
+        return jax.nn.softmax(top, axis=-1), experts.astype(jnp.int32)
     probs = jax.nn.softmax(logits, axis=-1)
     weights, experts = jax.lax.top_k(probs, moe.top_k)
     if moe.norm_topk_prob:
@@ -56,18 +66,31 @@ def route(x: jax.Array, router: jax.Array, moe: MoeArch) -> tuple[jax.Array, jax
     return weights, experts.astype(jnp.int32)
 
 
+def expert_activation(gate: jax.Array, up: jax.Array, moe: MoeArch) -> jax.Array:
+    """SiLU(gate) * up, or gpt-oss's clamped SwiGLU when ``moe.swiglu_limit`` is set: the gate
+    clamped above at the limit, up to [-limit, limit], then (up + 1) * gate * sigmoid(alpha * gate).
+    The clamps bound what an outlier token can push through an expert."""
+    if moe.swiglu_limit is None:
+        return jax.nn.silu(gate) * up
+    limit = moe.swiglu_limit
+    gate = jnp.minimum(gate, limit)
+    up = jnp.clip(up, -limit, limit)
+    return (up + 1) * (gate * jax.nn.sigmoid(moe.swiglu_alpha * gate))
+
+
 def moe_mlp(
     x: jax.Array, w: dict, moe: MoeArch, impl: str = "auto", layer: jax.Array | None = None
 ) -> jax.Array:
     """The expert block: x [T, H] (after the post-attention norm) -> [T, H] in x's dtype.
 
-    w holds one layer's ``router``, ``experts_gate_up`` and ``experts_down`` (module docstring),
-    or with ``layer`` (a scalar int32) every layer's experts stacked ([L, E, ...]) and this
-    layer's router. Padding slots of a ragged batch route like any token (their rows are finite,
-    so are their outputs) and their results are discarded by the caller. impl: ``grouped_matmul``'s.
+    w holds one layer's ``router``, ``experts_gate_up`` and ``experts_down``, and gpt-oss's biases
+    when present (module docstring); or with ``layer`` (a scalar int32) every layer's expert
+    weights stacked ([L, E, ...]) next to this layer's router and biases.
+    Padding slots of a ragged batch route like any token (their rows are finite, so are their
+    outputs) and their results are discarded by the caller. impl: ``grouped_matmul``'s.
     """
     t, k = x.shape[0], moe.top_k
-    weights, experts = route(x, w["router"], moe)
+    weights, experts = route(x, w["router"], moe, w.get("router_bias"))
     flat_expert = experts.reshape(t * k)
     # Assignment a = token * k + slot; sorting by expert makes each expert's rows contiguous.
     order = jnp.argsort(flat_expert, stable=True)
@@ -75,9 +98,14 @@ def moe_mlp(
     group_sizes = jnp.bincount(flat_expert, length=moe.num_experts).astype(jnp.int32)
     rows = x[token_of]  # [T*k, H]
     gate_up = grouped_matmul(rows, w["experts_gate_up"], group_sizes, impl, layer)  # [T*k, 2F]
+    row_expert = flat_expert[order]  # the expert of each sorted row, for its biases
+    if "experts_gate_up_bias" in w:
+        gate_up = gate_up + w["experts_gate_up_bias"][row_expert].astype(gate_up.dtype)
     f = gate_up.shape[-1] // 2
-    act = jax.nn.silu(gate_up[:, :f]) * gate_up[:, f:]
+    act = expert_activation(gate_up[:, :f], gate_up[:, f:], moe)
     out = grouped_matmul(act, w["experts_down"], group_sizes, impl, layer)  # [T*k, H]
+    if "experts_down_bias" in w:
+        out = out + w["experts_down_bias"][row_expert].astype(out.dtype)
     # Weight and sum in f32: a token's k expert outputs add up in one place.
     scaled = out.astype(jnp.float32) * weights.reshape(t * k)[order][:, None]
     y = jnp.zeros((t, x.shape[1]), jnp.float32).at[token_of].add(scaled)

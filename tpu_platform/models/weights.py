@@ -77,21 +77,49 @@ def _expert_weights(arch: ModelArch, p: str, need, check, dtype) -> dict[str, np
     return {"router": router.T, "experts_gate_up": gate_up, "experts_down": down}
 
 
-def _stack_layers(layer_tensors: list[dict], dtype):
+def _gpt_oss_expert_weights(arch: ModelArch, p: str, need, check, dtype) -> dict[str, np.ndarray]:
+    """One gpt-oss layer's router and experts in moe.py's layout, with their biases.
+
+    gpt-oss stores the experts already [in, out] and fused: ``mlp.experts.gate_up_proj`` [E, H, 2F]
+    with gate and up in alternating columns (gate = [..., 0::2], up = [..., 1::2]), its bias
+    [E, 2F] alike, ``down_proj`` [E, F, H] and bias [E, H]; the router is ``mlp.router`` with a
+    bias. The columns are de-interleaved here into [gate | up], so the expert block slices halves.
+    A published MXFP4 checkpoint's ``*_blocks`` / ``*_scales`` reach this function already decoded
+    to these dense names (loader/gpt_oss_mxfp4.py)."""
+    moe = arch.moe
+    assert moe is not None
+    hid, f, e = arch.hidden_size, moe.expert_intermediate_size, moe.num_experts
+    x = p + "mlp.experts."
+    gu = check(x + "gate_up_proj", need(x + "gate_up_proj"), (e, hid, 2 * f))
+    gu_bias = check(x + "gate_up_proj_bias", need(x + "gate_up_proj_bias"), (e, 2 * f))
+    np_dtype = jnp.dtype(dtype)
+    return {
+        "router": check(p + "mlp.router.weight", need(p + "mlp.router.weight"), (e, hid)).T,
+        "router_bias": check(p + "mlp.router.bias", need(p + "mlp.router.bias"), (e,)),
+        "experts_gate_up": np.concatenate([gu[..., 0::2], gu[..., 1::2]], axis=-1).astype(np_dtype),
+        "experts_gate_up_bias": np.concatenate([gu_bias[..., 0::2], gu_bias[..., 1::2]], axis=-1),
+        "experts_down": check(x + "down_proj", need(x + "down_proj"), (e, f, hid)).astype(np_dtype),
+        "experts_down_bias": check(x + "down_proj_bias", need(x + "down_proj_bias"), (e, hid)),
+    }
+
+
+def _stack_layers(layer_tensors: list[dict], dtype, keep_f32: frozenset = frozenset(), as_list: bool = False):
     """Per-layer {key: tensor} -> one dict of [L, ...] arrays when every layer has the same keys
     (the decoder scans over it), else a list of per-layer dicts (run unrolled): a model mixing dense
-    and expert MLP layers (Qwen3-MoE's ``mlp_only_layers``) has no single layer body to scan."""
+    and expert MLP layers (Qwen3-MoE's ``mlp_only_layers``) has no single layer body to scan, nor
+    one whose layers attend differently (``as_list``: gpt-oss's sliding and full layers).
+    keep_f32: keys kept in float32 whatever ``dtype`` (attention sinks: a logit, added in f32)."""
 
-    def dense(t):
-        return jnp.asarray(t, dtype) if isinstance(t, np.ndarray) else t
+    def dense(k, t):
+        return jnp.asarray(t, jnp.float32 if k in keep_f32 else dtype) if isinstance(t, np.ndarray) else t
 
     keys = {frozenset(layer) for layer in layer_tensors}
-    if len(keys) > 1:
-        return [{k: dense(v) for k, v in layer.items()} for layer in layer_tensors]
+    if len(keys) > 1 or as_list:
+        return [{k: dense(k, v) for k, v in layer.items()} for layer in layer_tensors]
     out = {}
     for k in layer_tensors[0]:
         v = [layer[k] for layer in layer_tensors]
-        out[k] = jnp.asarray(np.stack(v), dtype) if isinstance(v[0], np.ndarray) else _stack_records(k, v)
+        out[k] = dense(k, np.stack(v)) if isinstance(v[0], np.ndarray) else _stack_records(k, v)
     return out
 
 
@@ -170,7 +198,12 @@ def build_params(
         )
         if arch.o_bias:
             add("o_bias", need(p + "self_attn.o_proj.bias"))
-        if arch.moe is not None and i in arch.moe.moe_layers:
+        if arch.attention_sinks:
+            add("sinks", check(p + "self_attn.sinks", need(p + "self_attn.sinks"), (hq,)))
+        if arch.architecture == "GptOssForCausalLM":
+            for key, t in _gpt_oss_expert_weights(arch, p, need, check, dtype).items():
+                add(key, t)
+        elif arch.moe is not None and i in arch.moe.moe_layers:
             for key, t in _expert_weights(arch, p, need, check, dtype).items():
                 add(key, t)
         else:
@@ -206,7 +239,12 @@ def build_params(
     params = {
         "embed": jnp.asarray(embed, dtype),
         "final_norm": jnp.asarray(need("model.norm.weight"), dtype),
-        "layers": _stack_layers(layer_tensors, dtype),
+        "layers": _stack_layers(
+            layer_tensors,
+            dtype,
+            keep_f32=frozenset({"sinks"}),
+            as_list=len({arch.layer_window(i) for i in range(arch.num_layers)}) > 1,
+        ),
     }
     head_rec = None if arch.tie_word_embeddings else linear_rec("lm_head", hid, arch.vocab_size)
     if head_rec is not None:
