@@ -47,7 +47,7 @@ stage() {  # stage NAME LIMIT_S COMMAND...: run with a limit when the remaining 
 for s in $stages; do
   case $s in
     kernels)   # the Pallas kernels compiled by Mosaic against jax's reference on the chip
-      stage kernels 120 python benchmarks/attention_tpu.py --checks-only --out "$out/kernels.json" ;;
+      stage kernels 240 python benchmarks/attention_tpu.py --checks-only --out "$out/kernels.json" ;;
     e2e-1b)
       checkpoint llama-1b-gqa
       stage e2e-1b 200 python benchmarks/tpu_e2e.py --models /tmp/m/llama-1b-gqa --rounds 1 \
@@ -92,7 +92,7 @@ for s in $stages; do
     fp8-kv)    # an FP8 KV cache through LLM(...) at 0.9: warm-up, generation, peak HBM, and whether
                # its step program (the jnp reference attention on a TPU) copies the cache
       checkpoint llama-1b-gqa
-      stage fp8-kv 260 python benchmarks/tpu_memory.py --llm /tmp/m/llama-1b-gqa --kv-cache-dtype fp8 \
+      stage fp8-kv 240 python benchmarks/tpu_memory.py --llm /tmp/m/llama-1b-gqa --kv-cache-dtype fp8 \
           --batches 1,128 --out "$out/fp8kv_1b.json" ;;
     parts)     # where a decode step's device time goes: matmuls alone, empty steps per bucket, HLO
       stage parts 240 python benchmarks/tpu_step_parts.py --model llama-1b --trace --out "$out/parts" ;;
