@@ -411,6 +411,11 @@ class CompilationConfig:
     # "auto": unroll on CPU, scan elsewhere.
     layer_loop: LayerLoop = LayerLoop.AUTO
     compilation_cache_dir: str | None = None
+    # Keep compiled forwards on disk beside that cache (tpu_platform/executable_cache.py), so a
+    # restart traces none of them. None: on for accelerators, off on CPU, where an XLA:CPU program
+    # serialized in the serving process later failed to run ("NOT_FOUND: Function wrapped_iota
+    # not found", jax 0.10.2; tests/server/test_spec_decode_engine.py's steady-state test).
+    executable_cache: bool | None = None
     # Token-count buckets double from min_token_bucket up to 32, then grow by token_bucket_factor
     # (rounded up to multiples of 16) up to the step budget. Small first buckets matter on CPU: a
     # decode of one sequence padded to 16 rows runs the weight matmuls as GEMMs at ~2.5x the cost of

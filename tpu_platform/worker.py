@@ -269,8 +269,12 @@ class Worker:
 
     def _executable_cache_dir(self) -> str | None:
         """Where the runner keeps its compiled forwards across restarts: beside JAX's persistent
-        cache. None over several processes, whose programs must be built together."""
-        if jax.process_count() > 1:
+        cache. None over several processes, whose programs must be built together, and where
+        ``executable_cache`` says off (by default on CPU: config.py says why)."""
+        wanted = self.config.compilation.executable_cache
+        if wanted is None:
+            wanted = self.device.backend != "cpu"
+        if not wanted or jax.process_count() > 1:
             return None
         return os.path.join(self.compilation_cache_dir, "tpuserve-executables")
 

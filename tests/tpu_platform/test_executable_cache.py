@@ -19,7 +19,7 @@ pytestmark = pytest.mark.timeout(600)
 CHILD = """
 import json, sys
 from tpuserve import LLM, SamplingParams
-llm = LLM(model=sys.argv[1], compilation_cache_dir=sys.argv[2], max_model_len=256, max_num_seqs=4,
+llm = LLM(model=sys.argv[1], compilation_cache_dir=sys.argv[2], executable_cache=True, max_model_len=256, max_num_seqs=4,
           max_num_batched_tokens=32, layer_loop="scan")
 runner = llm.engine.runner
 after_warmup = runner.compile_count
