@@ -143,7 +143,9 @@ def check_against_oracle(args) -> list[dict]:
                             jnp.asarray(cache[:, :, : 2 * hkv]), jnp.asarray(new_kv), *map(jnp.asarray, md_np)
                         )
                         oracle = (
-                            ragged_paged_attention_ref if "sinks" in kw else jax_rpa.ref_ragged_paged_attention
+                            ragged_paged_attention_ref
+                            if "sinks" in kw
+                            else jax_rpa.ref_ragged_paged_attention
                         )
                         want = oracle(jnp.asarray(q), want_kv, *map(jnp.asarray, md_np), **kw)
                         want, want_kv = np.asarray(want), np.asarray(want_kv)
