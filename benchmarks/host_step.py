@@ -4,8 +4,10 @@ On an accelerator the host (scheduling, batch building, detokenizing, outputs) s
 batch 128 (benchmarks/RESULTS.md, "the host's share"). Here the model is so small (2 layers, hidden
 64, the default model's tokenizer and vocabulary, so detokenization is real) that a step on the CPU
 is mostly that host work. The offline ``LLM`` API runs ``--batch`` prompts of 128 random tokens, 128
-new tokens each, ignore_eos; greedy, then temperature 1 with a seed per request. The number is the
-median wall time of an ``engine.step()`` (decode steps are nearly all of them).
+new tokens each, ignore_eos; greedy, then temperature 1 with a seed per request. Printed: the
+median wall time of an ``engine.step()`` (decode steps are nearly all of them), and the host's share,
+that wall time less the time blocked on the device's results (``runner.fetch``): on the CPU the
+"device" shares the cores with the host, so the wall time alone mixes both.
 
     python benchmarks/host_step.py --batches 1 32 128                    # this tree
     python benchmarks/host_step.py --baseline HEAD~1 --repeats 3        # A/B, interleaved runs
@@ -130,15 +132,23 @@ def child(args) -> None:
     )
     engine = llm.engine
     steps: list[float] = []
-    real_step = engine.step
+    waits: list[float] = []  # per step: time blocked on the device's results (runner.fetch)
+    real_step, real_fetch = engine.step, engine.runner.fetch
 
     def timed_step(**kwargs):
+        waits.append(0.0)
         t0 = time.perf_counter()
         out = real_step(**kwargs)
         steps.append(time.perf_counter() - t0)
         return out
 
-    engine.step = timed_step
+    def timed_fetch(*a, **kw):
+        t0 = time.perf_counter()
+        out = real_fetch(*a, **kw)
+        waits[-1] += time.perf_counter() - t0
+        return out
+
+    engine.step, engine.runner.fetch = timed_step, timed_fetch
     rng = np.random.default_rng(0)
     prompts = [{"prompt_token_ids": rng.integers(100, 30000, 128).tolist()} for _ in range(max(args.batches))]
     for t in args.temperatures:  # compile every step shape outside the timed runs
@@ -146,6 +156,7 @@ def child(args) -> None:
     for line in sys.stdin:
         batch, temperature = json.loads(line)
         steps.clear()
+        waits.clear()
         prof = None
         if args.profile:
             import cProfile
@@ -158,7 +169,14 @@ def child(args) -> None:
             write_profile(prof, f"{args.profile}_{args.label}_b{batch}_t{temperature:g}.txt", steps)
         digest = hashlib.sha256("\0".join(texts).encode()).hexdigest()[:12]
         print(
-            json.dumps({"ms": statistics.median(steps) * 1e3, "steps": len(steps), "digest": digest}),
+            json.dumps(
+                {
+                    "ms": statistics.median(steps) * 1e3,
+                    "host_ms": statistics.median([s - w for s, w in zip(steps, waits)]) * 1e3,
+                    "steps": len(steps),
+                    "digest": digest,
+                }
+            ),
             flush=True,
         )
 
@@ -240,19 +258,26 @@ def main() -> None:
         for b in args.batches:
             for t in args.temperatures:
                 ms: dict[str, list[float]] = {k: [] for k in children}
+                host: dict[str, list[float]] = {k: [] for k in children}
                 digests: dict[str, set[str]] = {k: set() for k in children}
                 for _ in range(args.repeats):
                     for k, c in children.items():
                         r = c.run(b, t)
                         ms[k].append(r["ms"])
+                        host[k].append(r["host_ms"])
                         digests[k].add(r["digest"])
                 med = {k: statistics.median(v) for k, v in ms.items()}
+                hmed = {k: statistics.median(v) for k, v in host.items()}
                 line = f"b{b:<4} T={t:g}  " + "  ".join(
-                    f"{k}: {med[k]:.2f} ms/step {sorted(round(x, 2) for x in ms[k])}" for k in children
+                    f"{k}: step {med[k]:.2f} ms, host {hmed[k]:.2f} ms {sorted(round(x, 2) for x in host[k])}"
+                    for k in children
                 )
                 if args.baseline:
                     same = digests["this"] == digests[args.baseline]
-                    line += f"  ratio {med[args.baseline] / med['this']:.2f}x  same text: {same}"
+                    line += (
+                        f"  host ratio {hmed[args.baseline] / hmed['this']:.2f}x"
+                        f"  step ratio {med[args.baseline] / med['this']:.2f}x  same text: {same}"
+                    )
                 print(line, flush=True)
     finally:
         for c in children.values():
