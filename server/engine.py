@@ -471,22 +471,22 @@ class LLMEngine:
     ) -> _InFlight:
         feed_slots = prev.feed_slots() if prev is not None else {}
         items, prompt_rows, row = [], [], 0
-        for w, d in zip(work, drafts):
-            item = self._scheduled_seq(w, d, w.completes)
+        completes = [w.completes for w in work]
+        for w, d, done in zip(work, drafts, completes):
+            item = self._scheduled_seq(w, d, done)
             if w.seq.num_pending:
                 item.feed_from = feed_slots[w.seq]
             items.append(item)
             prompt_rows.append(row)
-            row += len(item.prompt_logprob_targets or ())
+            if item.prompt_logprob_targets:
+                row += len(item.prompt_logprob_targets)
         batch = self.runner.build_batch(items)
         seq = self._tell_hosts(multihost.RunStep(batch, prev.seq if prev is not None else -1))
         fwd = self.runner.forward(batch, prev.step if prev is not None else None)
         step = self.runner.sample(fwd)
-        starts, completes = [], []
-        for w in work:
-            done = w.completes
+        starts = []
+        for w, done in zip(work, completes):
             starts.append(w.seq.num_computed)
-            completes.append(done)
             if done:
                 w.seq.num_pending += 1
             # Drafts' K/V counts once verified: the accepted ones are added after the step.

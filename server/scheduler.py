@@ -140,6 +140,8 @@ class Scheduler:
 
     def _grow(self, seq: Sequence, num_tokens: int) -> bool:
         need = self.pool.pages_needed(seq.num_computed + num_tokens, len(seq.page_ids))
+        if not need:
+            return True  # most decode steps: the last page has room
         pages = self.pool.allocate(need)
         if pages is None:
             return False
