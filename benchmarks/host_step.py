@@ -199,6 +199,7 @@ def write_profile(prof, path: str, steps: list[float]) -> None:
         f"{len(steps)} engine steps, median {statistics.median(steps) * 1e3:.2f} ms under the profiler\n"
     )
     pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(35)
+    pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(r"tpuserve|hostb128", 30)
     with open(path, "w") as f:
         f.write(text.getvalue())
 
