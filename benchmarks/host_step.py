@@ -6,8 +6,10 @@ batch 128 (benchmarks/RESULTS.md, "the host's share"). Here the model is so smal
 is mostly that host work. The offline ``LLM`` API runs ``--batch`` prompts of 128 random tokens, 128
 new tokens each, ignore_eos; greedy, then temperature 1 with a seed per request. Printed: the
 median wall time of an ``engine.step()`` (decode steps are nearly all of them), and the host's share,
-that wall time less the time blocked on the device's results (``runner.fetch``): on the CPU the
-"device" shares the cores with the host, so the wall time alone mixes both.
+that wall time less the time blocked on the device's results (``runner.fetch``), and the CPU time of
+the engine's thread per step (``time.thread_time``: XLA runs the "device" on threads of its own, so
+this is the host's Python and dispatch alone). On the CPU the device shares the cores with the host,
+so the wall times mix both; the thread's CPU time is the cleanest measure of the host's share.
 
     python benchmarks/host_step.py --batches 1 32 128                    # this tree
     python benchmarks/host_step.py --baseline HEAD~1 --repeats 3        # A/B, interleaved runs
@@ -133,13 +135,15 @@ def child(args) -> None:
     engine = llm.engine
     steps: list[float] = []
     waits: list[float] = []  # per step: time blocked on the device's results (runner.fetch)
+    cpu: list[float] = []  # per step: CPU time of this (the engine's) thread
     real_step, real_fetch = engine.step, engine.runner.fetch
 
     def timed_step(**kwargs):
         waits.append(0.0)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         out = real_step(**kwargs)
         steps.append(time.perf_counter() - t0)
+        cpu.append(time.thread_time() - c0)
         return out
 
     def timed_fetch(*a, **kw):
@@ -157,6 +161,7 @@ def child(args) -> None:
         batch, temperature = json.loads(line)
         steps.clear()
         waits.clear()
+        cpu.clear()
         prof = None
         if args.profile:
             import cProfile
@@ -173,6 +178,7 @@ def child(args) -> None:
                 {
                     "ms": statistics.median(steps) * 1e3,
                     "host_ms": statistics.median([s - w for s, w in zip(steps, waits)]) * 1e3,
+                    "cpu_ms": statistics.median(cpu) * 1e3,
                     "steps": len(steps),
                     "digest": digest,
                 }
@@ -260,22 +266,27 @@ def main() -> None:
             for t in args.temperatures:
                 ms: dict[str, list[float]] = {k: [] for k in children}
                 host: dict[str, list[float]] = {k: [] for k in children}
+                cpu: dict[str, list[float]] = {k: [] for k in children}
                 digests: dict[str, set[str]] = {k: set() for k in children}
                 for _ in range(args.repeats):
                     for k, c in children.items():
                         r = c.run(b, t)
                         ms[k].append(r["ms"])
                         host[k].append(r["host_ms"])
+                        cpu[k].append(r["cpu_ms"])
                         digests[k].add(r["digest"])
                 med = {k: statistics.median(v) for k, v in ms.items()}
                 hmed = {k: statistics.median(v) for k, v in host.items()}
+                cmed = {k: statistics.median(v) for k, v in cpu.items()}
                 line = f"b{b:<4} T={t:g}  " + "  ".join(
-                    f"{k}: step {med[k]:.2f} ms, host {hmed[k]:.2f} ms {sorted(round(x, 2) for x in host[k])}"
+                    f"{k}: step {med[k]:.2f} ms, host {hmed[k]:.2f} ms, thread CPU {cmed[k]:.2f} ms "
+                    f"{sorted(round(x, 2) for x in cpu[k])}"
                     for k in children
                 )
                 if args.baseline:
                     same = digests["this"] == digests[args.baseline]
                     line += (
+                        f"  thread CPU ratio {cmed[args.baseline] / cmed['this']:.2f}x"
                         f"  host ratio {hmed[args.baseline] / hmed['this']:.2f}x"
                         f"  step ratio {med[args.baseline] / med['this']:.2f}x  same text: {same}"
                     )
