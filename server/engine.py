@@ -33,7 +33,7 @@ from tpuserve.spec_decode.coordinator import Drafter, DraftSupport, SpecDecodeCo
 from tpuserve.tpu_platform import multihost
 from tpuserve.tpu_platform.config import ConfigError, EngineConfig
 from tpuserve.tpu_platform.model_runner import PendingStep
-from tpuserve.tpu_platform.step_batch import Logprobs, ScheduledSeq, StepOutput, sampling_row
+from tpuserve.tpu_platform.step_batch import Logprobs, SamplingRow, ScheduledSeq, StepOutput, sampling_row
 from tpuserve.tpu_platform.warmup import Warmup
 from tpuserve.tpu_platform.worker import Worker
 
@@ -390,8 +390,10 @@ class LLMEngine:
 
     # ---- one step ----
 
-    def step(self) -> list[RequestOutput]:
-        """Run one model step. Returns the cumulative output of every request that progressed.
+    def step(self, *, finished_only: bool = False) -> list[RequestOutput]:
+        """Run one model step. Returns the cumulative output of every request that progressed
+        (``finished_only``: of those that finished; offline generation reads nothing else, and
+        building a batch of 128 requests' outputs every step is a good part of the host's step).
 
         With async scheduling the next step is scheduled and dispatched before this one's tokens
         reach the host: the device computes step i+1 while the host detokenizes step i (so a call
@@ -405,10 +407,12 @@ class LLMEngine:
         self._move_pages(sched)
         drafts = self._drafts(sched.work)
         if not self.async_scheduling:
-            return self._process(self._dispatch(sched.work, drafts, None)) if sched.work else []
+            return (
+                self._process(self._dispatch(sched.work, drafts, None), finished_only) if sched.work else []
+            )
         prev = self._inflight
         self._inflight = self._dispatch(sched.work, drafts, prev) if sched.work else None
-        outputs = self._process(prev) if prev is not None else []
+        outputs = self._process(prev, finished_only) if prev is not None else []
         if self._inflight is not None and not self.requests:
             self._inflight = None  # everything it computes belongs to finished requests
         return outputs
@@ -467,34 +471,36 @@ class LLMEngine:
     ) -> _InFlight:
         feed_slots = prev.feed_slots() if prev is not None else {}
         items, prompt_rows, row = [], [], 0
-        for w, d in zip(work, drafts):
-            item = self._scheduled_seq(w, d)
+        completes = [w.completes for w in work]
+        for w, d, done in zip(work, drafts, completes):
+            item = self._scheduled_seq(w, d, done)
             if w.seq.num_pending:
                 item.feed_from = feed_slots[w.seq]
             items.append(item)
             prompt_rows.append(row)
-            row += len(item.prompt_logprob_targets or ())
+            if item.prompt_logprob_targets:
+                row += len(item.prompt_logprob_targets)
         batch = self.runner.build_batch(items)
         seq = self._tell_hosts(multihost.RunStep(batch, prev.seq if prev is not None else -1))
         fwd = self.runner.forward(batch, prev.step if prev is not None else None)
         step = self.runner.sample(fwd)
-        starts, completes = [], []
-        for w in work:
-            done = w.completes
+        starts = []
+        for w, done in zip(work, completes):
             starts.append(w.seq.num_computed)
-            completes.append(done)
             if done:
                 w.seq.num_pending += 1
             # Drafts' K/V counts once verified: the accepted ones are added after the step.
             w.seq.num_computed += w.num_tokens - w.num_drafts
         return _InFlight(work, starts, completes, prompt_rows, step, fwd.features, seq)
 
-    def _process(self, inflight: _InFlight) -> list[RequestOutput]:
+    def _process(self, inflight: _InFlight, finished_only: bool = False) -> list[RequestOutput]:
         result = self._fetch(inflight.step)
         self.stats.steps += 1
         touched: dict[str, RequestState] = {}
         # Logits rows: one per item, plus one per draft it verified (logprobs are per row).
-        first_row = np.cumsum([0] + [1 + w.num_drafts for w in inflight.work])
+        first_row = np.cumsum([0] + [1 + w.num_drafts for w in inflight.work]).tolist()
+        # Python ints once for the whole step, not per sequence (StepOutput.new_tokens).
+        sampled, accepted = result.token_ids.tolist(), result.num_accepted.tolist()
         for i, (w, start, completes) in enumerate(zip(inflight.work, inflight.starts, inflight.completes)):
             seq = w.seq
             if completes:
@@ -504,18 +510,18 @@ class LLMEngine:
                 continue
             if start < len(seq.prompt_token_ids):
                 self.stats.prompt_tokens += min(w.num_tokens, len(seq.prompt_token_ids) - start)
-            self.outputs.take_prompt_logprobs(
-                state, seq, start, w.num_tokens, result.prompt_logprobs, inflight.prompt_rows[i]
-            )
+                self.outputs.take_prompt_logprobs(
+                    state, seq, start, w.num_tokens, result.prompt_logprobs, inflight.prompt_rows[i]
+                )
             if w.num_drafts:
                 assert self.spec_decode is not None
-                seq.num_computed += self.spec_decode.verified(w.num_drafts, int(result.num_accepted[i]))
+                seq.num_computed += self.spec_decode.verified(w.num_drafts, accepted[i])
             if completes:
                 try:
-                    for j, token in enumerate(result.new_tokens(i)):
+                    for j, token in enumerate(sampled[i][: accepted[i] + 1]):
                         if seq.is_finished:
                             break  # a stop inside the accepted drafts ends it there
-                        self._append_token(state, seq, token, result.logprobs, int(first_row[i]) + j)
+                        self._append_token(state, seq, token, result.logprobs, first_row[i] + j)
                 except Exception as e:  # one request's failure must not take down the batch
                     log.exception("request %s failed", seq.request_id)
                     if isinstance(e, GrammarDeadEndError):
@@ -530,8 +536,10 @@ class LLMEngine:
             self._count_speculation()
         outputs = []
         for state in touched.values():
-            outputs.append(self.outputs.output(state))
-            if state.finished:
+            finished = state.finished
+            if finished or not finished_only:
+                outputs.append(self.outputs.output(state))
+            if finished:
                 self.requests.pop(state.request_id, None)
         return outputs
 
@@ -549,32 +557,17 @@ class LLMEngine:
                 raise lost from e
             raise
 
-    def _scheduled_seq(self, w: ScheduledWork, drafts: list[int]) -> ScheduledSeq:
+    def _scheduled_seq(self, w: ScheduledWork, drafts: list[int], completes: bool) -> ScheduledSeq:
         seq, p = w.seq, w.seq.params
         start = seq.num_computed
-        grammar_mask = seq.grammar.fill_bitmask() if (w.completes and seq.grammar is not None) else None
-        holds_stops = w.completes and len(seq.output_token_ids) + seq.num_pending < p.min_tokens
-        row = sampling_row(
-            temperature=p.temperature,
-            top_k=p.top_k,
-            top_p=p.top_p,
-            min_p=p.min_p,
-            seed=seq.seed,
-            prompt_ids=seq.prompt_token_ids,
-            output_ids=seq.output_token_ids,
-            num_pending=seq.num_pending,
-            repetition_penalty=p.repetition_penalty,
-            presence_penalty=p.presence_penalty,
-            frequency_penalty=p.frequency_penalty,
-            min_tokens=p.min_tokens if w.completes else 0,
-            min_tokens_stop_ids=(
-                set(p.stop_token_ids or ()) | (set() if p.ignore_eos else self.eos_token_ids)
-                if holds_stops
-                else ()
-            ),
-            token_bitmask=grammar_mask,
-            num_logprobs=p.logprobs,
-        )
+        grammar_mask = seq.grammar.fill_bitmask() if (completes and seq.grammar is not None) else None
+        holds_stops = completes and len(seq.output_token_ids) + seq.num_pending < p.min_tokens
+        if grammar_mask is None and not holds_stops and not p.has_penalties:
+            row = seq.plain_row = seq.plain_row or self._plain_row(seq)
+            # Packed into the step's arrays by build_batch before the next step reuses the row.
+            row.step = len(seq.output_token_ids) + seq.num_pending
+        else:
+            row = self._sampling_row(seq, completes, holds_stops, grammar_mask)
         bitmasks = None
         if drafts and seq.grammar is not None and grammar_mask is not None:
             bitmasks = draft_masks(seq.grammar, drafts, grammar_mask)
@@ -596,6 +589,37 @@ class LLMEngine:
             prompt_logprob_targets=targets,
             num_prompt_logprobs=p.prompt_logprobs or 0,
             draft_bitmasks=bitmasks,
+        )
+
+    def _plain_row(self, seq: Sequence) -> SamplingRow:
+        """The row of a step with no grammar mask, penalties or banned stops (its step is set by
+        the caller): what ``_sampling_row`` builds then, built once per sequence."""
+        return self._sampling_row(seq, False, False, None)
+
+    def _sampling_row(
+        self, seq: Sequence, completes: bool, holds_stops: bool, grammar_mask: np.ndarray | None
+    ) -> SamplingRow:
+        p = seq.params
+        return sampling_row(
+            temperature=p.temperature,
+            top_k=p.top_k,
+            top_p=p.top_p,
+            min_p=p.min_p,
+            seed=seq.seed,
+            prompt_ids=seq.prompt_token_ids,
+            output_ids=seq.output_token_ids,
+            num_pending=seq.num_pending,
+            repetition_penalty=p.repetition_penalty,
+            presence_penalty=p.presence_penalty,
+            frequency_penalty=p.frequency_penalty,
+            min_tokens=p.min_tokens if completes else 0,
+            min_tokens_stop_ids=(
+                set(p.stop_token_ids or ()) | (set() if p.ignore_eos else self.eos_token_ids)
+                if holds_stops
+                else ()
+            ),
+            token_bitmask=grammar_mask,
+            num_logprobs=p.logprobs,
         )
 
     def _count_speculation(self) -> None:

@@ -116,7 +116,7 @@ class LLM:
                 results[rid] = _error_output(rid, prompt, str(e))
         bar = _progress(len(order) - len(results)) if use_tqdm else None
         while engine.has_unfinished_requests():
-            for out in engine.step():
+            for out in engine.step(finished_only=True):
                 if out.finished:
                     results[out.request_id] = out
                     if bar is not None:

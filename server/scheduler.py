@@ -140,6 +140,8 @@ class Scheduler:
 
     def _grow(self, seq: Sequence, num_tokens: int) -> bool:
         need = self.pool.pages_needed(seq.num_computed + num_tokens, len(seq.page_ids))
+        if not need:
+            return True  # most decode steps: the last page has room
         pages = self.pool.allocate(need)
         if pages is None:
             return False
@@ -270,7 +272,7 @@ class Scheduler:
                 continue
             need = seq.num_tokens - seq.num_computed
             # A decoding sequence also verifies its drafts, as many as the budget leaves room for.
-            drafts = inputs.drafts.get(seq, 0) if need == 1 else 0
+            drafts = inputs.drafts.get(seq, 0) if need == 1 and inputs.drafts else 0
             n = min(need + drafts, budget)
             while not self._grow(seq, n):
                 victim = self.running[-1]
@@ -282,7 +284,9 @@ class Scheduler:
                 break  # seq itself was the last running sequence and got preempted
             out.work.append(ScheduledWork(seq, n, max(0, n - need)))
             scheduled[id(seq)] = n
-            self._register(seq, seq.num_computed + n)
+            computed = seq.num_computed + n
+            if computed // self.pool.page_size > seq.num_registered_pages:  # else nothing to register
+                self._register(seq, computed)
             budget -= n
             i += 1
         if not out.preempted:  # memory is tight after a preemption: admit nothing new this step

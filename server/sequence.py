@@ -13,6 +13,7 @@ from tpuserve.server.detokenizer import IncrementalDetokenizer, StopStringMatche
 from tpuserve.server.outputs import PositionLogprobs
 from tpuserve.server.sampling_params import SamplingParams
 from tpuserve.spec_decode.coordinator import DraftFacts
+from tpuserve.tpu_platform.step_batch import SamplingRow
 
 if TYPE_CHECKING:
     from tpuserve.kv_cache.transfer.transport import PageBatch
@@ -78,6 +79,9 @@ class Sequence:
     text: str = ""
     logprobs: list[PositionLogprobs] | None = None
     grammar: GrammarMatcher | None = None
+    # The engine's sampler row for plain decode steps (no grammar mask, penalties or banned
+    # stops): only its ``step`` changes from one step to the next, so it is built once.
+    plain_row: SamplingRow | None = None
 
     @property
     def num_tokens(self) -> int:
