@@ -52,8 +52,8 @@ def resolve_impl(impl: str, backend: str, kv_cache_dtype=None) -> str:
     """Turn ``auto`` into a concrete implementation for a JAX backend ('tpu', 'gpu', 'cpu').
 
     The compiled TPU kernel reads 32- and 16-bit caches only (Mosaic strides 32-bit words), so an
-    8-bit (fp8) ``kv_cache_dtype`` on a TPU takes the jnp reference, and asking for ``pallas_tpu``
-    with one is refused."""
+    8-bit (fp8) ``kv_cache_dtype`` on a TPU is refused unless the jnp reference is asked for by
+    name (resolve_attention_impl says why), and asking for ``pallas_tpu`` with one is refused."""
     byte_cache = kv_cache_dtype is not None and np.dtype(kv_cache_dtype).itemsize == 1
     name = np.dtype(kv_cache_dtype).name if byte_cache else ""
     return resolve_attention_impl(impl, backend, byte_cache, name)
@@ -73,7 +73,16 @@ def resolve_attention_impl(impl: str, backend: str, byte_cache: bool, cache_dtyp
     if impl != "auto":
         return impl
     if backend == "tpu" and byte_cache:
-        return "reference"
+        # Left to "auto" this took the jnp reference, which on a v5e needed 56.8 GB of HLO
+        # temporaries for a 1B model's step at gpu_memory_utilization 0.9 (XLA widened the whole
+        # 1-byte cache) and failed warm-up. Asking for "reference" explicitly still runs it.
+        raise ValueError(
+            f"kv_cache_dtype {cache_dtype_name} is not supported on TPU yet: the compiled TPU "
+            f"attention kernel does not read 1-byte caches, and the jnp reference path widens the "
+            f"whole cache (on a v5e a 1B model's step needed 56.8 GB of temporaries at "
+            f"gpu_memory_utilization 0.9); use kv_cache_dtype=auto, or attention_impl=reference "
+            f"with a small KV cache (--num-gpu-blocks) to run it anyway"
+        )
     # CPU (and anything else) runs the blocked jnp path: the reference's whole-row gather costs
     # 2-7x more there (attention/blocked.py says why).
     return {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}.get(backend, "blocked")
