@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from hf_oracle import hf_greedy
 
 from tpuserve.tpu_platform.models.arch import ModelArch
 
@@ -158,18 +159,6 @@ def _hf(path):
     return model
 
 
-def _hf_greedy(model, ids: list[int], n: int) -> list[int]:
-    """n argmax tokens from transformers with its KV cache (EOS not special)."""
-    out, past, x = [], None, torch.tensor([ids])
-    with torch.no_grad():
-        for _ in range(n):
-            res = model(x, past_key_values=past, use_cache=True)
-            past = res.past_key_values
-            out.append(int(res.logits[0, -1].argmax()))
-            x = torch.tensor([[out[-1]]])
-    return out
-
-
 def test_config_fields(checkpoints):
     with open(os.path.join(checkpoints["dense"], "config.json")) as f:
         arch = ModelArch.from_hf_config(json.load(f))
@@ -293,7 +282,7 @@ def test_greedy_generation_matches_transformers(checkpoints, kind, oracle):
     hf = _hf(checkpoints[oracle])
     tok = llm.get_tokenizer()
     for prompt, out in zip(PROMPTS, outs):
-        assert out.outputs[0].token_ids == _hf_greedy(hf, tok.encode(prompt), 10)
+        assert out.outputs[0].token_ids == hf_greedy(hf, tok.encode(prompt), 10)
 
 
 def test_published_20b_config_parses():
@@ -377,7 +366,7 @@ def test_ngram_speculative_decoding_and_prefix_cache_keep_greedy_tokens(checkpoi
     assert llm.engine.stats.prefix_cache_hits > hits  # the second round read cached pages
     hf = _hf(checkpoints["dense"])
     for p, a, b in zip(prompts, first, again):
-        want = _hf_greedy(hf, p, 10)
+        want = hf_greedy(hf, p, 10)
         assert a.outputs[0].token_ids == want and b.outputs[0].token_ids == want
 
 

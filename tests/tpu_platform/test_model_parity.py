@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from hf_oracle import hf_greedy
 
 from tpuserve.tpu_platform.config import EngineConfig
 from tpuserve.tpu_platform.device import discover
@@ -26,20 +27,6 @@ PROMPTS = [
 
 def _hf_model(path):
     return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-
-
-def hf_greedy(model, ids: list[int], n: int) -> list[int]:
-    """Plain argmax decoding with transformers, EOS not special (matches ignore_eos=True)."""
-    out, past = [], None
-    x = torch.tensor([ids])
-    with torch.no_grad():
-        for _ in range(n):
-            res = model(x, past_key_values=past, use_cache=True)
-            past = res.past_key_values
-            nxt = int(res.logits[0, -1].argmax())
-            out.append(nxt)
-            x = torch.tensor([[nxt]])
-    return out
 
 
 @pytest.mark.timeout(300)

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from hf_oracle import hf_greedy
 
 from tpuserve.tpu_platform.config import ConfigError
 from tpuserve.tpu_platform.models.arch import ModelArch, ModelConfigError
@@ -69,18 +70,6 @@ def checkpoints(tmp_path_factory):
 
 def _hf(path):
     return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-
-
-def _hf_greedy(model, ids: list[int], n: int) -> list[int]:
-    """n argmax tokens from transformers with its KV cache, EOS not special (ignore_eos=True)."""
-    out, past, x = [], None, torch.tensor([ids])
-    with torch.no_grad():
-        for _ in range(n):
-            res = model(x, past_key_values=past, use_cache=True)
-            past = res.past_key_values
-            out.append(int(res.logits[0, -1].argmax()))
-            x = torch.tensor([[out[-1]]])
-    return out
 
 
 def test_grouped_matmul_is_a_matmul_per_group():
@@ -220,7 +209,7 @@ def test_greedy_generation_matches_transformers_batched_and_alone(checkpoints):
     hf = _hf(path)
     tok = llm.get_tokenizer()
     for prompt, b, a in zip(PROMPTS, batched, alone):
-        want = _hf_greedy(hf, tok.encode(prompt), 12)
+        want = hf_greedy(hf, tok.encode(prompt), 12)
         assert b.outputs[0].token_ids == want
         assert a.outputs[0].token_ids == want
 
@@ -252,7 +241,7 @@ def test_ngram_speculative_decoding_keeps_greedy_tokens(checkpoints):
     assert llm.engine.stats.spec_num_draft_tokens > 0
     hf = _hf(path)
     for p, out in zip(prompts, outs):
-        assert out.outputs[0].token_ids == _hf_greedy(hf, p, 12)
+        assert out.outputs[0].token_ids == hf_greedy(hf, p, 12)
 
 
 def test_quantization_with_moe_is_refused(checkpoints):
@@ -329,7 +318,7 @@ def test_memory_plan_and_warmup_then_serve(checkpoints):
     out = llm.generate([PROMPTS[0]], params, use_tqdm=False)[0]
     assert runner.compile_count == before, "serving compiled a program warm-up did not"
     tok = llm.get_tokenizer()
-    assert out.outputs[0].token_ids == _hf_greedy(_hf(path), tok.encode(PROMPTS[0]), 8)
+    assert out.outputs[0].token_ids == hf_greedy(_hf(path), tok.encode(PROMPTS[0]), 8)
 
 
 @pytest.mark.timeout(300)
