@@ -34,6 +34,21 @@ class ModelConfigError(ValueError):
     """The checkpoint's config is unsupported or inconsistent."""
 
 
+def _expert_sizes(cfg: dict, family: str, expert_keys: tuple[str, str], ffn_key: str) -> tuple[int, int, int]:
+    """(experts, top_k, expert ffn size) of an MoE config.json, the first of ``expert_keys`` that
+    is set naming the expert count; a ModelConfigError naming the missing or bad field."""
+    experts = cfg.get(expert_keys[0], cfg.get(expert_keys[1]))
+    top_k, ffn = cfg.get("num_experts_per_tok"), cfg.get(ffn_key)
+    if not experts or not top_k or not ffn:
+        raise ModelConfigError(
+            f"a {family} config.json needs {expert_keys[0]}, num_experts_per_tok and {ffn_key}"
+        )
+    experts, top_k = int(experts), int(top_k)
+    if not 0 < top_k <= experts:
+        raise ModelConfigError(f"num_experts_per_tok={top_k} must be in 1..{expert_keys[0]}={experts}")
+    return experts, top_k, int(ffn)
+
+
 @dataclass(frozen=True)
 class MoeArch:
     """The sparse expert block of a mixture-of-experts model (Qwen3-MoE, gpt-oss).
@@ -59,19 +74,13 @@ class MoeArch:
 
     @classmethod
     def from_gpt_oss_config(cls, cfg: dict, num_layers: int) -> MoeArch:
-        experts = cfg.get("num_local_experts", cfg.get("num_experts"))
-        top_k, ffn = cfg.get("num_experts_per_tok"), cfg.get("intermediate_size")
-        if not experts or not top_k or not ffn:
-            raise ModelConfigError(
-                "a gpt-oss config.json needs num_local_experts, num_experts_per_tok and intermediate_size"
-            )
-        experts, top_k = int(experts), int(top_k)
-        if not 0 < top_k <= experts:
-            raise ModelConfigError(f"num_experts_per_tok={top_k} must be in 1..num_local_experts={experts}")
+        experts, top_k, ffn = _expert_sizes(
+            cfg, "gpt-oss", ("num_local_experts", "num_experts"), "intermediate_size"
+        )
         return cls(
             num_experts=experts,
             top_k=top_k,
-            expert_intermediate_size=int(ffn),
+            expert_intermediate_size=ffn,
             norm_topk_prob=False,  # the softmax over the chosen k already sums to 1
             moe_layers=tuple(range(num_layers)),
             router_bias=True,
@@ -84,15 +93,9 @@ class MoeArch:
     @classmethod
     def from_qwen3_moe_config(cls, cfg: dict, num_layers: int) -> MoeArch:
         # transformers 5 writes the expert count as num_local_experts; published configs say num_experts
-        experts = cfg.get("num_experts", cfg.get("num_local_experts"))
-        top_k, ffn = cfg.get("num_experts_per_tok"), cfg.get("moe_intermediate_size")
-        if not experts or not top_k or not ffn:
-            raise ModelConfigError(
-                "a Qwen3-MoE config.json needs num_experts, num_experts_per_tok and moe_intermediate_size"
-            )
-        experts, top_k = int(experts), int(top_k)
-        if not 0 < top_k <= experts:
-            raise ModelConfigError(f"num_experts_per_tok={top_k} must be in 1..num_experts={experts}")
+        experts, top_k, ffn = _expert_sizes(
+            cfg, "Qwen3-MoE", ("num_experts", "num_local_experts"), "moe_intermediate_size"
+        )
         step = int(cfg.get("decoder_sparse_step", 1) or 1)
         dense_only = {int(i) for i in cfg.get("mlp_only_layers") or ()}
         # transformers' rule: a layer is sparse unless listed, and only every step-th layer (1-based)
@@ -100,7 +103,7 @@ class MoeArch:
         return cls(
             num_experts=experts,
             top_k=top_k,
-            expert_intermediate_size=int(ffn),
+            expert_intermediate_size=ffn,
             norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
             moe_layers=moe_layers,
         )
