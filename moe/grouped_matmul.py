@@ -13,6 +13,7 @@ from jax import lax
 from jax.experimental.pallas import tpu as pltpu
 
 from tpuserve.moe.pallas_tpu_gmm import grouped_matmul_tpu
+from tpuserve.quant.fp4 import Mxfp4Weight, dequantize_mxfp4
 
 IMPLS = ("reference", "pallas_tpu", "pallas_tpu_interpret")
 
@@ -21,12 +22,14 @@ TPU_INTERPRET_PARAMS = pltpu.InterpretParams(detect_races=False)
 
 
 def grouped_matmul_reference(
-    lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, rhs_scale: jax.Array | None = None
+    lhs: jax.Array, rhs: jax.Array | Mxfp4Weight, group_sizes: jax.Array, rhs_scale: jax.Array | None = None
 ) -> jax.Array:
     """``lhs [M, K]``, ``rhs [G, K, N]``, ``group_sizes [G]`` int32 -> ``[M, N]`` in lhs.dtype.
 
     ``rhs_scale``: f32 ``[G, 1, N]`` per-output-channel scales of a quantized ``rhs`` (int8 or
-    float8_e4m3fn): the weight is ``rhs * rhs_scale``.
+    float8_e4m3fn): the weight is ``rhs * rhs_scale``. An ``Mxfp4Weight`` ``rhs`` (``packed`` u8
+    ``[G, K/2, N]``, ``scale`` e8m0 ``[G, K/32, N]``) is ``quant.fp4.dequantize_mxfp4(rhs)``, the
+    repo's tested decoder, so the kernel's in-VMEM decode is checked against it.
 
     Row ``r`` of group ``g`` (``start_g <= r < start_g + group_sizes[g]``, starts the exclusive
     cumulative sum) is ``lhs[r] @ rhs[g]``, in f32 at HIGHEST precision; rows at or past
@@ -34,6 +37,10 @@ def grouped_matmul_reference(
     each row kept from its own group's: simple, not fast.
     """
     m = lhs.shape[0]
+    if isinstance(rhs, Mxfp4Weight):
+        if rhs_scale is not None:
+            raise ValueError("grouped_matmul_reference: an MXFP4 rhs carries its own scales")
+        rhs = dequantize_mxfp4(rhs).reshape(*rhs.packed.shape[:-2], rhs.in_features, rhs.out_features)
     ends = jnp.cumsum(group_sizes.astype(jnp.int32))
     row = jnp.arange(m, dtype=jnp.int32)
     # group of each row: how many groups end at or before it (G for rows past the sum)
@@ -54,7 +61,7 @@ def grouped_matmul_reference(
 
 def grouped_matmul(
     lhs: jax.Array,
-    rhs: jax.Array,
+    rhs: jax.Array | Mxfp4Weight,
     group_sizes: jax.Array,
     rhs_scale: jax.Array | None = None,
     layer: jax.Array | None = None,
@@ -68,13 +75,15 @@ def grouped_matmul(
     impl: "reference" (jnp, any backend), "pallas_tpu" (the compiled kernel, TPU only) or
     "pallas_tpu_interpret" (the same kernel in TPU interpret mode on any backend; ``interpret``
     overrides its ``pltpu.InterpretParams``). ``tiling`` = (tm, tk, tn) for the kernel.
-    ``rhs_scale``: per-output-channel scales of an 8-bit ``rhs`` (see the reference).
+    ``rhs_scale``: per-output-channel scales of an 8-bit ``rhs`` (see the reference); or ``rhs``
+    an ``Mxfp4Weight`` with ``packed [G, K/2, N]``, ``scale [G, K/32, N]``.
     ``layer``: a scalar int32 when ``rhs`` (and ``rhs_scale``) hold every layer's experts,
-    ``[L, G, K, N]``: layer ``layer``'s are used (the kernel reads them in place).
+    ``[L, G, K, N]`` (MXFP4: ``[L, G, K/2, N]``, ``[L, G, K/32, N]``): layer ``layer``'s are used
+    (the kernel reads them in place).
     """
     if impl == "reference":
         if layer is not None:
-            rhs = rhs[layer]
+            rhs = jax.tree_util.tree_map(lambda a: a[layer], rhs)  # an array or the record's arrays
             rhs_scale = None if rhs_scale is None else rhs_scale[layer]
         return grouped_matmul_reference(lhs, rhs, group_sizes, rhs_scale)
     if impl == "pallas_tpu":

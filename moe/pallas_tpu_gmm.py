@@ -49,6 +49,24 @@ vary along K, it multiplies the f32 accumulator once at the store instead of eve
 HBM moves one byte per weight plus ``4 * N`` bytes of scale per expert. 8-bit tiles need ``tk`` a
 multiple of 32 rows (their sublane tile) or K itself.
 
+MXFP4 experts
+-------------
+``rhs`` may be an ``Mxfp4Weight`` (``quant/fp4.py``) whose leading axis is the experts: ``packed``
+u8 ``[G, K/2, N]`` (byte ``[i, n]``: k = 2i in the low nibble, 2i + 1 in the high one) and e8m0
+``scale`` u8 ``[G, K/32, N]``; stacked, ``[L, G, K/2, N]`` and ``[L, G, K/32, N]`` with ``layer``.
+The bytes stay packed in HBM and are decoded in VMEM, the way ``quant/pallas_tpu_matmul.py``'s
+dense FP4 kernel does: ``lhs`` is split once, outside, into its even and odd K columns (``[M, K/2]``
+each), so low nibbles multiply the even half and high nibbles the odd half and the kernel never
+interleaves rows. Per chunk of 256 byte rows (512 K values) the nibbles are decoded to f32 with
+integer ops and a bitcast (``codecs.e2m1_bits_decode``: no gathers, no fp4 dtype in VMEM), times
+their block's scale (``e8m0_bits_decode``, each scale row broadcast over the 16 byte rows it
+covers), cast to ``lhs.dtype`` (exact: an e2m1 value times a power of two has 2 significant bits)
+and fed to two half-K dots accumulating in f32. Packed bytes and scales travel as int8 (a free
+bitcast outside) so the kernel widens them with a sign extension and masks, not an unsigned one.
+HBM moves ``K * N * (1/2 + 1/32)`` bytes per expert, 0.27x of bf16. ``tk`` must be K itself or a
+multiple of 1024 (its 32 scale rows are then one u8 sublane tile; K itself covers gpt-oss's 2880,
+90 blocks), and K a multiple of 32.
+
 Traffic: with one K tile (the default up to K = 3072) a block index that does not change between
 grid steps is not fetched again, so each N tile reads every expert's weight once (its visits are
 consecutive) and every row tile of ``lhs`` once (likewise); with several K tiles each visit walks
@@ -58,6 +76,8 @@ shared by many groups (decode: a few rows per expert) costs one matmul per group
 Status: verified in TPU interpret mode (race detection on) on CPU and lowered to Mosaic for TPU
 (tests/moe/test_grouped_matmul.py); compiled and timed on a v5e by benchmarks/moe_gmm_tpu.py
 (benchmarks/RESULTS.md, "Mixture of experts on a TPU v5e"), bf16, int8 and gpt-oss's K = 2880.
+The MXFP4 path is verified in interpret mode and exported for TPU at gpt-oss-20b's expert shapes,
+but not yet compiled by Mosaic on a TPU (its layout passes run only there).
 """
 
 from __future__ import annotations
@@ -70,12 +90,19 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from tpuserve.quant.codecs import e2m1_bits_decode, e8m0_bits_decode
+from tpuserve.quant.fp4 import MXFP4_BLOCK, Mxfp4Weight
+
 DEFAULT_TM = 128  # the v5e MXU is 128 x 128
 _MAX_FULL_TN = 1024
 _MAX_FULL_TK = 3072  # gpt-oss's K = 2880 is no multiple of 128, so it must be one tile
 _MAX_TK = 2048
 _SCOPED_VMEM_DEFAULT = 16 * 2**20  # v5e's default scoped VMEM limit
 _WIDEN_ROWS = 512  # K rows of an 8-bit weight tile widened at a time (a multiple of 128 and 32)
+# MXFP4: byte rows decoded at a time (512 K values, 16 scale blocks): a multiple of 128 lanes of
+# the lhs halves and of 32 u8 sublanes, and it bounds the f32 / int32 decode temporaries
+_FP4_BYTE_ROWS = 256
+_FP4_TK_QUANTUM = 1024  # several K tiles: tk / 32 scale rows must fill whole 32-row u8 tiles
 
 
 def _largest_divisor(dim: int, cap: int, quantum: int) -> int | None:
@@ -86,10 +113,11 @@ def _largest_divisor(dim: int, cap: int, quantum: int) -> int | None:
     return None
 
 
-def default_tiling(m: int, k: int, n: int) -> tuple[int, int, int]:
-    """(tm, tk, tn) for the v5e: see the module docstring."""
+def default_tiling(m: int, k: int, n: int, k_quantum: int = 128) -> tuple[int, int, int]:
+    """(tm, tk, tn) for the v5e: see the module docstring. ``k_quantum``: what a K tile smaller
+    than K must be a multiple of (128; ``_FP4_TK_QUANTUM`` for an MXFP4 rhs)."""
     tm = min(m, DEFAULT_TM)
-    tk = k if k <= _MAX_FULL_TK else (_largest_divisor(k, _MAX_TK, 128) or k)
+    tk = k if k <= _MAX_FULL_TK else (_largest_divisor(k, max(_MAX_TK, k_quantum), k_quantum) or k)
     tn = n if n <= _MAX_FULL_TN else (_largest_divisor(n, _MAX_FULL_TN, 128) or 512)
     return tm, tk, tn
 
@@ -99,11 +127,17 @@ def _sublanes(dtype) -> int:
     return 8 * max(1, 4 // jnp.dtype(dtype).itemsize)
 
 
-def _check_tiling(m: int, k: int, n: int, tm: int, tk: int, tn: int, dtype, rhs_dtype) -> None:
+def _check_tiling(m: int, k: int, n: int, tm: int, tk: int, tn: int, dtype, rhs_dtype, fp4: bool) -> None:
     sub = _sublanes(dtype)
     if not (tm == m or (0 < tm <= m and tm % sub == 0)):
         raise ValueError(f"tm={tm} must be M={m} or a multiple of {sub} <= M")
-    if k % tk or not (tk == k or (tk % 128 == 0 and tk % _sublanes(rhs_dtype) == 0)):
+    if fp4:
+        if k % MXFP4_BLOCK or k % tk or not (tk == k or tk % _FP4_TK_QUANTUM == 0):
+            raise ValueError(
+                f"tk={tk} must divide K={k} (a multiple of {MXFP4_BLOCK}) and be K itself or a "
+                f"multiple of {_FP4_TK_QUANTUM} for an MXFP4 rhs"
+            )
+    elif k % tk or not (tk == k or (tk % 128 == 0 and tk % _sublanes(rhs_dtype) == 0)):
         raise ValueError(f"tk={tk} must divide K={k} and be a multiple of 128 (or K itself)")
     if not (tn == n or (tn % 128 == 0 and 0 < tn)):
         raise ValueError(f"tn={tn} must be N={n} or a multiple of 128")
@@ -154,11 +188,42 @@ def visit_schedule(group_sizes: jax.Array, m: int, tm: int, num_visits: int):
     return out_tile, in_tile, group, lo, hi, real
 
 
-def _gmm_kernel(
-    out_tile_ref, in_tile_ref, group_ref, lo_ref, hi_ref, layer_ref, lhs_ref, rhs_ref, *refs, tm, nk, scaled
-):
+def _mxfp4_dot(lhs_even_ref, lhs_odd_ref, packed_ref, scale_ref, acc):
+    """``acc [tm, tn]`` f32 plus the K tile's product with the MXFP4 tile (see the docstring).
+
+    ``lhs_even_ref`` / ``lhs_odd_ref`` ``[tm, tk/2]`` (K columns 0, 2, .. and 1, 3, ..),
+    ``packed_ref`` int8 ``[tk/2, tn]`` (the u8 bytes), ``scale_ref`` int8 ``[tk/32, tn]`` (e8m0).
+    """
+    rows, tn = packed_ref.shape
+    per_scale = MXFP4_BLOCK // 2  # byte rows under one scale row
+    dtype = lhs_even_ref.dtype
+    # all the tile's scales at once: tk/32 rows, small, and f32 rows slice on 8-row tiles
+    scales = e8m0_bits_decode(scale_ref[...].astype(jnp.int32) & 255)  # [tk/32, tn]
+    for lo in range(0, rows, _FP4_BYTE_ROWS):
+        hi = min(lo + _FP4_BYTE_ROWS, rows)
+        b = packed_ref[lo:hi, :].astype(jnp.int32)  # sign-extended; the masks take the nibbles
+        s = scales[lo // per_scale : hi // per_scale]
+        s = jnp.broadcast_to(s[:, None, :], (s.shape[0], per_scale, tn)).reshape(hi - lo, tn)
+        w_even = (e2m1_bits_decode(b & 15) * s).astype(dtype)
+        w_odd = (e2m1_bits_decode((b >> 4) & 15) * s).astype(dtype)
+        acc += jnp.dot(lhs_even_ref[:, lo:hi], w_even, preferred_element_type=jnp.float32)
+        acc += jnp.dot(lhs_odd_ref[:, lo:hi], w_odd, preferred_element_type=jnp.float32)
+    return acc
+
+
+def _gmm_kernel(out_tile_ref, in_tile_ref, group_ref, lo_ref, hi_ref, layer_ref, *refs, tm, nk, rhs_kind):
+    """``rhs_kind``: "plain" (refs: lhs, rhs), "channel" (lhs, rhs, per-channel scale) or "mxfp4"
+    (lhs even half, odd half, packed, block scales); then the output and the f32 accumulator."""
     del in_tile_ref, group_ref, layer_ref  # read by the index maps only
-    scale_ref, out_ref, acc_ref = refs if scaled else (None, *refs)
+    scaled = rhs_kind == "channel"
+    if rhs_kind == "mxfp4":
+        lhs_even_ref, lhs_odd_ref, rhs_ref, block_scale_ref, out_ref, acc_ref = refs
+        scale_ref = None
+    elif scaled:
+        lhs_ref, rhs_ref, scale_ref, out_ref, acc_ref = refs
+    else:
+        lhs_ref, rhs_ref, out_ref, acc_ref = refs
+        scale_ref = None
     v = pl.program_id(1)
     kk = pl.program_id(2)
     lo = lo_ref[v]
@@ -171,6 +236,9 @@ def _gmm_kernel(
 
     @pl.when(busy)
     def _accumulate():
+        if rhs_kind == "mxfp4":
+            acc_ref[...] = _mxfp4_dot(lhs_even_ref, lhs_odd_ref, rhs_ref, block_scale_ref, acc_ref[...])
+            return
         if rhs_ref.dtype == lhs_ref.dtype:
             acc_ref[...] += jnp.dot(lhs_ref[...], rhs_ref[...], preferred_element_type=jnp.float32)
             return
@@ -212,9 +280,12 @@ def _gmm_kernel(
             out_ref[...] = jnp.where(mine, result(), kept).astype(out_ref.dtype)
 
 
-def _vmem_limit(tm: int, tk: int, tn: int, in_bytes: int, w_bytes: int, out_bytes: int) -> int | None:
-    """A scoped VMEM limit when double-buffered tiles outgrow the default; None keeps it."""
-    need = 2 * (tm * tk * in_bytes + tk * tn * w_bytes + tm * tn * out_bytes) + tm * tn * 4
+def _vmem_limit(
+    tm: int, tk: int, tn: int, in_bytes: int, w_bytes: float, out_bytes: int, temp_bytes: int = 0
+) -> int | None:
+    """A scoped VMEM limit when double-buffered tiles (plus ``temp_bytes`` of in-kernel
+    temporaries) outgrow the default; None keeps it."""
+    need = 2 * (tm * tk * in_bytes + tk * tn * w_bytes + tm * tn * out_bytes) + tm * tn * 4 + temp_bytes
     need = int(need * 1.25) + 2**20
     return None if need <= _SCOPED_VMEM_DEFAULT else min(need, 100 * 2**20)
 
@@ -222,7 +293,7 @@ def _vmem_limit(tm: int, tk: int, tn: int, in_bytes: int, w_bytes: int, out_byte
 @functools.partial(jax.jit, static_argnames=("tiling", "interpret"))
 def grouped_matmul_tpu(
     lhs: jax.Array,
-    rhs: jax.Array,
+    rhs: jax.Array | Mxfp4Weight,
     group_sizes: jax.Array,
     rhs_scale: jax.Array | None = None,
     layer: jax.Array | None = None,
@@ -233,16 +304,41 @@ def grouped_matmul_tpu(
     """``lhs [M, K]``, ``rhs [G, K, N]``, ``group_sizes [G]`` int32 -> ``[M, N]`` in lhs.dtype.
 
     ``rhs_scale``: f32 ``[G, 1, N]`` per-output-channel scales of an int8 / float8_e4m3fn ``rhs``
-    (dequantized weight = ``rhs * rhs_scale``), or None for a plain ``rhs``. ``layer``: a scalar
-    int32 when ``rhs`` is every layer's experts stacked, ``[L, G, K, N]`` (scales ``[L, G, 1, N]``):
-    the kernel fetches layer ``layer``'s blocks itself. A layer scan that sliced the stack instead
-    would hand the custom call a copy of the whole layer's experts (all G of them, every step),
-    where the kernel reads only the groups that have rows. ``tiling``: (tm, tk, tn), default
+    (dequantized weight = ``rhs * rhs_scale``), or None for a plain ``rhs``. ``rhs`` may instead
+    be an ``Mxfp4Weight`` (``rhs_scale`` None): ``packed`` u8 ``[G, K/2, N]`` and e8m0 ``scale``
+    u8 ``[G, K/32, N]``, weight ``dequantize_mxfp4(rhs)``, decoded in VMEM (module docstring); it
+    must not be ``rotated`` (that needs ``lhs`` rotated, which is the caller's business).
+    ``layer``: a scalar int32 when ``rhs`` is every layer's experts stacked, ``[L, G, K, N]``
+    (scales ``[L, G, 1, N]``; MXFP4 ``[L, G, K/2, N]`` and ``[L, G, K/32, N]``): the kernel
+    fetches layer ``layer``'s blocks itself. A layer scan that sliced the stack instead would hand
+    the custom call a copy of the whole layer's experts (all G of them, every step), where the
+    kernel reads only the groups that have rows. ``tiling``: (tm, tk, tn), default
     ``default_tiling(M, K, N)``. ``interpret``: None compiles for TPU; a ``pltpu.InterpretParams``
     runs the kernel in TPU interpret mode.
     """
     stacked = layer is not None
-    per_layer = rhs.shape[1:] if stacked else rhs.shape
+    fp4 = isinstance(rhs, Mxfp4Weight)
+    lead_dims = 2 if stacked else 1
+    if fp4:
+        if rhs_scale is not None or rhs.rotated:
+            raise ValueError(
+                "grouped_matmul_tpu: an MXFP4 rhs carries its own scales and must not be rotated"
+            )
+        if rhs.packed.ndim != lead_dims + 2 or rhs.scale.shape != (
+            *rhs.packed.shape[:-2],
+            rhs.packed.shape[-2] * 2 // MXFP4_BLOCK,
+            rhs.packed.shape[-1],
+        ):
+            raise ValueError(
+                f"grouped_matmul_tpu: MXFP4 packed {rhs.packed.shape} / scale {rhs.scale.shape} do not fit "
+                f"{'[L, G, K/2, N] / [L, G, K/32, N]' if stacked else '[G, K/2, N] / [G, K/32, N]'}"
+            )
+        # the unpacked shape, as the plain path sees it
+        rhs_shape = (*rhs.packed.shape[:-2], rhs.in_features, rhs.out_features)
+        rhs_dtype = jnp.dtype(jnp.uint8)
+    else:
+        rhs_shape, rhs_dtype = rhs.shape, rhs.dtype
+    per_layer = rhs_shape[1:] if stacked else rhs_shape
     if (
         lhs.ndim != 2
         or len(per_layer) != 3
@@ -250,17 +346,17 @@ def grouped_matmul_tpu(
         or group_sizes.shape != per_layer[:1]
     ):
         raise ValueError(
-            f"grouped_matmul_tpu: lhs {lhs.shape}, rhs {rhs.shape}, group_sizes {group_sizes.shape} "
+            f"grouped_matmul_tpu: lhs {lhs.shape}, rhs {rhs_shape}, group_sizes {group_sizes.shape} "
             f"do not fit [M, K], {'[L, G, K, N]' if stacked else '[G, K, N]'}, [G]"
         )
     m, k = lhs.shape
     g, _, n = per_layer
     scaled = rhs_scale is not None
-    want_scale = (rhs.shape[0], g, 1, n) if stacked else (g, 1, n)
+    want_scale = (rhs_shape[0], g, 1, n) if stacked else (g, 1, n)
     if scaled and rhs_scale.shape != want_scale:
         raise ValueError(f"grouped_matmul_tpu: rhs_scale {rhs_scale.shape} is not {want_scale}")
-    tm, tk, tn = tiling or default_tiling(m, k, n)
-    _check_tiling(m, k, n, tm, tk, tn, lhs.dtype, rhs.dtype)
+    tm, tk, tn = tiling or default_tiling(m, k, n, _FP4_TK_QUANTUM if fp4 else 128)
+    _check_tiling(m, k, n, tm, tk, tn, lhs.dtype, rhs_dtype, fp4)
     nk = k // tk
     tiles_m = -(-m // tm)
     tiles_n = -(-n // tn)
@@ -286,14 +382,35 @@ def grouped_matmul_tpu(
         return out_tile[v], j
 
     lead = (None, None) if stacked else (None,)
-    in_specs = [pl.BlockSpec((tm, tk), lhs_map), pl.BlockSpec((*lead, tk, tn), rhs_map)]
-    operands = [lhs, rhs]
-    if scaled:
-        in_specs.append(pl.BlockSpec((*lead, 1, tn), scale_map))
-        operands.append(rhs_scale.astype(jnp.float32))
+    if fp4:
+        # even / odd K columns of lhs (one pass over [M, K], fused by XLA); packed bytes and scales
+        # as int8, a free bitcast, so the kernel sign-extends them (see the module docstring)
+        halves = lhs.reshape(m, k // 2, 2)
+        in_specs = [
+            pl.BlockSpec((tm, tk // 2), lhs_map),
+            pl.BlockSpec((tm, tk // 2), lhs_map),
+            pl.BlockSpec((*lead, tk // 2, tn), rhs_map),  # same block index as K/2 byte rows
+            pl.BlockSpec((*lead, tk // MXFP4_BLOCK, tn), rhs_map),
+        ]
+        operands = [
+            halves[..., 0],
+            halves[..., 1],
+            lax.bitcast_convert_type(rhs.packed, jnp.int8),
+            lax.bitcast_convert_type(rhs.scale, jnp.int8),
+        ]
+        w_bytes = 0.5 + 1 / MXFP4_BLOCK
+        # per chunk: int32 bytes, f32 codes / scales / products, two weights in lhs.dtype
+        temp_bytes = _FP4_BYTE_ROWS * tn * (6 * 4 + 2 * lhs.dtype.itemsize)
+    else:
+        in_specs = [pl.BlockSpec((tm, tk), lhs_map), pl.BlockSpec((*lead, tk, tn), rhs_map)]
+        operands = [lhs, rhs]
+        if scaled:
+            in_specs.append(pl.BlockSpec((*lead, 1, tn), scale_map))
+            operands.append(rhs_scale.astype(jnp.float32))
+        w_bytes, temp_bytes = rhs_dtype.itemsize, 0
     layer_ref = jnp.reshape(jnp.asarray(0 if layer is None else layer, jnp.int32), (1,))
 
-    vmem = _vmem_limit(tm, tk, tn, lhs.dtype.itemsize, rhs.dtype.itemsize, lhs.dtype.itemsize)
+    vmem = _vmem_limit(tm, tk, tn, lhs.dtype.itemsize, w_bytes, lhs.dtype.itemsize, temp_bytes)
     # bytes, with one K tile (the default): each N tile reads lhs once and each visited group's
     # rhs once (consecutive visits share blocks); with several, every visit re-reads both
     visits_read = tiles_m if nk == 1 else num_visits
@@ -302,11 +419,12 @@ def grouped_matmul_tpu(
         flops=2 * m * k * n,
         transcendentals=0,
         bytes_accessed=tiles_n * visits_read * tm * k * lhs.dtype.itemsize
-        + groups_read * k * n * rhs.dtype.itemsize
+        + int(groups_read * k * n * w_bytes)
         + m * n * lhs.dtype.itemsize,
     )
+    rhs_kind = "mxfp4" if fp4 else "channel" if scaled else "plain"
     return pl.pallas_call(
-        functools.partial(_gmm_kernel, tm=tm, nk=nk, scaled=scaled),
+        functools.partial(_gmm_kernel, tm=tm, nk=nk, rhs_kind=rhs_kind),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=6,
             grid=(tiles_n, num_visits, nk),

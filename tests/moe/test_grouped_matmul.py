@@ -11,6 +11,8 @@ several K and N tiles, a partial last N tile, f32 and bf16.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,7 +22,7 @@ from pallas_interpret import RACES, fresh_interpreter, races_found  # noqa: F401
 
 from tpuserve.moe.grouped_matmul import grouped_matmul, grouped_matmul_reference
 from tpuserve.moe.pallas_tpu_gmm import default_tiling, grouped_matmul_tpu, visit_schedule
-from tpuserve.quant import fp8
+from tpuserve.quant import fp4, fp8
 
 
 def data(m, k, g, n, dtype, seed=0):
@@ -271,3 +273,145 @@ def test_stacked_layers_lower_to_mosaic():
     exported = jax.export.export(fn, platforms=["tpu"])(*shapes)
     assert "tpu_custom_call" in exported.mlir_module()
     assert exported.out_avals[0].shape == (8, 1536)
+
+
+# ---------------------------------------------------------------------------------------------
+# MXFP4 experts: packed u8 [G, K/2, N] with e8m0 scales [G, K/32, N], decoded in the kernel.
+
+
+def mxfp4_experts(g, k, n, seed=0, layers=None):
+    """Random experts quantized by the repo's own ``quantize_mxfp4`` (blocks of 32 along K), with
+    block scales spread over several binades so a wrong scale row shows."""
+    rng = np.random.default_rng(seed)
+    lead = (g,) if layers is None else (layers, g)
+    w = rng.standard_normal((*lead, k, n)).astype(np.float32) / np.sqrt(k)
+    w *= 2.0 ** rng.integers(-3, 4, size=(*lead, k // 32, 1, n)).repeat(32, axis=-3).reshape(w.shape)
+    rec = fp4.quantize_mxfp4(w, num_lead=len(lead))
+    assert rec.packed.shape == (*lead, k // 2, n) and rec.scale.shape == (*lead, k // 32, n)
+    return rec
+
+
+def dequantized(rec):
+    """The weight ``[*L, K, N]`` by quant/fp4.py's reference decoder (the second oracle's input)."""
+    return fp4.dequantize_mxfp4(rec).reshape(*rec.packed.shape[:-2], rec.in_features, rec.out_features)
+
+
+# name: (group sizes, M, K, N, dtype, tiling or None for the defaults)
+MXFP4_CASES = {
+    # sum 37 of M = 44 (rows past it, a partial last row tile), empty groups, 2 N tiles; K = 96
+    # is 3 blocks (48 byte rows: one chunk, one tile)
+    "uneven_empty_f32": ([5, 0, 19, 0, 3, 10], 44, 96, 256, jnp.float32, (8, 96, 128)),
+    # 2 K tiles of 1024 (each two 256-byte-row chunks and 32 scale rows), bf16 activations
+    "two_k_tiles_bf16": ([0, 9, 1, 14, 0], 32, 2048, 128, jnp.bfloat16, (16, 1024, 128)),
+    # the defaults (one whole-K tile, N whole), K = 576: 18 blocks, 288 byte rows decoded as a
+    # 256-row chunk and a 32-row one
+    "defaults_bf16": ([3, 0, 4, 1, 7, 2, 0, 5], 24, 576, 384, jnp.bfloat16, None),
+}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", list(MXFP4_CASES))
+def test_mxfp4_rhs_matches_ragged_dot_on_the_dequantized_weight_and_reference(name):
+    sizes, m, k, n, dtype, tiling = MXFP4_CASES[name]
+    g, total = len(sizes), sum(sizes)
+    x, _ = data(m, k, 1, 1, dtype, seed=len(name))
+    rec = mxfp4_experts(g, k, n, seed=len(name) + 1)
+    gs = jnp.asarray(sizes, jnp.int32)
+    y = grouped_matmul_tpu(x, rec, gs, tiling=tiling, interpret=RACES)
+    jax.block_until_ready(y)
+    assert not races_found(), "the race detector reported a data race"
+    assert y.shape == (m, n) and y.dtype == dtype
+    assert not np.any(np.asarray(y[total:], np.float32)), "rows past sum(group_sizes) must be zero"
+    close(y, ragged_dot_oracle(x.astype(jnp.float32), dequantized(rec), gs), dtype)
+    close(y, grouped_matmul_reference(x, rec, gs), dtype)
+    close(y, grouped_matmul(x, rec, gs, impl="reference"), dtype)
+
+
+@pytest.mark.timeout(300)
+def test_mxfp4_swapped_nibbles_or_shifted_scales_break_it():
+    """The comparison can fail: the same bytes read with the other nibble order (GGUF-style
+    confusion) or with each block's scale moved to its neighbour give a different product."""
+    sizes, m, k, n = [7, 0, 9], 16, 128, 128
+    x, _ = data(m, k, 1, 1, jnp.float32, seed=5)
+    rec = mxfp4_experts(len(sizes), k, n, seed=6)
+    gs = jnp.asarray(sizes, jnp.int32)
+    y = np.asarray(grouped_matmul_tpu(x, rec, gs, tiling=(8, 128, 128), interpret=RACES))
+    swapped = fp4.Mxfp4Weight((rec.packed >> 4) | (rec.packed << 4), rec.scale, rec.out_shape)
+    rolled = fp4.Mxfp4Weight(rec.packed, jnp.roll(rec.scale, 1, axis=-2), rec.out_shape)
+    for wrong in (swapped, rolled):
+        want = np.asarray(grouped_matmul_reference(x, wrong, gs))
+        assert not np.allclose(y, want, rtol=1e-2, atol=1e-2)
+    np.testing.assert_allclose(y, np.asarray(grouped_matmul_reference(x, rec, gs)), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.timeout(300)
+def test_mxfp4_all_groups_empty_gives_zeros_and_bad_inputs_are_refused():
+    x, _ = data(24, 64, 1, 1, jnp.bfloat16)
+    rec = mxfp4_experts(3, 64, 128)
+    y = grouped_matmul_tpu(x, rec, jnp.zeros((3,), jnp.int32), tiling=(16, 64, 128), interpret=RACES)
+    assert not races_found()
+    np.testing.assert_array_equal(np.asarray(y, np.float32), 0.0)
+    gs = jnp.asarray([8, 8, 8], jnp.int32)
+    with pytest.raises(ValueError, match="tk"):  # several K tiles must be multiples of 1024
+        grouped_matmul_tpu(x, rec, gs, tiling=(16, 32, 128), interpret=RACES)
+    with pytest.raises(ValueError, match="own scales"):
+        grouped_matmul_tpu(x, rec, gs, jnp.ones((3, 1, 128)), interpret=RACES)
+    with pytest.raises(ValueError, match="rotated"):
+        grouped_matmul_tpu(x, dataclasses.replace(rec, rotated=True), gs, interpret=RACES)
+    with pytest.raises(ValueError, match="MXFP4"):
+        grouped_matmul_tpu(x, dataclasses.replace(rec, scale=rec.scale[:, :1]), gs, interpret=RACES)
+
+
+@pytest.mark.timeout(300)
+def test_mxfp4_stacked_layers_read_the_given_layers_experts():
+    sizes = jnp.asarray([5, 0, 9, 2], jnp.int32)
+    x, _ = data(16, 128, 1, 1, jnp.bfloat16, seed=9)
+    rec = mxfp4_experts(4, 128, 256, seed=10, layers=3)  # packed [3, 4, 64, 256]
+
+    @jax.jit
+    def stacked(layer):
+        return grouped_matmul_tpu(x, rec, sizes, None, layer, tiling=(16, 128, 128), interpret=RACES)
+
+    for layer in (1, 2, 0):
+        got = stacked(jnp.int32(layer))
+        assert not races_found(), "the race detector reported a data race"
+        one = jax.tree_util.tree_map(lambda a, layer=layer: a[layer], rec)
+        alone = grouped_matmul_tpu(x, one, sizes, tiling=(16, 128, 128), interpret=RACES)
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(alone, np.float32))
+        close(got, grouped_matmul(x, rec, sizes, None, jnp.int32(layer), impl="reference"), jnp.bfloat16)
+        close(got, ragged_dot_oracle(x.astype(jnp.float32), dequantized(one), sizes), jnp.bfloat16)
+        other = jax.tree_util.tree_map(lambda a, layer=layer: a[(layer + 1) % 3], rec)
+        assert not np.allclose(
+            np.asarray(got, np.float32),
+            np.asarray(grouped_matmul_reference(x, other, sizes), np.float32),
+            atol=1e-2,
+        )
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(
+    "m,k,n,layers",
+    [(64, 2880, 5760, None), (64, 2880, 2880, None), (8, 2880, 5760, 24)],
+    ids=["gpt_oss_gate_up", "gpt_oss_down", "gpt_oss_gate_up_stacked"],
+)
+def test_mxfp4_lowers_to_mosaic_at_gpt_oss_shapes(m, k, n, layers):
+    """gpt-oss-20b's experts (32, K = 2880 = 90 blocks: one whole-K tile of 1440 byte rows), packed,
+    export for TPU from CPU with the default tiling (Mosaic lowering; not its TPU-only passes)."""
+    g = 32
+    lead = (g,) if layers is None else (layers, g)
+
+    def fn(x, packed, scale, gs, *layer):
+        rec = fp4.Mxfp4Weight(packed, scale, (n,))
+        return grouped_matmul_tpu(x, rec, gs, None, *layer)
+
+    shapes = [
+        jax.ShapeDtypeStruct((m, k), jnp.bfloat16),
+        jax.ShapeDtypeStruct((*lead, k // 2, n), jnp.uint8),
+        jax.ShapeDtypeStruct((*lead, k // 32, n), jnp.uint8),
+        jax.ShapeDtypeStruct((g,), jnp.int32),
+    ]
+    if layers is not None:
+        shapes.append(jax.ShapeDtypeStruct((), jnp.int32))
+    exported = jax.export.export(jax.jit(fn), platforms=["tpu"])(*shapes)
+    assert "tpu_custom_call" in exported.mlir_module()
+    assert exported.out_avals[0].shape == (m, n) and exported.out_avals[0].dtype == jnp.bfloat16
