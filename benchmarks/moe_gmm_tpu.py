@@ -21,6 +21,8 @@ implementation is recorded and the rest still run; the exit status is 1 if any f
 
 ``--int8`` adds ``ours_int8``: our kernel on the same experts quantized to int8 per output channel
 (bytes counted at one per weight), checked against ragged_dot on the dequantized weight.
+``--mxfp4`` adds ``ours_mxfp4``: our kernel on the experts quantized to MXFP4 by ``quant.fp4``
+(packed bytes decoded in VMEM; ``K * N * (1/2 + 1/32)`` bytes per active expert), checked likewise.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas.ops.tpu.megablox import gmm as megablox_gmm
 
 from tpuserve.moe.pallas_tpu_gmm import default_tiling, grouped_matmul_tpu
+from tpuserve.quant.fp4 import MXFP4_BLOCK, dequantize_mxfp4, quantize_mxfp4
 
 HBM_BYTES_PER_S = 819e9  # v5e
 PEAK_FLOPS = 197e12  # v5e, bf16
@@ -67,6 +70,7 @@ def parse_args(argv=None):
         help="extra tilings of our kernel to time, 'tm,tk,tn;tm,tk,tn' (the default tiling always runs)",
     )
     p.add_argument("--int8", action="store_true", help="also time our kernel on int8 per-channel experts")
+    p.add_argument("--mxfp4", action="store_true", help="also time our kernel on MXFP4 experts")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
@@ -147,7 +151,9 @@ def ragged_dot_f32(lhs, rhs, gs, scale=None):
     return jax.lax.ragged_dot(lhs, rhs, gs, preferred_element_type=jnp.float32)
 
 
-def run_case(model, projection, tokens, dims, args, rng, weights, qweights, interpret, extra_tilings):
+def run_case(
+    model, projection, tokens, dims, args, rng, weights, qweights, fp4weights, interpret, extra_tilings
+):
     h, f, g, top_k = dims
     k, n = (h, 2 * f) if projection == "gate_up" else (f, h)
     m = tokens * top_k
@@ -177,6 +183,15 @@ def run_case(model, projection, tokens, dims, args, rng, weights, qweights, inte
         res.update(measure(fn, (lhs, q, gs, scale), q_want, q_bytes, flops, args))
         case["results"]["ours_int8"] = res
         print(format_result(case, "ours_int8", res), flush=True)
+    if fp4weights is not None:  # MXFP4 experts: half a byte per weight plus a scale byte per 32
+        rec, deq = fp4weights
+        q_bytes = 2 * (m * k + m * n) + active * (k * n // 2 + k // MXFP4_BLOCK * n)
+        q_want = np.asarray(jax.jit(ragged_dot_f32)(lhs.astype(jnp.float32), deq, gs))
+        res = dict(tiling=list(default_tiling(m, k, n, 1024)), mxfp4=True)
+        fn = lambda a, b, c: grouped_matmul_tpu(a, b, c, interpret=interpret)  # noqa: E731
+        res.update(measure(fn, (lhs, rec, gs), q_want, q_bytes, flops, args))
+        case["results"]["ours_mxfp4"] = res
+        print(format_result(case, "ours_mxfp4", res), flush=True)
     return case
 
 
@@ -238,10 +253,28 @@ def main(argv=None) -> int:
                 except Exception as e:
                     print(f"{model} {projection}: could not quantize the weights: {e}", flush=True)
                     failures += 1
+            fp4weights = None
+            if args.mxfp4:
+                try:
+                    rec = jax.jit(lambda w: quantize_mxfp4(w, num_lead=1))(weights)
+                    fp4weights = rec, jax.jit(dequantize_mxfp4)(rec)  # [G, K, N] f32, the oracle's
+                except Exception as e:
+                    print(f"{model} {projection}: could not quantize the weights to MXFP4: {e}", flush=True)
+                    failures += 1
             for tokens in token_counts:
                 try:
                     case = run_case(
-                        model, projection, tokens, dims, args, rng, weights, qweights, interpret, extra
+                        model,
+                        projection,
+                        tokens,
+                        dims,
+                        args,
+                        rng,
+                        weights,
+                        qweights,
+                        fp4weights,
+                        interpret,
+                        extra,
                     )
                 except Exception as e:
                     case = dict(model=model, projection=projection, tokens=tokens, error=repr(e)[:2000])
@@ -251,7 +284,7 @@ def main(argv=None) -> int:
                 failures += "error" in case or any(
                     "error" in r or not r.get("agrees", True) for r in results.values()
                 )
-            del weights, qweights
+            del weights, qweights, fp4weights
     summary = dict(
         command=" ".join(sys.argv),
         jax=jax.__version__,

@@ -78,8 +78,8 @@ for s in $stages; do
       stage host-t1 100 python benchmarks/tpu_e2e.py --models /tmp/m/smollm2-135m --rounds 1 \
           --prefill "" --batches 1,128 --temperature 1.0 --host-profile "$out/host_t1_135m" \
           --out "$out/host_t1_135m.json" ;;
-    moe-gmm)   # the MoE grouped matmul compiled by Mosaic: ours against megablox gmm and ragged_dot
-      stage moe-gmm 200 python benchmarks/moe_gmm_tpu.py --int8 --out "$out/moe_gmm.json" ;;
+    moe-gmm)   # the MoE grouped matmul compiled by Mosaic: ours (bf16, int8, MXFP4) against megablox gmm and ragged_dot
+      stage moe-gmm 260 python benchmarks/moe_gmm_tpu.py --int8 --mxfp4 --out "$out/moe_gmm.json" ;;
     e2e-qmoe)  # a Qwen3-30B-A3B layer (128 experts, top-8) x 4 layers: MoE decode against the roofline
       [ -d /tmp/m/qwen3-moe-30b-a3b-4l ] || python benchmarks/random_checkpoint.py --dtype float16 \
           --like .tpu_carry/shapes/qwen3-moe-30b-a3b-4l --out /tmp/m/qwen3-moe-30b-a3b-4l > /dev/null
