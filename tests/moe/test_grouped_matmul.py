@@ -325,6 +325,9 @@ def test_mxfp4_rhs_matches_ragged_dot_on_the_dequantized_weight_and_reference(na
     close(y, ragged_dot_oracle(x.astype(jnp.float32), dequantized(rec), gs), dtype)
     close(y, grouped_matmul_reference(x, rec, gs), dtype)
     close(y, grouped_matmul(x, rec, gs, impl="reference"), dtype)
+    # the dispatch's interpret path with traced group sizes (as the MoE layer calls it): the same bits
+    via = jax.jit(lambda sz: grouped_matmul(x, rec, sz, impl="pallas_tpu_interpret", tiling=tiling))(gs)
+    np.testing.assert_array_equal(np.asarray(via, np.float32), np.asarray(y, np.float32))
 
 
 @pytest.mark.timeout(300)
