@@ -94,10 +94,20 @@ def test_load_and_save_round_trip_and_misses(tmp_path):
     key = cache.key("f", (x, y))
     assert cache.load(key) is None and cache.misses == 1
     cache.save(key, f.lower(x, y).compile())
-    loaded = ExecutableCache(str(tmp_path / "exe"), "ctx").load(key)
-    assert loaded is not None
-    out, _ = loaded(jnp.arange(6.0), y)
-    assert out.tolist() == [1.0, 3.0, 5.0, 7.0, 9.0, 11.0]
+    # Loaded and run in a fresh process, as a restart does: XLA:CPU can fail to run a program
+    # deserialized in the process that compiled others ("Function ... not found"), which is why
+    # the cache is off on CPU by default (tpu_platform/config.py).
+    child = (
+        "import sys, jax.numpy as jnp\n"
+        "from tpuserve.tpu_platform.executable_cache import ExecutableCache\n"
+        "loaded = ExecutableCache(sys.argv[1], 'ctx').load(sys.argv[2])\n"
+        "print('RESULT', loaded(jnp.arange(6.0), jnp.ones(6))[0].tolist())\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", child, str(tmp_path / "exe"), key], capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "RESULT [1.0, 3.0, 5.0, 7.0, 9.0, 11.0]" in out.stdout
     with open(os.path.join(str(tmp_path / "exe"), key + ".exe"), "wb") as fh:
         fh.write(b"not an executable")
     bad = ExecutableCache(str(tmp_path / "exe"), "ctx")
