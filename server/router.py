@@ -6,7 +6,9 @@ field; vLLM's and tpu-inference's toy proxies do the same), then sends the origi
 decode server with the ``kv_transfer_params`` the prefill answered with, if any (a decode server
 without them computes the prompt itself). The decode answer, streamed or not, is passed through.
 
-Backends are chosen round-robin among the healthy ones of each pool. A background task polls each
+Without prefill servers the decode servers are whole replicas: the request goes to one, unchanged.
+Backends are chosen among the healthy ones of each pool round-robin, or with ``--policy prefix`` by
+the longest prompt prefix a bounded index says each was sent, bounded by the requests in flight. A background task polls each
 backend's ``/health``; a backend that cannot be reached while serving is marked unhealthy at once
 (and the request tries the pool's next healthy one: nothing was sent to it yet). No healthy
 backend: 503. Every upstream failure: 502 with an OpenAI-shaped JSON error. All upstream waits
