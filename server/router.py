@@ -6,7 +6,9 @@ field; vLLM's and tpu-inference's toy proxies do the same), then sends the origi
 decode server with the ``kv_transfer_params`` the prefill answered with, if any (a decode server
 without them computes the prompt itself). The decode answer, streamed or not, is passed through.
 
-Backends are chosen round-robin among the healthy ones of each pool. A background task polls each
+Without prefill servers the decode servers are whole replicas: the request goes to one, unchanged.
+Backends are chosen among the healthy ones of each pool round-robin, or with ``--policy prefix`` by
+the longest prompt prefix a bounded index says each was sent, bounded by the requests in flight. A background task polls each
 backend's ``/health``; a backend that cannot be reached while serving is marked unhealthy at once
 (and the request tries the pool's next healthy one: nothing was sent to it yet). No healthy
 backend: 503. Every upstream failure: 502 with an OpenAI-shaped JSON error. All upstream waits
@@ -20,9 +22,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import hashlib
 import json
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
 import httpx
@@ -57,10 +61,14 @@ class RouterConfig:
     decode_read_timeout_s: float = 600.0  # between two chunks of a decode answer
     http_header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S  # a client's request head, from connecting
     http_body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S  # a client's request body, after its head
+    policy: str = "round-robin"  # or "prefix": longest cached prefix, bounded by load
+    prefix_chunk_chars: int = 256  # prompt text per index entry
+    prefix_index_size: int = 65536  # entries (chunk hashes) kept, least recently used evicted
+    load_threshold: int = 4  # in-flight requests over the least loaded that forfeit prefix affinity
 
     def validate(self) -> None:
         for name, urls in (("--prefill", self.prefill_urls), ("--decode", self.decode_urls)):
-            if not urls:
+            if not urls and name == "--decode":
                 raise ValueError(f"{name}: give at least one server URL")
             for u in urls:
                 if not u.startswith(("http://", "https://")):
@@ -75,6 +83,73 @@ class RouterConfig:
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         check_timeouts(self.http_header_timeout_s, self.http_body_timeout_s)
+        if self.policy not in POLICIES:
+            raise ValueError(f"--policy: {self.policy!r} is not one of {', '.join(POLICIES)}")
+        for name in ("prefix_chunk_chars", "prefix_index_size"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.load_threshold < 0:
+            raise ValueError(f"load_threshold must be >= 0, got {self.load_threshold}")
+
+
+POLICIES = ("round-robin", "prefix")
+
+
+def prefix_key(body: dict) -> str:
+    """The text whose prefix a backend's KV cache would share: the prompt, or the chat messages as
+    JSON (leading messages in common serialize to a common prefix), after the model name (another
+    model caches nothing of use)."""
+    prompt = body.get("messages", body.get("prompt", ""))
+    text = prompt if isinstance(prompt, str) else json.dumps(prompt, ensure_ascii=True, default=str)
+    return f"{body.get('model', '')}\n{text}"
+
+
+def chunk_hashes(text: str, chunk_chars: int) -> list[bytes]:
+    """One hash per whole chunk, each chained on the one before: hash i names the whole prefix up
+    to chunk i, so equal hashes mean equal prefixes (not just equal chunks)."""
+    out: list[bytes] = []
+    h = b""
+    for i in range(0, len(text) - chunk_chars + 1, chunk_chars):
+        h = hashlib.blake2b(
+            h + text[i : i + chunk_chars].encode("utf-8", "surrogatepass"), digest_size=16
+        ).digest()
+        out.append(h)
+    return out
+
+
+class PrefixIndex:
+    """A bounded, approximate map of prefix-chunk hash -> the backends that recently served a
+    request with that prefix (so probably still cache it). LRU over hashes: the router cannot see
+    the backends' evictions, so old entries age out instead."""
+
+    def __init__(self, max_entries: int):
+        self.max_entries = max_entries
+        self._owners: OrderedDict[bytes, dict[str, None]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._owners)
+
+    def match(self, hashes: Sequence[bytes], urls: Sequence[str]) -> dict[str, int]:
+        """For each url, how many leading chunks it is recorded as holding."""
+        out = dict.fromkeys(urls, 0)
+        live = set(urls)
+        for i, h in enumerate(hashes):
+            owners = self._owners.get(h)
+            live = live & owners.keys() if owners else set()
+            if not live:
+                break
+            self._owners.move_to_end(h)
+            for u in live:
+                out[u] = i + 1
+        return out
+
+    def record(self, hashes: Sequence[bytes], url: str) -> None:
+        for h in hashes:
+            owners = self._owners.setdefault(h, {})
+            owners[url] = None
+            self._owners.move_to_end(h)
+        while len(self._owners) > self.max_entries:
+            self._owners.popitem(last=False)
 
 
 @dataclass
@@ -83,26 +158,46 @@ class Backend:
     healthy: bool = True  # optimistic until the first check
     last_error: str | None = None
     requests: int = 0
+    in_flight: int = 0  # requests sent and not yet answered in full (the router's own count)
+    prefix_hits: int = 0  # requests routed here for a prefix the index says it holds
 
 
 @dataclass
 class BackendPool:
-    """Round-robin over the healthy backends of one role."""
+    """The backends of one role: round-robin over the healthy ones, or prefix-aware (``prefix``)."""
 
     role: str
     backends: list[Backend]
     _next: int = field(default=0, repr=False)
+    index: PrefixIndex | None = None  # set for the prefix policy
+    load_threshold: int = 4
 
     @classmethod
     def of(cls, role: str, urls: Sequence[str]) -> BackendPool:
         return cls(role, [Backend(u.rstrip("/")) for u in urls])
 
-    def candidates(self) -> list[Backend]:
-        """Healthy backends in the order to try them: round-robin, the next start each call."""
+    def candidates(self, hashes: Sequence[bytes] = ()) -> list[Backend]:
+        """Healthy backends in the order to try them: round-robin, the next start each call; with
+        an index, the one holding the longest prefix first unless it is loaded more than
+        ``load_threshold`` over the least loaded, then the rest by load."""
         n = len(self.backends)
         start, self._next = self._next, (self._next + 1) % n
         order = [self.backends[(start + i) % n] for i in range(n)]
-        return [b for b in order if b.healthy]
+        healthy = [b for b in order if b.healthy]
+        if self.index is None or not healthy:
+            return healthy
+        by_load = sorted(healthy, key=lambda b: b.in_flight)  # stable: round-robin breaks ties
+        matched = self.index.match(hashes, [b.url for b in healthy])
+        floor = by_load[0].in_flight
+        best = max(matched.values())
+        if best == 0:
+            return by_load
+        near = [b for b in by_load if matched[b.url] == best and b.in_flight <= floor + self.load_threshold]
+        if not near:
+            return by_load
+        first = near[0]
+        first.prefix_hits += 1
+        return [first, *(b for b in by_load if b is not first)]
 
     def mark(self, b: Backend, error: str | None) -> None:
         if error is None:
@@ -187,6 +282,13 @@ class Router:
         self.prefill = BackendPool.of("prefill", config.prefill_urls)
         self.decode = BackendPool.of("decode", config.decode_urls)
         self.pools: dict[str, BackendPool] = {"prefill": self.prefill, "decode": self.decode}
+        if not config.prefill_urls:  # replicas only: each decode server computes the whole request
+            del self.pools["prefill"]
+        if config.policy == "prefix":
+            # Per pool: a prompt's KV lives where it was computed (prefill), or on the replica.
+            for pool in self.pools.values():
+                pool.index = PrefixIndex(config.prefix_index_size)
+                pool.load_threshold = config.load_threshold
         self._transport = transport
         self._client: httpx.AsyncClient | None = None  # only while the app runs (its lifespan)
         self.app = self._build_app()
@@ -269,53 +371,82 @@ class Router:
         if isinstance(body, Response):
             return body
         headers = _forward_headers(request)
+        hashes = (
+            chunk_hashes(prefix_key(body), self.config.prefix_chunk_chars)
+            if self.config.policy == "prefix"
+            else []
+        )
         try:
-            p = await self._send(
-                self.prefill,
-                path,
-                _prefill_body(body, path),
-                headers,
-                stream=False,
-                read_timeout=self.config.prefill_timeout_s,
-            )
-            if p.status_code != 200:
-                if 400 <= p.status_code < 500:  # the request itself is bad: say so as the server did
-                    return Response(p.content, p.status_code, media_type=p.headers.get("content-type"))
-                raise UpstreamError(502, f"prefill server answered {p.status_code}: {p.text[:500]}")
-            try:
-                kv_params = p.json().get("kv_transfer_params")
-            except (ValueError, AttributeError):
-                raise UpstreamError(
-                    502, "prefill server answered something that is not a JSON object"
-                ) from None
+            if "prefill" not in self.pools:  # replicas: the decode server runs the whole request
+                kv_params = body.get("kv_transfer_params")
+            else:
+                kv_params = await self._prefill(path, body, headers, hashes)
             stream = bool(body.get("stream"))
-            d = await self._send(
+            d, release = await self._send(
                 self.decode,
                 path,
-                _decode_body(body, kv_params),
+                _decode_body(body, kv_params) if "prefill" in self.pools else body,
                 headers,
                 stream=stream,
                 read_timeout=self.config.decode_read_timeout_s,
+                hashes=hashes,
             )
+        except _ClientError as e:
+            r = e.response
+            return Response(r.content, r.status_code, media_type=r.headers.get("content-type"))
         except UpstreamError as e:
             return error_response(e.status, e.message)
         if not stream:
+            release()
             return Response(d.content, d.status_code, media_type=d.headers.get("content-type"))
         if d.status_code != 200:
-            content = await d.aread()
-            await d.aclose()
+            try:
+                content = await d.aread()
+            finally:
+                await d.aclose()
+                release()
             return Response(content, d.status_code, media_type=d.headers.get("content-type"))
-        return StreamingResponse(
-            _relay(d), status_code=200, media_type=d.headers.get("content-type", "text/event-stream")
+        return _RelayResponse(
+            _relay(d), release, status_code=200, media_type=d.headers.get("content-type", "text/event-stream")
         )
 
+    async def _prefill(self, path: str, body: dict, headers: dict, hashes: Sequence[bytes]) -> dict | None:
+        """The prefill's kv_transfer_params; UpstreamError (a 4xx passed on as one) otherwise."""
+        p, release = await self._send(
+            self.prefill,
+            path,
+            _prefill_body(body, path),
+            headers,
+            stream=False,
+            read_timeout=self.config.prefill_timeout_s,
+            hashes=hashes,
+        )
+        release()
+        if p.status_code != 200:
+            if 400 <= p.status_code < 500:  # the request itself is bad: say so as the server did
+                raise _ClientError(p)
+            raise UpstreamError(502, f"prefill server answered {p.status_code}: {p.text[:500]}")
+        try:
+            return p.json().get("kv_transfer_params")
+        except (ValueError, AttributeError):
+            raise UpstreamError(502, "prefill server answered something that is not a JSON object") from None
+
     async def _send(
-        self, pool: BackendPool, path: str, body: dict, headers: dict, stream: bool, read_timeout: float
-    ) -> httpx.Response:
-        """POST to the first reachable healthy backend of ``pool``; UpstreamError if none is."""
+        self,
+        pool: BackendPool,
+        path: str,
+        body: dict,
+        headers: dict,
+        stream: bool,
+        read_timeout: float,
+        hashes: Sequence[bytes] = (),
+    ) -> tuple[httpx.Response, Callable[[], None]]:
+        """POST to the first reachable healthy backend of ``pool``; UpstreamError if none is. Also
+        returns the callback that ends the request's in-flight count there (call it once the
+        answer is done with: read, relayed, or abandoned)."""
         role = pool.role
         tried: list[str] = []
-        for b in pool.candidates():
+        for b in pool.candidates(hashes):
             req = self.client.build_request(
                 "POST",
                 b.url + path,
@@ -323,22 +454,32 @@ class Router:
                 headers={**headers, "content-type": "application/json"},
                 timeout=httpx.Timeout(read_timeout, connect=self.config.connect_timeout_s),
             )
+            b.in_flight += 1
+            release = _releaser(b)
             try:
                 resp = await self.client.send(req, stream=stream)
             except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError) as e:
                 # Refused, unreachable, or closed before answering: nothing ran there; try the next.
+                release()
                 pool.mark(b, f"{type(e).__name__}: {e}")
                 tried.append(f"{b.url}: {type(e).__name__}")
                 continue
             except httpx.TimeoutException as e:
+                release()
                 pool.mark(b, f"{type(e).__name__}: {e}")
                 raise UpstreamError(
                     504 if role == "prefill" else 502, f"{role} server {b.url} timed out ({type(e).__name__})"
                 ) from None
             except httpx.HTTPError as e:
+                release()
                 raise UpstreamError(502, f"{role} server {b.url} failed: {type(e).__name__}: {e}") from None
+            except BaseException:  # the client left (cancelled) while the backend was answering
+                release()
+                raise
+            if pool.index is not None:
+                pool.index.record(hashes, b.url)  # it computes (so caches) this prompt now
             b.requests += 1
-            return resp
+            return resp, release
         if not tried:
             raise UpstreamError(
                 503,
@@ -390,12 +531,18 @@ class Router:
             "# TYPE tpuserve_router_backend_healthy gauge",
             "# HELP tpuserve_router_backend_requests_total Requests the router sent it.",
             "# TYPE tpuserve_router_backend_requests_total counter",
+            "# HELP tpuserve_router_backend_in_flight Requests sent to it and not yet answered in full.",
+            "# TYPE tpuserve_router_backend_in_flight gauge",
+            "# HELP tpuserve_router_backend_prefix_hits_total Requests routed to it for a prefix it held.",
+            "# TYPE tpuserve_router_backend_prefix_hits_total counter",
         ]
         for role, pool in self.pools.items():
             for b in pool.backends:
                 labels = f'role="{role}",url="{b.url}"'
                 lines.append(f"tpuserve_router_backend_healthy{{{labels}}} {int(b.healthy)}")
                 lines.append(f"tpuserve_router_backend_requests_total{{{labels}}} {b.requests}")
+                lines.append(f"tpuserve_router_backend_in_flight{{{labels}}} {b.in_flight}")
+                lines.append(f"tpuserve_router_backend_prefix_hits_total{{{labels}}} {b.prefix_hits}")
         return Response("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
     async def health(self) -> Response:
@@ -408,12 +555,55 @@ class Router:
         return JSONResponse(
             {
                 role: [
-                    {"url": b.url, "healthy": b.healthy, "last_error": b.last_error, "requests": b.requests}
+                    {
+                        "url": b.url,
+                        "healthy": b.healthy,
+                        "last_error": b.last_error,
+                        "requests": b.requests,
+                        "in_flight": b.in_flight,
+                        "prefix_hits": b.prefix_hits,
+                    }
                     for b in pool.backends
                 ]
                 for role, pool in self.pools.items()
             }
         )
+
+
+class _ClientError(Exception):
+    """A backend's 4xx to pass on as it is: the request itself is bad."""
+
+    def __init__(self, response: httpx.Response):
+        super().__init__(response.status_code)
+        self.response = response
+
+
+def _releaser(b: Backend) -> Callable[[], None]:
+    """Ends one request's in-flight count on ``b``, once however many paths call it."""
+    done = False
+
+    def release() -> None:
+        nonlocal done
+        if not done:
+            done = True
+            b.in_flight -= 1
+
+    return release
+
+
+class _RelayResponse(StreamingResponse):
+    """A relayed stream that ends the in-flight count however it ends: completed, broken, or the
+    client gone (Starlette then cancels the send, and the generator may never be closed)."""
+
+    def __init__(self, content: AsyncIterator[bytes], release: Callable[[], None], **kw) -> None:
+        super().__init__(content, **kw)
+        self._release = release
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._release()
 
 
 async def _relay(d: httpx.Response) -> AsyncIterator[bytes]:
@@ -450,18 +640,31 @@ def add_router_parser(subparsers) -> argparse.ArgumentParser:
         "--prefill",
         action="extend",
         nargs="+",
-        required=True,
+        default=[],
         metavar="URL",
-        help="prefill server URL(s) (repeatable)",
+        help="prefill server URL(s) (repeatable); none: the decode servers are whole replicas",
     )
     parser.add_argument(
         "--decode",
+        "--replica",
+        dest="decode",
         action="extend",
         nargs="+",
-        required=True,
+        default=[],
         metavar="URL",
-        help="decode server URL(s) (repeatable)",
+        help="decode server (or, without --prefill, replica) URL(s) (repeatable)",
     )
+    parser.add_argument(
+        "--policy",
+        choices=POLICIES,
+        default="round-robin",
+        help="prefix: the backend holding the longest prefix of the prompt (an approximate index of "
+        "what it was sent), unless it has more than --load-threshold requests in flight over the "
+        "least loaded; round-robin: in turn",
+    )
+    parser.add_argument("--load-threshold", type=int, default=4)
+    parser.add_argument("--prefix-chunk-chars", type=int, default=256)
+    parser.add_argument("--prefix-index-size", type=int, default=65536)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--health-interval", type=float, default=5.0, help="seconds between /health polls")
@@ -498,6 +701,10 @@ def run_router(args: argparse.Namespace) -> int:
         decode_read_timeout_s=args.decode_read_timeout,
         http_header_timeout_s=args.http_header_timeout,
         http_body_timeout_s=args.http_body_timeout,
+        policy=args.policy,
+        prefix_chunk_chars=args.prefix_chunk_chars,
+        prefix_index_size=args.prefix_index_size,
+        load_threshold=args.load_threshold,
     )
     app = build_router_app(config)  # ValueError (bad URL, ...) -> the CLI's exit 2
     log.info(
