@@ -87,27 +87,39 @@ def test_key_follows_the_arguments_signature_and_the_context(tmp_path):
     assert cache.key("forward", abstract) == key
 
 
-def test_load_and_save_round_trip_and_misses(tmp_path):
-    f = jax.jit(lambda x, y: (x * 2 + y, y), donate_argnums=(0,))
-    x, y = jnp.arange(6.0), jnp.ones(6)
-    cache = ExecutableCache(str(tmp_path / "exe"), "ctx")
-    key = cache.key("f", (x, y))
+ROUND_TRIP = """
+import sys, jax, jax.numpy as jnp
+from tpuserve.tpu_platform.executable_cache import ExecutableCache
+f = jax.jit(lambda x, y: (x * 2 + y, y), donate_argnums=(0,))
+x, y = jnp.arange(6.0), jnp.ones(6)
+cache = ExecutableCache(sys.argv[1], "ctx")
+key = cache.key("f", (x, y))
+if sys.argv[2] == "save":
     assert cache.load(key) is None and cache.misses == 1
     cache.save(key, f.lower(x, y).compile())
-    # Loaded and run in a fresh process, as a restart does: XLA:CPU can fail to run a program
-    # deserialized in the process that compiled others ("Function ... not found"), which is why
-    # the cache is off on CPU by default (tpu_platform/config.py).
-    child = (
-        "import sys, jax.numpy as jnp\n"
-        "from tpuserve.tpu_platform.executable_cache import ExecutableCache\n"
-        "loaded = ExecutableCache(sys.argv[1], 'ctx').load(sys.argv[2])\n"
-        "print('RESULT', loaded(jnp.arange(6.0), jnp.ones(6))[0].tolist())\n"
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", child, str(tmp_path / "exe"), key], capture_output=True, text=True, timeout=300
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "RESULT [1.0, 3.0, 5.0, 7.0, 9.0, 11.0]" in out.stdout
+else:
+    print("RESULT", cache.load(key)(x, y)[0].tolist())
+print("KEY", key)
+"""
+
+
+def test_load_and_save_round_trip_and_misses(tmp_path):
+    # Saved in one fresh process and loaded in another, as a restart does: XLA:CPU failed to run
+    # programs serialized or deserialized in a process that had compiled or cached others ("Function
+    # ... not found"), which is why the cache is off on CPU by default (tpu_platform/config.py).
+    def run(phase):
+        out = subprocess.run(
+            [sys.executable, "-c", ROUND_TRIP, str(tmp_path / "exe"), phase],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert out.returncode == 0, out.stderr[-3000:]
+        return out.stdout
+
+    saved = run("save")
+    assert "RESULT [1.0, 3.0, 5.0, 7.0, 9.0, 11.0]" in run("load")
+    key = saved.split("KEY ")[1].split()[0]
     with open(os.path.join(str(tmp_path / "exe"), key + ".exe"), "wb") as fh:
         fh.write(b"not an executable")
     bad = ExecutableCache(str(tmp_path / "exe"), "ctx")
