@@ -22,6 +22,7 @@ import pytest
 import torch
 import transformers
 from hf_oracle import hf_greedy
+from runner_fixtures import scan_runner
 
 from tpuserve.tpu_platform.models.arch import ModelArch
 
@@ -206,24 +207,13 @@ def test_this_checkpoint_exercises_the_clamp_and_the_window(checkpoints):
 def _our_last_logits(path: str, layers_differ: bool = True) -> tuple[list[np.ndarray], list[list[int]]]:
     """One ragged step over all prompts through the runner (asked to scan its layers): each
     prompt's last-position logits."""
-    from tpuserve.tpu_platform.config import EngineConfig
-    from tpuserve.tpu_platform.device import discover
     from tpuserve.tpu_platform.loader import load_model
-    from tpuserve.tpu_platform.model_runner import ModelRunner
     from tpuserve.tpu_platform.step_batch import SamplingRow, ScheduledSeq
 
     loaded = load_model(path, jnp.float32)
     # sliding and full layers cannot share a scanned body: the loader hands them over as a list
     assert isinstance(loaded.params["layers"], list if layers_differ else dict)
-    runner = ModelRunner(
-        EngineConfig.from_kwargs(model=path, max_num_batched_tokens=64, layer_loop="scan"),
-        loaded.arch,
-        loaded.params,
-        discover(),
-        jnp.float32,
-        num_pages=32,
-        max_model_len=256,
-    )
+    runner = scan_runner(path, loaded)
     assert runner.layer_loop == ("unroll" if layers_differ else "scan")
     tok = loaded.tokenizer
     prompts = [tok.encode(p) for p in PROMPTS]

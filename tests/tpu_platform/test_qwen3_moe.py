@@ -14,6 +14,7 @@ import pytest
 import torch
 import transformers
 from hf_oracle import hf_greedy
+from runner_fixtures import scan_runner
 
 from tpuserve.tpu_platform.config import ConfigError
 from tpuserve.tpu_platform.models.arch import ModelArch, ModelConfigError
@@ -157,26 +158,13 @@ def test_config_fields(checkpoints):
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("kind", ["mixed", "sparse"])
 def test_last_position_logits_match_transformers(checkpoints, kind):
-    from tpuserve.tpu_platform.config import EngineConfig
-    from tpuserve.tpu_platform.device import discover
     from tpuserve.tpu_platform.loader import load_model
-    from tpuserve.tpu_platform.model_runner import ModelRunner
     from tpuserve.tpu_platform.step_batch import SamplingRow, ScheduledSeq
 
     path = checkpoints[kind]
     loaded = load_model(path, jnp.float32)
     assert isinstance(loaded.params["layers"], list if kind == "mixed" else dict)
-    runner = ModelRunner(
-        # asked to scan: the all-expert model's stacked layers do (one layer body); the mixed
-        # model's dense and expert layers cannot share a body and run unrolled instead
-        EngineConfig.from_kwargs(model=path, max_num_batched_tokens=64, layer_loop="scan"),
-        loaded.arch,
-        loaded.params,
-        discover(),
-        jnp.float32,
-        num_pages=32,
-        max_model_len=256,
-    )
+    runner = scan_runner(path, loaded)
     tok = loaded.tokenizer
     prompts = [tok.encode(p) for p in PROMPTS]
     seqs, next_page = [], 1
@@ -365,22 +353,11 @@ def test_layer_scan_passes_the_expert_stacks_whole(checkpoints):
     """The scanned step hands the expert stacks [L, E, ...] to the scan as constants, not as
     per-layer slices: on a TPU a slice feeding the grouped-matmul kernel is materialized, a copy
     of every expert of the layer each step. Fails if the decoder scans over them again."""
-    from tpuserve.tpu_platform.config import EngineConfig
-    from tpuserve.tpu_platform.device import discover
     from tpuserve.tpu_platform.loader import load_model
-    from tpuserve.tpu_platform.model_runner import ModelRunner
 
     path = checkpoints["sparse"]
     loaded = load_model(path, jnp.float32)
-    runner = ModelRunner(
-        EngineConfig.from_kwargs(model=path, max_num_batched_tokens=64, layer_loop="scan"),
-        loaded.arch,
-        loaded.params,
-        discover(),
-        jnp.float32,
-        num_pages=32,
-        max_model_len=256,
-    )
+    runner = scan_runner(path, loaded)
     layers = runner.params["layers"]
     stacks = {tuple(layers[k].shape) for k in ("experts_gate_up", "experts_down")}
     slices = {s[1:] for s in stacks}
