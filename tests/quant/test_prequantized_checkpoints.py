@@ -24,7 +24,7 @@ import torch
 pytest.importorskip("compressed_tensors")
 
 import ckpt_writers as cw
-import hf_oracle as oracle
+import quant_oracle as oracle
 from conftest import build_random_checkpoint
 
 from tpuserve.server.llm import LLM

@@ -24,7 +24,7 @@ import torch
 pytest.importorskip("torchao")
 pytest.importorskip("compressed_tensors")
 
-import hf_oracle as oracle
+import quant_oracle as oracle
 
 from tpuserve.server.llm import LLM
 from tpuserve.server.sampling_params import SamplingParams
