@@ -95,6 +95,20 @@ for s in $stages; do
       checkpoint llama-1b-gqa
       stage fp8-kv 240 python benchmarks/tpu_memory.py --llm /tmp/m/llama-1b-gqa --kv-cache-dtype fp8 \
           --batches 1,128 --out "$out/fp8kv_1b.json" ;;
+    quant)     # the FP8 / MXFP4 / NVFP4 matmul kernels compiled by Mosaic (checked on the chip) and a
+               # layer scan of the 1B and 8B shapes' matmuls: records sliced vs whole vs XLA, against
+               # bf16 and the weight-bytes roofline (8 of the 8B shape's 32 layers: memory)
+      stage quant-1b 170 python benchmarks/quant_tpu.py --shape llama-1b --rows 1,8,128 --out "$out/quant_1b.json"
+      stage quant-8b 150 python benchmarks/quant_tpu.py --shape llama-8b --layers 8 --rows 1,8 \
+          --out "$out/quant_8b.json" ;;
+    e2e-quant) # the 1B shape through LLM(...) with each online quantization, round-to-nearest (GPTQ's
+               # calibration costs start-up, not step time), decode only
+      checkpoint llama-1b-gqa
+      for q in ${QUANT_METHODS:-fp8 mxfp4 nvfp4}; do
+        stage "e2e-1b-$q" 170 python benchmarks/tpu_e2e.py --models /tmp/m/llama-1b-gqa --rounds 1 \
+            --batches 1,8,32 --prefill "" --quantization "$q" \
+            --engine-args '{"quantization_calibration": "rtn"}' --out "$out/e2e_1b_$q.json"
+      done ;;
     parts)     # where a decode step's device time goes: matmuls alone, empty steps per bucket, HLO
       stage parts 240 python benchmarks/tpu_step_parts.py --model llama-1b --trace --out "$out/parts" ;;
     *) echo "unknown stage $s" | tee -a "$out/session.log" ;;

@@ -88,11 +88,41 @@ def _compiler_params():
     return pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary"))
 
 
+def _layer_operand(name: str, weight: jax.Array, layer) -> tuple[int, jax.Array]:
+    """How many leading layer axes ``weight`` has (0 or 1) and the layer index as i32 [1].
+
+    A layer scan that slices a stacked weight hands the Pallas call a slice XLA materializes: every
+    layer's weight is copied out of the stack on every step (read + write + the kernel's read, ~3x
+    the bytes of a GEMV that should read them once). Passing the stack whole with ``layer`` lets the
+    kernel's index maps pick the layer's blocks in place (scalar prefetch).
+    """
+    if layer is None:
+        if weight.ndim != 2:
+            raise ValueError(f"{name}: a stacked weight {weight.shape} needs the layer to read")
+        return 0, jnp.zeros((1,), jnp.int32)
+    if weight.ndim != 3:
+        raise ValueError(f"{name}: layer given, but the weight {weight.shape} is not stacked [L, K, N]")
+    return 1, jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
+
+
+def _spec(stacked: int, block: tuple[int, int], index):
+    """A BlockSpec over a weight-side operand ``[*L, rows, cols]``: the layer axis (when present)
+    is squeezed and indexed by the prefetched layer; ``index(i, j, kk)`` gives the 2-D block."""
+    if not stacked:
+        return pl.BlockSpec(block, lambda i, j, kk, layer: index(i, j, kk))
+    return pl.BlockSpec((None, *block), lambda i, j, kk, layer: (layer[0], *index(i, j, kk)))
+
+
+def _act_spec(block: tuple[int, int], index):
+    return pl.BlockSpec(block, lambda i, j, kk, layer: index(i, j, kk))
+
+
 # ---------------------------------------------------------------------------------------------
 # FP8
 
 
-def _fp8_kernel(*refs, subs, rows_per_tile, tk, bk, act_quant, nk):
+def _fp8_kernel(layer_ref, *refs, subs, rows_per_tile, tk, bk, act_quant, nk):
+    del layer_ref  # read by the index maps only
     if act_quant:
         x_ref, q_ref, s_ref, sx_ref, o_ref, acc_ref = refs
     else:
@@ -131,17 +161,21 @@ def fp8_matmul_tpu(
     block_m: int | None = None,
     block_n: int | None = None,
     block_k: int | None = None,
+    layer=None,
     interpret=None,
 ) -> jax.Array:
     """``x [M, K] @ w -> [M, N]`` (W8A16, or W8A8 when ``w.act_quant``), f32 accumulation.
 
+    w: a record of ``[K, N]``, or of ``[L, K, N]`` with ``layer`` (an i32 scalar, traced or not)
+    naming the layer to multiply by, read in place (``_layer_operand`` says why).
     block_k must divide K and be a multiple of the record's K block (or divide it), unless it is
     K itself. ``interpret``: None compiles for TPU; a ``pltpu.InterpretParams`` runs interpreted.
     """
     m, k = x.shape
     n = w.out_features
-    if w.qweight.ndim != 2 or w.in_features != k:
-        raise ValueError(f"fp8_matmul_tpu: x {x.shape} does not fit a 2-D weight {w.qweight.shape}")
+    stacked, layer_arr = _layer_operand("fp8_matmul_tpu", w.qweight, layer)
+    if w.in_features != k:
+        raise ValueError(f"fp8_matmul_tpu: x {x.shape} does not fit the weight {w.qweight.shape}")
     out_dtype = out_dtype or x.dtype
     bk = min(w.block[0], k)
     tk = block_k or (k if k <= _MAX_TK else _pick_tile(k, _MAX_TK, math.lcm(bk, 128)))
@@ -153,8 +187,8 @@ def fp8_matmul_tpu(
         rows_per_tile = nsub
     else:
         subs, rows_per_tile = ((0, tk, 0),), 0
-    s_cols = scale_columns(w)  # [Kb, N]
-    kb = s_cols.shape[0]
+    s_cols = scale_columns(w)  # [*L, Kb, N]
+    kb = s_cols.shape[-2]
 
     if w.act_quant:
         xin, sx = quantize_per_token(x)
@@ -166,32 +200,37 @@ def fp8_matmul_tpu(
     nk = k // tk
 
     in_specs = [
-        pl.BlockSpec((tm, tk), lambda i, j, kk: (i, kk)),
-        pl.BlockSpec((tk, tn), lambda i, j, kk: (kk, j)),
-        pl.BlockSpec((kb, tn), lambda i, j, kk: (0, j)),
+        _act_spec((tm, tk), lambda i, j, kk: (i, kk)),
+        _spec(stacked, (tk, tn), lambda i, j, kk: (kk, j)),
+        _spec(stacked, (kb, tn), lambda i, j, kk: (0, j)),
     ]
     args = [_pad_rows(xin, mp), w.qweight, s_cols]
     if w.act_quant:
-        in_specs.append(pl.BlockSpec((tm, 1), lambda i, j, kk: (i, 0)))
+        in_specs.append(_act_spec((tm, 1), lambda i, j, kk: (i, 0)))
         args.append(_pad_rows(sx, mp))
     kernel = functools.partial(
         _fp8_kernel, subs=subs, rows_per_tile=rows_per_tile, tk=tk, bk=bk, act_quant=w.act_quant, nk=nk
     )
     out = pl.pallas_call(
         kernel,
-        grid=(mp // tm, n // tn, nk),
-        in_specs=in_specs,
-        out_specs=pl.BlockSpec((tm, tn), lambda i, j, kk: (i, j)),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1,
+            grid=(mp // tm, n // tn, nk),
+            in_specs=in_specs,
+            out_specs=_act_spec((tm, tn), lambda i, j, kk: (i, j)),
+            scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32)],
+        ),
         out_shape=jax.ShapeDtypeStruct((mp, n), out_dtype),
-        scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32)],
         compiler_params=_compiler_params(),
         interpret=interpret if interpret is not None else False,
-    )(*args)
+    )(layer_arr, *args)
     return out[:m]
 
 
-def fp8_matmul_ref(x: jax.Array, w: Fp8Weight, *, out_dtype=None) -> jax.Array:
+def fp8_matmul_ref(x: jax.Array, w: Fp8Weight, *, out_dtype=None, layer=None) -> jax.Array:
     """Reference for ``fp8_matmul_tpu``: exact dequant (and the same per-token activation quant)."""
+    if layer is not None:
+        w = layer_of(w, layer)
     k, n = w.in_features, w.out_features
     if w.act_quant:
         xq, sx = quantize_per_token(x)
@@ -206,7 +245,8 @@ def fp8_matmul_ref(x: jax.Array, w: Fp8Weight, *, out_dtype=None) -> jax.Array:
 # FP4
 
 
-def _fp4_kernel(xe_ref, xo_ref, p_ref, s_ref, o_ref, acc_ref, *, scale_rows, block, kind, nk):
+def _fp4_kernel(layer_ref, xe_ref, xo_ref, p_ref, s_ref, o_ref, acc_ref, *, scale_rows, block, kind, nk):
+    del layer_ref  # read by the index maps only
     kk = pl.program_id(2)
 
     @pl.when(kk == 0)
@@ -239,16 +279,19 @@ def fp4_matmul_tpu(
     block_m: int | None = None,
     block_n: int | None = None,
     block_k: int | None = None,
+    layer=None,
     interpret=None,
 ) -> jax.Array:
     """``x [M, K] @ w -> [M, N]`` for MXFP4 / NVFP4 (W4A16), f32 accumulation.
 
+    w: a record of ``[K, N]``, or of ``[L, K, N]`` with ``layer`` (as in ``fp8_matmul_tpu``).
     block_k (in elements of K) must divide K and be a multiple of the format's block.
     """
     m, k = x.shape
     n = w.out_features
-    if w.packed.ndim != 2 or w.in_features != k:
-        raise ValueError(f"fp4_matmul_tpu: x {x.shape} does not fit a 2-D weight {w.packed.shape}")
+    stacked, layer_arr = _layer_operand("fp4_matmul_tpu", w.packed, layer)
+    if w.in_features != k:
+        raise ValueError(f"fp4_matmul_tpu: x {x.shape} does not fit the weight {w.packed.shape}")
     if getattr(w, "rotated", False):
         raise ValueError(
             "fp4_matmul_tpu: a rotated MXFP4 record needs x rotated first "
@@ -271,26 +314,33 @@ def fp4_matmul_tpu(
     kernel = functools.partial(_fp4_kernel, scale_rows=tk // blk, block=blk, kind=kind, nk=nk)
     out = pl.pallas_call(
         kernel,
-        grid=(mp // tm, n // tn, nk),
-        in_specs=[
-            pl.BlockSpec((tm, tk // 2), lambda i, j, kk: (i, kk)),
-            pl.BlockSpec((tm, tk // 2), lambda i, j, kk: (i, kk)),
-            pl.BlockSpec((tk // 2, tn), lambda i, j, kk: (kk, j)),
-            pl.BlockSpec((k // blk, tn), lambda i, j, kk: (0, j)),
-        ],
-        out_specs=pl.BlockSpec((tm, tn), lambda i, j, kk: (i, j)),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1,
+            grid=(mp // tm, n // tn, nk),
+            in_specs=[
+                _act_spec((tm, tk // 2), lambda i, j, kk: (i, kk)),
+                _act_spec((tm, tk // 2), lambda i, j, kk: (i, kk)),
+                _spec(stacked, (tk // 2, tn), lambda i, j, kk: (kk, j)),
+                _spec(stacked, (k // blk, tn), lambda i, j, kk: (0, j)),
+            ],
+            out_specs=_act_spec((tm, tn), lambda i, j, kk: (i, j)),
+            scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32)],
+        ),
         out_shape=jax.ShapeDtypeStruct((mp, n), jnp.float32 if kind == "nv" else out_dtype),
-        scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32)],
         compiler_params=_compiler_params(),
         interpret=interpret if interpret is not None else False,
-    )(xp[..., 0], xp[..., 1], w.packed, sbytes)[:m]
+    )(layer_arr, xp[..., 0], xp[..., 1], w.packed, sbytes)[:m]
     if kind == "nv":
-        out = (out * w.global_multiplier()[0]).astype(out_dtype)  # [1] or per column [N]
+        g = w.global_multiplier()  # [*L, 1, 1 or N]: tiny, sliced by XLA
+        g = g[layer_arr[0]] if stacked else g
+        out = (out * g[0]).astype(out_dtype)  # [1] or per column [N]
     return out
 
 
-def fp4_matmul_ref(x: jax.Array, w: Mxfp4Weight | Nvfp4Weight, *, out_dtype=None) -> jax.Array:
+def fp4_matmul_ref(x: jax.Array, w: Mxfp4Weight | Nvfp4Weight, *, out_dtype=None, layer=None) -> jax.Array:
     """Reference for ``fp4_matmul_tpu``: exact dequant, then an f32 GEMM."""
+    if layer is not None:
+        w = layer_of(w, layer)
     deq = dequantize_mxfp4(w) if isinstance(w, Mxfp4Weight) else dequantize_nvfp4(w)
     y = jnp.dot(
         x.astype(jnp.float32), deq.reshape(w.in_features, w.out_features), precision=lax.Precision.HIGHEST
@@ -298,14 +348,21 @@ def fp4_matmul_ref(x: jax.Array, w: Mxfp4Weight | Nvfp4Weight, *, out_dtype=None
     return y.astype(out_dtype or x.dtype)
 
 
-def quant_linear_tpu(x, w, bias=None, out_dtype=None, *, interpret=None):
-    """``linear``-signature wrapper: ``x [..., K]`` -> ``[..., *out]`` through the kernels."""
+def layer_of(w, layer):
+    """One layer of a record stacked over layers (``[L, K, ...]`` -> ``[K, ...]``): an XLA slice,
+    for the paths that are not the kernels (references, XLA matmuls)."""
+    return jax.tree.map(lambda a: a[layer], w)
+
+
+def quant_linear_tpu(x, w, bias=None, out_dtype=None, *, layer=None, interpret=None):
+    """``linear``-signature wrapper: ``x [..., K]`` -> ``[..., *out]`` through the kernels.
+    ``layer``: w is stacked over layers and the kernel reads that layer in place."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     if isinstance(w, Fp8Weight):
-        y = fp8_matmul_tpu(x2, w, out_dtype=jnp.float32, interpret=interpret)
+        y = fp8_matmul_tpu(x2, w, out_dtype=jnp.float32, layer=layer, interpret=interpret)
     else:
-        y = fp4_matmul_tpu(x2, w, out_dtype=jnp.float32, interpret=interpret)
+        y = fp4_matmul_tpu(x2, w, out_dtype=jnp.float32, layer=layer, interpret=interpret)
     y = y.reshape(*lead, *w.out_shape)
     if bias is not None:
         y = y + bias.astype(y.dtype)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import functools
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -31,11 +32,31 @@ from tpuserve.quant.dispatch import RECORD_TYPES, quant_linear
 LinearFn = Callable[[jax.Array, Any, Any, Any], jax.Array]
 
 
+@dataclasses.dataclass(frozen=True)
+class LayerOfStack:
+    """Layer ``layer`` (an i32 scalar, a scan's counter) of a weight stacked over layers, handed to
+    ``linear`` unsliced. A scan's sliced weight that feeds a Pallas kernel is materialized (copied
+    out of the stack every layer of every step); the quantized kernels read the layer in place
+    instead. Built by the decoder for the weights ``keeps_stack_whole`` accepts, only while tracing.
+    """
+
+    stack: Any
+    layer: Any
+
+
+def keeps_stack_whole(w) -> bool:
+    """Whether a layer scan should pass this stacked weight whole (as a ``LayerOfStack``): the
+    quantized records, whose kernels index the layer themselves. Dense arrays stay sliced: XLA fuses
+    their slice into the dot."""
+    return isinstance(w, RECORD_TYPES)
+
+
 class LinearImpls:
     """Which function multiplies by which weight type: one runner's table (never process-wide)."""
 
     def __init__(self) -> None:
         self._by_type: dict[type, LinearFn] = {}
+        self._reads_layer: set[type] = set()  # types whose fn takes ``layer=`` (a stacked weight)
 
     def register(self, weight_type: type, fn: LinearFn) -> LinearImpls:
         """Route ``linear(x, w, ...)`` to ``fn(x, w, bias, out_dtype)`` when ``w`` is a ``weight_type``;
@@ -62,6 +83,7 @@ class LinearImpls:
         fn = functools.partial(quant_linear, impl=impl, interpret=interpret)
         for t in RECORD_TYPES:
             self.register(t, fn)
+            self._reads_layer.add(t)
         return self
 
     @contextlib.contextmanager
@@ -119,6 +141,11 @@ def linear(x, w, bias=None, *, out_dtype=None):
     ``jnp.float32`` so logits come out of the dot in f32 (accumulation too).
     """
     impls = _ACTIVE.get()
+    if isinstance(w, LayerOfStack):
+        if impls is not None and type(w.stack) in impls._reads_layer:
+            return impls.lookup(w.stack)(x, w.stack, bias, out_dtype, layer=w.layer)
+        # no layer-reading implementation: take the slice, as a scan would have
+        w = jax.tree.map(lambda a: a[w.layer], w.stack)
     if impls is not None:
         return impls.lookup(w)(x, w, bias, out_dtype)
     if isinstance(w, (jax.Array, np.ndarray)):

@@ -132,3 +132,78 @@ def test_bad_tiles_are_refused():
         fp8_matmul_tpu(x, fp8.quantize_fp8(w, "block", block_size=128), block_k=192)
     with pytest.raises(ValueError, match="block_k"):
         fp4_matmul_tpu(x, fp4.quantize_mxfp4(w), block_k=48)
+
+
+# A layer scan's weights: the record stacked over layers, the layer a traced scalar (scan counter).
+STACKED = {
+    "fp8_channel": lambda w: fp8.quantize_fp8(w, "channel"),
+    "fp8_block": lambda w: fp8.quantize_fp8(w, "block", block_size=128),
+    "mxfp4": fp4.quantize_mxfp4,
+    "nvfp4": fp4.quantize_nvfp4,
+}
+
+
+def _stack(recs):
+    return jax.tree.map(lambda *a: jnp.stack(a), *recs)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", list(STACKED))
+def test_stacked_record_reads_the_scanned_layer(name):
+    """The kernels take a record stacked over 3 layers and a traced layer index (what the decoder's
+    scan hands them, tpu_platform/linear.py LayerOfStack): each scan step must multiply by its own
+    layer, so equal layers or a layer index ignored fail."""
+    quantize = STACKED[name]
+    x, _ = data(12, 256, 256, seed=5)
+    recs = [quantize(data(1, 256, 256, seed=10 + i)[1]) for i in range(3)]
+    stacked = _stack(recs)
+    matmul = fp8_matmul_tpu if name.startswith("fp8") else fp4_matmul_tpu
+    reference = fp8_matmul_ref if name.startswith("fp8") else fp4_matmul_ref
+
+    @jax.jit
+    def scanned(x, w):
+        def body(carry, layer):
+            return carry, matmul(x, w, layer=layer, block_k=128, block_n=128, interpret=RACES)
+
+        return jax.lax.scan(body, 0, jnp.arange(3, dtype=jnp.int32))[1]
+
+    ys = jax.block_until_ready(scanned(x, stacked))
+    for i, rec in enumerate(recs):
+        check(ys[i], reference(x, rec))
+        check(reference(x, stacked, layer=jnp.int32(i)), reference(x, rec))  # the ref's slice too
+    assert float(jnp.max(jnp.abs(ys[0] - ys[1]))) > 1e-3  # the layers differ, so the index mattered
+
+
+@pytest.mark.timeout(60)
+def test_stacked_record_needs_its_layer():
+    x, w = data(8, 256, 128)
+    rec = fp8.quantize_fp8(w, "channel")
+    with pytest.raises(ValueError, match="needs the layer"):
+        fp8_matmul_tpu(x, _stack([rec, rec]))
+    with pytest.raises(ValueError, match="not stacked"):
+        fp4_matmul_tpu(x, fp4.quantize_mxfp4(w), layer=0)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", list(STACKED))
+@pytest.mark.parametrize("stacked", [False, True])
+def test_kernels_export_for_tpu(name, stacked):
+    """Interpret mode never runs Mosaic: lower each kernel for TPU from CPU (jax.export), on the
+    Llama-1B shape's gate_up (K 2048, N 16384), bf16 activations, one decode row and 128 rows."""
+    k, n, layers = 2048, 16384, 16
+    quantize = STACKED[name]
+    rec = jax.eval_shape(quantize, jax.ShapeDtypeStruct((k, n), jnp.float32))
+    if stacked:
+        rec = jax.tree.map(lambda a: jax.ShapeDtypeStruct((layers, *a.shape), a.dtype), rec)
+    matmul = fp8_matmul_tpu if name.startswith("fp8") else fp4_matmul_tpu
+    for m in (1, 128):
+        x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
+        if stacked:
+            fn = jax.jit(lambda x, w, layer: matmul(x, w, layer=layer))
+            args = (x, rec, jax.ShapeDtypeStruct((), jnp.int32))
+        else:
+            fn = jax.jit(lambda x, w: matmul(x, w))
+            args = (x, rec)
+        exported = jax.export.export(fn, platforms=["tpu"])(*args)
+        assert "tpu_custom_call" in exported.mlir_module()
+        assert exported.out_avals[0].shape == (m, n)

@@ -37,7 +37,7 @@ from jax.sharding import PartitionSpec as P
 
 from tpuserve.attention.dispatch import AttentionParams, ragged_paged_attention
 from tpuserve.attention.metadata import AttentionMetadata
-from tpuserve.tpu_platform.linear import linear
+from tpuserve.tpu_platform.linear import LayerOfStack, keeps_stack_whole, linear
 from tpuserve.tpu_platform.mesh import MODEL_AXIS, model_axis_size
 from tpuserve.tpu_platform.models.arch import ModelArch
 from tpuserve.tpu_platform.models.moe import moe_mlp
@@ -229,21 +229,23 @@ def forward(
         kv_dtype=None if kv_dtype is None else jnp.dtype(kv_dtype).name,
     )
 
-    layers, whole = params["layers"], {}
+    layers, whole, records = params["layers"], {}, {}
     if not isinstance(layers, (list, tuple)):
         # A scan hands each layer a slice of every stacked weight; a slice that feeds a Pallas
         # call is materialized, so the expert stacks would be copied whole (every expert, every
         # layer, every step: 1.2 GB a layer for Qwen3-30B-A3B's 128 experts). They stay out of
         # the slices, whole, and the grouped matmul fetches the layer's active experts itself.
         whole = {key: layers[key] for key in _UNSLICED if key in layers}
-        layers = {key: value for key, value in layers.items() if key not in whole}
+        # Quantized matmul records likewise: their kernels read the scan's layer in place.
+        records = {key: value for key, value in layers.items() if keeps_stack_whole(value)}
+        layers = {key: value for key, value in layers.items() if key not in whole and key not in records}
     # Static per layer: gpt-oss alternates sliding-window and full-attention layers. Layers that
     # differ cannot share a scanned body, so their weights come as a list (weights._stack_layers).
     windows = [arch.layer_window(i) for i in range(num_layers)]
     layer_params = [replace(attn_params, sliding_window=wnd) for wnd in windows]
 
     def block(h, kv_cache, w, layer_idx, params_i=attn_params):
-        w = {**w, **whole}
+        w = {**w, **whole, **{key: LayerOfStack(rec, layer_idx) for key, rec in records.items()}}
         return _layer(arch, params_i, attn_impl, md, cos, sin, h, kv_cache, w, layer_idx, mesh)
 
     captured: dict[int, jax.Array] = {}

@@ -1,0 +1,229 @@
+"""Quantized matmuls on a TPU: the FP8 / MXFP4 / NVFP4 Pallas kernels (quant/pallas_tpu_matmul.py)
+compiled by Mosaic and checked against their references on the chip, then a layer scan of a model's
+four matmuls (qkv, o, gate_up, down) timed against the same scan in bf16 and against the roofline
+of the weight bytes it must read (bytes / 819 GB/s on a v5e).
+
+Each format runs three ways: the records sliced by the scan (what the decoder did before: XLA
+materializes each slice for the Pallas call), passed whole with the layer index (what it does now),
+and XLA's own dequantize-in-the-fusion path. Weights are random (speed does not depend on values),
+made and quantized on the device layer by layer.
+
+    python benchmarks/quant_tpu.py --shape llama-1b --rows 1,8,128 --out q1b.json
+    python benchmarks/quant_tpu.py --shape llama-8b --layers 8 --rows 1 --out q8b.json
+    python benchmarks/quant_tpu.py --shape tiny --interpret        # CPU: the harness itself
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tpuserve.quant import fp4, fp8
+from tpuserve.quant.dispatch import quant_linear
+from tpuserve.quant.pallas_tpu_matmul import fp4_matmul_ref, fp4_matmul_tpu, fp8_matmul_ref, fp8_matmul_tpu
+
+HBM_BYTES_PER_S = 819e9  # TPU v5e
+
+# (layers, hidden, q heads, kv heads, head_dim, intermediate): the shapes of benchmarks/tpu_e2e.py
+SHAPES = {
+    "llama-1b": (16, 2048, 32, 8, 64, 8192),
+    "llama-8b": (32, 4096, 32, 8, 128, 14336),
+    "tiny": (2, 256, 4, 2, 64, 512),
+}
+FORMATS = {
+    "fp8": lambda w: fp8.quantize_fp8(w, "channel"),
+    "mxfp4": fp4.quantize_mxfp4,
+    "nvfp4": fp4.quantize_nvfp4,
+}
+
+
+def matmul_shapes(hidden, q, kv, hd, inter) -> dict[str, tuple[int, int]]:
+    return {
+        "qkv": (hidden, (q + 2 * kv) * hd),
+        "o": (q * hd, hidden),
+        "gate_up": (hidden, 2 * inter),
+        "down": (inter, hidden),
+    }
+
+
+def make_layers(shapes, layers: int, quantize, seed: int):
+    """{name: weight stacked over layers}: bf16 arrays (quantize None) or records, built one layer
+    at a time on the device so only one layer's f32 weights exist at once."""
+    out = {}
+    for name, (k, n) in shapes.items():
+        per_layer = []
+        for i in range(layers):
+            key = jax.random.PRNGKey(seed * 1000 + i * 10 + len(out))
+            w = jax.random.normal(key, (k, n), jnp.float32) / np.sqrt(k)
+            per_layer.append(w.astype(jnp.bfloat16) if quantize is None else jax.jit(quantize)(w))
+            del w
+        out[name] = jax.tree.map(lambda *a: jnp.stack(a), *per_layer)
+        del per_layer
+    return out
+
+
+def weight_bytes(tree) -> int:
+    return sum(int(a.size) * a.dtype.itemsize for a in jax.tree.leaves(tree))
+
+
+def chain(mm, h, w_of, q_cols: int, inter: int):
+    """One layer's four matmuls, chained as in the decoder (shapes only; no norms or attention)."""
+    qkv = mm(h, w_of("qkv"))
+    a = mm(qkv[:, :q_cols].astype(h.dtype), w_of("o"))
+    gu = mm(a.astype(h.dtype), w_of("gate_up"))
+    act = (jax.nn.silu(gu[:, :inter]) * gu[:, inter:]).astype(h.dtype)
+    return mm(act, w_of("down")).astype(h.dtype)
+
+
+def scan_fns(layers: int, q_cols: int, inter: int, interpret):
+    """name -> jitted f(h [M, H], weights) -> h, one layer scan each."""
+
+    def kernel(x, w, layer=None):
+        fn = fp8_matmul_tpu if isinstance(w, fp8.Fp8Weight) else fp4_matmul_tpu
+        return fn(x, w, out_dtype=jnp.float32, layer=layer, interpret=interpret)
+
+    def dense(x, w):
+        return jnp.dot(x, w, preferred_element_type=jnp.float32)
+
+    def sliced(h, ws, mm):  # the scan hands each layer its slice
+        def body(h, w):
+            return chain(mm, h, w.__getitem__, q_cols, inter), None
+
+        return jax.lax.scan(body, h, ws)[0]
+
+    def whole(h, ws, mm):  # the stacks stay whole, the layer index travels
+        def body(h, layer):
+            return chain(lambda x, w: mm(x, w, layer), h, ws.__getitem__, q_cols, inter), None
+
+        return jax.lax.scan(body, h, jnp.arange(layers, dtype=jnp.int32))[0]
+
+    def xla(x, w, layer):
+        return quant_linear(x, w, out_dtype=jnp.float32, impl="xla", layer=layer)
+
+    return {
+        "bf16": jax.jit(lambda h, ws: sliced(h, ws, dense)),
+        "sliced": jax.jit(lambda h, ws: sliced(h, ws, kernel)),
+        "whole": jax.jit(lambda h, ws: whole(h, ws, kernel)),
+        "xla": jax.jit(lambda h, ws: whole(h, ws, xla)),
+    }
+
+
+def median_seconds(fn, args, iters: int, repeats: int) -> float:
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(iters):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - start) / iters)
+    return statistics.median(times)
+
+
+def check_kernels(shapes, quantize, name: str, interpret, seed: int) -> dict:
+    """One layer per matmul shape: the compiled kernel against the reference (f32 at HIGHEST), both
+    on this device, 8 bf16 rows; also the stacked form with a layer index against its slice."""
+    errs = {}
+    ref = fp8_matmul_ref if name == "fp8" else fp4_matmul_ref
+    mm = fp8_matmul_tpu if name == "fp8" else fp4_matmul_tpu
+    for mname, (k, n) in shapes.items():
+        w = jax.random.normal(jax.random.PRNGKey(seed), (k, n), jnp.float32) / np.sqrt(k)
+        rec = jax.jit(quantize)(w)
+        x = jax.random.normal(jax.random.PRNGKey(seed + 1), (8, k), jnp.float32).astype(jnp.bfloat16)
+        got = jax.jit(lambda x, r: mm(x, r, out_dtype=jnp.float32, interpret=interpret))(x, rec)
+        want = jax.jit(lambda x, r: ref(x.astype(jnp.float32), r, out_dtype=jnp.float32))(x, rec)
+        stacked = jax.tree.map(lambda a: jnp.stack([a, a]), rec)
+        got1 = jax.jit(lambda x, r: mm(x, r, out_dtype=jnp.float32, layer=jnp.int32(1), interpret=interpret))(
+            x, stacked
+        )
+        scale = float(jnp.max(jnp.abs(want)))
+        errs[mname] = {
+            "max_rel_err": float(jnp.max(jnp.abs(got - want))) / scale,
+            "stacked_equal": bool(jnp.array_equal(got, got1)),
+        }
+    return errs
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="llama-1b")
+    ap.add_argument("--layers", type=int, default=None, help="fewer layers than the shape's (memory)")
+    ap.add_argument("--formats", default="fp8,mxfp4,nvfp4")
+    ap.add_argument("--rows", default="1,8,128", help="token rows M of the timed scans")
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--interpret", action="store_true", help="TPU interpret mode (CPU)")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+
+    from jax.experimental.pallas import tpu as pltpu
+
+    interpret = pltpu.InterpretParams() if args.interpret else None
+    layers, hidden, q, kv, hd, inter = SHAPES[args.shape]
+    layers = args.layers or layers
+    shapes = matmul_shapes(hidden, q, kv, hd, inter)
+    rows = [int(r) for r in args.rows.split(",") if r]
+    fns = scan_fns(layers, q * hd, inter, interpret)
+    dev = jax.devices()[0]
+    print(f"device {dev.device_kind}, shape {args.shape} x {layers} layers, matmuls {shapes}")
+    result: dict = {"device": dev.device_kind, "shape": args.shape, "layers": layers, "formats": {}}
+
+    dense = make_layers(shapes, layers, None, seed=1)
+    dense_bytes = weight_bytes(dense)
+    result["bf16"] = {"weight_bytes": dense_bytes, "rows": {}}
+    for m in rows:
+        h = jnp.ones((m, hidden), jnp.bfloat16) * 0.01
+        t = median_seconds(fns["bf16"], (h, dense), args.iters, args.repeats)
+        roof = dense_bytes / HBM_BYTES_PER_S
+        result["bf16"]["rows"][m] = {"us": t * 1e6, "roofline_frac": roof / t}
+        print(f"bf16   M={m:4d}: {t * 1e6:9.1f} us  roofline {roof * 1e6:8.1f} us  ({roof / t:6.1%})")
+    del dense
+
+    for name in [f for f in args.formats.split(",") if f]:
+        quantize = FORMATS[name]
+        res: dict = {"checks": check_kernels(shapes, quantize, name, interpret, seed=7), "rows": {}}
+        worst = max(c["max_rel_err"] for c in res["checks"].values())
+        same = all(c["stacked_equal"] for c in res["checks"].values())
+        print(f"{name}: kernel vs reference on the device, max rel err {worst:.2e}; stacked == 2-D: {same}")
+        ws = make_layers(shapes, layers, quantize, seed=2)
+        qbytes = weight_bytes(ws)
+        res["weight_bytes"] = qbytes
+        roof = qbytes / HBM_BYTES_PER_S
+        outs = {}
+        for m in rows:
+            h = jnp.ones((m, hidden), jnp.bfloat16) * 0.01
+            row = {}
+            for how in ("sliced", "whole", "xla"):
+                try:
+                    t = median_seconds(fns[how], (h, ws), args.iters, args.repeats)
+                    outs[how] = fns[how](h, ws)
+                    row[how] = {"us": t * 1e6, "roofline_frac": roof / t}
+                except Exception as e:  # a failing variant is reported, the others still run
+                    row[how] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+            bf16_us = result["bf16"]["rows"][m]["us"]
+            res["rows"][m] = row
+            cells = "  ".join(
+                f"{how} {r['us']:8.1f} us ({r['roofline_frac']:5.1%}, bf16/{how} {bf16_us / r['us']:.2f}x)"
+                if "us" in r
+                else f"{how} FAILED {r['error'][:80]}"
+                for how, r in row.items()
+            )
+            print(f"{name:6s} M={m:4d}: {cells}  [roofline {roof * 1e6:.1f} us]")
+            if "sliced" in outs and "whole" in outs:
+                row["whole_equals_sliced"] = bool(jnp.array_equal(outs["sliced"], outs["whole"]))
+        result["formats"][name] = res
+        del ws
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
