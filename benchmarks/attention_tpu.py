@@ -325,8 +325,9 @@ def check_against_oracle(args, rpa_v3=None) -> list[dict]:
 
 def time_rpa_v3(kernel, base, num_pages: int, hkv: int, q, new_kv, md_np, out_ours, iters: int) -> dict:
     """RPA v3 on one step shape: its cache (v3's layout) tiled from the same random pages as ours,
-    donated like ours; attending only (update_kv_cache=False) and with its KV write. Its attend-only
-    output, back in our token order, is compared with ours (same cache contents)."""
+    donated like ours; attending only (update_kv_cache=False: it then reads every position from the
+    cache, as ours attending only does) and with its KV write. Its attend-only output, back in our
+    token order, is compared with ours (same cache contents)."""
     t, hq, d = q.shape
     lay = rpa_v3_peer.StepLayout(*md_np, t)
     md = tuple(jnp.asarray(a) for a in lay.metadata())
