@@ -16,7 +16,17 @@ On a TPU machine (JAX_PLATFORMS unset):
    prefill-heavy steps: times our kernel attending only, our kernel with its KV write (donated
    cache), and jax's ``jax.experimental.pallas.ops.tpu.ragged_paged_attention`` (attention only: it
    writes no KV). Reports KV bytes read / time as a fraction of the copy bandwidth and ours / jax.
-4. Writes everything (command, versions, device) as JSON to --out. Exit status 1 if a check fails.
+   --timing-head-dims repeats the timings at other head_dims (e.g. 128,64).
+4. tpu-inference's RPA v3 (the kernel vLLM's TPU backend runs; benchmarks/rpa_v3_peer.py loads it
+   from its wheel and adapts the inputs) as a third column when its wheel is found (--rpa-v3):
+   checked against the same oracle (output and its KV write) where the checks run without sinks,
+   and timed at every shape with its default block sizes, cache donated as ours, attending only
+   and with its KV write. Ratios are speedups: "ours/RPA" = RPA's time / ours (> 1: ours faster),
+   attend-only against attend-only, write against write; "jax/RPA" likewise, attend-only.
+   At head_dim 64 it reads a cache padded to 128 lanes (v3 pads head_dim; tpu-inference itself
+   switches to a separate head_dim-64 kernel, not loaded here).
+5. Writes everything (command, versions, device) as JSON to --out. Exit status 1 if a check (ours
+   or RPA v3's) fails.
 """
 
 from __future__ import annotations
@@ -35,6 +45,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jax
 import jax.numpy as jnp
 import numpy as np
+import rpa_v3_peer
 from device_timing import copy_bandwidth, time_calls, time_donating
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas.ops.tpu import ragged_paged_attention as jax_rpa
@@ -63,6 +74,27 @@ def parse_args(argv=None):
     p.add_argument("--iters", type=int, default=20, help="timed calls per repeat")
     p.add_argument("--copy-gib", type=float, default=2.0, help="size of the bandwidth probe")
     p.add_argument("--check-dtypes", default="float32,bfloat16")
+    p.add_argument(
+        "--check-options",
+        default=",".join(CHECK_OPTIONS),
+        help=f"comma-separated subset of {','.join(CHECK_OPTIONS)}",
+    )
+    p.add_argument(
+        "--timing-head-dims",
+        default="",
+        help="time at these head_dims (comma-separated; default: --head-dim)",
+    )
+    p.add_argument(
+        "--rpa-v3",
+        choices=("auto", "off", "require"),
+        default="auto",
+        help="tpu-inference's RPA v3 column: when its wheel is found (auto), never, or fail without it",
+    )
+    p.add_argument(
+        "--rpa-v3-dir",
+        default=None,
+        help="its wheel or unzipped package (default: rpa_v3_peer.find_package's search)",
+    )
     p.add_argument("--checks-only", action="store_true")
     p.add_argument(
         "--sweep", action="store_true", help="only time our kernel over block sizes (no checks, no peers)"
@@ -105,10 +137,54 @@ CHECK_BATCHES = {
     "prefill": [(256, 256), (128, 1000), (200, 200)],
 }
 SMOKE_BATCHES = {"mixed": [(1, 9), (7, 7), (5, 21), (1, 1)], "decode": [(1, 60), (1, 17), (1, 3)]}
+# Attention options checked, by name: plain, sliding window + soft cap, and gpt-oss's sinks.
+CHECK_OPTIONS = {
+    "plain": dict(),
+    "window_cap": dict(sliding_window=64, soft_cap=30.0),
+    "sinks": dict(sliding_window=64, sinks=True),
+}
 
 
-def check_against_oracle(args) -> list[dict]:
-    """Our kernel (and jax's) vs jax's ref_ragged_paged_attention in f32 on the host CPU."""
+def load_rpa_v3(args):
+    """tpu-inference's RPA v3 kernel module and a description, or (None, why not)."""
+    if args.rpa_v3 == "off":
+        return None, "RPA v3 column off (--rpa-v3 off)"
+    try:
+        kernel = rpa_v3_peer.load(args.rpa_v3_dir)
+    except rpa_v3_peer.PeerUnavailable as e:
+        if args.rpa_v3 == "require":
+            raise
+        return None, f"RPA v3 column skipped: {e}"
+    where = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(kernel.__file__))))
+    version = rpa_v3_peer.package_version(where)
+    if not on_tpu():
+        # Its kernel does not run in Pallas's interpret modes (rpa_v3_peer.attention says why).
+        return None, f"RPA v3 ({version}) found at {where} but runs compiled on a TPU only: column skipped"
+    return kernel, f"RPA v3: tpu-inference {version} from {where}"
+
+
+def check_rpa_v3(kernel, q, new_kv, cache, md_np, hkv: int, dtype, kw: dict, real: int):
+    """RPA v3 on a check's inputs (numpy f32, our order and layout) -> (output [real, Hq, D] in our
+    token order, the cache it wrote in our layout [pages, ps, 2*Hkv, D]), both f32 numpy."""
+    lay = rpa_v3_peer.StepLayout(*md_np, q.shape[0])
+    keys, values = rpa_v3_peer.split_new_kv(jnp.asarray(lay.permute_tokens(new_kv), dtype))
+    out, peer_cache = rpa_v3_peer.attention(
+        kernel,
+        jnp.asarray(lay.permute_tokens(q), dtype),
+        keys,
+        values,
+        rpa_v3_peer.to_peer_cache(jnp.asarray(cache, dtype), hkv),
+        *map(jnp.asarray, lay.metadata()),
+        **kw,
+    )
+    out = lay.restore_tokens(out)[:real]
+    got_kv = rpa_v3_peer.from_peer_cache(peer_cache, hkv, cache.shape[-1])
+    return np.asarray(out.astype(jnp.float32)), np.asarray(got_kv.astype(jnp.float32))
+
+
+def check_against_oracle(args, rpa_v3=None) -> list[dict]:
+    """Our kernel (and jax's, and RPA v3's when loaded) vs jax's ref_ragged_paged_attention in f32
+    on the host CPU."""
     rng = np.random.default_rng(0)
     cpu = jax.devices("cpu")[0]
     ps = args.page_size
@@ -117,7 +193,7 @@ def check_against_oracle(args) -> list[dict]:
         models.append((6, 2, 64))  # GQA 3, head_dim 64: 4 combined heads padded to the sublane tile
     # The sinks case (gpt-oss) has no jax oracle: ours (attention/reference.py, itself tested against
     # transformers' gpt-oss attention on CPU) stands in for it there.
-    options = [dict(), dict(sliding_window=64, soft_cap=30.0), dict(sliding_window=64, sinks=True)]
+    options = [CHECK_OPTIONS[name] for name in args.check_options.split(",")]
     results = []
     for hq, hkv, d in models:
         for name, seqs in (SMOKE_BATCHES if args.smoke else CHECK_BATCHES).items():
@@ -196,6 +272,24 @@ def check_against_oracle(args) -> list[dict]:
                             print(f"  jax's kernel failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
                     tol = 2e-2 if dtype == jnp.float32 else 6e-2
                     ok = err <= tol and kv_exact and pad_untouched
+                    rpa = {}
+                    if rpa_v3 is not None and "sinks" not in kw:  # v3's d=128 kernel has no sinks
+                        try:
+                            rpa_out, rpa_kv = check_rpa_v3(
+                                rpa_v3, q, new_kv, cache, md_np, hkv, dtype, kw, real
+                            )
+                            rpa_err = float(np.max(np.abs(rpa_out - want[:real])))
+                            rpa_kv_exact = bool(np.array_equal(rpa_kv, want_kv_d))
+                            rpa = dict(
+                                rpa_v3_max_abs_err=rpa_err,
+                                rpa_v3_kv_write_exact=rpa_kv_exact,
+                                rpa_v3_passed=bool(rpa_err <= tol and rpa_kv_exact),
+                            )
+                        except Exception as e:
+                            print(f"  RPA v3 failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+                            rpa = dict(
+                                rpa_v3_error=f"{type(e).__name__}: {str(e)[:2000]}", rpa_v3_passed=False
+                            )
                     results.append(
                         dict(
                             model=f"hq{hq}/hkv{hkv}/d{d}",
@@ -208,21 +302,72 @@ def check_against_oracle(args) -> list[dict]:
                             padding_untouched=pad_untouched,
                             jax_kernel_max_abs_err=peer_err,
                             passed=bool(ok),
+                            **rpa,
                         )
                     )
+                    rpa_note = ""
+                    if "rpa_v3_max_abs_err" in rpa:
+                        rpa_note = (
+                            f" | RPA v3 err {rpa['rpa_v3_max_abs_err']:.2e} kv exact "
+                            f"{rpa['rpa_v3_kv_write_exact']} {'PASS' if rpa['rpa_v3_passed'] else 'FAIL'}"
+                        )
+                    elif rpa:
+                        rpa_note = " | RPA v3 FAIL"
                     print(
                         f"check hq{hq}/hkv{hkv}/d{d} {name:7s} {jnp.dtype(dtype).name:8s} "
                         f"{str(opt):40s} err {err:.2e} (jax's kernel "
                         f"{'-' if peer_err is None else f'{peer_err:.2e}'}) kv exact {kv_exact} "
-                        f"{'PASS' if ok else 'FAIL'}",
+                        f"{'PASS' if ok else 'FAIL'}{rpa_note}",
                         flush=True,
                     )
     return results
 
 
-def timing_point(args, name: str, seqs: list[tuple[int, int]], bandwidth: float, rng) -> dict:
-    """Time ours (attend only; attend + KV write) and jax's kernel on one step shape."""
-    ps, hq, hkv, d = args.page_size, args.num_q_heads, args.num_kv_heads, args.head_dim
+def time_rpa_v3(kernel, base, num_pages: int, hkv: int, q, new_kv, md_np, out_ours, iters: int) -> dict:
+    """RPA v3 on one step shape: its cache (v3's layout) tiled from the same random pages as ours,
+    donated like ours; attending only (update_kv_cache=False: it then reads every position from the
+    cache, as ours attending only does) and with its KV write. Its attend-only output, back in our
+    token order, is compared with ours (same cache contents)."""
+    t, hq, d = q.shape
+    lay = rpa_v3_peer.StepLayout(*md_np, t)
+    md = tuple(jnp.asarray(a) for a in lay.metadata())
+    q_p = lay.permute_tokens(q)
+    keys, values = rpa_v3_peer.split_new_kv(lay.permute_tokens(new_kv))
+    cache = jax.jit(lambda b: rpa_v3_peer.to_peer_cache(b[jnp.arange(num_pages) % b.shape[0]], hkv))(base)
+    kv_lens, pages = md_np[0], md_np[1]
+    blocks = rpa_v3_peer.default_block_sizes(
+        kernel, q.dtype, cache.dtype, hq, hkv, d, base.shape[1], t, len(kv_lens), pages.shape[1]
+    )
+    row = dict(
+        rpa_v3_blocks={k: list(v) for k, v in blocks.items()},
+        rpa_v3_distribution=[int(x) for x in lay.distribution],
+        rpa_v3_reordered=lay.reordered,
+    )
+    for update in (False, True):
+        fn = jax.jit(
+            lambda cache, q, k, v, *md, update=update: rpa_v3_peer.attention(
+                kernel, q, k, v, cache, *md, sm_scale=d**-0.5, update_kv_cache=update
+            ),
+            donate_argnums=(0,),
+        )
+        secs, cache = time_donating(fn, cache, q_p, keys, values, *md, iters=iters)
+        row["rpa_v3_with_kv_write_us" if update else "rpa_v3_us"] = secs * 1e6
+        if not update:
+            out, cache = fn(cache, q_p, keys, values, *md)
+            diff = jnp.abs(lay.restore_tokens(out).astype(jnp.float32) - out_ours.astype(jnp.float32))
+            row["rpa_v3_vs_ours_max_abs_diff"] = float(jnp.max(diff))
+            # Two bf16 kernels on one cache differ by bf16 rounding; more means a wrong adapter.
+            row["rpa_v3_matches_ours"] = row["rpa_v3_vs_ours_max_abs_diff"] <= 6e-2
+    del cache
+    return row
+
+
+def timing_point(
+    args, name: str, seqs: list[tuple[int, int]], bandwidth: float, rng, head_dim=None, rpa_v3=None
+) -> dict:
+    """Time ours (attend only; attend + KV write), jax's kernel and RPA v3 on one step shape."""
+    ps, hq, hkv = args.page_size, args.num_q_heads, args.num_kv_heads
+    d = head_dim or args.head_dim
     dtype = jnp.bfloat16
     c = combined_heads("pallas_tpu", hkv, dtype)
     slots = len(seqs)
@@ -284,6 +429,20 @@ def timing_point(args, name: str, seqs: list[tuple[int, int]], bandwidth: float,
             break
     t_write, cache = time_donating(write, cache, q, new_kv, *md, iters=args.iters)
     del cache
+    rpa = {}
+    if rpa_v3 is not None:
+        try:
+            rpa = time_rpa_v3(
+                rpa_v3, base, num_pages, hkv, q, new_kv, (kv_lens, pages, cu, ns), out_ours, args.iters
+            )
+        except Exception as e:  # e.g. VMEM at a shape: record it, keep ours and jax's numbers
+            print(f"  RPA v3 failed on {name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+            rpa = dict(rpa_v3_error=f"{type(e).__name__}: {str(e)[:2000]}")
+    t_rpa, t_rpa_write = rpa.get("rpa_v3_us"), rpa.get("rpa_v3_with_kv_write_us")
+    if t_rpa is not None:
+        rpa["ours_over_rpa_v3"] = t_rpa / (t_ours * 1e6)
+        rpa["ours_over_rpa_v3_with_kv_write"] = t_rpa_write / (t_write * 1e6)
+        rpa["jax_over_rpa_v3"] = None if t_peer is None else t_rpa / (t_peer * 1e6)
     kv_bytes = int(np.sum(kv_lens)) * 2 * hkv * d * jnp.dtype(dtype).itemsize
     flops = 4 * hq * d * sum(q * kv for q, kv in seqs)  # QK^T and PV (causal halves ignored)
     row = dict(
@@ -300,6 +459,8 @@ def timing_point(args, name: str, seqs: list[tuple[int, int]], bandwidth: float,
         roofline_frac=kv_bytes / t_ours / bandwidth,
         tflops=flops / t_ours / 1e12,
         jax_vs_ours_max_abs_diff=peer_err,
+        head_dim=d,
+        **rpa,
     )
     print(
         f"time {name:24s} ours {t_ours * 1e6:9.1f} us (+write {t_write * 1e6:9.1f}) "
@@ -309,6 +470,17 @@ def timing_point(args, name: str, seqs: list[tuple[int, int]], bandwidth: float,
         f"{row['tflops']:6.2f} TFLOP/s",
         flush=True,
     )
+    if t_rpa is not None:
+        jax_rpa_note = "-" if rpa["jax_over_rpa_v3"] is None else f"{rpa['jax_over_rpa_v3']:5.2f}x"
+        print(
+            f"     {'':24s} RPA v3 {t_rpa:9.1f} us (+write {t_rpa_write:9.1f})  "
+            f"ours/RPA {rpa['ours_over_rpa_v3']:5.2f}x (write {rpa['ours_over_rpa_v3_with_kv_write']:5.2f}x)  "
+            f"jax/RPA {jax_rpa_note}  vs ours {rpa['rpa_v3_vs_ours_max_abs_diff']:.1e}"
+            f"{'' if rpa['rpa_v3_matches_ours'] else ' MISMATCH'}  "
+            f"blocks d{tuple(rpa['rpa_v3_blocks']['decode'])} m{tuple(rpa['rpa_v3_blocks']['mixed'])} "
+            f"dist {tuple(rpa['rpa_v3_distribution'])}",
+            flush=True,
+        )
     return row
 
 
@@ -372,6 +544,14 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     dev = jax.devices()[0]
     print(f"device {dev.device_kind} ({dev.platform}), jax {jax.__version__}", flush=True)
+    rpa_v3 = None
+    if not args.sweep:
+        try:
+            rpa_v3, rpa_v3_note = load_rpa_v3(args)
+        except rpa_v3_peer.PeerUnavailable as e:
+            print(f"RPA v3 required (--rpa-v3 require) but unavailable: {e}", flush=True)
+            return 2
+        print(rpa_v3_note, flush=True)
     if args.sweep:
         rows = sweep_block_sizes(args)
         if args.out:
@@ -382,20 +562,29 @@ def main(argv=None) -> int:
                     indent=1,
                 )
         return 0
-    checks = check_against_oracle(args)
+    checks = check_against_oracle(args, rpa_v3)
+    rpa_checks = [c for c in checks if "rpa_v3_passed" in c]
+    rpa_failed = [c for c in rpa_checks if not c["rpa_v3_passed"]]
+    if rpa_v3 is not None:
+        print(f"RPA v3: {len(rpa_checks) - len(rpa_failed)}/{len(rpa_checks)} checks passed", flush=True)
+        if rpa_failed or not rpa_checks:
+            print("RPA v3's timings below are UNVERIFIED (its checks failed or none ran)", flush=True)
     if args.checks_only:
         failed = [c for c in checks if not c["passed"]]
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(
                     dict(
-                        command=" ".join([sys.executable] + sys.argv), device=dev.device_kind, checks=checks
+                        command=" ".join([sys.executable] + sys.argv),
+                        device=dev.device_kind,
+                        rpa_v3=rpa_v3_note,
+                        checks=checks,
                     ),
                     f,
                     indent=1,
                 )
         print(f"{len(checks) - len(failed)}/{len(checks)} checks passed", flush=True)
-        return 1 if failed else 0
+        return 1 if failed or rpa_failed else 0
     bandwidth = copy_bandwidth(args.copy_gib, args.iters)
     print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s", flush=True)
     rng = np.random.default_rng(1)
@@ -409,12 +598,6 @@ def main(argv=None) -> int:
     if not args.smoke:
         points.append(("prefill 4x512 @4k", [(512, 4096)] * 4))
         points.append(("mixed 4x128 @2k + 60 dec", [(128, 2048)] * 4 + [(1, 2048)] * 60))
-    for name, seqs in points:
-        try:
-            timings.append(timing_point(args, name, seqs, bandwidth, rng))
-        except Exception as e:  # one failing shape must not cost the rest of a short device lease
-            print(f"time {name}: FAILED {type(e).__name__}: {str(e)[:500]}", flush=True)
-            timings.append(dict(name=name, error=f"{type(e).__name__}: {str(e)[:2000]}"))
     result = dict(
         command=" ".join([sys.executable] + sys.argv),
         device=dev.device_kind,
@@ -423,15 +606,31 @@ def main(argv=None) -> int:
         python=platform.python_version(),
         when=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
         copy_bandwidth_gbps=bandwidth / 1e9,
+        rpa_v3=rpa_v3_note,
+        rpa_v3_checks_passed=None if rpa_v3 is None else bool(rpa_checks and not rpa_failed),
         checks=checks,
         timings=timings,
     )
+    head_dims = [int(x) for x in args.timing_head_dims.split(",") if x] or [args.head_dim]
+    for d in head_dims:
+        for base_name, seqs in points:
+            name = base_name if len(head_dims) == 1 else f"d{d} {base_name}"
+            try:
+                timings.append(timing_point(args, name, seqs, bandwidth, rng, head_dim=d, rpa_v3=rpa_v3))
+            except Exception as e:  # one failing shape must not cost the rest of a short device lease
+                print(f"time {name}: FAILED {type(e).__name__}: {str(e)[:500]}", flush=True)
+                timings.append(dict(name=name, head_dim=d, error=f"{type(e).__name__}: {str(e)[:2000]}"))
+            if args.out:  # after every shape: a run cut short by its time limit keeps what it measured
+                with open(args.out, "w") as f:
+                    json.dump(result, f, indent=1)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
     failed = [c for c in checks if not c["passed"]]
     print(f"{len(checks) - len(failed)}/{len(checks)} checks passed", flush=True)
-    return 1 if failed else 0
+    if rpa_v3 is not None:
+        print(f"RPA v3: {len(rpa_checks) - len(rpa_failed)}/{len(rpa_checks)} checks passed", flush=True)
+    return 1 if failed or rpa_failed else 0
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@
 # The call (device tool, carry [".whl-tpu", ".tpu_carry"]):
 #   bash benchmarks/tpu_session.sh                       # every stage, within one call's 10 minutes
 #   STAGES="e2e-1b ab-256" bash benchmarks/tpu_session.sh
+#   STAGES=rpa bash benchmarks/tpu_session.sh            # then STAGES=rpa64 in a second call
 # Stages run in the order given; each has its own time limit and is skipped when the call's
 # remaining time (BUDGET_S, default 540 s from the start) cannot hold it.
 set -uo pipefail
@@ -47,7 +48,14 @@ stage() {  # stage NAME LIMIT_S COMMAND...: run with a limit when the remaining 
 for s in $stages; do
   case $s in
     kernels)   # the Pallas kernels compiled by Mosaic against jax's reference on the chip
-      stage kernels 240 python benchmarks/attention_tpu.py --checks-only --out "$out/kernels.json" ;;
+      stage kernels 240 python benchmarks/attention_tpu.py --checks-only --rpa-v3 off --out "$out/kernels.json" ;;
+    rpa|rpa64) # tpu-inference's RPA v3 (needs build_carry.sh --rpa) beside ours and jax's kernel: checked
+               # against the oracle (bf16, no window / cap / sinks), then timed on every decode, prefill
+               # and mixed shape; rpa at head_dim 128, rpa64 at head_dim 64. One stage per call fits
+               # with room (about 5 min each is the estimate, not yet measured).
+      d=128; [ "$s" = rpa64 ] && d=64
+      stage "$s" 420 python benchmarks/attention_tpu.py --rpa-v3 require --head-dim "$d" \
+          --check-dtypes bfloat16 --check-options plain --out "$out/${s}.json" ;;
     e2e-1b)
       checkpoint llama-1b-gqa
       stage e2e-1b 200 python benchmarks/tpu_e2e.py --models /tmp/m/llama-1b-gqa --rounds 1 \
