@@ -10,6 +10,12 @@ N(0, 0.02), norm scales 1, float32 (or float16 with ``--dtype float16``).
 ``--shapes-only`` copies the config and tokenizer files and writes ``shapes.json`` (tensor name ->
 shape, read from the safetensors headers); the second form builds ``model.safetensors`` from a
 directory holding either real safetensors files or that ``shapes.json``.
+
+``--quantize fp8`` writes the decoder layers' Linear weights pre-quantized, as a compressed-tensors
+FP8 checkpoint with per-output-channel scales (what the loader reads without quantizing, and what
+lets an 8B shape fit one 16 GB v5e: its bf16 weights alone would fill it). The e4m3 bytes are drawn
+directly (exponents 6..7, i.e. magnitudes 0.5..1.9 times a 0.02 channel scale), so an 8B shape's
+7 GB of weights take seconds, not the minutes a float RNG and a quantizer would.
 """
 
 from __future__ import annotations
@@ -61,6 +67,39 @@ def copy_small_files(src: str, dst: str) -> None:
             shutil.copy(os.path.join(src, name), os.path.join(dst, name))
 
 
+def is_layer_linear(name: str, shape) -> bool:
+    """A decoder layer's projection weight (``model.layers.N.{self_attn,mlp}.X_proj.weight``)."""
+    return ".layers." in name and name.endswith("_proj.weight") and len(shape) == 2
+
+
+def random_fp8_channel(rng, shape) -> tuple[np.ndarray, np.ndarray]:
+    """Random float8_e4m3fn ``[out, in]`` and f32 scales ``[out, 1]``: sign and 3 mantissa bits
+    random, exponent field 6 or 7 (never the NaN pattern)."""
+    import ml_dtypes
+
+    raw = rng.integers(0, 256, size=shape, dtype=np.uint8)
+    codes = (raw & 0x8F) | 0x30  # s 0110|0111 mmm: |value| in [2**-1, 2**0 * 1.875]
+    return codes.view(ml_dtypes.float8_e4m3fn), np.full((shape[0], 1), 0.02, np.float32)
+
+
+def mark_compressed_tensors_fp8(out_dir: str) -> None:
+    """Add compressed-tensors' FP8 per-channel ``quantization_config`` to ``config.json``."""
+    path = os.path.join(out_dir, "config.json")
+    with open(path) as f:
+        cfg = json.load(f)
+    weights = {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True, "dynamic": False}
+    cfg["quantization_config"] = {
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+        "config_groups": {
+            "group_0": {"targets": ["Linear"], "weights": weights, "format": "float-quantized"}
+        },
+        "ignore": ["lm_head"],
+    }
+    with open(path, "w") as f:
+        json.dump(cfg, f, indent=1)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--like", required=True, help="checkpoint directory (or a --shapes-only copy)")
@@ -68,6 +107,9 @@ def main(argv=None) -> int:
     g.add_argument("--shapes-only", metavar="DIR", help="write config, tokenizer and shapes.json here")
     g.add_argument("--out", metavar="DIR", help="write the random-weight checkpoint here")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--quantize", choices=("fp8",), default=None, help="write the layers' Linears pre-quantized"
+    )
     p.add_argument(
         "--dtype",
         default="float32",
@@ -88,13 +130,17 @@ def main(argv=None) -> int:
     dtype = np.dtype(args.dtype)
     tensors = {}
     for name, shape in shapes.items():
-        if name.endswith("norm.weight") or len(shape) == 1 and "norm" in name:
+        if args.quantize == "fp8" and is_layer_linear(name, shape):
+            tensors[name], tensors[name + "_scale"] = random_fp8_channel(rng, shape)
+        elif name.endswith("norm.weight") or len(shape) == 1 and "norm" in name:
             tensors[name] = np.ones(shape, dtype)
         elif name.endswith(".bias"):
             tensors[name] = np.zeros(shape, dtype)
         else:
             tensors[name] = (rng.standard_normal(shape, np.float32) * 0.02).astype(dtype)
     copy_small_files(args.like, args.out)
+    if args.quantize == "fp8":
+        mark_compressed_tensors_fp8(args.out)
     save_file(tensors, os.path.join(args.out, "model.safetensors"), metadata={"format": "pt"})
     print(
         f"{args.out}: {len(tensors)} random tensors, "

@@ -109,6 +109,12 @@ for s in $stages; do
       stage quant-1b 170 python benchmarks/quant_tpu.py --shape llama-1b --rows 1,8,128 --out "$out/quant_1b.json"
       stage quant-8b 150 python benchmarks/quant_tpu.py --shape llama-8b --layers 8 --rows 1,8 \
           --out "$out/quant_8b.json" ;;
+    e2e-8b-fp8) # the Llama-8B shape as a pre-quantized FP8 checkpoint (bf16 would not fit 16 GB): fit,
+               # ready, decode at b1/b8 against the roofline of its quantized bytes
+      [ -d /tmp/m/llama-8b-fp8 ] || python benchmarks/random_checkpoint.py --quantize fp8 --dtype float16 \
+          --like .tpu_carry/shapes/llama-8b-gqa --out /tmp/m/llama-8b-fp8 > /dev/null
+      stage e2e-8b-fp8 330 python benchmarks/tpu_e2e.py --models /tmp/m/llama-8b-fp8 --rounds 1 \
+          --batches 1,8 --prefill "" --out "$out/e2e_8b_fp8.json" ;;
     e2e-quant) # the 1B shape through LLM(...) with each online quantization, round-to-nearest (GPTQ's
                # calibration costs start-up, not step time), decode only
       checkpoint llama-1b-gqa

@@ -127,3 +127,22 @@ def test_flag_naming_another_format_is_refused(source, tmp_path):
         LLM(path, quantization="fp8", **ENGINE, warmup=False)
     llm = LLM(path, quantization="mxfp4", **ENGINE, warmup=False)  # naming its own format is fine
     assert llm.engine.worker.quantization == "mxfp4"
+
+
+def test_fp8_bytes_stored_as_u8_load_as_e4m3():
+    """Some writers store FP8 weights as U8 bytes: in an FP8 checkpoint they are e4m3 codes, not a
+    dense weight of small integers (which the loader once read them as, silently)."""
+    import ml_dtypes
+
+    from tpuserve.quant.fp8 import Fp8Weight, dequantize_fp8
+    from tpuserve.tpu_platform.loader.quantized import CheckpointQuant, read_linear
+
+    codes = np.random.default_rng(0).integers(0, 256, (64, 32), dtype=np.uint8) & 0xF7  # no NaN codes
+    scale = np.full((64, 1), 0.5, np.float32)
+    q = CheckpointQuant("fp8", "compressed-tensors")
+    for stored in (codes, codes.view(ml_dtypes.float8_e4m3fn)):
+        tensors = {"m.weight": stored, "m.weight_scale": scale}
+        rec = read_linear(q, "m", tensors.get)
+        assert isinstance(rec, Fp8Weight)
+        want = codes.view(ml_dtypes.float8_e4m3fn).astype(np.float32).T * 0.5
+        np.testing.assert_array_equal(np.asarray(dequantize_fp8(rec)), want)

@@ -151,8 +151,8 @@ def read_linear(q: CheckpointQuant, module: str, raw: Callable[[str], np.ndarray
             raw(module + ".weight_scale_2"),
             global_divides=False,
         )
-    if not _is_float8(weight):
-        return None  # a dense module (the checkpoint's ignore list)
+    if not _is_float8(weight) and not (q.method == "fp8" and weight.dtype == np.uint8):
+        return None  # a dense module (the checkpoint's ignore list); u8 in an FP8 checkpoint is e4m3
     scale = raw(module + ".weight_scale_inv")
     if scale is None:
         scale = raw(module + ".weight_scale")
