@@ -312,7 +312,6 @@ def test_long_random_stream_equals_full_decode(tok, skip_special_tokens):
         assert streamed == tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
 
-
 @pytest.mark.parametrize("skip_special_tokens", [True, False])
 def test_piece_table_gives_the_windows_deltas(tok, monkeypatch, skip_special_tokens):
     """Byte-level tokenizers take the shared token-text table (no window, no context): every
@@ -348,6 +347,7 @@ def test_piece_table_gives_the_windows_deltas(tok, monkeypatch, skip_special_tok
         assert _stream(fast, ids, chunks) == _stream(slow, ids, chunks), (prompt, ids)
         assert fast.flush() == slow.flush()
         assert fast.text == slow.text
+
 
 def test_decode_token(tok, tok_name):
     if tok_name == "smollm2":
