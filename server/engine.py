@@ -472,21 +472,22 @@ class LLMEngine:
         feed_slots = prev.feed_slots() if prev is not None else {}
         items, prompt_rows, row = [], [], 0
         completes = [w.completes for w in work]
+        starts = []
         for w, d, done in zip(work, drafts, completes):
+            s = w.seq
             item = self._scheduled_seq(w, d, done)
-            if w.seq.num_pending:
-                item.feed_from = feed_slots[w.seq]
+            if s.num_pending:
+                item.feed_from = feed_slots[s]
             items.append(item)
             prompt_rows.append(row)
             if item.prompt_logprob_targets:
                 row += len(item.prompt_logprob_targets)
+            starts.append(s.num_computed)
         batch = self.runner.build_batch(items)
         seq = self._tell_hosts(multihost.RunStep(batch, prev.seq if prev is not None else -1))
         fwd = self.runner.forward(batch, prev.step if prev is not None else None)
         step = self.runner.sample(fwd)
-        starts = []
         for w, done in zip(work, completes):
-            starts.append(w.seq.num_computed)
             if done:
                 w.seq.num_pending += 1
             # Drafts' K/V counts once verified: the accepted ones are added after the step.
@@ -518,10 +519,13 @@ class LLMEngine:
                 seq.num_computed += self.spec_decode.verified(w.num_drafts, accepted[i])
             if completes:
                 try:
-                    for j, token in enumerate(sampled[i][: accepted[i] + 1]):
-                        if seq.is_finished:
-                            break  # a stop inside the accepted drafts ends it there
-                        self._append_token(state, seq, token, result.logprobs, first_row[i] + j)
+                    if not accepted[i]:  # one new token (no drafts, or none accepted)
+                        self._append_token(state, seq, sampled[i][0], result.logprobs, first_row[i])
+                    else:
+                        for j, token in enumerate(sampled[i][: accepted[i] + 1]):
+                            if seq.is_finished:
+                                break  # a stop inside the accepted drafts ends it there
+                            self._append_token(state, seq, token, result.logprobs, first_row[i] + j)
                 except Exception as e:  # one request's failure must not take down the batch
                     log.exception("request %s failed", seq.request_id)
                     if isinstance(e, GrammarDeadEndError):
@@ -560,12 +564,15 @@ class LLMEngine:
     def _scheduled_seq(self, w: ScheduledWork, drafts: list[int], completes: bool) -> ScheduledSeq:
         seq, p = w.seq, w.seq.params
         start = seq.num_computed
+        n_out = len(seq.output_token_ids) + seq.num_pending
         grammar_mask = seq.grammar.fill_bitmask() if (completes and seq.grammar is not None) else None
-        holds_stops = completes and len(seq.output_token_ids) + seq.num_pending < p.min_tokens
-        if grammar_mask is None and not holds_stops and not p.has_penalties:
-            row = seq.plain_row = seq.plain_row or self._plain_row(seq)
+        holds_stops = completes and n_out < p.min_tokens
+        row = seq.plain_row  # built only for params without penalties
+        if grammar_mask is None and not holds_stops and (row is not None or not p.has_penalties):
+            if row is None:
+                row = seq.plain_row = self._plain_row(seq)
             # Packed into the step's arrays by build_batch before the next step reuses the row.
-            row.step = len(seq.output_token_ids) + seq.num_pending
+            row.step = n_out
         else:
             row = self._sampling_row(seq, completes, holds_stops, grammar_mask)
         bitmasks = None
@@ -577,14 +584,19 @@ class LLMEngine:
             end = min(start + w.num_tokens, len(seq.prompt_token_ids) - 1)
             targets = seq.prompt_token_ids[start + 1 : end + 1] if end > start else None
         end = start + w.num_tokens - w.num_drafts
-        known = seq.num_tokens - seq.num_pending
+        known = len(seq.prompt_token_ids) + len(seq.output_token_ids)
         # A token still on the device is a placeholder here; the runner feeds it (feed_from).
-        tokens = seq.tokens(start, min(end, known)) + [0] * max(0, end - max(start, known))
+        if start >= known:  # a decode fed from the device
+            tokens = [0] * (end - start)
+        else:
+            tokens = seq.tokens(start, min(end, known)) + [0] * max(0, end - known)
         return ScheduledSeq(
             token_ids=tokens,
             num_computed=start,
             draft_token_ids=list(drafts),
-            page_ids=list(seq.page_ids),
+            # Not copied: build_batch reads it into the step's page table before the next
+            # schedule grows it.
+            page_ids=seq.page_ids,
             sampling=row,
             prompt_logprob_targets=targets,
             num_prompt_logprobs=p.prompt_logprobs or 0,

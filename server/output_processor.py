@@ -46,32 +46,35 @@ class OutputProcessor:
         p = seq.params
         detok, stopper = seq.detok, seq.stopper
         assert detok is not None and stopper is not None, "start() gives a sequence its text state"
-        seq.output_token_ids.append(token)
+        out = seq.output_token_ids
+        out.append(token)
         if state.first_token_time is None:
             state.first_token_time = time.monotonic()
         if seq.logprobs is not None and logprobs is not None:
             seq.logprobs.append(self._position_logprobs(logprobs, row, token, p.logprobs or 0))
         if seq.grammar is not None and not seq.grammar.accept(token):
             raise GrammarDeadEndError(
-                f"structured_outputs: the grammar admits no token after {len(seq.output_token_ids) - 1} "
+                f"structured_outputs: the grammar admits no token after {len(out) - 1} "
                 f"generated tokens (token {token} was sampled from an empty mask): it matches no "
                 f"complete text"
             )
-        n_out = len(seq.output_token_ids)
+        n_out = len(out)
         reason: str | None = None
         stop_reason: int | str | None = None
         if token in self.eos_token_ids and not p.ignore_eos:
             reason = "stop"
-        elif token in (p.stop_token_ids or ()):
+        elif p.stop_token_ids and token in p.stop_token_ids:
             reason, stop_reason = "stop", token
-        delta = "" if reason else detok.add_tokens([token])
-        if reason is None and n_out >= p.min_tokens:
-            emit, matched = stopper.feed(delta)
-            seq.text += emit
-            if matched is not None:
-                reason, stop_reason = "stop", matched
-        elif reason is None:
-            seq.text += delta  # stop strings only count once min_tokens are out
+        if reason is None:
+            delta = detok.add_tokens((token,))
+            if n_out >= p.min_tokens:
+                emit, matched = stopper.feed(delta)
+                if emit:
+                    seq.text += emit
+                if matched is not None:
+                    reason, stop_reason = "stop", matched
+            elif delta:
+                seq.text += delta  # stop strings only count once min_tokens are out
         if reason is None and seq.grammar is not None and seq.grammar.is_terminated():
             reason = "stop"
         if reason is None and p.max_tokens is not None and n_out >= p.max_tokens:

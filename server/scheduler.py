@@ -263,18 +263,20 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.token_budget
         scheduled: dict[int, int] = {}
+        held, all_drafts, page_size = inputs.held, inputs.drafts, self.pool.page_size
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            if seq in inputs.held:
+            if held and seq in held:
                 self._register(seq, seq.num_computed)
                 i += 1
                 continue
             need = seq.num_tokens - seq.num_computed
             # A decoding sequence also verifies its drafts, as many as the budget leaves room for.
-            drafts = inputs.drafts.get(seq, 0) if need == 1 and inputs.drafts else 0
-            n = min(need + drafts, budget)
-            while not self._grow(seq, n):
+            drafts = all_drafts.get(seq, 0) if need == 1 and all_drafts else 0
+            n = need + drafts if need + drafts <= budget else budget
+            # Most decode steps: the last page has room (the check _grow starts with).
+            while seq.num_computed + n > len(seq.page_ids) * page_size and not self._grow(seq, n):
                 victim = self.running[-1]
                 self._preempt(victim)
                 out.preempted.append(victim)
@@ -285,7 +287,7 @@ class Scheduler:
             out.work.append(ScheduledWork(seq, n, max(0, n - need)))
             scheduled[id(seq)] = n
             computed = seq.num_computed + n
-            if computed // self.pool.page_size > seq.num_registered_pages:  # else nothing to register
+            if computed // page_size > seq.num_registered_pages:  # else nothing to register
                 self._register(seq, computed)
             budget -= n
             i += 1

@@ -141,14 +141,16 @@ class Sequence:
         if not self.num_pending:
             return True
         p = self.params
-        if self.grammar is not None or p.has_penalties:
+        # A plain row exists only for params without penalties.
+        if self.grammar is not None or (self.plain_row is None and p.has_penalties):
             return False
-        if self.num_tokens - self.num_computed != 1:
-            return False  # preempted: recomputing needs every token on the host
         n_out = len(self.output_token_ids) + self.num_pending
+        num_tokens = len(self.prompt_token_ids) + n_out
+        if num_tokens - self.num_computed != 1:
+            return False  # preempted: recomputing needs every token on the host
         if p.max_tokens is not None and n_out >= p.max_tokens:
             return False
-        return self.num_tokens < max_model_len
+        return num_tokens < max_model_len
 
 
 @dataclass(eq=False)
@@ -169,4 +171,7 @@ class RequestState:
 
     @property
     def finished(self) -> bool:
-        return all(s.is_finished for s in self.seqs)
+        for s in self.seqs:
+            if s.status is not SeqStatus.FINISHED:
+                return False
+        return True

@@ -532,14 +532,24 @@ class ModelRunner:
         if not seqs:
             raise ValueError("a step needs at least one sequence")
         num = len(seqs)
+        # The flags ride in the same pass: a separate any() over the items per flag costs more.
         meta = np.array(
             [
-                (len(s.token_ids), len(s.draft_token_ids), len(s.page_ids), s.num_computed, s.feed_from)
+                (
+                    len(s.token_ids),
+                    len(s.draft_token_ids),
+                    len(s.page_ids),
+                    s.num_computed,
+                    s.feed_from,
+                    s.prompt_logprob_targets is not None and len(s.prompt_logprob_targets) > 0,
+                    s.draft_bitmasks is not None,
+                )
                 for s in seqs
             ],
             np.int64,
         )
-        n_tok, n_draft, n_page, computed, feed_from = meta.T
+        n_tok, n_draft, n_page, computed, feed_from, has_targets, has_masks = meta.T
+        any_targets, any_draft_masks = bool(has_targets.any()), bool(has_masks.any())
         per_seq = n_tok + n_draft
         num_tokens = int(per_seq.sum())
         t_slots, pages_per_seq = self.step_shape(num_tokens, int(n_page.max()))
@@ -551,7 +561,7 @@ class ModelRunner:
         # Without drafts every sequence has one logits row: R = S. With drafts each has at most
         # 1 + K rows and the step at most T, so R = min(T, S * (1 + K)): one R per (T, K).
         r_slots = self._logits_slots(t_slots, k_slots)
-        self._check_items(seqs, n_tok, n_draft, n_page, computed + per_seq)
+        self._check_items(seqs, n_tok, n_draft, n_page, computed + per_seq, any_draft_masks)
 
         ends = np.cumsum(per_seq)
         starts = ends - per_seq
@@ -598,7 +608,7 @@ class ModelRunner:
         pl_rows: list[int] = []
         pl_targets: list[int] = []
         pl_k = 0
-        if max_drafts or any(s.prompt_logprob_targets for s in seqs):
+        if max_drafts or any_targets:
             for i, s in enumerate(seqs):
                 drafts[i, : n_draft[i]] = s.draft_token_ids
                 if s.prompt_logprob_targets:
@@ -608,7 +618,7 @@ class ModelRunner:
                     pl_k = max(pl_k, s.num_prompt_logprobs)
         sampling = pack_sampling_rows([s.sampling for s in seqs], s_slots, self.arch.vocab_size)
         row_bitmask = None
-        if any(s.draft_bitmasks is not None for s in seqs):
+        if any_draft_masks:
             row_bitmask = np.full((r_slots, (self.arch.vocab_size + 31) // 32), -1, np.int32)
             for i, s in enumerate(seqs):
                 if s.draft_bitmasks is not None:
@@ -641,6 +651,7 @@ class ModelRunner:
         n_draft: np.ndarray,
         n_page: np.ndarray,
         kv_lens: np.ndarray,
+        any_draft_masks: bool,
     ) -> None:
         """The per-sequence invariants ``build_batch`` relies on, checked over whole arrays (the
         loops run only to name the first offender or when drafts are present)."""
@@ -651,7 +662,7 @@ class ModelRunner:
                     raise ValueError("a scheduled sequence must compute at least one token")
                 if bad_pages[i]:
                     raise ValueError(f"sequence {i}: {n_page[i]} pages cannot hold {kv_lens[i]} tokens")
-        if not n_draft.any() and not any(s.draft_bitmasks is not None for s in seqs):
+        if not n_draft.any() and not any_draft_masks:
             return
         for i, s in enumerate(seqs):
             k = int(n_draft[i])

@@ -239,6 +239,7 @@ _ROW_COLUMNS = (
     "presence_penalty",
     "frequency_penalty",
 )
+_PENALTY_COLUMNS = ("repetition_penalty", "presence_penalty", "frequency_penalty")
 _row_values = operator.attrgetter(*(c if c != "steps" else "step" for c in _ROW_COLUMNS))
 
 
@@ -251,32 +252,47 @@ def pack_sampling_rows(rows: list[SamplingRow], num_slots: int, vocab_size: int)
     n = len(rows)
     # One table read per row and one fill per column, rather than nine scalar writes per row:
     # this runs for every sequence of every step. float64 holds each value exactly.
+    penalties = banned = masks = False
+    wanted: int | None = None
     if n:
         table = np.array([_row_values(r) for r in rows], np.float64)
         for j, name in enumerate(_ROW_COLUMNS):
             getattr(b, name)[:n] = table[:, j]
         b.seeds[:n] = np.fromiter((r.seed & 0xFFFFFFFF for r in rows), np.uint32, n)
-    if any(r.has_penalties for r in rows):
+        # SamplingRow.has_penalties over the table's (float64, exact) penalty columns.
+        rep, pres, freq = (_ROW_COLUMNS.index(c) for c in _PENALTY_COLUMNS)
+        penalties = bool(
+            (table[:, rep] != 1.0).any() or (table[:, pres] != 0.0).any() or (table[:, freq] != 0.0).any()
+        )
+        # The optional inputs' flags in one pass over the rows.
+        for r in rows:
+            if r.banned_ids:
+                banned = True
+            if r.token_bitmask is not None:
+                masks = True
+            k = r.num_logprobs
+            if k is not None and (wanted is None or k > wanted):
+                wanted = k
+    if penalties:
         b.output_counts = np.zeros((num_slots, vocab_size), np.int32)
         b.prompt_mask = np.zeros((num_slots, vocab_size), bool)
         for i, r in enumerate(rows):
             if r.has_penalties:
                 np.add.at(b.output_counts[i], np.asarray(r.output_token_ids or [], np.int64), 1)
                 b.prompt_mask[i, np.asarray(r.prompt_token_ids or [], np.int64)] = True
-    if any(r.banned_ids for r in rows):
+    if banned:
         width = 1 << max(len(r.banned_ids or []) for r in rows).bit_length()  # few distinct widths
         b.banned_ids = np.full((num_slots, width), -1, np.int32)
         for i, r in enumerate(rows):
             ids = r.banned_ids or []
             b.banned_ids[i, : len(ids)] = ids
-    if any(r.token_bitmask is not None for r in rows):
+    if masks:
         words = (vocab_size + 31) // 32
         b.token_bitmask = np.full((num_slots, words), -1, np.int32)
         for i, r in enumerate(rows):
             if r.token_bitmask is not None:
                 b.token_bitmask[i] = r.token_bitmask
-    wanted = [r.num_logprobs for r in rows if r.num_logprobs is not None]
-    b.num_logprobs = max(wanted) if wanted else None
+    b.num_logprobs = wanted
     return b
 
 

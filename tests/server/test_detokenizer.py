@@ -312,6 +312,43 @@ def test_long_random_stream_equals_full_decode(tok, skip_special_tokens):
         assert streamed == tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
 
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_piece_table_gives_the_windows_deltas(tok, monkeypatch, skip_special_tokens):
+    """Byte-level tokenizers take the shared token-text table (no window, no context): every
+    delta equals the windowed detokenizer's, step by step, on random ids (partial characters,
+    special tokens, invalid UTF-8), after random prompts, one or a few tokens a step."""
+    from tpuserve.server import detokenizer
+
+    assert detokenizer._piece_table(_backend_decode(tok), skip_special_tokens) is not None
+    rng = random.Random(5 + skip_special_tokens)
+    special = _special_ids(tok)
+    byte_tokens = list(_byte_to_token_ids(tok).values())
+    streams = [_encode(tok, " ".join(TEXTS))]
+    for _ in range(30):
+        streams.append(
+            [
+                rng.choice(special)
+                if r < 0.05
+                else rng.choice(byte_tokens)
+                if r < 0.3
+                else rng.randrange(len(tok))
+                for r in (rng.random() for _ in range(rng.randrange(1, 80)))
+            ]
+        )
+    for ids in streams:
+        prompt = [rng.randrange(len(tok)) for _ in range(rng.randrange(0, 8))]
+        chunks = [rng.choice([1, 1, 1, 2, 3]) for _ in ids]
+        fast = IncrementalDetokenizer(tok, prompt, skip_special_tokens=skip_special_tokens)
+        assert fast._table is not None
+        with monkeypatch.context() as m:
+            m.setattr(detokenizer, "_piece_table", lambda *a: None)
+            slow = IncrementalDetokenizer(tok, prompt, skip_special_tokens=skip_special_tokens)
+        assert slow._table is None
+        assert _stream(fast, ids, chunks) == _stream(slow, ids, chunks), (prompt, ids)
+        assert fast.flush() == slow.flush()
+        assert fast.text == slow.text
+
+
 def test_decode_token(tok, tok_name):
     if tok_name == "smollm2":
         pytest.skip("SmolLM2's vocabulary splits this test's characters differently")
