@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from tpuserve.tpu_platform.loader.safetensors_raw import SafetensorsFiles
-from tpuserve.tpu_platform.models.weights import _to_device, build_params
+from tpuserve.tpu_platform.models.weights import _copy_into, _to_device, build_params
 from tpuserve.tpu_platform.startup_timing import StartupTimings
 
 from tiny_models import tiny_model  # tests/tpu_platform/tiny_models.py
@@ -95,3 +95,15 @@ def test_device_cast_equals_the_old_cast():
         a, b = np.asarray(_to_device(x, dtype)), np.asarray(jnp.asarray(x, dtype))
         assert a.dtype == b.dtype
         assert a.tobytes() == b.tobytes(), dtype
+
+
+def test_tiled_copy_equals_assignment():
+    """The tiled copy of transposed views (several tiles: axes longer than _TILE) moves the same
+    values as a plain assignment, and refuses a shape it would broadcast."""
+    x = np.random.default_rng(1).standard_normal((200, 130)).astype(ml_dtypes.bfloat16)
+    for src in (x.T, x.T.reshape(130, 4, 5, 10), x[:, ::2], x):
+        dst = np.empty(src.shape, src.dtype)
+        _copy_into(dst, src)
+        np.testing.assert_array_equal(dst, src)
+    with pytest.raises(ValueError):
+        _copy_into(np.empty((2, 130, 200), x.dtype), x.T)

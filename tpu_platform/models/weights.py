@@ -54,6 +54,27 @@ def _group_qkv(q: np.ndarray, k: np.ndarray, v: np.ndarray, hkv: int, d: int) ->
     )
 
 
+# Rows of a transposed source copied per tile (_copy_into): 64 rows of a [F, H] weight are a few
+# hundred KiB, read once while the destination is written row after row.
+_TILE = 64
+
+
+def _copy_into(dst: np.ndarray, src: np.ndarray) -> None:
+    """``dst[...] = src`` for equal shapes, in tiles along the axis ``src`` is contiguous in when it
+    is a transposed view: numpy's plain assignment walks ``dst`` in order and reads ``src`` a whole
+    row apart each element (a 8192 x 2048 f32 transpose: 0.6-1.6 s on this 2-core host, 0.1-0.2 s
+    in tiles). Same values either way: only the order of the copies changes."""
+    if dst.shape != src.shape:  # assignment would broadcast; stacking must not
+        raise ValueError(f"cannot copy a {src.shape} tensor into {dst.shape}")
+    if src.ndim < 2 or src.flags.c_contiguous:
+        dst[...] = src
+        return
+    axis = int(np.argmin([abs(st) for st in src.strides]))
+    for a in range(0, src.shape[axis], _TILE):
+        index = (slice(None),) * axis + (slice(a, a + _TILE),)
+        dst[index] = src[index]
+
+
 @dataclass(frozen=True)
 class _Assembled:
     """A per-layer tensor made of (views of) checkpoint tensors, assembled only when it is copied
@@ -70,7 +91,7 @@ class _Assembled:
 
     def write(self, out: np.ndarray) -> None:
         for index, values in self.pieces:
-            out[index] = values
+            _copy_into(out[index], values)
 
     def __array__(self, dtype=None, copy=None) -> np.ndarray:
         out = np.empty(self.shape, self.dtype if dtype is None else dtype)
@@ -182,7 +203,7 @@ def _stack(arrays: list[np.ndarray | _Assembled], pool: ThreadPoolExecutor) -> n
         if isinstance(a, _Assembled):
             a.write(out[i])
         else:
-            out[i] = a
+            _copy_into(out[i], np.asarray(a))
 
     list(pool.map(fill, range(len(arrays))))  # list(): re-raises a task's error here
     return out
