@@ -423,17 +423,6 @@ def unstack_layers(params: dict) -> dict:
     for key in list(stacked):
         value = stacked.pop(key)
         for i in range(num_layers):
-            layers[i][key] = jax.tree_util.tree_map(lambda a, i=i: _layer_of(a, i), value)
+            layers[i][key] = jax.tree_util.tree_map(lambda a, i=i: jnp.array(a[i], copy=True), value)
         del value
     return {**params, "layers": layers}
-
-
-def _layer_of(a: jax.Array, i: int) -> jax.Array:
-    """``a[i]`` as its own array. On one CPU device the stacked array is host memory: layer i is
-    a numpy view of it, placed as it is (a plain copy at most, where the eager slice and copy
-    below took ~6 s for a 1B model's f32 layers on a 2-core host). Elsewhere a slice on the
-    device (a round trip through the host would cost more than it saves)."""
-    devices = a.devices()
-    if len(devices) == 1 and next(iter(devices)).platform == "cpu":
-        return jax.device_put(np.asarray(a)[i], a.sharding)
-    return jnp.array(a[i], copy=True)
