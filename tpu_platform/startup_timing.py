@@ -66,10 +66,7 @@ class StartupTimings:
             phases = list(self.phases)
         parts = [f"{p.name} {p.seconds:.2f}" + (" (background)" if p.background else "") for p in phases]
         accounted = sum(p.seconds for p in phases if not p.background)
-        return (
-            f"start-up {self.elapsed():.1f} s ({accounted:.1f} s in phases): "
-            + ", ".join(parts)
-        )
+        return f"start-up {self.elapsed():.1f} s ({accounted:.1f} s in phases): " + ", ".join(parts)
 
     def log_once(self, logger: logging.Logger) -> None:
         """The one INFO line, when the engine is ready (the first caller writes it)."""

@@ -16,12 +16,11 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from tiny_models import tiny_model  # tests/tpu_platform/tiny_models.py
 
 from tpuserve.tpu_platform.loader.safetensors_raw import SafetensorsFiles
 from tpuserve.tpu_platform.models.weights import _copy_into, _to_device, build_params
 from tpuserve.tpu_platform.startup_timing import StartupTimings
-
-from tiny_models import tiny_model  # tests/tpu_platform/tiny_models.py
 
 _ST_DTYPES = {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16", np.dtype(ml_dtypes.bfloat16): "BF16"}
 
@@ -32,7 +31,11 @@ def _write_safetensors(path, tensors: dict[str, np.ndarray]) -> None:
     header, offset, blobs = {}, 0, []
     for name, t in tensors.items():
         data = np.ascontiguousarray(t).tobytes()
-        header[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + len(data)]}
+        header[name] = {
+            "dtype": _ST_DTYPES[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + len(data)],
+        }
         offset += len(data)
         blobs.append(data)
     head = json.dumps(header).encode()
@@ -67,7 +70,9 @@ def test_stored_dtype_load_equals_f32_pipeline(tmp_path, stored, target):
 def test_qkv_layout_from_bf16_checkpoint(tmp_path):
     """One stacked tensor checked against the layout formula, independently of build_params."""
     arch, tensors, _ = tiny_model("llama", layers=2)
-    _write_safetensors(tmp_path / "model.safetensors", {k: v.astype(ml_dtypes.bfloat16) for k, v in tensors.items()})
+    _write_safetensors(
+        tmp_path / "model.safetensors", {k: v.astype(ml_dtypes.bfloat16) for k, v in tensors.items()}
+    )
     got = build_params(arch, SafetensorsFiles([str(tmp_path / "model.safetensors")]).get, jnp.bfloat16)
     hkv, d, hid = arch.num_kv_heads, arch.head_dim, arch.hidden_size
     for i in range(arch.num_layers):
@@ -88,7 +93,9 @@ def test_device_cast_equals_the_old_cast():
     x = np.concatenate(
         [
             bits.view(np.float32),
-            np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 1e-40, -1e-45, 1.0 + 2**-8, 1.0 + 3 * 2**-8], np.float32),
+            np.array(
+                [0.0, -0.0, np.inf, -np.inf, np.nan, 1e-40, -1e-45, 1.0 + 2**-8, 1.0 + 3 * 2**-8], np.float32
+            ),
         ]
     )
     for dtype in (jnp.bfloat16, jnp.float16, jnp.float32):

@@ -104,7 +104,9 @@ def _load_hf_dir(path: str, dtype, tokenizer: str | None, timings: StartupTiming
     return loaded
 
 
-def _load_hf_weights(path: str, cfg: dict, arch: ModelArch, raw, dtype, timings: StartupTimings) -> LoadedModel:
+def _load_hf_weights(
+    path: str, cfg: dict, arch: ModelArch, raw, dtype, timings: StartupTimings
+) -> LoadedModel:
     """The weights of a Hugging Face directory (its tokenizer is the caller's: None here)."""
     # Tensors in their stored dtype, memory-mapped: build_params decides what to upcast, and a
     # tensor it keeps as stored is read once, by the copy that places it (no f32 copy first).
