@@ -93,7 +93,9 @@ for s in $stages; do
           --like .tpu_carry/shapes/qwen3-moe-30b-a3b-4l --out /tmp/m/qwen3-moe-30b-a3b-4l > /dev/null
       stage e2e-qmoe 330 python benchmarks/tpu_e2e.py --models /tmp/m/qwen3-moe-30b-a3b-4l --rounds 1 \
           --out "$out/e2e_qmoe.json" ;;
-    startup)   # where the 1B shape's start-up goes: LLM() cold (empty compilation cache), then warm
+    startup)   # where the 1B shape's start-up goes: LLM() cold (empty compilation cache), then warm;
+               # each run's start-up phases (read, transforms, stack, to device, tokenizer, memory
+               # plan, warm-up: tpu_platform/startup_timing.py) in the log and the JSON's "phases"
       checkpoint llama-1b-gqa
       stage startup 300 python benchmarks/startup.py --model /tmp/m/llama-1b-gqa --what llm \
           --runs cold,warm --cache-dir /tmp/xla-startup --json "$out/startup_1b.json" ;;

@@ -33,6 +33,7 @@ from tpuserve.spec_decode.coordinator import Drafter, DraftSupport, SpecDecodeCo
 from tpuserve.tpu_platform import multihost
 from tpuserve.tpu_platform.config import ConfigError, EngineConfig
 from tpuserve.tpu_platform.model_runner import PendingStep
+from tpuserve.tpu_platform.startup_timing import StartupTimings
 from tpuserve.tpu_platform.step_batch import Logprobs, SamplingRow, ScheduledSeq, StepOutput, sampling_row
 from tpuserve.tpu_platform.warmup import Warmup
 from tpuserve.tpu_platform.worker import Worker
@@ -101,18 +102,21 @@ class LLMEngine:
         ``replica``: which data-parallel replica (device subset) this engine runs on."""
         from tpuserve.tpu_platform.device import discover
 
-        # Several hosts: join them before anything touches a device (jax.distributed).
-        group = multihost.initialize(config.parallel)
-        if group is not None and not group.is_leader:
-            raise ConfigError(
-                f"host_rank={group.rank}: only host 0 runs the engine; the other hosts run "
-                f"tpuserve.tpu_platform.multihost.run_follower(config) (`tpuserve serve` does)"
-            )
-        backend = discover().backend
+        # Where this engine's start-up time goes (logged once when it is ready: log_startup).
+        self.startup_timings = timings = StartupTimings()
+        with timings.phase("devices"):
+            # Several hosts: join them before anything touches a device (jax.distributed).
+            group = multihost.initialize(config.parallel)
+            if group is not None and not group.is_leader:
+                raise ConfigError(
+                    f"host_rank={group.rank}: only host 0 runs the engine; the other hosts run "
+                    f"tpuserve.tpu_platform.multihost.run_follower(config) (`tpuserve serve` does)"
+                )
+            backend = discover().backend  # the first device query starts the backend
         # The platform's scheduler sizes, and its concrete attention and layer-loop modes.
         config = config.for_backend(backend).with_modes_resolved(backend)
         self.config = config
-        self.worker = Worker(config, replica)
+        self.worker = Worker(config, replica, timings)
         self.worker.load()
         # Loading may have raised the page size to what this max_model_len needs (Worker.load).
         config = self.config = self.worker.config
@@ -125,6 +129,7 @@ class LLMEngine:
         num_pages = self.worker.num_pages()
         self._tell_hosts(multihost.InitKVCache(num_pages))
         self.runner = self.worker.init_kv_cache(num_pages)
+        t_rest = time.perf_counter()
         cache = config.cache
         self.host_tier = self._build_host_tier(cache.kv_offloading_size)
         self.pool = BlockPool(
@@ -180,6 +185,12 @@ class LLMEngine:
                 self.runner.kv_cache,
                 tp_size=config.parallel.tensor_parallel_size,
             )
+        timings.add("engine setup", time.perf_counter() - t_rest)
+
+    def log_startup(self) -> None:
+        """Log where start-up went, once, in one INFO line (warm-up calls it when it is done; an
+        engine that never warms up has its owner call it)."""
+        self.startup_timings.log_once(log)
 
     def _build_host_tier(self, gib: float | None) -> HostKVTier | None:
         if gib is None:
@@ -205,7 +216,9 @@ class LLMEngine:
     def warmup(self, *, progress: bool = True) -> int:
         """Compile every program a step can need (on a thread pool); returns how many."""
         self._tell_hosts(multihost.Warmup())
-        return self._warm_host_tier() + self.worker.warmup(progress=progress)
+        n = self._warm_host_tier() + self.worker.warmup(progress=progress)
+        self.log_startup()
+        return n
 
     def start_warmup(self, *, progress: bool = True) -> Warmup:
         """Compile the programs of a first short request and return; the rest compile on a thread
@@ -216,6 +229,7 @@ class LLMEngine:
         # against this host's background compiles does not matter.
         self._tell_hosts(multihost.Warmup())
         self._warmup = self.worker.start_warmup(progress=progress)
+        self.log_startup()  # ready to serve: the rest compiles in the background
         return self._warmup
 
     @property

@@ -39,6 +39,8 @@ class LLM:
         self.engine = LLMEngine(self.config, grammar_factory=grammar_factory)
         if warmup:
             self.engine.warmup()
+        # The start-up line: written by the warm-up when there was one, else here (load only).
+        self.engine.log_startup()
 
     def shutdown(self) -> None:
         """Release a multi-host engine's other hosts (their follower loops return); one host:

@@ -52,6 +52,7 @@ from tpuserve.tpu_platform.models.sharding import (
     group_gate_up_by_device,
     replicate_kv_heads,
 )
+from tpuserve.tpu_platform.startup_timing import StartupTimings
 from tpuserve.tpu_platform.warmup import Warmup
 
 log = logging.getLogger(__name__)
@@ -169,8 +170,12 @@ def check_moe_combinations(config: EngineConfig, arch: ModelArch) -> None:
 
 
 class Worker:
-    def __init__(self, config: EngineConfig, replica: int = 0) -> None:
-        """replica: which data-parallel replica this worker is (its device subset, mesh.py)."""
+    def __init__(self, config: EngineConfig, replica: int = 0, timings: StartupTimings | None = None) -> None:
+        """replica: which data-parallel replica this worker is (its device subset, mesh.py).
+        timings: the start-up record its steps add their phases to (startup_timing.py); None: a
+        new one (``self.timings``)."""
+        self.timings = StartupTimings() if timings is None else timings
+        t0 = time.perf_counter()
         self.config = config
         self.device = discover()
         par = config.parallel
@@ -204,6 +209,7 @@ class Worker:
         self._draft_params: dict[str, Any] | None = None
         self.draft_runner: DraftRunner | None = None
         self._plan: MemoryPlan | None = None  # the accelerator memory plan, once measured
+        self.timings.add("worker setup", time.perf_counter() - t0)
 
     # What load() and init_kv_cache() set, for the steps that need them to have run: a typed
     # value or an error that names the missing step (not an AttributeError on None).
@@ -230,14 +236,16 @@ class Worker:
         lowered to it with ``clamp_max_model_len`` (a front end that derived it from elsewhere)."""
         t0 = time.perf_counter()
         m = self.config.model
-        loaded = load_model(m.model, self.dtype, m.tokenizer)
+        loaded = load_model(m.model, self.dtype, m.tokenizer, self.timings)
         arch = self.arch = loaded.arch
         check_moe_combinations(self.config, arch)
         self.tokenizer, self.model_source = loaded.tokenizer, loaded.source
         params = loaded.params
         if self.tensor_parallel_size > 1:
-            params = self._shard_heads(params, loaded.quantization)
-        self._params = self._quantize(params, loaded.quantization)
+            with self.timings.phase("shard heads"):
+                params = self._shard_heads(params, loaded.quantization)
+        with self.timings.phase("quantize"):
+            self._params = self._quantize(params, loaded.quantization)
         if self.kv_cache_dtype.itemsize == 1 and loaded.kv_scales_error is not None:
             raise ModelConfigError(
                 f"kv_cache_dtype={self.config.cache.kv_cache_dtype!r}: {loaded.kv_scales_error}"
@@ -265,7 +273,8 @@ class Worker:
         )
         spec = self.config.speculative
         if spec is not None and spec.method in (SpecMethod.EAGLE3, SpecMethod.MTP):
-            self._load_draft(spec, loaded.source)
+            with self.timings.phase("draft head"):
+                self._load_draft(spec, loaded.source)
 
     def _executable_cache_dir(self) -> str | None:
         """Where the runner keeps its compiled forwards across restarts: beside JAX's persistent
@@ -446,7 +455,8 @@ class Worker:
         if self._plan is None:
             runner = self._build_runner(None)
             t0 = time.perf_counter()
-            step = runner.step_memory()
+            with self.timings.phase("memory plan"):
+                step = runner.step_memory()
             if not self.device.memory_bytes:  # kv_cache_budget plans only on a device that reports it
                 raise RuntimeError("Worker.memory_plan: the device reports no memory size")
             memory = self.device.memory_bytes * self.tensor_parallel_size
@@ -493,7 +503,9 @@ class Worker:
         pages, or without a cache yet (None)."""
         if self.runner is not None:
             if num_pages is not None:
-                self.runner.allocate_kv_cache(num_pages)
+                with self.timings.phase("kv cache"):
+                    self.runner.allocate_kv_cache(num_pages)
+                    jax.block_until_ready(self.runner.kv_cache)
             return self.runner
         if self._params is None:
             raise RuntimeError("Worker.load() must run before init_kv_cache()")
@@ -501,6 +513,7 @@ class Worker:
         calibration = None
         if self.kv_cache_dtype.itemsize == 1 and self.kv_scales is None:
             calibration = kv_scales.calibration_token_ids(self.tokenizer, arch.vocab_size)
+        t0 = time.perf_counter()
         runner = self.runner = ModelRunner(
             self.config,
             arch,
@@ -516,6 +529,10 @@ class Worker:
             draft_aux_layers=(None if self.draft_head is None else self.draft_head.aux_layer_ids),
             executable_cache_dir=self._executable_cache_dir(),
         )
+        # Weight placement over a mesh, per-layer arrays for an unrolled loop, FP8 KV calibration,
+        # and the KV cache when num_pages is given: one phase (the runner does them in one go).
+        jax.block_until_ready((runner.params, runner.kv_cache))
+        self.timings.add("runner setup", time.perf_counter() - t0)
         self._params = None
         return runner
 
@@ -549,6 +566,7 @@ class Worker:
         t0 = time.perf_counter()
         n = self._warm_draft_runner()
         n += self._built_runner().warmup(progress=progress)
+        self.timings.add("warm-up", time.perf_counter() - t0)
         log.info("warm-up compiled %d programs in %.1f s", n, time.perf_counter() - t0)
         return n
 
@@ -556,9 +574,10 @@ class Worker:
         """Start compiling in the background (``ModelRunner.start_warmup``) and return once the
         programs of a first short request are ready; the draft runner's programs compile first, in
         the foreground (its warm-up runs steps on its own cache)."""
-        self._warm_draft_runner()
-        warm = self._built_runner().start_warmup(progress=progress)
-        warm.wait_first()
+        with self.timings.phase("warm-up (first programs)"):
+            self._warm_draft_runner()
+            warm = self._built_runner().start_warmup(progress=progress)
+            warm.wait_first()
         return warm
 
     def _warm_draft_runner(self) -> int:

@@ -5,10 +5,10 @@ from __future__ import annotations
 import glob
 import json
 import os
+import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
-
-import numpy as np
 
 from tpuserve.tpu_platform.kv_scales import scales_from_checkpoint
 from tpuserve.tpu_platform.loader.gpt_oss_mxfp4 import is_gpt_oss_mxfp4, with_dequantized_experts
@@ -16,6 +16,7 @@ from tpuserve.tpu_platform.loader.quantized import detect, read_linear
 from tpuserve.tpu_platform.loader.safetensors_raw import SafetensorsFiles
 from tpuserve.tpu_platform.models.arch import ModelArch, ModelConfigError
 from tpuserve.tpu_platform.models.weights import build_params
+from tpuserve.tpu_platform.startup_timing import StartupTimings
 
 
 @dataclass
@@ -51,7 +52,12 @@ def resolve_model_path(model: str | None) -> str:
     return path
 
 
-def load_model(model: str | None, dtype, tokenizer: str | None = None) -> LoadedModel:
+def load_model(
+    model: str | None, dtype, tokenizer: str | None = None, timings: StartupTimings | None = None
+) -> LoadedModel:
+    """timings: where the phases of loading are recorded (the engine's start-up record); None: a
+    record of its own, dropped."""
+    timings = StartupTimings() if timings is None else timings
     path = resolve_model_path(model)
     if os.path.isfile(path):
         if not path.endswith(".gguf"):
@@ -60,32 +66,51 @@ def load_model(model: str | None, dtype, tokenizer: str | None = None) -> Loaded
             )
         from tpuserve.tpu_platform.loader.gguf_loader import load_gguf
 
-        ckpt = load_gguf(path)
+        with timings.phase("read gguf"):
+            ckpt = load_gguf(path)
         arch = ModelArch.from_hf_config(ckpt.config)
-        params = build_params(arch, ckpt.tensors.get, dtype)
-        tok = _load_tokenizer(tokenizer) if tokenizer else ckpt.tokenizer
+        params = build_params(arch, ckpt.tensors.get, dtype, timings=timings)
+        tok = _load_tokenizer(tokenizer, timings) if tokenizer else ckpt.tokenizer
         return LoadedModel(arch, params, tok, path)
-    return _load_hf_dir(path, dtype, tokenizer)
+    return _load_hf_dir(path, dtype, tokenizer, timings)
 
 
-def _load_hf_dir(path: str, dtype, tokenizer: str | None) -> LoadedModel:
+def _load_hf_dir(path: str, dtype, tokenizer: str | None, timings: StartupTimings) -> LoadedModel:
     cfg_file = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_file):
         ggufs = glob.glob(os.path.join(path, "*.gguf"))
         if len(ggufs) == 1:
-            return load_model(ggufs[0], dtype, tokenizer)
+            return load_model(ggufs[0], dtype, tokenizer, timings)
         raise ModelConfigError(f"{path!r} has no config.json (and not exactly one .gguf file)")
-    with open(cfg_file) as f:
-        cfg = json.load(f)
-    arch = ModelArch.from_hf_config(cfg)
-    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
-    if not files:
-        raise ModelConfigError(f"{path!r} has no *.safetensors weight files")
-    raw = SafetensorsFiles(files).get  # stored dtype (fp8 included), memory-mapped
+    with timings.phase("config"):
+        with open(cfg_file) as f:
+            cfg = json.load(f)
+        arch = ModelArch.from_hf_config(cfg)
+        files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+        if not files:
+            raise ModelConfigError(f"{path!r} has no *.safetensors weight files")
+        raw = SafetensorsFiles(files).get  # stored dtype (fp8 included), memory-mapped
+    # The tokenizer (importing transformers, then reading tokenizer.json: seconds) loads on a
+    # thread beside the weights, whose numpy copies and device transfers release the GIL.
+    with ThreadPoolExecutor(1, thread_name_prefix="tpuserve-tokenizer") as pool:
+        tok_future = pool.submit(_load_tokenizer, tokenizer or path, timings, True)
+        try:
+            loaded = _load_hf_weights(path, cfg, arch, raw, dtype, timings)
+        except BaseException:
+            tok_future.cancel()
+            raise
+        with timings.phase("tokenizer wait"):
+            loaded.tokenizer = tok_future.result()
+    return loaded
 
-    def get(name: str):
-        t = raw(name)
-        return None if t is None else t.astype(np.float32)
+
+def _load_hf_weights(
+    path: str, cfg: dict, arch: ModelArch, raw, dtype, timings: StartupTimings
+) -> LoadedModel:
+    """The weights of a Hugging Face directory (its tokenizer is the caller's: None here)."""
+    # Tensors in their stored dtype, memory-mapped: build_params decides what to upcast, and a
+    # tensor it keeps as stored is read once, by the copy that places it (no f32 copy first).
+    get = raw
 
     gpt_oss_mxfp4 = is_gpt_oss_mxfp4(cfg)
     if gpt_oss_mxfp4:  # the experts' blocks/scales decode to dense names; the rest is dense already
@@ -98,7 +123,7 @@ def _load_hf_dir(path: str, dtype, tokenizer: str | None) -> LoadedModel:
             f"({arch.architecture}) is not supported; use a dense (bf16/f32) checkpoint"
         )
     get_linear = None if quant is None else (lambda module: read_linear(quant, module, raw))
-    params = build_params(arch, get, dtype, get_linear)
+    params = build_params(arch, get, dtype, get_linear, timings=timings)
     kv_scales, kv_scales_error = None, None
     try:
         kv_scales = scales_from_checkpoint(raw, arch.num_layers)
@@ -107,7 +132,7 @@ def _load_hf_dir(path: str, dtype, tokenizer: str | None) -> LoadedModel:
     return LoadedModel(
         arch,
         params,
-        _load_tokenizer(tokenizer or path),
+        None,
         path,
         quantization=None if quant is None else quant.method,
         kv_scales=kv_scales,
@@ -115,10 +140,13 @@ def _load_hf_dir(path: str, dtype, tokenizer: str | None) -> LoadedModel:
     )
 
 
-def _load_tokenizer(path: str):
+def _load_tokenizer(path: str, timings: StartupTimings, background: bool = False):
+    t0 = time.perf_counter()
     from transformers import AutoTokenizer
 
+    timings.add("import transformers", time.perf_counter() - t0, background=background)
     try:
-        return AutoTokenizer.from_pretrained(path)
+        with timings.phase("tokenizer", background=background):
+            return AutoTokenizer.from_pretrained(path)
     except Exception as e:  # transformers raises many types; name the path in one clear error
         raise ModelConfigError(f"could not load a tokenizer from {path!r}: {e}") from e

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -10,6 +14,31 @@ import numpy as np
 
 from tpuserve.quant import fuse
 from tpuserve.tpu_platform.models.arch import ModelArch, ModelConfigError
+from tpuserve.tpu_platform.startup_timing import StartupTimings
+
+
+def _as_read(t, dtype) -> np.ndarray:
+    """A checkpoint tensor as the transforms below read it: as stored when that is float32 or the
+    target ``dtype``, else upcast to float32. The transforms only move values (transpose, concat,
+    stack), so either way the tree ends up with the values an all-f32 pipeline gives: a tensor
+    stored in the target dtype needs no cast at all, one stored in f32 reaches the same f32 ->
+    target cast (``_to_device``), and every other dtype goes through f32 as it always did. Keeping
+    the stored dtype skips a full f32 copy of the checkpoint (the memory-mapped view is read once,
+    by the copy that stacks it) and, for a bf16 checkpoint served in bf16, half the bytes moved."""
+    t = np.asarray(t)
+    if t.dtype == np.float32 or t.dtype == jnp.dtype(dtype):
+        return t
+    return t.astype(np.float32)
+
+
+def _to_device(host: np.ndarray, dtype) -> jax.Array:
+    """A host array on the default device in ``dtype``. Already in ``dtype``: transferred as it is
+    (``jnp.asarray`` would copy it on the host first). Otherwise ``jnp.asarray(host, dtype)``, the
+    cast loading always made: it is not one operation for every dtype (f32 -> f16 rounds NaN
+    payloads differently from a cast on the device), and the weights must not change."""
+    if host.dtype == jnp.dtype(dtype):
+        return jax.device_put(host)
+    return jnp.asarray(host, dtype)
 
 
 def _group_qkv(q: np.ndarray, k: np.ndarray, v: np.ndarray, hkv: int, d: int) -> np.ndarray:
@@ -22,6 +51,65 @@ def _group_qkv(q: np.ndarray, k: np.ndarray, v: np.ndarray, hkv: int, d: int) ->
     lead = q.shape[:-1]
     return np.concatenate(
         [q.reshape(*lead, hkv, -1, d), k.reshape(*lead, hkv, 1, d), v.reshape(*lead, hkv, 1, d)], axis=-2
+    )
+
+
+# Rows of a transposed source copied per tile (_copy_into): 64 rows of a [F, H] weight are a few
+# hundred KiB, read once while the destination is written row after row.
+_TILE = 64
+
+
+def _copy_into(dst: np.ndarray, src: np.ndarray) -> None:
+    """``dst[...] = src`` for equal shapes, in tiles along the axis ``src`` is contiguous in when it
+    is a transposed view: numpy's plain assignment walks ``dst`` in order and reads ``src`` a whole
+    row apart each element (a 8192 x 2048 f32 transpose: 0.6-1.6 s on this 2-core host, 0.1-0.2 s
+    in tiles). Same values either way: only the order of the copies changes."""
+    if dst.shape != src.shape:  # assignment would broadcast; stacking must not
+        raise ValueError(f"cannot copy a {src.shape} tensor into {dst.shape}")
+    if src.ndim < 2 or src.flags.c_contiguous:
+        dst[...] = src
+        return
+    axis = int(np.argmin([abs(st) for st in src.strides]))
+    for a in range(0, src.shape[axis], _TILE):
+        index = (slice(None),) * axis + (slice(a, a + _TILE),)
+        dst[index] = src[index]
+
+
+@dataclass(frozen=True)
+class _Assembled:
+    """A per-layer tensor made of (views of) checkpoint tensors, assembled only when it is copied
+    into its slot of the stacked [L, ...] array: the transposing copy out of the memory-mapped file
+    is then the only copy, and it runs on the stacking threads (``_stack``) instead of serially.
+    ``pieces``: (index into the tensor, the values that go there); together they cover it."""
+
+    shape: tuple[int, ...]
+    pieces: tuple[tuple[tuple, np.ndarray], ...]
+
+    @property
+    def dtype(self) -> np.dtype:
+        return np.result_type(*(a for _, a in self.pieces))  # np.concatenate's promotion
+
+    def write(self, out: np.ndarray) -> None:
+        for index, values in self.pieces:
+            _copy_into(out[index], values)
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        out = np.empty(self.shape, self.dtype if dtype is None else dtype)
+        self.write(out)
+        return out
+
+
+def _qkv_parts(q: np.ndarray, k: np.ndarray, v: np.ndarray, hkv: int, d: int) -> _Assembled:
+    """``_group_qkv(q, k, v, hkv, d)`` for [H, *] weights, deferred (``_Assembled``)."""
+    lead, g = q.shape[:-1], q.shape[-1] // (hkv * d)
+    at = (slice(None),) * (len(lead) + 1)  # every leading axis and the KV-head axis
+    return _Assembled(
+        (*lead, hkv, g + 2, d),
+        (
+            ((*at, slice(0, g)), q.reshape(*lead, hkv, g, d)),
+            ((*at, slice(g, g + 1)), k.reshape(*lead, hkv, 1, d)),
+            ((*at, slice(g + 1, g + 2)), v.reshape(*lead, hkv, 1, d)),
+        ),
     )
 
 
@@ -103,23 +191,72 @@ def _gpt_oss_expert_weights(arch: ModelArch, p: str, need, check, dtype) -> dict
     }
 
 
-def _stack_layers(layer_tensors: list[dict], dtype, keep_f32: frozenset = frozenset(), as_list: bool = False):
+def _stack(arrays: list[np.ndarray | _Assembled], pool: ThreadPoolExecutor) -> np.ndarray:
+    """``np.stack(arrays)``, one layer per task: numpy's copies release the GIL, and these copies
+    (which read the memory-mapped checkpoint and transpose it) are most of loading's host time."""
+    if len({a.shape for a in arrays}) > 1:  # assignment would broadcast where np.stack refuses
+        raise ValueError(f"cannot stack layers of shapes {sorted({a.shape for a in arrays})}")
+    out = np.empty((len(arrays), *arrays[0].shape), np.result_type(*(a.dtype for a in arrays)))
+
+    def fill(i: int) -> None:
+        a = arrays[i]
+        if isinstance(a, _Assembled):
+            a.write(out[i])
+        else:
+            _copy_into(out[i], np.asarray(a))
+
+    list(pool.map(fill, range(len(arrays))))  # list(): re-raises a task's error here
+    return out
+
+
+def _copy_threads() -> int:
+    """Threads for the host copies: the cores this process may use, at most 8 (past that the
+    copies are bound by memory bandwidth)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(8, cores))
+
+
+def _stack_layers(
+    layer_tensors: list[dict],
+    dtype,
+    keep_f32: frozenset = frozenset(),
+    as_list: bool = False,
+    timings: StartupTimings | None = None,
+):
     """Per-layer {key: tensor} -> one dict of [L, ...] arrays when every layer has the same keys
     (the decoder scans over it), else a list of per-layer dicts (run unrolled): a model mixing dense
     and expert MLP layers (Qwen3-MoE's ``mlp_only_layers``) has no single layer body to scan, nor
     one whose layers attend differently (``as_list``: gpt-oss's sliding and full layers).
-    keep_f32: keys kept in float32 whatever ``dtype`` (attention sinks: a logit, added in f32)."""
+    keep_f32: keys kept in float32 whatever ``dtype`` (attention sinks: a logit, added in f32).
+    timings: charged "stack layers" (host copies, which read the memory-mapped checkpoint) and
+    "to device" (transfers and casts; each key's transfer overlaps the next key's stacking)."""
+    timings = StartupTimings() if timings is None else timings
 
     def dense(k, t):
-        return jnp.asarray(t, jnp.float32 if k in keep_f32 else dtype) if isinstance(t, np.ndarray) else t
+        if isinstance(t, _Assembled):  # a layer on its own (not stacked): assemble it here
+            with timings.phase("stack layers"):
+                t = np.asarray(t)
+        if not isinstance(t, np.ndarray):
+            return t
+        with timings.phase("to device"):
+            return _to_device(t, jnp.float32 if k in keep_f32 else dtype)
 
     keys = {frozenset(layer) for layer in layer_tensors}
     if len(keys) > 1 or as_list:
         return [{k: dense(k, v) for k, v in layer.items()} for layer in layer_tensors]
     out = {}
-    for k in layer_tensors[0]:
-        v = [layer[k] for layer in layer_tensors]
-        out[k] = dense(k, np.stack(v)) if isinstance(v[0], np.ndarray) else _stack_records(k, v)
+    with ThreadPoolExecutor(_copy_threads(), thread_name_prefix="tpuserve-stack") as pool:
+        for k in layer_tensors[0]:
+            v = [layer[k] for layer in layer_tensors]
+            if isinstance(v[0], (np.ndarray, _Assembled)):
+                with timings.phase("stack layers"):
+                    stacked = _stack(v, pool)
+                out[k] = dense(k, stacked)
+            else:
+                out[k] = _stack_records(k, v)
     return out
 
 
@@ -128,6 +265,7 @@ def build_params(
     get: Callable[[str], np.ndarray | None],
     dtype,
     get_linear: Callable[[str], object | None] | None = None,
+    timings: StartupTimings | None = None,
 ) -> dict:
     """``get(name)`` returns the HF tensor (any float dtype, HF [out, in] layout) or None if absent.
 
@@ -140,7 +278,11 @@ def build_params(
     [L] axis, or a list of per-layer dicts when layers differ in structure: ``_stack_layers``),
     dense arrays in ``dtype``, records as they were read.
     ``tpu_platform/models/sharding.py`` gives its PartitionSpecs.
+    timings: the start-up record the phases go to ("layer transforms", "stack layers", "to
+    device"; startup_timing.py); the arrays are on the device when this returns.
     """
+    timings = StartupTimings() if timings is None else timings
+    t_layers = time.perf_counter()
 
     def linear_rec(module: str, k: int, n: int):
         rec = get_linear(module) if get_linear is not None else None
@@ -150,7 +292,7 @@ def build_params(
         t = get(name)
         if t is None:
             raise ModelConfigError(f"checkpoint is missing tensor {name!r}")
-        return np.asarray(t, dtype=np.float32)
+        return _as_read(t, dtype)
 
     def check(name: str, t: np.ndarray, shape: tuple) -> np.ndarray:
         if t.shape != shape:
@@ -179,7 +321,7 @@ def build_params(
             q = check(p + "self_attn.q_proj.weight", need(p + "self_attn.q_proj.weight"), (hq * d, hid))
             k = check(p + "self_attn.k_proj.weight", need(p + "self_attn.k_proj.weight"), (hkv * d, hid))
             v = check(p + "self_attn.v_proj.weight", need(p + "self_attn.v_proj.weight"), (hkv * d, hid))
-            add("qkv", _group_qkv(q.T, k.T, v.T, hkv, d))
+            add("qkv", _qkv_parts(q.T, k.T, v.T, hkv, d))
         if arch.qkv_bias:
             qb, kb, vb = (
                 check(p + f"self_attn.{n}_proj.bias", need(p + f"self_attn.{n}_proj.bias"), (rows,))
@@ -218,7 +360,7 @@ def build_params(
                 # [2, H, F]: the gate and up [H, F] one after the other. As [H, 2, F], XLA:TPU copied
                 # each layer's weight into another layout before every dot of 2+ rows (on a v5e:
                 # 318 us per Llama-1B MLP layer at 8 rows against 141; benchmarks/tpu_step_parts.py).
-                add("gate_up", np.stack([gate.T, up.T], axis=0))
+                add("gate_up", _Assembled((2, hid, f), (((0,), gate.T), ((1,), up.T))))
             down = linear_rec(p + "mlp.down_proj", f, hid)
             add(
                 "down",
@@ -236,16 +378,17 @@ def build_params(
         )
 
     embed = check("model.embed_tokens.weight", need("model.embed_tokens.weight"), (arch.vocab_size, hid))
-    params = {
-        "embed": jnp.asarray(embed, dtype),
-        "final_norm": jnp.asarray(need("model.norm.weight"), dtype),
-        "layers": _stack_layers(
-            layer_tensors,
-            dtype,
-            keep_f32=frozenset({"sinks"}),
-            as_list=len({arch.layer_window(i) for i in range(arch.num_layers)}) > 1,
-        ),
-    }
+    final_norm = need("model.norm.weight")
+    timings.add("layer transforms", time.perf_counter() - t_layers)
+    with timings.phase("to device"):
+        params = {"embed": _to_device(embed, dtype), "final_norm": _to_device(final_norm, dtype)}
+    params["layers"] = _stack_layers(
+        layer_tensors,
+        dtype,
+        keep_f32=frozenset({"sinks"}),
+        as_list=len({arch.layer_window(i) for i in range(arch.num_layers)}) > 1,
+        timings=timings,
+    )
     head_rec = None if arch.tie_word_embeddings else linear_rec("lm_head", hid, arch.vocab_size)
     if head_rec is not None:
         params["lm_head"] = head_rec
@@ -253,9 +396,13 @@ def build_params(
         head = get("lm_head.weight")
         if head is None:
             raise ModelConfigError("checkpoint has no lm_head.weight and tie_word_embeddings is false")
-        params["lm_head"] = jnp.asarray(
-            check("lm_head.weight", np.asarray(head, np.float32), (arch.vocab_size, hid)).T, dtype
-        )
+        head = check("lm_head.weight", _as_read(head, dtype), (arch.vocab_size, hid)).T
+        with timings.phase("to device"):
+            params["lm_head"] = _to_device(head, dtype)
+    with timings.phase("to device"):
+        # Wait for the transfers here, so that their time is charged to this phase, not to
+        # whichever later phase first touches the weights.
+        jax.block_until_ready(params)
     return params
 
 
