@@ -11,7 +11,11 @@ from typing import Any
 import numpy as np
 
 from tpuserve.tpu_platform.kv_scales import scales_from_checkpoint
-from tpuserve.tpu_platform.loader.gpt_oss_mxfp4 import is_gpt_oss_mxfp4, with_dequantized_experts
+from tpuserve.tpu_platform.loader.gpt_oss_mxfp4 import (
+    expert_records,
+    is_gpt_oss_mxfp4,
+    with_dequantized_experts,
+)
 from tpuserve.tpu_platform.loader.quantized import detect, read_linear
 from tpuserve.tpu_platform.loader.safetensors_raw import SafetensorsFiles
 from tpuserve.tpu_platform.models.arch import ModelArch, ModelConfigError
@@ -25,7 +29,7 @@ class LoadedModel:
     tokenizer: Any  # transformers PreTrainedTokenizerFast
     source: str  # the path the weights came from
     # A pre-quantized checkpoint's format ("fp8", "mxfp4", "nvfp4"; its linear weights are then
-    # quant/ records in ``params``), None for a dense one.
+    # quant/ records in ``params``; gpt-oss's MXFP4: its experts only), None for a dense one.
     quantization: str | None = None
     # (k_scale, v_scale) of an FP8 KV cache when the checkpoint carries them (max over layers,
     # tpu_platform/kv_scales.py), else None.
@@ -51,7 +55,12 @@ def resolve_model_path(model: str | None) -> str:
     return path
 
 
-def load_model(model: str | None, dtype, tokenizer: str | None = None) -> LoadedModel:
+def load_model(
+    model: str | None, dtype, tokenizer: str | None = None, *, dequantize_experts: bool = False
+) -> LoadedModel:
+    """dequantize_experts: read gpt-oss's published MXFP4 experts as dense arrays in ``dtype``
+    instead of packed records (loader/gpt_oss_mxfp4.py says why both exist); other checkpoints
+    ignore it."""
     path = resolve_model_path(model)
     if os.path.isfile(path):
         if not path.endswith(".gguf"):
@@ -65,10 +74,10 @@ def load_model(model: str | None, dtype, tokenizer: str | None = None) -> Loaded
         params = build_params(arch, ckpt.tensors.get, dtype)
         tok = _load_tokenizer(tokenizer) if tokenizer else ckpt.tokenizer
         return LoadedModel(arch, params, tok, path)
-    return _load_hf_dir(path, dtype, tokenizer)
+    return _load_hf_dir(path, dtype, tokenizer, dequantize_experts)
 
 
-def _load_hf_dir(path: str, dtype, tokenizer: str | None) -> LoadedModel:
+def _load_hf_dir(path: str, dtype, tokenizer: str | None, dequantize_experts: bool) -> LoadedModel:
     cfg_file = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_file):
         ggufs = glob.glob(os.path.join(path, "*.gguf"))
@@ -88,8 +97,6 @@ def _load_hf_dir(path: str, dtype, tokenizer: str | None) -> LoadedModel:
         return None if t is None else t.astype(np.float32)
 
     gpt_oss_mxfp4 = is_gpt_oss_mxfp4(cfg)
-    if gpt_oss_mxfp4:  # the experts' blocks/scales decode to dense names; the rest is dense already
-        get = with_dequantized_experts(get, raw)
     quant = None if gpt_oss_mxfp4 else detect(cfg, path)
     if quant is not None and arch.moe is not None:
         # the experts would be read as plain floats, their scales ignored: refuse instead
@@ -98,6 +105,11 @@ def _load_hf_dir(path: str, dtype, tokenizer: str | None) -> LoadedModel:
             f"({arch.architecture}) is not supported; use a dense (bf16/f32) checkpoint"
         )
     get_linear = None if quant is None else (lambda module: read_linear(quant, module, raw))
+    method = None if quant is None else quant.method
+    if gpt_oss_mxfp4 and dequantize_experts:  # blocks/scales decode to the dense names
+        get = with_dequantized_experts(get, raw)
+    elif gpt_oss_mxfp4:  # the experts stay MXFP4 records; the rest is dense already
+        get_linear, method = expert_records(raw), "mxfp4"
     params = build_params(arch, get, dtype, get_linear)
     kv_scales, kv_scales_error = None, None
     try:
@@ -109,7 +121,7 @@ def _load_hf_dir(path: str, dtype, tokenizer: str | None) -> LoadedModel:
         params,
         _load_tokenizer(tokenizer or path),
         path,
-        quantization=None if quant is None else quant.method,
+        quantization=method,
         kv_scales=kv_scales,
         kv_scales_error=kv_scales_error,
     )
