@@ -8,8 +8,16 @@ N(0, 0.02), norm scales 1, float32 (or float16 with ``--dtype float16``).
     python benchmarks/random_checkpoint.py --like OUT_DIR --out RANDOM_DIR          # weights from shapes
 
 ``--shapes-only`` copies the config and tokenizer files and writes ``shapes.json`` (tensor name ->
-shape, read from the safetensors headers); the second form builds ``model.safetensors`` from a
-directory holding either real safetensors files or that ``shapes.json``.
+shape, read from the safetensors headers), plus ``dtypes.json`` (name -> safetensors dtype) for the
+tensors stored as integers; the second form builds ``model.safetensors`` from a directory holding
+either real safetensors files or those files.
+
+Integer tensors are packed quantized data whose bytes the loader reads as they are: gpt-oss's MXFP4
+experts (``*_blocks`` u8, two e2m1 codes a byte, any byte valid; ``*_scales`` u8 e8m0 exponents).
+They are written from a pool of random bytes (scales kept to 2**-9 .. 2**0, so every weight is
+finite and the activations stay in range over many layers), cycled through: a gpt-oss-20b's ~10 GB
+of experts would take minutes to draw from a generator, and speed does not depend on the values.
+The file is written tensor by tensor, so the host holds one tensor at a time.
 
 ``--quantize fp8`` writes the decoder layers' Linear weights pre-quantized, as a compressed-tensors
 FP8 checkpoint with per-output-channel scales (what the loader reads without quantizing, and what
@@ -23,9 +31,12 @@ from __future__ import annotations
 import argparse
 import glob
 import json
+import math
 import os
 import shutil
+import struct
 import sys
+import time
 
 import numpy as np
 
@@ -60,11 +71,42 @@ def tensor_shapes(model_dir: str) -> dict[str, list[int]]:
     return shapes
 
 
-def copy_small_files(src: str, dst: str) -> None:
-    os.makedirs(dst, exist_ok=True)
-    for name in SMALL_FILES:
-        if os.path.exists(os.path.join(src, name)):
-            shutil.copy(os.path.join(src, name), os.path.join(dst, name))
+# safetensors dtype names of what this script writes
+_FLOAT_NAMES = {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16"}
+_INT_DTYPES = {"U8": np.uint8, "I8": np.int8}
+_POOL_BYTES = 256 * 2**20 + 4099  # not a power of two: the cycle does not line up with the tensors
+_E8M0_RANGE = (118, 128)  # scale bytes: 2**-9 .. 2**0
+
+
+def tensor_dtypes(model_dir: str) -> dict[str, str]:
+    """Tensor name -> safetensors dtype for the integer tensors (``dtypes.json``, or the headers)."""
+    path = os.path.join(model_dir, "dtypes.json")
+    if os.path.exists(path):
+        with open(path) as f:
+            return json.load(f)
+    out: dict[str, str] = {}
+    for name in sorted(glob.glob(os.path.join(model_dir, "*.safetensors"))):
+        with open(name, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(n))
+        out.update(
+            {k: v["dtype"] for k, v in header.items() if k != "__metadata__" and v["dtype"] in _INT_DTYPES}
+        )
+    return out
+
+
+class _BytePool:
+    """Random bytes handed out cyclically (module docstring): ``take(n)`` yields memoryviews."""
+
+    def __init__(self, data: np.ndarray):
+        self.data, self.pos = data, 0
+
+    def take(self, n: int):
+        while n:
+            k = min(n, self.data.size - self.pos)
+            yield memoryview(self.data[self.pos : self.pos + k])
+            self.pos = (self.pos + k) % self.data.size
+            n -= k
 
 
 def is_layer_linear(name: str, shape) -> bool:
@@ -72,14 +114,11 @@ def is_layer_linear(name: str, shape) -> bool:
     return ".layers." in name and name.endswith("_proj.weight") and len(shape) == 2
 
 
-def random_fp8_channel(rng, shape) -> tuple[np.ndarray, np.ndarray]:
-    """Random float8_e4m3fn ``[out, in]`` and f32 scales ``[out, 1]``: sign and 3 mantissa bits
-    random, exponent field 6 or 7 (never the NaN pattern)."""
-    import ml_dtypes
-
+def random_fp8_codes(rng, shape) -> np.ndarray:
+    """Random float8_e4m3fn bytes ``[out, in]`` (as u8): sign and 3 mantissa bits random, exponent
+    field 6 or 7 (never the NaN pattern)."""
     raw = rng.integers(0, 256, size=shape, dtype=np.uint8)
-    codes = (raw & 0x8F) | 0x30  # s 0110|0111 mmm: |value| in [2**-1, 2**0 * 1.875]
-    return codes.view(ml_dtypes.float8_e4m3fn), np.full((shape[0], 1), 0.02, np.float32)
+    return (raw & 0x8F) | 0x30  # s 0110|0111 mmm: |value| in [2**-1, 2**0 * 1.875]
 
 
 def mark_compressed_tensors_fp8(out_dir: str) -> None:
@@ -100,6 +139,42 @@ def mark_compressed_tensors_fp8(out_dir: str) -> None:
         json.dump(cfg, f, indent=1)
 
 
+def write_safetensors(path: str, specs: dict[str, tuple[list[int], str]], fill) -> None:
+    """A safetensors file of ``specs`` (name -> (shape, dtype name)); ``fill(name, shape, dtype)``
+    yields each tensor's bytes, in order. The format: an 8-byte little-endian header length, the
+    JSON header (offsets relative to its end), the data."""
+    itemsize = {
+        **{v: k.itemsize for k, v in _FLOAT_NAMES.items()},
+        **{k: np.dtype(v).itemsize for k, v in _INT_DTYPES.items()},
+        "F8_E4M3": 1,
+    }
+    header: dict = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, (shape, dtype) in specs.items():
+        size = math.prod(shape) * itemsize[dtype]
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for name, (shape, dtype) in specs.items():
+            written = 0
+            for chunk in fill(name, shape, dtype):
+                f.write(chunk)
+                written += chunk.nbytes
+            if written != header[name]["data_offsets"][1] - header[name]["data_offsets"][0]:
+                raise RuntimeError(f"{name}: wrote {written} bytes, header says otherwise")
+
+
+def copy_small_files(src: str, dst: str) -> None:
+    os.makedirs(dst, exist_ok=True)
+    for name in SMALL_FILES:
+        if os.path.exists(os.path.join(src, name)):
+            shutil.copy(os.path.join(src, name), os.path.join(dst, name))
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--like", required=True, help="checkpoint directory (or a --shapes-only copy)")
@@ -118,33 +193,58 @@ def main(argv=None) -> int:
     )
     args = p.parse_args(argv)
     shapes = tensor_shapes(args.like)
+    int_dtypes = tensor_dtypes(args.like)
     if args.shapes_only:
         copy_small_files(args.like, args.shapes_only)
         with open(os.path.join(args.shapes_only, "shapes.json"), "w") as f:
             json.dump(shapes, f)
+        if int_dtypes:
+            with open(os.path.join(args.shapes_only, "dtypes.json"), "w") as f:
+                json.dump(int_dtypes, f)
         print(f"{args.shapes_only}: {len(shapes)} tensor shapes")
         return 0
-    from safetensors.numpy import save_file
 
+    t0 = time.perf_counter()
     rng = np.random.default_rng(args.seed)
     dtype = np.dtype(args.dtype)
-    tensors = {}
+    total_int = sum(math.prod(shapes[n]) for n in int_dtypes)
+    # sized to what is needed, up to the pool size; drawn once
+    pool = _BytePool(rng.integers(0, 256, min(max(total_int, 1), _POOL_BYTES), dtype=np.uint8))
+    scale_pool = _BytePool(
+        rng.integers(*_E8M0_RANGE, min(max(total_int // 16, 1), _POOL_BYTES // 16), dtype=np.uint8)
+    )
+
+    def fill(name: str, shape: list[int], kind: str):
+        if kind == "F8_E4M3":
+            yield random_fp8_codes(rng, shape)
+        elif kind == "F32" and name in fp8_scales:
+            yield np.full(shape, 0.02, np.float32)
+        elif kind in _INT_DTYPES:
+            yield from (scale_pool if name.endswith("_scales") else pool).take(math.prod(shape))
+        elif name.endswith("norm.weight") or len(shape) == 1 and "norm" in name:
+            yield np.ones(shape, dtype)
+        elif name.endswith(".bias"):
+            yield np.zeros(shape, dtype)
+        else:
+            yield (rng.standard_normal(shape, np.float32) * 0.02).astype(dtype)
+
+    specs: dict[str, tuple[list[int], str]] = {}
+    fp8_scales: set[str] = set()
     for name, shape in shapes.items():
         if args.quantize == "fp8" and is_layer_linear(name, shape):
-            tensors[name], tensors[name + "_scale"] = random_fp8_channel(rng, shape)
-        elif name.endswith("norm.weight") or len(shape) == 1 and "norm" in name:
-            tensors[name] = np.ones(shape, dtype)
-        elif name.endswith(".bias"):
-            tensors[name] = np.zeros(shape, dtype)
+            specs[name] = (shape, "F8_E4M3")
+            specs[name + "_scale"] = ([shape[0], 1], "F32")
+            fp8_scales.add(name + "_scale")
         else:
-            tensors[name] = (rng.standard_normal(shape, np.float32) * 0.02).astype(dtype)
+            specs[name] = (shape, int_dtypes.get(name, _FLOAT_NAMES[dtype]))
     copy_small_files(args.like, args.out)
     if args.quantize == "fp8":
         mark_compressed_tensors_fp8(args.out)
-    save_file(tensors, os.path.join(args.out, "model.safetensors"), metadata={"format": "pt"})
+    path = os.path.join(args.out, "model.safetensors")
+    write_safetensors(path, specs, fill)
     print(
-        f"{args.out}: {len(tensors)} random tensors, "
-        f"{sum(t.size for t in tensors.values()) / 1e6:.1f}M parameters"
+        f"{args.out}: {len(specs)} random tensors, {sum(math.prod(v) for v in shapes.values()) / 1e6:.1f}M "
+        f"values, {os.path.getsize(path) / 2**30:.2f} GiB in {time.perf_counter() - t0:.1f} s"
     )
     return 0
 

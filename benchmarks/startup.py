@@ -275,7 +275,9 @@ def main() -> None:
     p.add_argument("--runs", default="cold,warm", help="cold (empty cache), warm (reuse it), or both")
     p.add_argument("--cache-dir", default=None, help="compilation cache dir (default: a new temp dir)")
     p.add_argument("--workers", type=int, default=None, help="compile threads (default: the runner's)")
-    p.add_argument("--dtype", default=None, help="model dtype (default: the engine's, bf16 on TPU, f32 on CPU)")
+    p.add_argument(
+        "--dtype", default=None, help="model dtype (default: the engine's, bf16 on TPU, f32 on CPU)"
+    )
     p.add_argument("--load-only", action="store_true", help="llm: stop after LLM(warmup=False)")
     p.add_argument("--json", default=None, help="write every result here")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)

@@ -5,6 +5,8 @@
 #   rm -rf build && bash ../shared/tpu/build_carry.sh --rpa
 #   python ../shared/tpu/mkshapes.py "$DEFAULT_MODEL_DIR" .tpu_carry/shapes
 #   python benchmarks/moe_shape.py "$DEFAULT_MODEL_DIR" .tpu_carry/shapes/qwen3-moe-30b-a3b-4l   # e2e-qmoe
+#   python benchmarks/gpt_oss_shape.py "$DEFAULT_MODEL_DIR" .tpu_carry/shapes/gpt-oss-20b-24l --layers 24  # e2e-gptoss
+#   (and --layers N into gpt-oss-20b-Nl for GPTOSS_LAYERS=N)
 #   (DEFAULT_MODEL_DIR: python -c "from tpuserve.tpu_platform.loader.export import default_model_hf_dir as d; print(d())")
 #   git rev-parse HEAD > .tpu_carry/REV     # named in the logs
 # The call (device tool, carry [".whl-tpu", ".tpu_carry"]):
@@ -93,6 +95,15 @@ for s in $stages; do
           --like .tpu_carry/shapes/qwen3-moe-30b-a3b-4l --out /tmp/m/qwen3-moe-30b-a3b-4l > /dev/null
       stage e2e-qmoe 330 python benchmarks/tpu_e2e.py --models /tmp/m/qwen3-moe-30b-a3b-4l --rounds 1 \
           --out "$out/e2e_qmoe.json" ;;
+    e2e-gptoss)  # gpt-oss-20b's shape, MXFP4 experts packed (GPTOSS_LAYERS of its 24, default all):
+                 # does it fit one v5e with a KV cache, and batch-1 decode against the roofline of
+                 # the bytes a step reads (the routed experts only). The ~12 GB random checkpoint is
+                 # written here first (random_checkpoint.py: its log says how long that took).
+      gpt_oss=gpt-oss-20b-${GPTOSS_LAYERS:-24}l
+      [ -d "/tmp/m/$gpt_oss" ] || python benchmarks/random_checkpoint.py --dtype float16 \
+          --like ".tpu_carry/shapes/$gpt_oss" --out "/tmp/m/$gpt_oss" 2>&1 | tee "$out/checkpoint_$gpt_oss.log"
+      stage e2e-gptoss "${GPTOSS_LIMIT_S:-420}" python benchmarks/tpu_e2e.py --models "/tmp/m/$gpt_oss" \
+          --rounds 1 --batches 1,8,32 --prefill 1x1024 --out "$out/e2e_$gpt_oss.json" ;;
     startup)   # where the 1B shape's start-up goes: LLM() cold (empty compilation cache), then warm;
                # each run's start-up phases (read, transforms, stack, to device, tokenizer, memory
                # plan, warm-up: tpu_platform/startup_timing.py) in the log and the JSON's "phases"

@@ -147,10 +147,14 @@ def _tree_nbytes(tree: Any) -> int:
     return sum(x.nbytes for x in jax.tree_util.tree_leaves(tree))
 
 
-def check_moe_combinations(config: EngineConfig, arch: ModelArch) -> None:
+def check_moe_combinations(
+    config: EngineConfig, arch: ModelArch, checkpoint_method: str | None = None
+) -> None:
     """Refuse, by name, what a mixture-of-experts model does not support yet: its experts are
-    dense arrays multiplied by models/moe.py's grouped matmul, which neither quantized records,
-    the tensor-parallel PartitionSpecs nor the draft heads' target interface know about.
+    multiplied by models/moe.py's grouped matmul, which takes them dense or as the checkpoint's
+    own MXFP4 records (gpt-oss) but not quantized online, and which neither the tensor-parallel
+    PartitionSpecs nor the draft heads' target interface know about. ``checkpoint_method``: the
+    loaded checkpoint's format; ``--quantization`` naming it is what the checkpoint is, not a request.
     Raises ConfigError naming the setting; returns for a dense model or a plain single-device one."""
     if arch.moe is None:
         return
@@ -159,7 +163,7 @@ def check_moe_combinations(config: EngineConfig, arch: ModelArch) -> None:
     unsupported = [
         (par.tensor_parallel_size > 1, f"tensor_parallel_size={par.tensor_parallel_size}"),
         (par.data_parallel_size > 1, f"data_parallel_size={par.data_parallel_size}"),
-        (quant is not None, f"quantization={quant!r}"),
+        (quant is not None and quant != checkpoint_method, f"quantization={quant!r}"),
         (draft in (SpecMethod.EAGLE3, SpecMethod.MTP), f"speculative_config.method={draft!r}"),
     ]
     for bad, what in unsupported:
@@ -238,7 +242,7 @@ class Worker:
         m = self.config.model
         loaded = load_model(m.model, self.dtype, m.tokenizer, self.timings)
         arch = self.arch = loaded.arch
-        check_moe_combinations(self.config, arch)
+        check_moe_combinations(self.config, arch, loaded.quantization)
         self.tokenizer, self.model_source = loaded.tokenizer, loaded.source
         params = loaded.params
         if self.tensor_parallel_size > 1:

@@ -104,26 +104,30 @@ def _tokenizer():
     return real_tokenizer("qwen3")
 
 
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    """{"dense": f32 experts; "mxfp4": the experts as published blocks/scales, the rest f32;
-    "mxfp4_oracle": the dense tensors transformers' ``convert_moe_packed_tensors`` decodes from
-    those bytes (for the bit-exact decode check)}."""
+MXFP4_QUANTIZATION_CONFIG = {
+    "quant_method": "mxfp4",
+    "modules_to_not_convert": [
+        "model.layers.*.self_attn",
+        "model.layers.*.mlp.router",
+        "model.embed_tokens",
+        "lm_head",
+    ],
+}
+
+
+def write_mxfp4_copy(dense: str, mx: str, oracle: str | None = None) -> None:
+    """``mx``: the dense checkpoint at ``dense`` with its experts as published blocks/scales (the
+    rest f32). ``oracle`` (optional): the dense tensors transformers' ``convert_moe_packed_tensors``
+    decodes from those bytes, for the bit-exact decode check."""
     from safetensors.numpy import load_file, save_file
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-    tok = _tokenizer()
-    cfg = _config(len(tok), tok.eos_token_id)
-    dense = str(tmp_path_factory.mktemp("gptoss-dense"))
-    model = _random_model(cfg)
-    model.save_pretrained(dense)
-    tok.save_pretrained(dense)
-
-    mx, oracle = str(tmp_path_factory.mktemp("gptoss-mxfp4")), str(tmp_path_factory.mktemp("gptoss-mx-o"))
     (st,) = [f for f in os.listdir(dense) if f.endswith(".safetensors")]
     tensors = load_file(os.path.join(dense, st))
+    with open(os.path.join(dense, "config.json")) as f:
+        config = json.load(f)
     packed, decoded = dict(tensors), dict(tensors)
-    for i in range(LAYERS):
+    for i in range(config["num_hidden_layers"]):
         for name in ("gate_up_proj", "down_proj"):
             key = f"model.layers.{i}.mlp.experts.{name}"
             blocks, scales = _encode_mxfp4(packed.pop(key))
@@ -131,25 +135,33 @@ def checkpoints(tmp_path_factory):
             decoded[key] = convert_moe_packed_tensors(
                 torch.from_numpy(blocks), torch.from_numpy(scales), dtype=torch.float32
             ).numpy()
+    tok = _tokenizer()
+    os.makedirs(mx, exist_ok=True)
     save_file(packed, os.path.join(mx, st), metadata={"format": "pt"})
-    save_file(decoded, os.path.join(oracle, st), metadata={"format": "pt"})
-    with open(os.path.join(dense, "config.json")) as f:
-        config = json.load(f)
-    with open(os.path.join(oracle, "config.json"), "w") as f:
-        json.dump(config, f)
-    config["quantization_config"] = {
-        "quant_method": "mxfp4",
-        "modules_to_not_convert": [
-            "model.layers.*.self_attn",
-            "model.layers.*.mlp.router",
-            "model.embed_tokens",
-            "lm_head",
-        ],
-    }
     with open(os.path.join(mx, "config.json"), "w") as f:
-        json.dump(config, f)
+        json.dump({**config, "quantization_config": MXFP4_QUANTIZATION_CONFIG}, f)
     tok.save_pretrained(mx)
-    tok.save_pretrained(oracle)
+    if oracle is not None:
+        os.makedirs(oracle, exist_ok=True)
+        save_file(decoded, os.path.join(oracle, st), metadata={"format": "pt"})
+        with open(os.path.join(oracle, "config.json"), "w") as f:
+            json.dump(config, f)
+        tok.save_pretrained(oracle)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """{"dense": f32 experts; "mxfp4": the experts as published blocks/scales, the rest f32;
+    "mxfp4_oracle": the dense tensors transformers' ``convert_moe_packed_tensors`` decodes from
+    those bytes (for the bit-exact decode check)}."""
+    tok = _tokenizer()
+    cfg = _config(len(tok), tok.eos_token_id)
+    dense = str(tmp_path_factory.mktemp("gptoss-dense"))
+    model = _random_model(cfg)
+    model.save_pretrained(dense)
+    tok.save_pretrained(dense)
+    mx, oracle = str(tmp_path_factory.mktemp("gptoss-mxfp4")), str(tmp_path_factory.mktemp("gptoss-mx-o"))
+    write_mxfp4_copy(dense, mx, oracle)
     return {"dense": dense, "mxfp4": mx, "mxfp4_oracle": oracle}
 
 
@@ -204,13 +216,15 @@ def test_this_checkpoint_exercises_the_clamp_and_the_window(checkpoints):
     assert np.abs(base - no_window).max() > 1e-2
 
 
-def _our_last_logits(path: str, layers_differ: bool = True) -> tuple[list[np.ndarray], list[list[int]]]:
+def our_last_logits(
+    path: str, layers_differ: bool = True, dequantize_experts: bool = False
+) -> tuple[list[np.ndarray], list[list[int]]]:
     """One ragged step over all prompts through the runner (asked to scan its layers): each
     prompt's last-position logits."""
     from tpuserve.tpu_platform.loader import load_model
     from tpuserve.tpu_platform.step_batch import SamplingRow, ScheduledSeq
 
-    loaded = load_model(path, jnp.float32)
+    loaded = load_model(path, jnp.float32, dequantize_experts=dequantize_experts)
     # sliding and full layers cannot share a scanned body: the loader hands them over as a list
     assert isinstance(loaded.params["layers"], list if layers_differ else dict)
     runner = scan_runner(path, loaded)
@@ -229,7 +243,7 @@ def _our_last_logits(path: str, layers_differ: bool = True) -> tuple[list[np.nda
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("kind, oracle", [("dense", "dense"), ("mxfp4", "mxfp4")])
 def test_last_position_logits_match_transformers(checkpoints, kind, oracle):
-    ours, prompts = _our_last_logits(checkpoints[kind])
+    ours, prompts = our_last_logits(checkpoints[kind])
     assert max(len(p) for p in prompts) > 4 * 4  # several windows long
     hf = _hf(checkpoints[oracle])
     for got, p in zip(ours, prompts):
@@ -369,7 +383,7 @@ def test_full_attention_only_layers_run_scanned_and_match_transformers(tmp_path)
     cfg.layer_types = ["full_attention"] * LAYERS
     _random_model(cfg).save_pretrained(str(tmp_path))
     tok.save_pretrained(str(tmp_path))
-    ours, prompts = _our_last_logits(str(tmp_path), layers_differ=False)
+    ours, prompts = our_last_logits(str(tmp_path), layers_differ=False)
     hf = _hf(str(tmp_path))
     for got, p in zip(ours, prompts):
         with torch.no_grad():

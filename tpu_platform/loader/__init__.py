@@ -11,7 +11,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from tpuserve.tpu_platform.kv_scales import scales_from_checkpoint
-from tpuserve.tpu_platform.loader.gpt_oss_mxfp4 import is_gpt_oss_mxfp4, with_dequantized_experts
+from tpuserve.tpu_platform.loader.gpt_oss_mxfp4 import (
+    expert_records,
+    is_gpt_oss_mxfp4,
+    with_dequantized_experts,
+)
 from tpuserve.tpu_platform.loader.quantized import detect, read_linear
 from tpuserve.tpu_platform.loader.safetensors_raw import SafetensorsFiles
 from tpuserve.tpu_platform.models.arch import ModelArch, ModelConfigError
@@ -26,7 +30,7 @@ class LoadedModel:
     tokenizer: Any  # transformers PreTrainedTokenizerFast
     source: str  # the path the weights came from
     # A pre-quantized checkpoint's format ("fp8", "mxfp4", "nvfp4"; its linear weights are then
-    # quant/ records in ``params``), None for a dense one.
+    # quant/ records in ``params``; gpt-oss's MXFP4: its experts only), None for a dense one.
     quantization: str | None = None
     # (k_scale, v_scale) of an FP8 KV cache when the checkpoint carries them (max over layers,
     # tpu_platform/kv_scales.py), else None.
@@ -53,10 +57,18 @@ def resolve_model_path(model: str | None) -> str:
 
 
 def load_model(
-    model: str | None, dtype, tokenizer: str | None = None, timings: StartupTimings | None = None
+    model: str | None,
+    dtype,
+    tokenizer: str | None = None,
+    timings: StartupTimings | None = None,
+    *,
+    dequantize_experts: bool = False,
 ) -> LoadedModel:
     """timings: where the phases of loading are recorded (the engine's start-up record); None: a
-    record of its own, dropped."""
+    record of its own, dropped.
+    dequantize_experts: read gpt-oss's published MXFP4 experts as dense arrays in ``dtype``
+    instead of packed records (loader/gpt_oss_mxfp4.py says why both exist); other checkpoints
+    ignore it."""
     timings = StartupTimings() if timings is None else timings
     path = resolve_model_path(model)
     if os.path.isfile(path):
@@ -72,10 +84,12 @@ def load_model(
         params = build_params(arch, ckpt.tensors.get, dtype, timings=timings)
         tok = _load_tokenizer(tokenizer, timings) if tokenizer else ckpt.tokenizer
         return LoadedModel(arch, params, tok, path)
-    return _load_hf_dir(path, dtype, tokenizer, timings)
+    return _load_hf_dir(path, dtype, tokenizer, timings, dequantize_experts)
 
 
-def _load_hf_dir(path: str, dtype, tokenizer: str | None, timings: StartupTimings) -> LoadedModel:
+def _load_hf_dir(
+    path: str, dtype, tokenizer: str | None, timings: StartupTimings, dequantize_experts: bool
+) -> LoadedModel:
     cfg_file = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_file):
         ggufs = glob.glob(os.path.join(path, "*.gguf"))
@@ -95,7 +109,7 @@ def _load_hf_dir(path: str, dtype, tokenizer: str | None, timings: StartupTiming
     with ThreadPoolExecutor(1, thread_name_prefix="tpuserve-tokenizer") as pool:
         tok_future = pool.submit(_load_tokenizer, tokenizer or path, timings, True)
         try:
-            loaded = _load_hf_weights(path, cfg, arch, raw, dtype, timings)
+            loaded = _load_hf_weights(path, cfg, arch, raw, dtype, timings, dequantize_experts)
         except BaseException:
             tok_future.cancel()
             raise
@@ -105,7 +119,7 @@ def _load_hf_dir(path: str, dtype, tokenizer: str | None, timings: StartupTiming
 
 
 def _load_hf_weights(
-    path: str, cfg: dict, arch: ModelArch, raw, dtype, timings: StartupTimings
+    path: str, cfg: dict, arch: ModelArch, raw, dtype, timings: StartupTimings, dequantize_experts: bool
 ) -> LoadedModel:
     """The weights of a Hugging Face directory (its tokenizer is the caller's: None here)."""
     # Tensors in their stored dtype, memory-mapped: build_params decides what to upcast, and a
@@ -113,8 +127,6 @@ def _load_hf_weights(
     get = raw
 
     gpt_oss_mxfp4 = is_gpt_oss_mxfp4(cfg)
-    if gpt_oss_mxfp4:  # the experts' blocks/scales decode to dense names; the rest is dense already
-        get = with_dequantized_experts(get, raw)
     quant = None if gpt_oss_mxfp4 else detect(cfg, path)
     if quant is not None and arch.moe is not None:
         # the experts would be read as plain floats, their scales ignored: refuse instead
@@ -123,6 +135,11 @@ def _load_hf_weights(
             f"({arch.architecture}) is not supported; use a dense (bf16/f32) checkpoint"
         )
     get_linear = None if quant is None else (lambda module: read_linear(quant, module, raw))
+    method = None if quant is None else quant.method
+    if gpt_oss_mxfp4 and dequantize_experts:  # blocks/scales decode to the dense names
+        get = with_dequantized_experts(get, raw)
+    elif gpt_oss_mxfp4:  # the experts stay MXFP4 records; the rest is dense already
+        get_linear, method = expert_records(raw), "mxfp4"
     params = build_params(arch, get, dtype, get_linear, timings=timings)
     kv_scales, kv_scales_error = None, None
     try:
@@ -134,7 +151,7 @@ def _load_hf_weights(
         params,
         None,
         path,
-        quantization=None if quant is None else quant.method,
+        quantization=method,
         kv_scales=kv_scales,
         kv_scales_error=kv_scales_error,
     )

@@ -40,7 +40,7 @@ from tpuserve.attention.metadata import AttentionMetadata
 from tpuserve.tpu_platform.linear import LayerOfStack, keeps_stack_whole, linear
 from tpuserve.tpu_platform.mesh import MODEL_AXIS, model_axis_size
 from tpuserve.tpu_platform.models.arch import ModelArch
-from tpuserve.tpu_platform.models.moe import moe_mlp
+from tpuserve.tpu_platform.models.moe import experts_stacked, moe_mlp
 
 
 def rms_norm(x, weight, eps: float):
@@ -163,7 +163,7 @@ def block_from_normed(
     if "router" in w:  # an expert layer of a mixture-of-experts model (models/moe.py)
         assert arch.moe is not None
         # Experts stacked over layers ([L, E, ...], a layer scan's): the kernel indexes the layer.
-        stacked = w["experts_gate_up"].ndim == 4
+        stacked = experts_stacked(w["experts_gate_up"])
         return h + moe_mlp(x, w, arch.moe, layer=layer_idx if stacked else None), kv_cache
     wgu, bgu = w["gate_up"], w.get("gate_up_bias")
     if getattr(wgu, "ndim", 0) == 3:  # dense [2, H, F]: two dots, each reading its [H, F] in place

@@ -10,6 +10,9 @@ Per-layer weights (E experts, H hidden, F expert ffn; [in, out] like every weigh
     router [H, E]; experts_gate_up [E, H, 2F] (gate columns, then up); experts_down [E, F, H]
     gpt-oss adds router_bias [E], experts_gate_up_bias [E, 2F] (gate, then up), experts_down_bias
     [E, H] (the loader de-interleaves gpt-oss's alternating gate/up columns into this layout).
+    The two expert weights may instead be ``Mxfp4Weight`` records of the same [E, in, out]
+    (packed [E, in/2, out] u8, scale [E, in/32, out]: gpt-oss's published experts, kept packed):
+    the TPU kernel decodes them tile by tile in VMEM; elsewhere they are dequantized in the step.
 """
 
 from __future__ import annotations
@@ -18,11 +21,22 @@ import jax
 import jax.numpy as jnp
 
 from tpuserve.moe import grouped_matmul as moe_kernels
+from tpuserve.quant.fp4 import Mxfp4Weight, dequantize_mxfp4
 from tpuserve.tpu_platform.models.arch import MoeArch
 
 
+def experts_stacked(weight: jax.Array | Mxfp4Weight) -> bool:
+    """Whether an expert weight holds every layer's experts ([L, E, ...], a layer scan's) rather
+    than one layer's ([E, ...]); a record answers by its packed bytes."""
+    return (weight.packed if isinstance(weight, Mxfp4Weight) else weight).ndim == 4
+
+
 def grouped_matmul(
-    lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, impl: str = "auto", layer: jax.Array | None = None
+    lhs: jax.Array,
+    rhs: jax.Array | Mxfp4Weight,
+    group_sizes: jax.Array,
+    impl: str = "auto",
+    layer: jax.Array | None = None,
 ) -> jax.Array:
     """lhs [M, K] (rows sorted by group), rhs [G, K, N], group_sizes [G] i32 summing to M -> [M, N].
 
@@ -32,11 +46,18 @@ def grouped_matmul(
     "ragged_dot", "pallas_tpu", "pallas_tpu_interpret" (the kernel interpreted on CPU: tests).
     layer: a scalar int32 when rhs is every layer's experts stacked, [L, G, K, N] (a layer scan
     leaves them out of its slices, see decoder.py): the kernel reads layer ``layer``'s in place.
+    rhs may be an ``Mxfp4Weight`` (module docstring): the kernel reads its bytes; ``ragged_dot``
+    takes it dequantized to lhs's dtype inside the step (exact: an e2m1 value times a power of
+    two), which costs a dense copy of the layer's experts per step, acceptable off the TPU.
     """
     if impl == "auto":
         impl = "pallas_tpu" if jax.default_backend() == "tpu" else "ragged_dot"
     if impl == "ragged_dot":
-        return jax.lax.ragged_dot(lhs, rhs if layer is None else rhs[layer], group_sizes)
+        if layer is not None:
+            rhs = jax.tree_util.tree_map(lambda a: a[layer], rhs)  # an array or the record's arrays
+        if isinstance(rhs, Mxfp4Weight):
+            rhs = dequantize_mxfp4(rhs, lhs.dtype)
+        return jax.lax.ragged_dot(lhs, rhs, group_sizes)
     if impl in ("pallas_tpu", "pallas_tpu_interpret"):
         return moe_kernels.grouped_matmul(lhs, rhs, group_sizes, layer=layer, impl=impl)
     raise ValueError(

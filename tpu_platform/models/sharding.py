@@ -69,10 +69,12 @@ def _record_spec(name: str, rec, axis: str, stacked: bool):
 
 
 def _spec(name: str, arr, table: dict, axis: str, stacked: bool) -> P:
-    if name not in table:  # norms, o_bias, down_bias, q_norm, k_norm: small, replicated
-        return P()
     if not hasattr(arr, "ndim"):  # a quantized weight record (a pytree of arrays)
+        # a spec per array, so the spec tree has the params' structure; a record with no split
+        # (gpt-oss's packed experts, replicated like dense experts) gets P() for each
         return _record_spec(name, arr, axis, stacked)
+    if name not in table:  # norms, o_bias, down_bias, q_norm, k_norm, experts: replicated
+        return P()
     rank, make = table[name]
     ndim = getattr(arr, "ndim", None)
     if name in ("gate_up", "gate_up_bias") and ndim == rank + 1 + stacked:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from collections.abc import Callable
@@ -122,21 +123,26 @@ def _qkv_index(hq: int, hkv: int, d: int) -> np.ndarray:
     return np.concatenate([q, k, v], axis=1).reshape(-1)
 
 
-def _check_record(name: str, rec, k: int, n: int):
-    if (rec.in_features, rec.out_features) != (k, n):
+def _check_record(name: str, rec, k: int, n: int, lead: tuple[int, ...] = ()):
+    """``rec`` when it is ``[*lead, k, n]`` (lead: the experts axis of a stacked expert tensor)."""
+    got_lead = tuple(jax.tree_util.tree_leaves(rec)[0].shape[:-2])
+    if (rec.in_features, rec.out_features) != (k, n) or got_lead != lead:
         raise ModelConfigError(
-            f"quantized tensor {name!r} is [out={rec.out_features}, "
-            f"in={rec.in_features}], config implies [{n}, {k}]"
+            f"quantized tensor {name!r} is {list(got_lead)} x [out={rec.out_features}, "
+            f"in={rec.in_features}], config implies {list(lead)} x [{n}, {k}]"
         )
     return rec
 
 
 def _stack_records(key: str, recs: list):
-    """Per-layer records -> one record with a leading [L] axis (same type and static layout)."""
-    import jax
+    """Per-layer records -> one record with a leading [L] axis (same type and static layout).
+    Numpy leaves stack on the host, so the device holds only the stacked copy."""
+
+    def stack(*xs):
+        return jnp.asarray(np.stack(xs)) if isinstance(xs[0], np.ndarray) else jnp.stack(xs)
 
     try:
-        return jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *recs)
+        return jax.tree_util.tree_map(stack, *recs)
     except ValueError as e:  # differing static metadata (block, out_shape, convention)
         raise ModelConfigError(
             f"quantized {key!r} weights differ in format between layers; "
@@ -165,30 +171,45 @@ def _expert_weights(arch: ModelArch, p: str, need, check, dtype) -> dict[str, np
     return {"router": router.T, "experts_gate_up": gate_up, "experts_down": down}
 
 
-def _gpt_oss_expert_weights(arch: ModelArch, p: str, need, check, dtype) -> dict[str, np.ndarray]:
+def _gpt_oss_expert_weights(arch: ModelArch, p: str, need, check, dtype, linear_rec) -> dict:
     """One gpt-oss layer's router and experts in moe.py's layout, with their biases.
 
     gpt-oss stores the experts already [in, out] and fused: ``mlp.experts.gate_up_proj`` [E, H, 2F]
     with gate and up in alternating columns (gate = [..., 0::2], up = [..., 1::2]), its bias
     [E, 2F] alike, ``down_proj`` [E, F, H] and bias [E, H]; the router is ``mlp.router`` with a
     bias. The columns are de-interleaved here into [gate | up], so the expert block slices halves.
-    A published MXFP4 checkpoint's ``*_blocks`` / ``*_scales`` reach this function already decoded
-    to these dense names (loader/gpt_oss_mxfp4.py)."""
+    A published MXFP4 checkpoint's experts come from ``linear_rec`` as records (packed
+    [E, in/2, out] u8, numpy leaves: loader/gpt_oss_mxfp4.py), whose columns are reordered the
+    same way (an MXFP4 scale is per column, so a column permutation is exact); or, dequantized,
+    under the dense names."""
     moe = arch.moe
     assert moe is not None
     hid, f, e = arch.hidden_size, moe.expert_intermediate_size, moe.num_experts
     x = p + "mlp.experts."
-    gu = check(x + "gate_up_proj", need(x + "gate_up_proj"), (e, hid, 2 * f))
     gu_bias = check(x + "gate_up_proj_bias", need(x + "gate_up_proj_bias"), (e, 2 * f))
-    np_dtype = jnp.dtype(dtype)
-    return {
+    gate_then_up = np.concatenate([np.arange(0, 2 * f, 2), np.arange(1, 2 * f, 2)])
+    out = {
         "router": check(p + "mlp.router.weight", need(p + "mlp.router.weight"), (e, hid)).T,
         "router_bias": check(p + "mlp.router.bias", need(p + "mlp.router.bias"), (e,)),
-        "experts_gate_up": np.concatenate([gu[..., 0::2], gu[..., 1::2]], axis=-1).astype(np_dtype),
-        "experts_gate_up_bias": np.concatenate([gu_bias[..., 0::2], gu_bias[..., 1::2]], axis=-1),
-        "experts_down": check(x + "down_proj", need(x + "down_proj"), (e, f, hid)).astype(np_dtype),
+        "experts_gate_up_bias": gu_bias[..., gate_then_up],
         "experts_down_bias": check(x + "down_proj_bias", need(x + "down_proj_bias"), (e, hid)),
     }
+    recs = [linear_rec(x + "gate_up_proj", hid, 2 * f, (e,)), linear_rec(x + "down_proj", f, hid, (e,))]
+    if all(r is not None for r in recs):
+        gu, down = recs
+        # fancy indexing copies: the one host copy of gate_up (down stays a view until placed)
+        out["experts_gate_up"] = dataclasses.replace(
+            gu, packed=gu.packed[..., gate_then_up], scale=gu.scale[..., gate_then_up]
+        )
+        out["experts_down"] = down
+        return out
+    if any(r is not None for r in recs):
+        raise ModelConfigError(f"{x}: gate_up_proj and down_proj must be both quantized or both dense")
+    gu = check(x + "gate_up_proj", need(x + "gate_up_proj"), (e, hid, 2 * f))
+    np_dtype = jnp.dtype(dtype)
+    out["experts_gate_up"] = gu[..., gate_then_up].astype(np_dtype)
+    out["experts_down"] = check(x + "down_proj", need(x + "down_proj"), (e, f, hid)).astype(np_dtype)
+    return out
 
 
 def _stack(arrays: list[np.ndarray | _Assembled], pool: ThreadPoolExecutor) -> np.ndarray:
@@ -240,7 +261,7 @@ def _stack_layers(
             with timings.phase("stack layers"):
                 t = np.asarray(t)
         if not isinstance(t, np.ndarray):
-            return t
+            return _placed(t)
         with timings.phase("to device"):
             return _to_device(t, jnp.float32 if k in keep_f32 else dtype)
 
@@ -260,6 +281,12 @@ def _stack_layers(
     return out
 
 
+def _placed(rec):
+    """A quantized record with its numpy leaves (host views, e.g. the gpt-oss experts') made jax
+    arrays, kept in their stored dtype; a record of jax arrays is returned as it is."""
+    return jax.tree_util.tree_map(lambda a: jnp.asarray(a) if isinstance(a, np.ndarray) else a, rec)
+
+
 def build_params(
     arch: ModelArch,
     get: Callable[[str], np.ndarray | None],
@@ -272,7 +299,9 @@ def build_params(
     get_linear: for a pre-quantized checkpoint, ``get_linear(module)`` (e.g.
     ``"model.layers.0.mlp.down_proj"``) returns that Linear's quantized record (quant/, 2-D
     ``[in, out]``), or None when the module is dense. Fused weights (qkv, gate_up) are then fused
-    records (quant/fuse.py); their parts must be all quantized or all dense.
+    records (quant/fuse.py); their parts must be all quantized or all dense. gpt-oss's fused
+    expert modules (``"model.layers.0.mlp.experts.gate_up_proj"``) answer with a 3-D record
+    ``[E, in, out]`` (loader/gpt_oss_mxfp4.py).
 
     Returns the tree documented in ``tpu_platform/models/decoder.py`` (layers stacked on a leading
     [L] axis, or a list of per-layer dicts when layers differ in structure: ``_stack_layers``),
@@ -284,9 +313,9 @@ def build_params(
     timings = StartupTimings() if timings is None else timings
     t_layers = time.perf_counter()
 
-    def linear_rec(module: str, k: int, n: int):
+    def linear_rec(module: str, k: int, n: int, lead: tuple[int, ...] = ()):
         rec = get_linear(module) if get_linear is not None else None
-        return None if rec is None else _check_record(module, rec, k, n)
+        return None if rec is None else _check_record(module, rec, k, n, lead)
 
     def need(name: str) -> np.ndarray:
         t = get(name)
@@ -343,7 +372,7 @@ def build_params(
         if arch.attention_sinks:
             add("sinks", check(p + "self_attn.sinks", need(p + "self_attn.sinks"), (hq,)))
         if arch.architecture == "GptOssForCausalLM":
-            for key, t in _gpt_oss_expert_weights(arch, p, need, check, dtype).items():
+            for key, t in _gpt_oss_expert_weights(arch, p, need, check, dtype, linear_rec).items():
                 add(key, t)
         elif arch.moe is not None and i in arch.moe.moe_layers:
             for key, t in _expert_weights(arch, p, need, check, dtype).items():
