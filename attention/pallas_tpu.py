@@ -654,12 +654,12 @@ def ragged_paged_attention_tpu_stacked(
 def _without_optional_inputs(kernel, has_sinks: bool, has_new_kv: bool, *refs):
     """Adapter when the sinks or new_kv operand is absent: None where the kernel expects its ref."""
     after_q = 6 + 1  # the scalar-prefetch refs, then q
-    refs = list(refs)
+    padded = list(refs)
     if not has_sinks:
-        refs.insert(after_q, None)
+        padded.insert(after_q, None)
     if not has_new_kv:
-        refs.insert(after_q + 1, None)
-    return kernel(*refs)
+        padded.insert(after_q + 1, None)
+    return kernel(*padded)
 
 
 def ragged_paged_attention_tpu(

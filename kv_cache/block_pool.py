@@ -100,7 +100,7 @@ class BlockPool:
 
     def match(self, hashes: Sequence[PageHash]) -> list[int]:
         """Pages holding the longest cached prefix of ``hashes`` (no reference taken)."""
-        out = []
+        out: list[int] = []
         if not self.enable_caching:
             return out
         for h in hashes:

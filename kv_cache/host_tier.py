@@ -35,8 +35,9 @@ from __future__ import annotations
 import collections
 import logging
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -129,7 +130,8 @@ class HostPagePool:
         self.slots = np.zeros((self.num_slots, *self.page_shape), self.dtype)
         self._pending: collections.deque[_PendingSave] = collections.deque()
         self._device = None
-        self._gather = self._scatter = None
+        self._gather: Callable[..., Any] | None = None
+        self._scatter: Callable[..., Any] | None = None
         self.memory_kind: str | None = None
         self._traces = 0
         if device is not None:
@@ -234,6 +236,7 @@ class HostPagePool:
         n = slots_a.size
         idx = np.zeros(_bucket(n), np.int32)  # padding gathers page 0 (reserved); rows dropped
         idx[:n] = pages_a
+        assert self._gather is not None  # _check bound the pool to kv's device
         host = self._gather(kv, jnp.asarray(idx))
         self._pending.append(_PendingSave(host, slots_a))
         while len(self._pending) > self.max_inflight_saves:

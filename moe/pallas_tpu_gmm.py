@@ -319,7 +319,7 @@ def grouped_matmul_tpu(
     stacked = layer is not None
     fp4 = isinstance(rhs, Mxfp4Weight)
     lead_dims = 2 if stacked else 1
-    if fp4:
+    if isinstance(rhs, Mxfp4Weight):  # fp4, tested so mypy narrows rhs
         if rhs_scale is not None or rhs.rotated:
             raise ValueError(
                 "grouped_matmul_tpu: an MXFP4 rhs carries its own scales and must not be rotated"
@@ -353,7 +353,7 @@ def grouped_matmul_tpu(
     g, _, n = per_layer
     scaled = rhs_scale is not None
     want_scale = (rhs_shape[0], g, 1, n) if stacked else (g, 1, n)
-    if scaled and rhs_scale.shape != want_scale:
+    if rhs_scale is not None and rhs_scale.shape != want_scale:
         raise ValueError(f"grouped_matmul_tpu: rhs_scale {rhs_scale.shape} is not {want_scale}")
     tm, tk, tn = tiling or default_tiling(m, k, n, _FP4_TK_QUANTUM if fp4 else 128)
     _check_tiling(m, k, n, tm, tk, tn, lhs.dtype, rhs_dtype, fp4)
@@ -382,7 +382,7 @@ def grouped_matmul_tpu(
         return out_tile[v], j
 
     lead = (None, None) if stacked else (None,)
-    if fp4:
+    if isinstance(rhs, Mxfp4Weight):  # fp4
         # even / odd K columns of lhs (one pass over [M, K], fused by XLA); packed bytes and scales
         # as int8, a free bitcast, so the kernel sign-extends them (see the module docstring)
         halves = lhs.reshape(m, k // 2, 2)
@@ -404,7 +404,7 @@ def grouped_matmul_tpu(
     else:
         in_specs = [pl.BlockSpec((tm, tk), lhs_map), pl.BlockSpec((*lead, tk, tn), rhs_map)]
         operands = [lhs, rhs]
-        if scaled:
+        if rhs_scale is not None:
             in_specs.append(pl.BlockSpec((*lead, 1, tn), scale_map))
             operands.append(rhs_scale.astype(jnp.float32))
         w_bytes, temp_bytes = rhs_dtype.itemsize, 0

@@ -330,7 +330,7 @@ def nvfp4_from_gguf(raw: np.ndarray, shape: tuple[int, int], *, out_shape=None) 
     d, qs = blocks[..., :4], blocks[..., 4:].reshape(out, k // 64, 4, 8)
     codes = np.concatenate([qs & 15, qs >> 4], axis=-1).reshape(out, k)
     packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).astype(np.uint8)
-    d = d & 0x7F
-    d = np.where(d == 0x7F, 0, d).astype(np.uint8).reshape(out, k // NVFP4_BLOCK)
-    scale = d.view(jnp.float8_e4m3fn)
+    low = d & 0x7F
+    scale_bytes = np.where(low == 0x7F, 0, low).astype(np.uint8).reshape(out, k // NVFP4_BLOCK)
+    scale = scale_bytes.view(jnp.float8_e4m3fn)
     return nvfp4_from_checkpoint(packed, scale, np.float32(1.0), global_divides=False, out_shape=out_shape)

@@ -17,6 +17,8 @@ Runs in NumPy on the host (float64 Cholesky; the row loop is sequential by natur
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax.numpy as jnp
 import numpy as np
 import scipy.linalg
@@ -111,7 +113,7 @@ class _BlockScaler:
     def choose(self, rows: np.ndarray, weight: np.ndarray):
         """rows [block, N], weight [block] (diag H) -> (stored scale [N], step [N])."""
         amax = np.max(np.abs(rows), axis=0)
-        best = None
+        best: list[np.ndarray] | None = None
         for stored, step in self.candidates(amax):
             _, deq = e2m1_round(rows, step[None, :])
             err = weight @ np.square(deq - rows)
@@ -122,6 +124,7 @@ class _BlockScaler:
                 best[0] = np.where(better, stored, best[0])
                 best[1] = np.where(better, step, best[1])
                 best[2] = np.where(better, err, best[2])
+        assert best is not None, "candidates() yields at least one scale"
         return best[0], best[1]
 
 
@@ -153,8 +156,9 @@ def gptq_fp4(
         raise ValueError(f"hessian {hessian.shape} does not match weight rows {k}")
     hessian = np.asarray(hessian, np.float64)
     hdiag = np.diag(hessian)
-    scales = [None] * (k // b)
-    steps = [None] * (k // b)
+    # One entry per group, each set (by choose()) before it is read or stacked.
+    scales: list[Any] = [None] * (k // b)
+    steps: list[Any] = [None] * (k // b)
     order = np.arange(k)
     if act_order:
         for g in range(k // b):

@@ -48,16 +48,15 @@ def quantize_mxfp4_search(w, *, num_lead: int = 0) -> Mxfp4Weight:
     xb = _per_block(w2, MXFP4_BLOCK)
     amax = jnp.max(jnp.abs(xb), axis=-2, keepdims=True)
     pow2 = ((jax.lax.bitcast_convert_type(amax, jnp.int32) >> 23) & 255) - 127
-    best_e = best_err = None
+    tried: list[tuple[jax.Array, jax.Array]] = []  # (exponent, its error) per candidate
     for bump in (0, 1):
         e = jnp.clip(pow2 - 2 + bump, -127, 127)
         step = jnp.maximum(jnp.ldexp(jnp.float32(1.0), e), jnp.float32(np.finfo(np.float32).tiny))
-        _, err = _encode_err(xb, step)
-        if best_e is None:
-            best_e, best_err = e, err
-        else:
-            better = err < best_err
-            best_e, best_err = jnp.where(better, e, best_e), jnp.where(better, err, best_err)
+        tried.append((e, _encode_err(xb, step)[1]))
+    best_e, best_err = tried[0]
+    for e, err in tried[1:]:
+        better = err < best_err
+        best_e, best_err = jnp.where(better, e, best_e), jnp.where(better, err, best_err)
     step = jnp.maximum(jnp.ldexp(jnp.float32(1.0), best_e), jnp.float32(np.finfo(np.float32).tiny))
     codes = e2m1_encode(exact_div(xb, step)).reshape(*lead, k, n)
     return Mxfp4Weight(pack_codes(codes), (best_e + 127).astype(jnp.uint8)[..., 0, :], out)
@@ -73,16 +72,15 @@ def quantize_nvfp4_search(w, *, num_lead: int = 0) -> Nvfp4Weight:
     g4 = g[..., None]
     xb = _per_block(w2, NVFP4_BLOCK)
     base = exact_div(exact_div(jnp.max(jnp.abs(xb), axis=-2, keepdims=True), jnp.float32(E2M1_MAX)), g4)
-    best_s = best_err = None
+    tried: list[tuple[jax.Array, jax.Array]] = []  # (e4m3 scale, its error) per candidate
     for c in NVFP4_SHRINK:
         s8 = jnp.clip(
             base * jnp.float32(c), jnp.float32(_E4M3_SMALLEST_NORMAL), jnp.float32(E4M3_MAX)
         ).astype(jnp.float8_e4m3fn)
-        _, err = _encode_err(xb, s8.astype(jnp.float32) * g4)
-        if best_s is None:
-            best_s, best_err = s8, err
-        else:
-            better = err < best_err
-            best_s, best_err = jnp.where(better, s8, best_s), jnp.where(better, err, best_err)
+        tried.append((s8, _encode_err(xb, s8.astype(jnp.float32) * g4)[1]))
+    best_s, best_err = tried[0]
+    for s8, err in tried[1:]:
+        better = err < best_err
+        best_s, best_err = jnp.where(better, s8, best_s), jnp.where(better, err, best_err)
     codes, _ = _encode_err(xb, best_s.astype(jnp.float32) * g4)
     return Nvfp4Weight(pack_codes(codes.reshape(*lead, k, n)), best_s[..., 0, :], g, out, False)

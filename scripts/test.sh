@@ -27,7 +27,8 @@ run ruff format --check .
 # Import layers (contracts in pyproject.toml): lint-imports, over the package laid out as it
 # installs (bare lint-imports cannot see through the editable install; the script says why).
 run python scripts/lint_imports.py --no-logo
-# Types: mypy, strict on the typed core (pyproject.toml; the script says which modules and why).
+# Types: mypy over the package, strict on the typed core (pyproject.toml names it, and the modules
+# not yet clean; the script says why it lays the package out first).
 run python scripts/typecheck.py
 
 run python -m pytest tests --ignore=tests/vllm_plugin --ignore=tests/sglang_plugin "$@"

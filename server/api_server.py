@@ -214,7 +214,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 
 def build_app(
-    async_engine: AsyncEngine,
+    async_engine: AsyncEngine | DataParallelEngine,
     served_model_name: str,
     api_key: str | None = None,
     *,
@@ -341,6 +341,7 @@ def build_app(
         if req.prompt is not None:
             ids = await ctx.tokenize(req.prompt, req.add_special_tokens)
         else:
+            assert req.messages is not None  # exactly one of the two, checked above
             conv = [_message_dict(i, m) for i, m in enumerate(req.messages)]
             shim = ChatCompletionRequest.model_construct(
                 messages=req.messages, add_generation_prompt=req.add_generation_prompt
@@ -513,6 +514,7 @@ def run_server(args: argparse.Namespace) -> int:
             engine.start_warmup()
         engines.append(engine)
     replicas = [AsyncEngine(e, max_waiting_requests=args.max_waiting_requests) for e in engines]
+    async_engine: AsyncEngine | DataParallelEngine
     if len(replicas) == 1:
         async_engine = replicas[0]
     else:

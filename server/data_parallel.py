@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+from typing import Any
 
 from tpuserve.kv_cache.prefix_hash import page_hashes
 from tpuserve.server.async_engine import AsyncEngine, EngineSnapshot, RequestStream, generate_through
@@ -27,7 +28,7 @@ def merge_snapshots(snaps: list[EngineSnapshot]) -> EngineSnapshot:
     """One snapshot for the server's metrics: counters and gauges summed over replicas, the KV
     usage as the fraction of all replicas' pages in use."""
     total = sum(s.total_blocks for s in snaps)
-    out = {}
+    out: dict[str, Any] = {}  # field name -> merged value, of the field's type
     for f in dataclasses.fields(EngineSnapshot):
         values = [getattr(s, f.name) for s in snaps]
         if f.name == "kv_cache_usage":

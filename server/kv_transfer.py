@@ -37,8 +37,9 @@ LISTENER_OPTIONS: dict[str, type] = {
 def listener_options(extra: dict | None) -> dict[str, Any]:
     """The listener settings given in ``kv_connector_extra_config``; ValueError naming a bad one."""
     out: dict[str, Any] = {}
+    extra = extra or {}
     for key, kind in LISTENER_OPTIONS.items():
-        if key not in (extra or {}):
+        if key not in extra:
             continue
         v = extra[key]
         if (
@@ -88,6 +89,7 @@ class KVTransferRole:
     def export(self, request_id: str, kv_cache, page_ids: list[int], num_tokens: int) -> dict[str, Any]:
         """Copy a finished prefill's pages off the device (dispatched now, so the caller may free
         and reuse them at once) and offer them; returns the params a consumer pulls them with."""
+        assert self.sender is not None, "export() is a KV producer's"
         pages = self.mover.gather(kv_cache, page_ids)
         handle = self.sender.offer(request_id, pages, num_tokens)
         self.sender.drain_finished()  # lease bookkeeping: drop ended leases' events

@@ -70,6 +70,7 @@ class ServerProcess:
     def wait_ready(self) -> None:
         deadline = time.monotonic() + self.startup_timeout
         url = self.base_url + self.health_path
+        assert self.proc is not None, "wait_ready() follows start()"
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(

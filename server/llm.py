@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence as SequenceABC
-from typing import Any
+from typing import Any, cast
 
 from tpuserve.server.engine import LLMEngine
 from tpuserve.server.outputs import CompletionOutput, RequestOutput
@@ -81,7 +81,8 @@ class LLM:
         tools: list[dict] | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them, then generate."""
-        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        one = bool(messages) and isinstance(messages[0], dict)  # one conversation, or a list of them
+        convs = cast(list[list[dict]], [messages] if one else list(messages))
         prompts = [
             self.apply_chat_template(
                 c,

@@ -14,6 +14,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from tpuserve.server.async_engine import EngineSnapshot
+
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 _TTFT_BUCKETS = (
@@ -89,7 +91,7 @@ _E2E_BUCKETS = (
 class _EngineCollector(Collector):
     """Reads the engine snapshot at scrape time."""
 
-    def __init__(self, snapshot: Callable[[], object], model_name: str):
+    def __init__(self, snapshot: Callable[[], EngineSnapshot], model_name: str):
         self._snapshot = snapshot
         self._labels = {"model_name": model_name}
 
@@ -179,7 +181,7 @@ class _EngineCollector(Collector):
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str, snapshot: Callable[[], object]):
+    def __init__(self, model_name: str, snapshot: Callable[[], EngineSnapshot]):
         self.registry = CollectorRegistry(auto_describe=True)
         self.model_name = model_name
         labels = ["model_name"]

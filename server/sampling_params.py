@@ -99,26 +99,29 @@ class SamplingParams:
         need(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]")
         need(0.0 < self.repetition_penalty <= 2.0, "repetition_penalty", "must be in (0, 2]")
         need(self.seed is None or isinstance(self.seed, int), "seed", "must be an integer")
+        # __post_init__ made both lists (the fields also take a str or None at construction).
+        stop, stop_ids = self.stop, self.stop_token_ids
+        assert isinstance(stop, list) and isinstance(stop_ids, list)
         # Checked before anything echoes the value: an error message must not carry megabytes.
-        if len(self.stop) > MAX_STOP_STRINGS:
-            raise ValueError(f"stop: at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
-        if not all(isinstance(s, str) for s in self.stop):
+        if len(stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop: at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}")
+        if not all(isinstance(s, str) for s in stop):
             raise ValueError("stop: must be non-empty strings")
-        longest = max((len(s) for s in self.stop), default=0)
+        longest = max((len(s) for s in stop), default=0)
         if longest > MAX_STOP_STRING_CHARS:
             raise ValueError(
                 f"stop: each stop string may have at most {MAX_STOP_STRING_CHARS} "
                 f"characters, got one of {longest}"
             )
-        total = sum(len(s) for s in self.stop)
+        total = sum(len(s) for s in stop)
         if total > MAX_STOP_TOTAL_CHARS:
             raise ValueError(
                 f"stop: the stop strings may have at most {MAX_STOP_TOTAL_CHARS} "
                 f"characters in all, got {total}"
             )
-        need(all(self.stop), "stop", "must be non-empty strings")
+        need(all(stop), "stop", "must be non-empty strings")
         need(
-            all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids),
+            all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in stop_ids),
             "stop_token_ids",
             "must be non-negative integers",
         )

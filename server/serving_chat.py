@@ -394,7 +394,7 @@ class ChatHandler:
                 if not (content or calls or lps or finish):
                     continue
                 delta = DeltaMessage(content=content or None)
-                if calls:
+                if calls and parser is not None:  # (calls come only from a parser)
                     first = len(parser.calls) - len(calls)
                     delta.tool_calls = [
                         DeltaToolCall(

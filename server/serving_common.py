@@ -19,6 +19,7 @@ from tpuserve.kv_cache.transfer.errors import KVTransferError
 from tpuserve.kv_cache.transfer.transport import check_kv_transfer_params
 from tpuserve.server.api_errors import APIError, bad_request, error_body, param_of
 from tpuserve.server.async_engine import AsyncEngine, EngineUnavailableError, QueueFullError, RequestStream
+from tpuserve.server.data_parallel import DataParallelEngine
 from tpuserve.server.detokenizer import decode_token
 from tpuserve.server.outputs import Logprob, RequestOutput
 from tpuserve.server.protocol import MAX_STOP, SamplingFields
@@ -49,7 +50,7 @@ def _drop_result(job: asyncio.Future) -> None:
 
 @dataclass
 class ServingContext:
-    engine: AsyncEngine
+    engine: AsyncEngine | DataParallelEngine
     model_name: str
     model_root: str
     extra_model_names: tuple[str, ...] = ()
@@ -293,7 +294,7 @@ def structured_from_request(req: SamplingFields) -> StructuredOutputParams | Non
             found.append(("response_format", StructuredOutputParams(json=rf.json_schema.schema_)))
     so = req.structured_outputs
     if so is not None:
-        given = {
+        given: dict[str, object] = {
             k: v
             for k, v in (
                 ("json", so.json_),
@@ -474,7 +475,7 @@ SSE_DONE = "data: [DONE]\n\n"
 def ranked_top(entry: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
     """The top-k (rank 1..k) entries of one position's logprobs, best first."""
     tops = [(tid, lp) for tid, lp in entry.items() if lp.rank is not None and lp.rank <= k]
-    tops.sort(key=lambda x: x[1].rank)
+    tops.sort(key=lambda x: x[1].rank or 0)  # (every rank is set: filtered above)
     return tops[:k]
 
 

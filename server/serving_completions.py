@@ -52,7 +52,7 @@ class CompletionHandler:
         for item in raw:  # every length limit before any tokenizer time is spent
             if isinstance(item, str):
                 self.ctx.check_prompt_chars(len(item), "prompt")
-        out = []
+        out: list[tuple[str | None, list[int]]] = []
         for item in raw:
             if isinstance(item, str):
                 if not item:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -58,6 +59,7 @@ def _nesting_depth(value) -> int:
     deepest, stack = 0, [(value, 1)]
     while stack:
         v, d = stack.pop()
+        children: Iterable[Any]
         if isinstance(v, dict):
             children = v.values()
         elif isinstance(v, list):

@@ -91,7 +91,7 @@ class ToolDelta:
 class StreamingToolParser:
     """Feed text deltas; get content deltas and whole tool calls as soon as they are complete."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._buf = ""  # text not yet emitted: a possible tag start, or a call body in progress
         self._in_call = False
         self.calls: list[ToolCall] = []

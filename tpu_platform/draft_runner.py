@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -62,16 +63,16 @@ class DraftRunner:
         # Outputs keep the cache's format, so its donated buffer is updated in place
         # (kv_cache/layout.py: cache_out_format).
         fmt = cache_out_format(self.kv_cache)
+        catch_up_out: dict[str, Any] = {} if fmt is None else dict(out_shardings=(None, None, fmt))
+        propose_out: dict[str, Any] = {} if fmt is None else dict(out_shardings=(None, fmt))
         self._catch_up = jax.jit(
-            functools.partial(self._traced_catch_up, inv_freq=inv_freq),
-            donate_argnums=(1,),
-            **({} if fmt is None else dict(out_shardings=(None, None, fmt))),
+            functools.partial(self._traced_catch_up, inv_freq=inv_freq), donate_argnums=(1,), **catch_up_out
         )
         self._propose = jax.jit(
             functools.partial(self._traced_propose, inv_freq=inv_freq),
             donate_argnums=(1,),
             static_argnames=("k",),
-            **({} if fmt is None else dict(out_shardings=(None, fmt))),
+            **propose_out,
         )
 
     @property

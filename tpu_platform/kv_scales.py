@@ -58,7 +58,8 @@ CALIBRATION_TEXT = (
 
 def scales_from_amax(k_amax: float, v_amax: float, margin: float = MARGIN) -> tuple[float, float]:
     """(k_scale, v_scale) that map ``amax * margin`` to the e4m3 maximum (448)."""
-    return tuple(float(max(float(a), _MIN_AMAX) * margin / FP8_E4M3_MAX) for a in (k_amax, v_amax))
+    k_scale, v_scale = (float(max(float(a), _MIN_AMAX) * margin / FP8_E4M3_MAX) for a in (k_amax, v_amax))
+    return k_scale, v_scale
 
 
 def _layer_scale(get, layer: int, kind: str) -> float | None:
@@ -88,7 +89,9 @@ def scales_from_checkpoint(get, num_layers: int) -> tuple[float, float] | None:
             f"the checkpoint carries KV cache scales for some layers only (missing: "
             f"{', '.join(missing[:6])}{' ...' if len(missing) > 6 else ''})"
         )
-    out = (max(found["k"]), max(found["v"]))
+    # every layer has both (checked above)
+    k_scales, v_scales = ([x for x in found[kind] if x is not None] for kind in "kv")
+    out = (max(k_scales), max(v_scales))
     if not all(np.isfinite(s) and s > 0 for s in out):
         raise ValueError(f"the checkpoint's KV cache scales must be positive and finite, got {out}")
     return out

@@ -31,8 +31,9 @@ import itertools
 import logging
 import math
 import threading
+from collections.abc import Hashable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -287,7 +288,7 @@ class ModelRunner:
         self.rejection_sampler = RejectionSampler(self.sampler)
         self._last_tokens = jax.jit(self._traced_last_tokens, static_argnames=("num_slots",))
         self._pad_tokens = jax.jit(self._traced_pad_tokens, static_argnames=("num_slots",))
-        pin = {}
+        pin: dict[str, Any] = {}  # jax.jit's keyword arguments
         if self.kv_format is not None:
             # In and out in the cache's format, so the donated buffer is updated in place.
             pin = dict(
@@ -750,7 +751,9 @@ class ModelRunner:
         what ``collectives.collectives`` reads the communication of a sharded step from."""
         batch = dataclasses.replace(batch, feed_rows=None)
         args = self.step_args(batch)
-        return self._step.lower(*args).compile().as_text()
+        text = self._step.lower(*args).compile().as_text()
+        assert text is not None  # None only from a backend that cannot print its programs
+        return text
 
     def sample(
         self, fwd: ForwardState, sampling: SamplingBatch | None = None, draft_probs: jax.Array | None = None
@@ -787,6 +790,7 @@ class ModelRunner:
             # Every row of the step is scored (one program per token bucket); the host keeps the
             # rows that have prompt targets.
             targets = np.zeros(len(batch.token_ids), np.int32)
+            assert batch.prompt_logprob_targets is not None  # given with the rows
             targets[batch.prompt_logprob_rows] = batch.prompt_logprob_targets
             prompt_parts = self.sampler.compute_logprobs_async(
                 self._prompt_logits(self.params, fwd.hidden), targets, self.max_logprobs
@@ -857,9 +861,10 @@ class ModelRunner:
             self._ready = frozenset()
         return Warmup(plan, self._mark_ready, workers=workers, progress=progress)
 
-    def _mark_ready(self, shape: tuple[int, int]) -> None:
+    def _mark_ready(self, shape: Hashable) -> None:
+        step_shape = cast(tuple[int, int], shape)  # warmup_plan()'s groups are (T, pages_per_seq)
         with self._ready_lock:  # called from the compile threads
-            self._ready = (self._ready or frozenset()) | {shape}
+            self._ready = (self._ready or frozenset()) | {step_shape}
 
     def warmup_plan(self) -> WarmupPlan:
         """Every program a step can run, as independent compile tasks, grouped by the
@@ -966,7 +971,8 @@ class ModelRunner:
         # A forward always hands ``sample`` its argmax, so a plain step needs no argmax program of
         # its own; draft verification (k_slots > 0) takes the sampler's greedy path, which does.
         greedy = None if k_slots else place(np.zeros(r_slots, np.int32), self._replicated)
-        jax.block_until_ready(self.sample(ForwardState(batch, logits, None, greedy=greedy)).last_tokens)
+        state = ForwardState(batch, logits, None, greedy=greedy)  # type: ignore[arg-type]  # sample() reads no hidden
+        jax.block_until_ready(self.sample(state).last_tokens)
         self.sampler.warmup([r_slots], self.arch.vocab_size, self.max_logprobs, argmax=bool(k_slots))
         if k_slots:
             s_slots = min(t_slots, self.max_num_seqs)

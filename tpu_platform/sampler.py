@@ -529,7 +529,8 @@ class Sampler:
         logits = jnp.asarray(logits)
         if logits.ndim != 2:
             raise ValueError(f"logits must be [S, V], got shape {logits.shape}")
-        variant, random_args, extras_args, _ = self._prepare(batch, *logits.shape, max_logprobs)
+        num_rows, vocab = logits.shape
+        variant, random_args, extras_args, _ = self._prepare(batch, num_rows, vocab, max_logprobs)
         if greedy is not None and not (variant.random or variant.extras):
             token_ids = greedy
         else:
@@ -556,6 +557,7 @@ class Sampler:
         token_ids, parts = self.sample_async(logits, batch, max_logprobs)
         logprobs = None
         if parts is not None:
+            assert batch.num_logprobs is not None  # parts come only when logprobs are asked for
             logprobs = _to_logprobs(
                 parts, len(batch.temperature), min(int(batch.num_logprobs), parts[2].shape[1])
             )
@@ -571,7 +573,8 @@ class Sampler:
         stage's arguments, empty when every row is greedy; the logprob columns the device computes,
         None when the batch wants no logprobs). Feed x and the arguments to ``target_logits``.
         """
-        variant, random_args, extras_args, _ = self._prepare(batch, *logits.shape, max_logprobs)
+        num_rows, vocab = logits.shape
+        variant, random_args, extras_args, _ = self._prepare(batch, num_rows, vocab, max_logprobs)
         x = self._extras_jit(logits, extras_args, keep_logits=True) if variant.extras else logits
         return x, random_args, variant.num_top
 
@@ -598,10 +601,10 @@ class Sampler:
     ) -> str:
         """The StableHLO text of every stage ``sample`` would run for this batch (tests inspect it)."""
         logits = jnp.asarray(logits)
-        variant, random_args, extras_args, _ = self._prepare(batch, *logits.shape, max_logprobs)
-        num_rows = logits.shape[0]
+        num_rows, vocab = logits.shape
+        variant, random_args, extras_args, _ = self._prepare(batch, num_rows, vocab, max_logprobs)
         texts = []
-        x = logits
+        x: jax.Array | jax.ShapeDtypeStruct = logits
         if variant.extras:
             texts.append(self._extras_jit.lower(logits, extras_args, keep_logits=variant.random).as_text())
             x = jax.ShapeDtypeStruct(logits.shape, jnp.float32)

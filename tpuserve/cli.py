@@ -54,7 +54,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         top_k=args.top_k,
         seed=args.sampling_seed,
     )
-    prompts, params = [], []
+    prompts: list[Any] = []
+    params: list[SamplingParams | None] = []  # None: the item's own error
     for item in items:
         try:
             params.append(SamplingParams(**{**base, **item.get("sampling_params", {})}))
@@ -78,7 +79,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         else:
             prompts.append(item["prompt"])
     good = [i for i, it in enumerate(items) if "_error" not in it]
-    outs = llm.generate([prompts[i] for i in good], [params[i] for i in good], use_tqdm=not args.quiet)
+    good_params = [p for i in good if (p := params[i]) is not None]  # (every good item has its params)
+    outs = llm.generate([prompts[i] for i in good], good_params, use_tqdm=not args.quiet)
     by_index = dict(zip(good, outs))
     out_stream = sys.stdout if args.output in (None, "-") else open(args.output, "w")
     with out_stream:
@@ -91,6 +93,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             if error:
                 rec["error"] = error
             else:
+                assert o is not None  # every item without an error was generated
                 rec["outputs"] = [
                     {"text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason}
                     for c in o.outputs

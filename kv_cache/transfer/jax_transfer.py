@@ -20,14 +20,18 @@ from __future__ import annotations
 
 import secrets
 import socket
+from typing import TYPE_CHECKING
 
 from tpuserve.kv_cache.transfer.errors import KVTransferError, ProtocolError, TransferNotFoundError
 from tpuserve.kv_cache.transfer.framing import Deadline, recv_frame, send_frame
 from tpuserve.kv_cache.transfer.tcp import TcpKVReceiver, TcpKVSender, _raise_error_frame
 from tpuserve.kv_cache.transfer.transport import PageBatch, TransferHandle, as_pages_array
 
+if TYPE_CHECKING:  # jax is imported on use
+    from jax.experimental.transfer import TransferConnection, TransferServer
 
-def start_loopback_transfer_server(bind_host: str = "127.0.0.1"):
+
+def start_loopback_transfer_server(bind_host: str = "127.0.0.1") -> TransferServer:
     """A JAX transfer server on ``bind_host`` (never the default ``[::]``)."""
     import jax
     from jax.experimental import transfer
@@ -95,8 +99,8 @@ class JaxKVReceiver(TcpKVReceiver):
     def __init__(self, *args, bind_host: str = "127.0.0.1", **kwargs):
         super().__init__(*args, **kwargs)
         self._bind_host = bind_host
-        self._jax_server = None
-        self._conns: dict[str, object] = {}
+        self._jax_server: TransferServer | None = None
+        self._conns: dict[str, TransferConnection] = {}
 
     def _pull_on(self, sock, handle: TransferHandle, where: str, d: Deadline) -> PageBatch:
         import jax
@@ -130,5 +134,6 @@ class JaxKVReceiver(TcpKVReceiver):
         except Exception as e:  # XLA's runtime errors: one type for the caller's fallback
             raise KVTransferError(f"JAX transfer from {addr} failed: {e}") from e
         self._ack(sock, handle, where, d)
-        meta = h.get("meta") if isinstance(h.get("meta"), dict) else {}
-        return PageBatch(handle.request_id, pages, int(h.get("num_tokens", handle.num_tokens)), meta)
+        meta = h.get("meta")
+        num_tokens = int(h.get("num_tokens", handle.num_tokens))
+        return PageBatch(handle.request_id, pages, num_tokens, meta if isinstance(meta, dict) else {})

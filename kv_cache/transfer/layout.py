@@ -77,7 +77,7 @@ class KVLayout:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> KVLayout:
+    def from_dict(cls, d: object) -> KVLayout:
         names = {f.name for f in fields(cls)}
         if not isinstance(d, dict) or not names.issuperset(d) or "model_id" not in d:
             raise ValueError(f"not a KV layout: {d!r}")

@@ -90,12 +90,14 @@ _REPORT_BUDGET = 64
 
 def _as_bytes_view(a: np.ndarray) -> memoryview:
     """A flat byte view of ``a`` (copied only if not C-contiguous); works for ml_dtypes too."""
-    return memoryview(np.ascontiguousarray(a).reshape(-1).view(np.uint8))
+    return np.ascontiguousarray(a).reshape(-1).view(np.uint8).data
 
 
 def _hex(header: dict, key: str, nbytes: int | None = None) -> bytes:
     v = header.get(key)
     try:
+        if not isinstance(v, str):
+            raise TypeError(key)
         b = bytes.fromhex(v)
     except (TypeError, ValueError):
         raise ProtocolError(f"{header.get('type')!r} frame: {key} is not hex") from None
@@ -107,7 +109,9 @@ def _hex(header: dict, key: str, nbytes: int | None = None) -> bytes:
 def _raise_error_frame(header: dict, where: str) -> None:
     if header.get("type") == "error":
         code, msg = header.get("code"), header.get("message", "")
-        raise _ERRORS.get(code, KVTransferError)(f"KV producer at {where}: {msg} [{code}]")
+        raise _ERRORS.get(code if isinstance(code, str) else "", KVTransferError)(
+            f"KV producer at {where}: {msg} [{code}]"
+        )
 
 
 def _positive(name: str, value: float) -> None:
@@ -791,10 +795,11 @@ class TcpKVReceiver(KVReceiver):
                 f"expected {list(shape)} {self.layout.dtype} of {handle.request_id!r}"
             )
         pages = np.empty(shape, dtype_from_name(self.layout.dtype))
-        recv_into(sock, memoryview(pages.reshape(-1).view(np.uint8)), d, "KV pages")
+        recv_into(sock, pages.reshape(-1).view(np.uint8).data, d, "KV pages")
         self._ack(sock, handle, where, d)
-        meta = h.get("meta") if isinstance(h.get("meta"), dict) else {}
-        return PageBatch(handle.request_id, pages, int(h.get("num_tokens", handle.num_tokens)), meta)
+        meta = h.get("meta")
+        num_tokens = int(h.get("num_tokens", handle.num_tokens))
+        return PageBatch(handle.request_id, pages, num_tokens, meta if isinstance(meta, dict) else {})
 
     def release(self, handle: TransferHandle, timeout_s: float | None = None) -> bool:
         d = Deadline.after(

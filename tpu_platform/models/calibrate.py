@@ -112,7 +112,7 @@ def _in_out(key: str, w):
     return gate_up_in_out(w, False) if key == "gate_up" else w
 
 
-def _layer_hessians(arch, keys, md, cos, sin, h, w):
+def _layer_hessians(arch, keys, md, cos, sin, h, w) -> dict:
     """{key: X^T X [K, K] f32} of the layer's matmuls ``keys``, with its dense weights."""
     sink: dict = {}
     # gate_up probed as [H, 2, F]: the decoder then runs it through ``linear`` in one piece
@@ -188,6 +188,7 @@ def quantize_layers_gptq(
                 q[k] = gptq_record(_in_out(k, w[k]), np.asarray(stats[k], np.float64), method, rotate=rotate)
             h = run(*data, h, q)
             done.append(q)
+    out_layers: dict | list[dict]
     if stacked:
         out_layers = {
             k: jax.tree_util.tree_map(lambda *a: jnp.stack(a), *[d[k] for d in done]) for k in done[0]

@@ -10,6 +10,8 @@ The split is even when the axis size divides Hkv, F and V.
 
 from __future__ import annotations
 
+from typing import Any
+
 from jax.sharding import PartitionSpec as P
 
 from tpuserve.quant.fuse import gate_up_in_out
@@ -96,7 +98,9 @@ def param_partition_specs(params: dict, axis: str = "model") -> dict:
     gets a record of the same type holding one spec per array (``_RECORD_SPLIT``). Use as
     ``jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), params, specs)``.
     """
-    out = {k: _spec(k, v, _TOP_SPECS, axis, False) for k, v in params.items() if k != "layers"}
+    out: dict[str, Any] = {
+        k: _spec(k, v, _TOP_SPECS, axis, False) for k, v in params.items() if k != "layers"
+    }
     layers = params["layers"]
     if isinstance(layers, (list, tuple)):
         out["layers"] = type(layers)(

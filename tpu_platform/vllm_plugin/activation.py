@@ -22,6 +22,7 @@ import glob
 import importlib.util
 import os
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 ENV_VAR = "TPUSERVE_VLLM_PLATFORM"
@@ -60,7 +61,7 @@ def device_flag_value(argv: list[str]) -> str | None:
 
 
 def decide(
-    environ: dict[str, str] | None = None, argv: list[str] | None = None, tpu: bool | None = None
+    environ: Mapping[str, str] | None = None, argv: list[str] | None = None, tpu: bool | None = None
 ) -> Activation:
     """Apply the rules in the module docstring. Arguments default to this process's state."""
     environ = os.environ if environ is None else environ

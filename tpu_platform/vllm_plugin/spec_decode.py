@@ -115,7 +115,7 @@ class DraftPlanner:
     def propose(self, table: Any, sampled_req_ids: list[str]) -> Drafts:
         """An entry per request that sampled this step (empty where it should not draft), so the
         scheduler's view of every one is refreshed."""
-        lists = []
+        lists: list[list[int]] = []
         for rid in sampled_req_ids:
             st = table.requests[rid]
             if not may_draft(st):
