@@ -509,7 +509,8 @@ class Worker:
             if num_pages is not None:
                 with self.timings.phase("kv cache"):
                     self.runner.allocate_kv_cache(num_pages)
-                    jax.block_until_ready(self.runner.kv_cache)
+                    for leaf in jax.tree.leaves(self.runner.kv_cache):
+                        leaf.block_until_ready()
             return self.runner
         if self._params is None:
             raise RuntimeError("Worker.load() must run before init_kv_cache()")
@@ -535,7 +536,8 @@ class Worker:
         )
         # Weight placement over a mesh, per-layer arrays for an unrolled loop, FP8 KV calibration,
         # and the KV cache when num_pages is given: one phase (the runner does them in one go).
-        jax.block_until_ready((runner.params, runner.kv_cache))
+        for leaf in jax.tree.leaves((runner.params, runner.kv_cache)):
+            leaf.block_until_ready()
         self.timings.add("runner setup", time.perf_counter() - t0)
         self._params = None
         return runner

@@ -60,7 +60,8 @@ def packed_expert(blocks: np.ndarray, scales: np.ndarray) -> fp4.Mxfp4Weight:
             f"gpt-oss MXFP4 scales {scales.dtype} {scales.shape} do not fit blocks {blocks.shape}"
         )
     packed = np.swapaxes(blocks.reshape(e, out, nblk * width), -1, -2)
-    return fp4.Mxfp4Weight(packed, np.swapaxes(scales, -1, -2), (out,))
+    # numpy leaves on purpose: they are stacked on the host, then placed (models/weights.py _placed)
+    return fp4.Mxfp4Weight(packed, np.swapaxes(scales, -1, -2), (out,))  # type: ignore[arg-type]
 
 
 def expert_records(raw: Callable[[str], np.ndarray | None]) -> Callable[[str], fp4.Mxfp4Weight | None]:
