@@ -237,7 +237,7 @@ def forward(
         # the slices, whole, and the grouped matmul fetches the layer's active experts itself.
         whole = {key: layers[key] for key in _UNSLICED if key in layers}
         # Quantized matmul records likewise: their kernels read the scan's layer in place.
-        records = {key: value for key, value in layers.items() if keeps_stack_whole(value)}
+        records = {k: v for k, v in layers.items() if k not in whole and keeps_stack_whole(v)}
         layers = {key: value for key, value in layers.items() if key not in whole and key not in records}
     # Static per layer: gpt-oss alternates sliding-window and full-attention layers. Layers that
     # differ cannot share a scanned body, so their weights come as a list (weights._stack_layers).
