@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 import time
 
 import jax
@@ -20,6 +21,19 @@ def time_calls(fn, *args, iters: int, repeats: int = 3) -> float:
         jax.block_until_ready(out)
         best = min(best, (time.perf_counter() - start) / iters)
     return best
+
+
+def median_seconds(fn, args, iters: int, repeats: int) -> float:
+    """Seconds per call: ``iters`` back-to-back async calls, blocked once; median of ``repeats``."""
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(iters):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - start) / iters)
+    return statistics.median(times)
 
 
 def time_donating(fn, cache, *args, iters: int, repeats: int = 3):

@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import statistics
 import sys
 import time
 import traceback
@@ -38,6 +37,7 @@ import traceback
 import jax
 import jax.numpy as jnp
 import numpy as np
+from device_timing import median_seconds
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas.ops.tpu.megablox import gmm as megablox_gmm
 
@@ -79,18 +79,6 @@ def route(tokens: int, experts: int, top_k: int, rng) -> np.ndarray:
     """Rows per expert when each token picks ``top_k`` distinct experts uniformly at random."""
     picks = np.argsort(rng.random((tokens, experts)), axis=1)[:, :top_k]
     return np.bincount(picks.ravel(), minlength=experts).astype(np.int32)
-
-
-def median_seconds(fn, args, iters: int, repeats: int) -> float:
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(iters):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - start) / iters)
-    return statistics.median(times)
 
 
 def implementations(m: int, k: int, n: int, interpret, extra_tilings):

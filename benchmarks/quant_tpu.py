@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from device_timing import median_seconds
 
 from tpuserve.quant import fp4, fp8
 from tpuserve.quant.dispatch import quant_linear
@@ -112,18 +111,6 @@ def scan_fns(layers: int, q_cols: int, inter: int, interpret):
         "whole": jax.jit(lambda h, ws: whole(h, ws, kernel)),
         "xla": jax.jit(lambda h, ws: whole(h, ws, xla)),
     }
-
-
-def median_seconds(fn, args, iters: int, repeats: int) -> float:
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(iters):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - start) / iters)
-    return statistics.median(times)
 
 
 def check_kernels(shapes, quantize, name: str, interpret, seed: int) -> dict:

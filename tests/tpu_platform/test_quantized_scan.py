@@ -12,24 +12,15 @@ from __future__ import annotations
 
 import types
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from runner_fixtures import scan_runner
+from runner_fixtures import assert_layer_scan_takes_whole, scan_runner
 
 from tpuserve.quant import fp4, fp8
 from tpuserve.server.llm import LLM
 from tpuserve.server.sampling_params import SamplingParams
 from tpuserve.tpu_platform.models.quantize import quantize_params
-
-
-def _scan_eqns(jaxpr):
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "scan":
-            yield eqn
-        for sub in jax.core.jaxprs_in_params(eqn.params):
-            yield from _scan_eqns(sub)
 
 
 def _weight_arrays(rec) -> list:
@@ -49,16 +40,7 @@ def test_scan_passes_quantized_records_whole(random_checkpoints, method):
     recs = [v for v in layers.values() if isinstance(v, (fp8.Fp8Weight, fp4.Mxfp4Weight))]
     assert len(recs) == 4, "qkv, o, gate_up and down should be records"
     stacks = {tuple(a.shape) for rec in recs for a in _weight_arrays(rec)}
-    slices = {s[1:] for s in stacks}
-    traced = runner._step.trace(*runner.step_args(runner._empty_batch(1, runner.page_buckets[0])))
-    scans = [e for e in _scan_eqns(traced.jaxpr.jaxpr) if e.params["length"] == loaded.arch.num_layers]
-    assert scans, "the step has no layer scan"
-    for eqn in scans:
-        n_consts, n_carry = eqn.params["num_consts"], eqn.params["num_carry"]
-        consts = {tuple(v.aval.shape) for v in eqn.invars[:n_consts]}
-        xs_body = eqn.params["jaxpr"].jaxpr.invars[n_consts + n_carry :]
-        assert stacks <= consts, f"quantized stacks {stacks} are not scan constants ({consts})"
-        assert not slices & {tuple(v.aval.shape) for v in xs_body}, "the scan slices the records"
+    assert_layer_scan_takes_whole(runner, stacks, "quantized stacks")
 
 
 @pytest.mark.timeout(600)

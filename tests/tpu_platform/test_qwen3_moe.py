@@ -14,7 +14,7 @@ import pytest
 import torch
 import transformers
 from hf_oracle import hf_greedy
-from runner_fixtures import scan_runner
+from runner_fixtures import assert_layer_scan_takes_whole, scan_runner
 
 from tpuserve.tpu_platform.config import ConfigError
 from tpuserve.tpu_platform.models.arch import ModelArch, ModelConfigError
@@ -339,15 +339,6 @@ def test_expert_block_on_the_pallas_kernel_equals_ragged_dot():
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
 
 
-def _scan_eqns(jaxpr):
-    """Every scan equation in a (closed) jaxpr, nested ones included."""
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "scan":
-            yield eqn
-        for sub in jax.core.jaxprs_in_params(eqn.params):
-            yield from _scan_eqns(sub)
-
-
 @pytest.mark.timeout(300)
 def test_layer_scan_passes_the_expert_stacks_whole(checkpoints):
     """The scanned step hands the expert stacks [L, E, ...] to the scan as constants, not as
@@ -360,13 +351,4 @@ def test_layer_scan_passes_the_expert_stacks_whole(checkpoints):
     runner = scan_runner(path, loaded)
     layers = runner.params["layers"]
     stacks = {tuple(layers[k].shape) for k in ("experts_gate_up", "experts_down")}
-    slices = {s[1:] for s in stacks}
-    traced = runner._step.trace(*runner.step_args(runner._empty_batch(1, runner.page_buckets[0])))
-    scans = [e for e in _scan_eqns(traced.jaxpr.jaxpr) if e.params["length"] == loaded.arch.num_layers]
-    assert scans, "the step has no layer scan"
-    for eqn in scans:
-        n_consts, n_carry = eqn.params["num_consts"], eqn.params["num_carry"]
-        consts = {tuple(v.aval.shape) for v in eqn.invars[:n_consts]}
-        xs_body = eqn.params["jaxpr"].jaxpr.invars[n_consts + n_carry :]
-        assert stacks <= consts, f"expert stacks {stacks} are not scan constants ({consts})"
-        assert not slices & {tuple(v.aval.shape) for v in xs_body}, "the scan slices the expert stacks"
+    assert_layer_scan_takes_whole(runner, stacks, "expert stacks")
