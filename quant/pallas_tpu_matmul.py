@@ -121,6 +121,23 @@ def _act_spec(block: tuple[int, int], index):
 # FP8
 
 
+# K rows one partial dot of the FP8 kernel upcasts at a time. Mosaic keeps the upcast tile (and,
+# on chips without fp8 support, its widened intermediates) in scoped VMEM: a whole [2048, 512]
+# per-channel tile beside a 256-row x block needed 22 MB on a v5e, over the 16 MB default
+# (the Llama-8B shape's prefill, benchmarks/results/tpu-v5e-2026-12-05d/e2e-8b-fp8.log).
+_MAX_SUB_ROWS = 512
+
+
+def _split_subs(subs: tuple[tuple[int, int, int], ...]) -> tuple[tuple[int, int, int], ...]:
+    """Cut every (lo, hi, scale row) sub-block longer than ``_MAX_SUB_ROWS`` into pieces that
+    share its scale row, so the DMA tile stays large while each upcast stays small."""
+    out = []
+    for lo, hi, j in subs:
+        for a in range(lo, hi, _MAX_SUB_ROWS):
+            out.append((a, min(a + _MAX_SUB_ROWS, hi), j))
+    return tuple(out)
+
+
 def _fp8_kernel(layer_ref, *refs, subs, rows_per_tile, tk, bk, act_quant, nk):
     del layer_ref  # read by the index maps only
     if act_quant:
@@ -134,14 +151,14 @@ def _fp8_kernel(layer_ref, *refs, subs, rows_per_tile, tk, bk, act_quant, nk):
         acc_ref[...] = jnp.zeros_like(acc_ref)
 
     x = x_ref[...]
-    q = q_ref[...]
-    if not act_quant:
-        q = q.astype(x.dtype)  # exact: every e4m3 value is a bf16 / f32 value
     acc = acc_ref[...]
     for lo, hi, j in subs:
         # scale row of this sub-block: several rows per tile (tk >= bk) or one row per bk / tk tiles
         row = kk * rows_per_tile + j if rows_per_tile else (kk * tk) // bk
-        part = jnp.dot(x[:, lo:hi], q[lo:hi, :], preferred_element_type=jnp.float32)
+        q = q_ref[lo:hi, :]  # read (and upcast) one sub-block at a time: _MAX_SUB_ROWS says why
+        if not act_quant:
+            q = q.astype(x.dtype)  # exact: every e4m3 value is a bf16 / f32 value
+        part = jnp.dot(x[:, lo:hi], q, preferred_element_type=jnp.float32)
         acc = acc + part * s_ref[pl.ds(row, 1), :]
     acc_ref[...] = acc
 
@@ -187,6 +204,7 @@ def fp8_matmul_tpu(
         rows_per_tile = nsub
     else:
         subs, rows_per_tile = ((0, tk, 0),), 0
+    subs = _split_subs(subs)
     s_cols = scale_columns(w)  # [*L, Kb, N]
     kb = s_cols.shape[-2]
 
