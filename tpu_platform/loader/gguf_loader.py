@@ -432,7 +432,7 @@ def _build_tokenizer(metadata: dict[str, Any], config: dict[str, Any]) -> PreTra
         return tokens[index] if index is not None else None
 
     bos = token_at("tokenizer.ggml.bos_token_id")
-    post = processors.ByteLevel(trim_offsets=False)
+    post: processors.PostProcessor = processors.ByteLevel(trim_offsets=False)
     if metadata.get("tokenizer.ggml.add_bos_token", False) and bos is not None:
         bos_id = vocab[bos]
         prepend_bos = processors.TemplateProcessing(

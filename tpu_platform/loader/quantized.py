@@ -26,13 +26,13 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from tpuserve.quant.fp4 import mxfp4_from_checkpoint, nvfp4_from_checkpoint
-from tpuserve.quant.fp8 import fp8_from_checkpoint
+from tpuserve.quant.fp4 import Mxfp4Weight, Nvfp4Weight, mxfp4_from_checkpoint, nvfp4_from_checkpoint
+from tpuserve.quant.fp8 import Fp8Weight, fp8_from_checkpoint
 from tpuserve.tpu_platform.models.arch import ModelConfigError
 
 PRODUCERS = ("fp8", "compressed-tensors", "modelopt")
@@ -59,23 +59,30 @@ class CheckpointQuant:
     block_size: tuple[int, int] | None = None
 
 
+def _block_size(value: Sequence[int]) -> tuple[int, int]:
+    """A config's FP8 scale block ``[out, in]`` as CheckpointQuant keeps it."""
+    if len(value) != 2:
+        raise ModelConfigError(f"FP8 scale block {value!r}: expected [out, in]")
+    return int(value[0]), int(value[1])
+
+
 def _ct_method(qc: dict) -> tuple[str, tuple[int, int] | None]:
     groups = qc.get("config_groups") or {}
     formats = {g.get("format") or qc.get("format") for g in groups.values()} or {qc.get("format")}
-    methods = {_CT_FORMATS.get(f) for f in formats}
-    if len(methods) != 1 or None in methods:
+    methods = {_CT_FORMATS.get(f) if isinstance(f, str) else None for f in formats}
+    method = methods.pop() if len(methods) == 1 else None
+    if method is None:
         raise ModelConfigError(
             f"compressed-tensors format(s) {sorted(map(str, formats))} are not "
             f"supported; supported: {sorted(_CT_FORMATS)}"
         )
     blocks = {
-        tuple(g["weights"]["block_structure"])
+        _block_size(g["weights"]["block_structure"])
         for g in groups.values()
         if (g.get("weights") or {}).get("block_structure")
     }
     if len(blocks) > 1:
         raise ModelConfigError(f"compressed-tensors groups use different FP8 blocks {sorted(blocks)}")
-    method = methods.pop()
     if method == "fp8":
         bits = {(g.get("weights") or {}).get("num_bits") for g in groups.values()}
         kinds = {(g.get("weights") or {}).get("type") for g in groups.values()}
@@ -102,7 +109,7 @@ def detect(config: dict, path: str) -> CheckpointQuant | None:
         if qc.get("fmt", "e4m3") != "e4m3":
             raise ModelConfigError(f"fp8 checkpoint format {qc.get('fmt')!r} is not supported (only e4m3)")
         block = qc.get("weight_block_size")
-        return CheckpointQuant("fp8", "fp8", tuple(int(b) for b in block) if block else None)
+        return CheckpointQuant("fp8", "fp8", _block_size(block) if block else None)
     if kind == "compressed-tensors":
         method, block = _ct_method(qc)
         return CheckpointQuant(method, "compressed-tensors", block)
@@ -130,26 +137,33 @@ def _is_float8(a: np.ndarray) -> bool:
     return a.dtype in (ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2)
 
 
-def read_linear(q: CheckpointQuant, module: str, raw: Callable[[str], np.ndarray | None]):
+def _required(raw: Callable[[str], np.ndarray | None], name: str) -> np.ndarray:
+    a = raw(name)
+    if a is None:
+        raise ModelConfigError(f"quantized checkpoint: tensor {name} is missing")
+    return a
+
+
+def read_linear(
+    q: CheckpointQuant, module: str, raw: Callable[[str], np.ndarray | None]
+) -> Fp8Weight | Mxfp4Weight | Nvfp4Weight | None:
     """The quantized record for Linear ``module`` (e.g. ``model.layers.0.mlp.down_proj``), or None
     when the checkpoint keeps that module dense. ``raw(name)`` returns a tensor in its stored dtype
     (fp8 as ml_dtypes) or None. Records are 2-D ``[in, out]`` (quant/ layout), output axes flat."""
     packed = raw(module + ".weight_packed")
     if packed is not None:  # compressed-tensors FP4
-        scale = raw(module + ".weight_scale")
+        fp4_scale = _required(raw, module + ".weight_scale")
         gs = raw(module + ".weight_global_scale")
         if gs is not None:
-            return nvfp4_from_checkpoint(packed, _as_e4m3(scale), gs, global_divides=True)
-        return mxfp4_from_checkpoint(packed, scale)
+            return nvfp4_from_checkpoint(packed, _as_e4m3(fp4_scale), gs, global_divides=True)
+        return mxfp4_from_checkpoint(packed, fp4_scale)
     weight = raw(module + ".weight")
     if weight is None:
         return None
-    if weight.dtype == np.uint8 and raw(module + ".weight_scale_2") is not None:  # ModelOpt NVFP4
+    scale_2 = raw(module + ".weight_scale_2") if weight.dtype == np.uint8 else None
+    if scale_2 is not None:  # ModelOpt NVFP4
         return nvfp4_from_checkpoint(
-            weight,
-            _as_e4m3(raw(module + ".weight_scale")),
-            raw(module + ".weight_scale_2"),
-            global_divides=False,
+            weight, _as_e4m3(_required(raw, module + ".weight_scale")), scale_2, global_divides=False
         )
     if not _is_float8(weight) and not (q.method == "fp8" and weight.dtype == np.uint8):
         return None  # a dense module (the checkpoint's ignore list); u8 in an FP8 checkpoint is e4m3

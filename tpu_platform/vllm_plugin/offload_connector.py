@@ -56,6 +56,8 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
+    from tpuserve.tpu_platform.model_runner import ModelRunner
+
 log = logging.getLogger("vllm.tpuserve.offload")
 
 CONNECTOR_NAME = "TpuserveHostOffloadConnector"
@@ -137,7 +139,13 @@ class HostTierConnectorStats(KVConnectorStats):
 class HostTierPromMetrics(KVConnectorPromMetrics):
     """``vllm:tpuserve_host_tier_<key>`` counters (Prometheus adds ``_total``), one per stat key."""
 
-    def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self._counters: dict[str, dict[int, Any]] = {}
         for key in STAT_KEYS:
@@ -280,11 +288,11 @@ class _WorkerSide:
         self.num_slots = num_slots
         self.block_bytes = block_bytes
         self.max_inflight_saves = max_inflight_saves
-        self.runner = None
-        self.pool = None
+        self.runner: ModelRunner | None = None
+        self.pool: HostPagePool | None = None
         self.stats = HostTierConnectorStats()
 
-    def register_runner(self, runner) -> None:
+    def register_runner(self, runner: ModelRunner) -> None:
         kv = runner.kv_cache
         ours = page_bytes(kv.shape, kv.dtype)
         if ours != self.block_bytes:
@@ -304,32 +312,34 @@ class _WorkerSide:
             self.num_slots * self.block_bytes / 2**30,
         )
 
-    def _need_runner(self) -> None:
-        if self.runner is None:
+    def _need_runner(self) -> tuple[ModelRunner, HostPagePool]:
+        """The runner and the host pool register_runner set up (both, or neither)."""
+        if self.runner is None or self.pool is None:
             raise RuntimeError("the host-tier connector has no model runner (register_runner was not called)")
+        return self.runner, self.pool
 
     def load(self, meta: HostTierMetadata) -> None:
         if not meta.load_slots:
             return
-        self._need_runner()
-        self.runner.kv_cache = self.pool.load(self.runner.kv_cache, meta.load_slots, meta.load_blocks)
+        runner, pool = self._need_runner()
+        runner.kv_cache = pool.load(runner.kv_cache, meta.load_slots, meta.load_blocks)
         n = len(meta.load_slots)
         self.stats.add(loaded_blocks=n, load_bytes=n * self.block_bytes)
 
     def save(self, meta: HostTierMetadata) -> None:
         if not meta.store_slots:
             return
-        self._need_runner()
-        self.pool.save(self.runner.kv_cache, meta.store_slots, meta.store_blocks)
+        runner, pool = self._need_runner()
+        pool.save(runner.kv_cache, meta.store_slots, meta.store_blocks)
         n = len(meta.store_slots)
         self.stats.add(stored_blocks=n, store_bytes=n * self.block_bytes)
 
     def warmup(self, max_blocks: int) -> int:
         """Compile the transfer programs for every index bucket up to ``max_blocks``; returns the count."""
-        self._need_runner()
-        before = self.pool.compile_count
-        self.runner.kv_cache = self.pool.warmup(self.runner.kv_cache, max_blocks)
-        return self.pool.compile_count - before
+        runner, pool = self._need_runner()
+        before = pool.compile_count
+        runner.kv_cache = pool.warmup(runner.kv_cache, max_blocks)
+        return pool.compile_count - before
 
     def take_stats(self) -> HostTierConnectorStats | None:
         if self.stats.is_empty():
@@ -369,21 +379,34 @@ class TpuserveHostOffloadConnector(KVConnectorBase_V1):
             _WorkerSide(num_slots, block_bytes, inflight) if role == KVConnectorRole.WORKER else None
         )
 
+    # Each role's connector has one side; the other is None. A call that belongs to the other
+    # role is a wiring error, reported by name rather than as an AttributeError on None.
+
+    def _worker(self) -> _WorkerSide:
+        if self.worker_side is None:
+            raise RuntimeError(f"{CONNECTOR_NAME}: a worker-side call on the scheduler's connector")
+        return self.worker_side
+
+    def _scheduler(self) -> _SchedulerSide:
+        if self.scheduler_side is None:
+            raise RuntimeError(f"{CONNECTOR_NAME}: a scheduler-side call on the worker's connector")
+        return self.scheduler_side
+
     @property
     def requires_kv_delivery(self) -> bool:
         return False  # a cache: a save that never happens is a later miss, not lost data
 
     # -- worker side --
 
-    def register_runner(self, runner) -> None:
+    def register_runner(self, runner: ModelRunner) -> None:
         """Our worker hands over its ModelRunner (the cache is ``runner.kv_cache``, replaced on load)."""
-        self.worker_side.register_runner(runner)
+        self._worker().register_runner(runner)
 
     def register_kv_caches(self, kv_caches: dict) -> None:
         return None  # our cache is one JAX array owned by the runner: see register_runner
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        self.worker_side.load(self._get_connector_metadata())
+        self._worker().load(self._get_connector_metadata())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None  # loads finish (are dispatched) before the forward: nothing per layer
@@ -394,14 +417,15 @@ class TpuserveHostOffloadConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         """Dispatch this step's stores (after its forward); device order makes waiting unnecessary."""
         if self.has_connector_metadata():
-            self.worker_side.save(self._get_connector_metadata())
+            self._worker().save(self._get_connector_metadata())
 
     def warmup(self, max_blocks: int) -> int:
-        return self.worker_side.warmup(max_blocks)
+        return self._worker().warmup(max_blocks)
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        side = self.worker_side or self.scheduler_side
-        return side.take_stats()
+        if self.worker_side is not None:
+            return self.worker_side.take_stats()
+        return self._scheduler().take_stats()
 
     def shutdown(self) -> None:
         if self.worker_side is not None:
@@ -410,20 +434,20 @@ class TpuserveHostOffloadConnector(KVConnectorBase_V1):
     # -- scheduler side --
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
-        return self.scheduler_side.num_matched(request, num_computed_tokens), False  # loads are synchronous
+        return self._scheduler().num_matched(request, num_computed_tokens), False  # loads are synchronous
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        self.scheduler_side.plan_load(request, blocks, num_external_tokens)
+        self._scheduler().plan_load(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        return self.scheduler_side.build(scheduler_output)
+        return self._scheduler().build(scheduler_output)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
         # Its stores were dispatched in the steps that computed them, ahead of any reuse of its
         # blocks on the device: the blocks can be freed now.
-        self.scheduler_side.finished(request.request_id)
+        self._scheduler().finished(request.request_id)
         return False, None
 
     def reset_cache(self) -> bool:
@@ -440,5 +464,11 @@ class TpuserveHostOffloadConnector(KVConnectorBase_V1):
         return HostTierConnectorStats(data=dict(data)) if data is not None else HostTierConnectorStats()
 
     @classmethod
-    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> HostTierPromMetrics:
         return HostTierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)

@@ -53,12 +53,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from tpuserve.kv_cache.transfer.device_pages import DevicePageMover
+from tpuserve.kv_cache.transfer.device_pages import DevicePageMover, HostPages
 from tpuserve.kv_cache.transfer.errors import TransferNotFoundError
 from tpuserve.kv_cache.transfer.layout import KVLayout
 from tpuserve.kv_cache.transfer.lease import Lease
 from tpuserve.kv_cache.transfer.tcp import TcpKVReceiver, TcpKVSender
-from tpuserve.kv_cache.transfer.transport import TransferHandle
+from tpuserve.kv_cache.transfer.transport import PageBatch, TransferHandle
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -67,6 +67,8 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
+
+    from tpuserve.tpu_platform.model_runner import ModelRunner
 
 log = logging.getLogger("vllm.tpuserve.pd")
 
@@ -222,16 +224,18 @@ class _WorkerSide:
         self.produces, self.consumes = produces, consumes
         self.lease_ttl_s = _extra(vllm_config, LEASE_TTL_KEY, DEFAULT_LEASE_TTL_S)
         self.pull_timeout_s = _extra(vllm_config, PULL_TIMEOUT_KEY, DEFAULT_PULL_TIMEOUT_S)
-        self.runner = None
-        self.layout = None
-        self.sender = None
-        self.receiver = None
-        self.mover = None
+        # Set by register_runner: the runner, its cache's layout and the page mover; the listener
+        # only where this engine produces, the puller and its threads only where it consumes.
+        self.runner: ModelRunner | None = None
+        self.layout: KVLayout | None = None
+        self.mover: DevicePageMover | None = None
+        self.sender: _ChosenIdSender | None = None
+        self.receiver: TcpKVReceiver | None = None
         self.pool: ThreadPoolExecutor | None = None
-        self.pulls: dict[str, tuple[Future, Import]] = {}
+        self.pulls: dict[str, tuple[Future[PageBatch], Import]] = {}
         self.sent: set[str] = set()
 
-    def register_runner(self, runner) -> None:
+    def register_runner(self, runner: ModelRunner) -> None:
         kv = runner.kv_cache
         self.runner = runner
         self.layout = KVLayout.from_cache_shape(self.model_id, tuple(kv.shape), kv.dtype)
@@ -245,23 +249,47 @@ class _WorkerSide:
             self.receiver = TcpKVReceiver(self.layout)
             self.pool = ThreadPoolExecutor(4, thread_name_prefix="tpuserve-kv-pull")
 
+    def _registered(self) -> tuple[ModelRunner, KVLayout, DevicePageMover]:
+        if self.runner is None or self.layout is None or self.mover is None:
+            raise RuntimeError(
+                "the tpuserve P/D connector has no model runner (register_runner was not called)"
+            )
+        return self.runner, self.layout, self.mover
+
+    def _producer(self) -> _ChosenIdSender:
+        if self.sender is None:
+            raise RuntimeError(
+                "tpuserve P/D: an export on an engine that does not produce KV (kv_role kv_consumer), "
+                "or before register_runner"
+            )
+        return self.sender
+
+    def _consumer(self) -> tuple[TcpKVReceiver, ThreadPoolExecutor]:
+        if self.receiver is None or self.pool is None:
+            raise RuntimeError(
+                "tpuserve P/D: an import on an engine that does not consume KV (kv_role kv_producer), "
+                "or before register_runner"
+            )
+        return self.receiver, self.pool
+
     def handshake(self) -> PDHandshake:
         addr = self.sender.address if self.sender is not None else (None, None)
-        return PDHandshake(addr[0], addr[1], self.layout.digest())
+        return PDHandshake(addr[0], addr[1], self._registered()[1].digest())
 
     def start_loads(self, meta: PDMetadata) -> None:
         for imp in meta.imports:
             handle = TransferHandle.from_kv_transfer_params(imp.params)
-            self.pulls[imp.req_id] = (self.pool.submit(self._pull, handle), imp)
+            self.pulls[imp.req_id] = (self._consumer()[1].submit(self._pull, handle), imp)
 
-    def _pull(self, handle):
+    def _pull(self, handle: TransferHandle) -> PageBatch:
         """Pull, waiting out the producer's offer: P answers the prefill (so the router may already
         be asking D) one engine step before it gathers and offers the pages."""
+        receiver = self._consumer()[0]
         deadline = time.monotonic() + self.pull_timeout_s
         wait = 0.02
         while True:
             try:
-                return self.receiver.pull(handle, max(deadline - time.monotonic(), 0.1))
+                return receiver.pull(handle, max(deadline - time.monotonic(), 0.1))
             except TransferNotFoundError:
                 if time.monotonic() + wait > deadline:
                     raise
@@ -271,8 +299,9 @@ class _WorkerSide:
     def exports(self, meta: PDMetadata) -> None:
         for ex in meta.exports:
             # Dispatched now: the copy precedes, in device order, any step that reuses the blocks.
-            pages = self.mover.gather(self.runner.kv_cache, ex.block_ids)
-            self.sender.offer_as(ex.transfer_id, ex.req_id, pages, ex.num_tokens)
+            runner, _, mover = self._registered()
+            pages = mover.gather(runner.kv_cache, ex.block_ids)
+            self._producer().offer_as(ex.transfer_id, ex.req_id, pages, ex.num_tokens)
             self.sent.add(ex.req_id)
         if self.sender is not None:
             self.sender.drain_finished()  # ended leases (pulled / expired): nothing else to free
@@ -294,7 +323,8 @@ class _WorkerSide:
                         f"{imp.first_page + len(imp.block_ids)} were expected"
                     )
                 # After this step's forward, before any later one: the next step reads them.
-                self.runner.kv_cache = self.mover.scatter(self.runner.kv_cache, pages, imp.block_ids)
+                runner, _, mover = self._registered()
+                runner.kv_cache = mover.scatter(runner.kv_cache, pages, imp.block_ids)
             except Exception as e:
                 log.error("tpuserve P/D: pulling the KV of request %s failed: %s", rid, e)
                 out.failed_recving.add(rid)
@@ -308,26 +338,23 @@ class _WorkerSide:
         self.runner = None
 
 
-def _ChosenIdSender(*args, **kwargs):
+class _ChosenIdSender(TcpKVSender):
     """A ``TcpKVSender`` whose leases take the transfer id the scheduler side already handed out."""
 
-    class Sender(TcpKVSender):
-        def offer_as(self, transfer_id: str, request_id: str, pages, num_tokens: int) -> None:
-            n = int(pages.num_pages)
-            self.leases.add(
-                Lease(
-                    transfer_id,
-                    str(request_id),
-                    pages,
-                    n,
-                    int(num_tokens),
-                    {},
-                    self.layout.pages_nbytes(n),
-                    time.monotonic() + self.default_ttl_s,
-                )
+    def offer_as(self, transfer_id: str, request_id: str, pages: HostPages, num_tokens: int) -> None:
+        n = int(pages.num_pages)
+        self.leases.add(
+            Lease(
+                transfer_id,
+                str(request_id),
+                pages,
+                n,
+                int(num_tokens),
+                {},
+                self.layout.pages_nbytes(n),
+                time.monotonic() + self.default_ttl_s,
             )
-
-    return Sender(*args, **kwargs)
+        )
 
 
 # ---- the connector vLLM loads ----
@@ -361,10 +388,23 @@ class TpuservePDConnector(KVConnectorBase_V1):
             _WorkerSide(vllm_config, produces, consumes) if role == KVConnectorRole.WORKER else None
         )
 
+    # Each role's connector has one side; the other is None. A call that belongs to the other
+    # role is a wiring error, reported by name rather than as an AttributeError on None.
+
+    def _worker(self) -> _WorkerSide:
+        if self.worker_side is None:
+            raise RuntimeError(f"{CONNECTOR_NAME}: a worker-side call on the scheduler's connector")
+        return self.worker_side
+
+    def _scheduler(self) -> _SchedulerSide:
+        if self.scheduler_side is None:
+            raise RuntimeError(f"{CONNECTOR_NAME}: a scheduler-side call on the worker's connector")
+        return self.scheduler_side
+
     # -- worker side --
 
-    def register_runner(self, runner) -> None:
-        self.worker_side.register_runner(runner)
+    def register_runner(self, runner: ModelRunner) -> None:
+        self._worker().register_runner(runner)
 
     def register_kv_caches(self, kv_caches: dict) -> None:
         return None  # our cache is one JAX array owned by the runner: see register_runner
@@ -373,7 +413,7 @@ class TpuservePDConnector(KVConnectorBase_V1):
         return self.worker_side.handshake() if self.worker_side is not None else None
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        self.worker_side.start_loads(self._get_connector_metadata())
+        self._worker().start_loads(self._get_connector_metadata())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None
@@ -383,10 +423,10 @@ class TpuservePDConnector(KVConnectorBase_V1):
 
     def wait_for_save(self) -> None:
         if self.has_connector_metadata():
-            self.worker_side.exports(self._get_connector_metadata())
+            self._worker().exports(self._get_connector_metadata())
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        return self.worker_side.results()
+        return self._worker().results()
 
     def warmup(self, max_blocks: int) -> int:
         return 0  # the page gather/scatter compile at first use (one program per power-of-two count)
@@ -400,22 +440,22 @@ class TpuservePDConnector(KVConnectorBase_V1):
     def set_xfer_handshake_metadata(self, metadata: dict) -> None:
         hs = metadata.get(0)
         if isinstance(hs, PDHandshake):
-            self.scheduler_side.handshake = hs
+            self._scheduler().handshake = hs
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
-        n = self.scheduler_side.remote_tokens(request, num_computed_tokens)
+        n = self._scheduler().remote_tokens(request, num_computed_tokens)
         return n, n > 0  # loaded asynchronously: the request waits in WAITING_FOR_REMOTE_KVS
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        self.scheduler_side.after_alloc(request, blocks, num_external_tokens)
+        self._scheduler().after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        return self.scheduler_side.build()
+        return self._scheduler().build()
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        self.scheduler_side.update(connector_output)
+        self._scheduler().update(connector_output)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
-        return self.scheduler_side.finished(request, block_ids)
+        return self._scheduler().finished(request, block_ids)

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import numpy as np
 import torch
@@ -70,6 +70,15 @@ from tpuserve.tpu_platform.vllm_plugin.quantization import (
 from tpuserve.tpu_platform.vllm_plugin.request_state import RequestTable, StepPlan, StepResult
 from tpuserve.tpu_platform.vllm_plugin.spec_decode import DraftPlanner, NgramSettings
 
+if TYPE_CHECKING:
+    from vllm.lora.request import LoRARequest
+
+    from tpuserve.tpu_platform.config import EngineConfig
+    from tpuserve.tpu_platform.model_runner import ForwardState, ModelRunner
+    from tpuserve.tpu_platform.models.arch import ModelArch
+    from tpuserve.tpu_platform.step_batch import StepBatch
+    from tpuserve.tpu_platform.worker import Worker
+
 log = logging.getLogger("vllm.tpuserve.worker")
 
 
@@ -85,21 +94,43 @@ class TpuserveWorker(WorkerBase):
         super().__init__(vllm_config, local_rank, rank, distributed_init_method, is_driver_worker)
         register_quant_configs()  # this process may build configs naming "nvfp4" too (idempotent)
         self.options = PluginOptions.from_vllm(vllm_config)
-        self.worker = None  # tpuserve.tpu_platform.worker.Worker
-        self.arch = None
-        self.runner = None
+        # Set by init_device, load_model and initialize_from_config; read through _device_worker,
+        # _loaded_arch, _built_runner and _request_table, which name the step that has not run.
+        self.worker: Worker | None = None
+        self.arch: ModelArch | None = None
+        self.runner: ModelRunner | None = None
         self.table: RequestTable | None = None
-        # (StepPlan, StepBatch, ForwardState, finished req ids) between the two calls
-        self._pending: tuple | None = None
+        # (plan, batch, forward, finished req ids) between execute_model and sample_tokens
+        self._pending: tuple[StepPlan, StepBatch, ForwardState, set[str]] | None = None
         self.connector: TpuserveHostOffloadConnector | TpuservePDConnector | None = None
         self._compiled_after_warmup: int | None = None
         self.speculation = NgramSettings.from_vllm(vllm_config)
         self.drafter: DraftPlanner | None = None
         self._drafts: DraftTokenIds | None = None  # proposed by sample_tokens, taken by the engine core
 
+    def _device_worker(self) -> Worker:
+        if self.worker is None:
+            raise RuntimeError("TpuserveWorker: init_device() must run first")
+        return self.worker
+
+    def _loaded_arch(self) -> ModelArch:
+        if self.arch is None:
+            raise RuntimeError("TpuserveWorker: load_model() must run first")
+        return self.arch
+
+    def _built_runner(self) -> ModelRunner:
+        if self.runner is None:
+            raise RuntimeError("TpuserveWorker: initialize_from_config() must run first")
+        return self.runner
+
+    def _request_table(self) -> RequestTable:
+        if self.table is None:
+            raise RuntimeError("TpuserveWorker: initialize_from_config() must run first")
+        return self.table
+
     # ---- start-up ----
 
-    def _engine_config(self):
+    def _engine_config(self) -> EngineConfig:
         spec = self.speculation
         return engine_config_from_vllm(
             self.model_config,
@@ -115,11 +146,11 @@ class TpuserveWorker(WorkerBase):
         from tpuserve.tpu_platform.worker import Worker
 
         _no_torch_accelerator_cache_release()  # this is the engine-core process vLLM tears down later
-        self.worker = Worker(self._engine_config())
-        info = self.worker.device
+        worker = self.worker = Worker(self._engine_config())
+        info = worker.device
         # vLLM's own tensors around this worker stay on the host (see platform.py).
         self.device = torch.device("cpu")
-        mesh = self.worker.mesh
+        mesh = worker.mesh
         log.info(
             "tpuserve worker on JAX %s (%d x %s), %s, dtype %s, XLA cache %s",
             info.backend,
@@ -127,9 +158,9 @@ class TpuserveWorker(WorkerBase):
             info.device_kind,
             "one device"
             if mesh is None
-            else f"tensor parallel {self.worker.tensor_parallel_size} over mesh {dict(mesh.shape)}",
-            self.worker.config.model.dtype,
-            self.worker.compilation_cache_dir,
+            else f"tensor parallel {worker.tensor_parallel_size} over mesh {dict(mesh.shape)}",
+            worker.config.model.dtype,
+            worker.compilation_cache_dir,
         )
 
     def load_model(self, *, load_dummy_weights: bool = False) -> None:
@@ -138,9 +169,9 @@ class TpuserveWorker(WorkerBase):
         fmt = str(self.load_config.load_format)
         if fmt not in ("auto", "safetensors", "gguf", "LoadFormats.AUTO"):
             raise ValueError(f"load_format={fmt!r}: the tpuserve platform loads safetensors or GGUF")
-        self.worker.load()
-        self.arch = self.worker.arch
-        w = self.worker
+        w = self._device_worker()
+        w.load()
+        arch = self.arch = w.loaded_arch()
         log.info(
             "weights: %s (%.1f MiB); KV cache dtype %s",
             w.quantization or "dense",
@@ -148,9 +179,9 @@ class TpuserveWorker(WorkerBase):
             w.kv_cache_dtype.name,
         )
         vocab = self.model_config.get_vocab_size()
-        if vocab != self.arch.vocab_size:
+        if vocab != arch.vocab_size:
             raise ValueError(
-                f"vocab size mismatch: vLLM's config says {vocab}, the checkpoint has {self.arch.vocab_size}"
+                f"vocab size mismatch: vLLM's config says {vocab}, the checkpoint has {arch.vocab_size}"
             )
 
     def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
@@ -162,12 +193,13 @@ class TpuserveWorker(WorkerBase):
         block count matches what we allocate. A sliding-window model is described as full
         attention with the window recorded, so vLLM keeps every page and our attention applies it.
         """
-        a = self.arch
-        padded, plain = (b // a.num_layers for b in self.worker.page_bytes_padded_and_plain())
+        a = self._loaded_arch()
+        w = self._device_worker()
+        padded, plain = (b // a.num_layers for b in w.page_bytes_padded_and_plain())
         # The element type vLLM sizes blocks by is our cache's: float8_e4m3fn (per-tensor scales)
         # under --kv-cache-dtype fp8, else the model dtype.
         dtype, mode = spec_dtype_and_mode(
-            self.cache_config.cache_dtype, self.model_config.dtype, self.worker.kv_cache_dtype.itemsize
+            self.cache_config.cache_dtype, self.model_config.dtype, w.kv_cache_dtype.itemsize
         )
         spec = FullAttentionSpec(
             block_size=self.cache_config.block_size,
@@ -180,7 +212,7 @@ class TpuserveWorker(WorkerBase):
         if spec.page_size_bytes != plain:
             raise RuntimeError(
                 f"vLLM's KV page ({spec.page_size_bytes} B per layer, {dtype}) differs "
-                f"from the worker's ({plain} B, {self.worker.kv_cache_dtype.name})"
+                f"from the worker's ({plain} B, {w.kv_cache_dtype.name})"
             )
         if padded != plain:
             spec = FullAttentionSpec(
@@ -203,7 +235,7 @@ class TpuserveWorker(WorkerBase):
         """Bytes for the KV cache: the Worker's one budget formula (vLLM's --kv-cache-memory-bytes
         if given; else gpu_memory_utilization of the accelerator less weights and activations;
         1 GiB on a CPU host)."""
-        return self.worker.kv_cache_budget()
+        return self._device_worker().kv_cache_budget()
 
     def initialize_from_config(self, kv_cache_config: KVCacheConfig) -> None:
         """Allocate our KV pages: vLLM's block ids index them directly (an FP8 cache calibrates
@@ -212,34 +244,34 @@ class TpuserveWorker(WorkerBase):
         if len(groups) != 1:
             raise ValueError(f"expected one KV cache group, vLLM built {len(groups)}")
         block_size = groups[0].kv_cache_spec.block_size
-        if block_size != self.worker.config.cache.block_size:
+        w = self._device_worker()
+        if block_size != w.config.cache.block_size:
             raise ValueError(
-                f"vLLM chose block size {block_size}, the worker was set up for "
-                f"{self.worker.config.cache.block_size}"
+                f"vLLM chose block size {block_size}, the worker was set up for {w.config.cache.block_size}"
             )
         # The connector exists before the KV cache is allocated (vLLM's order), and gets the runner,
         # whose cache it reads and replaces, once it does.
         self.connector = _make_connector(self.vllm_config, kv_cache_config)
-        self.runner = self.worker.init_kv_cache(int(kv_cache_config.num_blocks))
-        scales = self.worker.kv_scales
+        runner = self.runner = w.init_kv_cache(int(kv_cache_config.num_blocks))
+        scales = w.kv_scales
         log.info(
             "KV cache: %d pages of %d tokens, %s%s; decoder layers: %s",
             int(kv_cache_config.num_blocks),
             block_size,
-            self.worker.kv_cache_dtype.name,
+            w.kv_cache_dtype.name,
             "" if scales is None else f" (k_scale {scales[0]:.6g}, v_scale {scales[1]:.6g})",
-            self.runner.layer_loop,
+            runner.layer_loop,
         )
         if self.connector is not None:
-            self.connector.register_runner(self.runner)
-        self.table = RequestTable(block_size, self.arch.vocab_size, seed=self.worker.config.model.seed)
+            self.connector.register_runner(runner)
+        self.table = RequestTable(block_size, self._loaded_arch().vocab_size, seed=w.config.model.seed)
         if self.speculation is not None:
             self.drafter = DraftPlanner(self.speculation, int(self.model_config.max_model_len))
 
     def compile_or_warm_up_model(self) -> CompilationTimes:
         warmup = self.options.warmup
         if warmup is None:
-            warmup = self.worker.device.is_accelerator
+            warmup = self._device_worker().device.is_accelerator
         if not warmup:
             log.info(
                 "warm-up skipped (%s): programs compile on first use and persist in the XLA cache",
@@ -247,16 +279,17 @@ class TpuserveWorker(WorkerBase):
             )
             return CompilationTimes(language_model=0.0, encoder=0.0)
         t0 = time.perf_counter()
-        n = self.worker.warmup()
+        w = self._device_worker()
+        n = w.warmup()
         if self.connector is not None:
             n += self.connector.warmup(
                 warmup_pages(
                     self.model_config.max_model_len,
-                    self.worker.config.cache.block_size,
+                    w.config.cache.block_size,
                     self.scheduler_config.max_num_batched_tokens,
                 )
             )
-        self._compiled_after_warmup = self.runner.compile_count
+        self._compiled_after_warmup = self._built_runner().compile_count
         secs = time.perf_counter() - t0
         log.info("warm-up compiled %d programs in %.1f s", n, secs)  # in vLLM's log
         return CompilationTimes(language_model=secs, encoder=0.0)
@@ -273,7 +306,8 @@ class TpuserveWorker(WorkerBase):
             raise NotImplementedError(
                 "this step carries KV connector metadata, but no connector runs in the tpuserve worker"
             )
-        plan = self.table.plan(scheduler_output)
+        table = self._request_table()
+        plan = table.plan(scheduler_output)
         if conn is not None:
             meta = scheduler_output.kv_connector_metadata
             if meta is None:
@@ -285,12 +319,13 @@ class TpuserveWorker(WorkerBase):
             if conn is None:
                 return EMPTY_MODEL_RUNNER_OUTPUT
             return ModelRunnerOutput.with_kv_conn_output_only(
-                self._finish_connector(scheduler_output.finished_req_ids)
+                self._finish_connector(conn, scheduler_output.finished_req_ids)
             )
         # Dispatch the forward now; the grammar bitmask only exists at sample_tokens, and vLLM
         # builds it on the host while the device runs this.
-        batch = self.runner.build_batch(plan.scheduled(self.table))
-        self._pending = (plan, batch, self.runner.forward(batch), set(scheduler_output.finished_req_ids))
+        runner = self._built_runner()
+        batch = runner.build_batch(plan.scheduled(table))
+        self._pending = (plan, batch, runner.forward(batch), set(scheduler_output.finished_req_ids))
         return None  # vLLM now calls sample_tokens with the grammar bitmask
 
     def sample_tokens(self, grammar_output: Any) -> ModelRunnerOutput:
@@ -298,28 +333,31 @@ class TpuserveWorker(WorkerBase):
         if pending is None:
             return EMPTY_MODEL_RUNNER_OUTPUT
         plan, batch, fwd, finished = pending
+        table, runner = self._request_table(), self._built_runner()
         sampling = None
         masks = self._grammar_masks(grammar_output, plan)
         if masks:
-            rows = [s.sampling for s in plan.scheduled(self.table, masks)]
-            sampling = pack_sampling_rows(rows, len(batch.kv_lens), self.arch.vocab_size)
-        step = self.runner.sample(fwd, sampling)
+            rows = [s.sampling for s in plan.scheduled(table, masks)]
+            sampling = pack_sampling_rows(rows, len(batch.kv_lens), self._loaded_arch().vocab_size)
+        step = runner.sample(fwd, sampling)
         # Stores go after the sampler in device order, so they do not delay this step's tokens.
-        kv_out = self._finish_connector(finished) if self.connector is not None else None
-        result = plan.finish(self.table, self.runner.fetch(step))
+        conn = self.connector
+        kv_out = self._finish_connector(conn, finished) if conn is not None else None
+        result = plan.finish(table, runner.fetch(step))
         if self.drafter is not None:
             # vLLM's GPU runner proposes here too: from each request's tokens including this step's.
             sampled = [rid for rid, toks in zip(result.req_ids, result.sampled_token_ids) if toks]
-            d = self.drafter.propose(self.table, sampled)
+            d = self.drafter.propose(table, sampled)
             self._drafts = DraftTokenIds(d.req_ids, d.draft_token_ids) if d.req_ids else None
         self._check_recompiles()
         out = _to_vllm_output(result)
         out.kv_connector_output = kv_out
         return out
 
-    def _finish_connector(self, finished_req_ids: set[str]) -> KVConnectorOutput:
+    def _finish_connector(
+        self, conn: TpuserveHostOffloadConnector | TpuservePDConnector, finished_req_ids: set[str]
+    ) -> KVConnectorOutput:
         """The connector's end of a step (stores dispatched, results and stats collected, metadata cleared)."""
-        conn = self.connector
         conn.wait_for_save()
         done = conn.get_transfer_results(finished_req_ids)
         out = KVConnectorOutput(
@@ -342,7 +380,7 @@ class TpuserveWorker(WorkerBase):
         """
         if grammar_output is None:
             return {}
-        words = (self.arch.vocab_size + 31) // 32
+        words = (self._loaded_arch().vocab_size + 31) // 32
         bitmask = np.asarray(grammar_output.grammar_bitmask, dtype=np.int32)
         if bitmask.ndim != 2:
             raise ValueError(f"grammar bitmask must be 2-D, got shape {bitmask.shape}")
@@ -362,7 +400,7 @@ class TpuserveWorker(WorkerBase):
     def _check_recompiles(self) -> None:
         if self._compiled_after_warmup is None:
             return
-        now = self.runner.compile_count
+        now = self._built_runner().compile_count
         if now > self._compiled_after_warmup:
             log.warning(
                 "compiled %d program(s) after warm-up (a shape bucket or sampler variant it did not cover)",
@@ -388,9 +426,11 @@ class TpuserveWorker(WorkerBase):
         return ("generate",)
 
     def get_cache_block_size_bytes(self) -> int:
-        return self.runner.kv_spec.page_bytes(self.runner.attn_impl)
+        runner = self._built_runner()
+        assert runner.kv_spec is not None  # init_kv_cache allocated the cache it describes
+        return runner.kv_spec.page_bytes(runner.attn_impl)
 
-    def get_model(self):
+    def get_model(self) -> NoReturn:
         raise NotImplementedError("the tpuserve platform's model is a JAX program, not a torch module")
 
     def synchronize_device(self) -> None:
@@ -406,7 +446,7 @@ class TpuserveWorker(WorkerBase):
         if self.worker is None:
             raise RuntimeError("tpuserve worker: device not initialised")
 
-    def add_lora(self, lora_request) -> bool:
+    def add_lora(self, lora_request: LoRARequest) -> bool:
         raise NotImplementedError("LoRA is not supported on the tpuserve platform")
 
     def remove_lora(self, lora_id: int) -> bool:
