@@ -14,6 +14,18 @@ slice with C below the tile occupies a whole tile anyway. Padding C makes that w
 counted in the KV sizing), and it lets the kernel view a page as ``[page_size*C, D]`` for free - a
 bitcast, where an unpadded small C makes XLA relayout the whole cache around every call. Combined
 heads ``>= 2*Hkv`` are padding: never written, never read into the attention math, zero forever.
+
+What that costs an FP8 cache (``page_bytes``; the memory plan counts it): a token row takes
+``C x 128-lane rows x itemsize`` bytes a layer. With 2*Hkv <= 16 per device, bf16 pads to 16 rows
+of 2 bytes and fp8 to 32 rows of 1 byte: the same bytes. Llama-3.2-1B (8 KV heads, head_dim 64 in
+128 lanes): 4,096 B a token a layer in bf16 and in fp8 (payload 2,048 and 1,024). Llama-3-8B (8 KV
+heads, d 128): 4,096 both. Only 2*Hkv > 16 per device gains (2x at 16 KV heads). Follow-up for a
+dense 8-bit layout: two token rows of 16 combined heads sharing one 32-row tile - the cache as
+``[L, P, page_size / 2, 32, D]`` (or 4-D ``[L, P, page_size*C, D]``), whose 2-D view is the same
+free bitcast; the kernel's loads work on it unchanged (stride C/4 words), but a token's write is
+half a tile, which Mosaic cannot DMA into HBM (a read-modify-write of the tile, or the write left
+to an in-place XLA scatter outside the kernel), and every consumer of the 5-D page shape (write_kv_ref,
+the page movers, host tier, P/D transfer between impls) must take the new shape.
 """
 
 from __future__ import annotations

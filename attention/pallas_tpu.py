@@ -353,9 +353,10 @@ def _kernel(
         v_ok = (kvb * kv_block + lax.broadcasted_iota(jnp.int32, (kv_block, 1), 0)) < kv_len
 
         score_scale = sm_scale * (1.0 if k_scale is None else k_scale)
+        words: dict = {}  # 1-byte cache: one word load serves heads 2w and 2w + 1
         for h in range(num_kv_heads):
             q = q_ref[0, h]  # [rows, D]
-            k, v = _load_kv_head(kv_buf.at[slot], h, kv_block, cache_heads, packed_loads, byte_values)
+            k, v = _load_kv_head(kv_buf.at[slot], h, kv_block, cache_heads, packed_loads, byte_values, words)
             k, v = k.astype(q.dtype), v.astype(q.dtype)
             v = jnp.where(v_ok, v, jnp.zeros_like(v))  # stale / NaN rows past kv_len
             precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
@@ -450,7 +451,9 @@ def _kernel(
         o_ref[0, h] = out.astype(o_ref.dtype)
 
 
-def _load_kv_head(buf, h: int, kv_block: int, cache_heads: int, packed_loads: bool, byte_values=None):
+def _load_kv_head(
+    buf, h: int, kv_block: int, cache_heads: int, packed_loads: bool, byte_values=None, words=None
+):
     """K and V ``[kv_block, D]`` of KV head ``h`` from one block buffer ``[kv_block*C, D]``.
 
     Sublane-strided loads pick one combined head out of every token's C rows; padding heads
@@ -463,9 +466,15 @@ def _load_kv_head(buf, h: int, kv_block: int, cache_heads: int, packed_loads: bo
 
     ``byte_values`` (a float8 dtype): the buffer holds 1-byte FP8 codes (as uint8 or as that
     float8 type); K and V come back as f32 values, decoded with integer ops (``_fp8_to_f32``).
+    ``words`` (a dict the caller keeps over one KV block's head loop): the loaded words by index,
+    so heads 2w and 2w + 1 share one load of word w.
     """
     if byte_values is not None:
-        word = _packed_byte_rows(buf, h // 2, kv_block, cache_heads, packed_loads)
+        words = {} if words is None else words
+        if h // 2 not in words:
+            words.clear()  # the previous pair's word is done with: keep one live
+            words[h // 2] = _packed_byte_rows(buf, h // 2, kv_block, cache_heads, packed_loads)
+        word = words[h // 2]
         low = 16 * (h % 2)  # K_h is byte 2h mod 4 of its word, V_h the byte above it
         k = _fp8_to_f32(lax.shift_right_logical(word, low) & 0xFF, byte_values)
         v = _fp8_to_f32(lax.shift_right_logical(word, low + 8) & 0xFF, byte_values)

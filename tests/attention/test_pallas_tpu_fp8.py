@@ -311,3 +311,19 @@ def test_exports_for_tpu(num_tokens, storage, options):
     main = next(line for line in text.splitlines() if "func.func public @main" in line)
     cache_type = "tensor<" + "x".join(map(str, shape)) + ("xui8>" if storage == "bytes" else "xf8E4M3FN>")
     assert cache_type in main and "tf.aliasing_output" in main, main
+
+
+def test_fp8_page_bytes_against_bf16():
+    """What the padded layout costs (the memory plan's page_bytes): with up to 8 KV heads a token of
+    an fp8 cache takes as many bytes as bf16's (32 rows of 1 byte vs 16 of 2); 16 KV heads halve it.
+    Llama-3.2-1B: 16 layers x 4,096 B = 64 KiB a token in both (kv_cache_shape's docstring)."""
+    hq, hkv, d = llama_1b_shape()
+
+    def per_token(num_kv_heads, head_dim, dtype, layers=16):
+        spec = KVCacheSpec(layers, 1, 16, num_kv_heads, head_dim, dtype)
+        return spec.page_bytes("pallas_tpu") // 16, spec.bytes_per_page // 16
+
+    assert per_token(hkv, d, jnp.bfloat16) == (16 * 4096, 16 * 2048)
+    assert per_token(hkv, d, jnp.uint8) == (16 * 4096, 16 * 1024)  # same bytes, half the payload
+    assert per_token(8, 128, jnp.uint8)[0] == per_token(8, 128, jnp.bfloat16)[0]  # Llama-3-8B
+    assert 2 * per_token(16, 128, jnp.uint8)[0] == per_token(16, 128, jnp.bfloat16)[0]
