@@ -353,7 +353,7 @@ def _kernel(
         v_ok = (kvb * kv_block + lax.broadcasted_iota(jnp.int32, (kv_block, 1), 0)) < kv_len
 
         score_scale = sm_scale * (1.0 if k_scale is None else k_scale)
-        words: dict = {}  # 1-byte cache: one word load serves heads 2w and 2w + 1
+        words = {}  # 1-byte cache: one word load serves heads 2w and 2w + 1
         for h in range(num_kv_heads):
             q = q_ref[0, h]  # [rows, D]
             k, v = _load_kv_head(kv_buf.at[slot], h, kv_block, cache_heads, packed_loads, byte_values, words)
