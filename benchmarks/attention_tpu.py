@@ -88,7 +88,7 @@ def parse_args(argv=None):
     p.add_argument(
         "--kv-dtype",
         default="bfloat16",
-        help="KV cache dtypes timed, comma-separated: bfloat16, fp8 (fp8 also joins --check-dtypes)",
+        help="KV cache dtypes timed, comma-separated: bfloat16, fp8 (fp8 also joins --check-dtypes; --sweep times bf16 only)",
     )
     p.add_argument(
         "--check-options",
