@@ -348,3 +348,42 @@ def test_attention_benchmark_checks_fp8_off_tpu(tmp_path):
     checks = json.loads(out.read_text())["checks"]
     assert {c["dtype"] for c in checks} == {"bfloat16", "fp8"}
     assert all(c["passed"] and c["kv_write_exact"] for c in checks)
+
+
+@pytest.mark.timeout(400)
+def test_dispatch_fp8_bytes_in_layer_scan():
+    """The engine's call: dispatch (quantize_kv, then the kernel) in a jitted lax.scan over a
+    2-layer uint8 cache of e4m3 codes (params.kv_dtype), the layer index traced ==
+    'reference' on the unpadded uint8 cache: the same bytes written in each layer, close outputs."""
+    from tpuserve.attention.dispatch import AttentionParams, ragged_paged_attention, split_kv
+    from tpuserve.attention.metadata import AttentionMetadata
+
+    case, kwargs, _, dtype, _, old, _ = fp8_step("mixed_g2_hkv3", seed=3)
+    hkv = case.new_kv.shape[1] // 2
+    other = quantize_pages(
+        np.random.default_rng(9).standard_normal(old.shape), kwargs["k_scale"], kwargs["v_scale"], dtype
+    )
+    plain = jnp.asarray(np.stack([other, old]).view(np.uint8))
+    padded = jnp.stack(
+        [padded_cache(other, hkv, np.dtype(np.uint8)), padded_cache(old, hkv, np.dtype(np.uint8))]
+    )
+    new_k, new_v = split_kv(case.new_kv)
+    md = AttentionMetadata(*case.metadata)
+    params = AttentionParams(**kwargs, kv_dtype=jnp.dtype(dtype).name)
+
+    def step(impl, cache):
+        def layer(c, i):
+            scale = (i + 1).astype(new_k.dtype)  # each layer its own K/V: a wrong layer shows
+            out, c = ragged_paged_attention(
+                case.queries, new_k * scale, new_v * scale, c, i, md, params, impl
+            )
+            return c, out
+
+        return jax.jit(lambda c: jax.lax.scan(layer, c, jnp.arange(2, dtype=jnp.int32)))(cache)
+
+    got, out = step("pallas_tpu_interpret", padded)
+    want, want_out = step("reference", plain)
+    assert got.dtype == jnp.uint8 and got.shape[3] == 32
+    np.testing.assert_array_equal(np.asarray(got)[..., : 2 * hkv, :], np.asarray(want))
+    assert not np.asarray(got)[..., 2 * hkv :, :].any()
+    np.testing.assert_allclose(cases.f32(out), cases.f32(want_out), atol=1e-4, rtol=1e-4)
