@@ -167,8 +167,9 @@ def default_block_sizes(
     head_dim: int = 128,
 ) -> tuple[int, int]:
     """(num_queries_per_block, num_kv_pages_per_block) for a step's static shapes. The KV token
-    counts are for 16-bit caches; a 32-bit cache gets half as many (same VMEM bytes), and a cache
-    with wider token rows (``cache_heads`` x ``head_dim``, the head dim in whole 128-lane tiles)
+    counts are for 16-bit caches; a 32-bit cache gets half as many (same VMEM bytes), a 1-byte
+    (FP8) cache as many as 16-bit (its padded rows of up to 32 heads take bf16's bytes; its decode
+    temporaries are not measured on a chip yet), and a cache with wider token rows (``cache_heads`` x ``head_dim``, the head dim in whole 128-lane tiles)
     as many as keep the two KV buffers within ``_KV_BUFFER_BYTES``."""
     kind = _device_kind() if device_kind is None else device_kind.lower()
     sizes = _FALLBACK_BLOCK_SIZES
