@@ -37,8 +37,9 @@ class AttentionParams:
     # The cache holds k / k_scale and v / v_scale (an FP8 KV cache); attention multiplies back.
     k_scale: float | None = None
     v_scale: float | None = None
-    # The cached values' dtype name when the cache holds their bytes as uint8 (an FP8 cache on
-    # XLA:CPU, kv_cache_shape.kv_storage_dtype); None: the values are the cache's own dtype.
+    # The cached values' dtype name when the cache holds their bytes as uint8 (an FP8 cache as
+    # the engine stores it on CPU and TPU, kv_cache_shape.kv_storage_dtype); None: the values are
+    # the cache's own dtype.
     kv_dtype: str | None = None
 
 
@@ -182,13 +183,14 @@ def _attend(
             sinks=sinks,
         )
         return out, kv_cache
-    if as_bytes:
+    if as_bytes and impl not in PADDED_HEAD_IMPLS:
         raise ValueError(
             f"attention impl {impl!r} reads a KV cache in its own dtype, not {values.name} values "
-            f"stored as uint8 bytes (the CPU's FP8 cache); the jnp paths (reference, blocked) read those"
+            f"stored as uint8 bytes (the engine's FP8 cache on CPU and TPU); the jnp paths "
+            f"(reference, blocked) and the TPU kernel read those"
         )
     # The kernels write the layer in place: the layer index travels as a scalar, no slicing.
-    new_kv = quantize_kv(new_k, new_v, params, kv_cache.dtype)
+    new_kv = quantize_kv(new_k, new_v, params, values)
     args = (queries, new_kv, kv_cache, layer, md.kv_lens, md.page_indices, md.cu_q_lens, md.num_seqs)
     kwargs = dict(
         sm_scale=params.sm_scale,
@@ -198,12 +200,12 @@ def _attend(
         v_scale=params.v_scale,
         sinks=sinks,
     )
-    if impl == "pallas_tpu":
-        return ragged_paged_attention_tpu_stacked(*args, num_kv_heads=new_k.shape[1], **kwargs)
-    if impl == "pallas_tpu_interpret":
-        return ragged_paged_attention_tpu_stacked(
-            *args, num_kv_heads=new_k.shape[1], interpret=TPU_INTERPRET_PARAMS, **kwargs
-        )
+    if impl in PADDED_HEAD_IMPLS:
+        # A uint8 cache of FP8 bytes: the kernel decodes the codes and writes new_kv's bytes.
+        tpu = dict(num_kv_heads=new_k.shape[1], kv_dtype=values if as_bytes else None)
+        if impl == "pallas_tpu_interpret":
+            tpu["interpret"] = TPU_INTERPRET_PARAMS
+        return ragged_paged_attention_tpu_stacked(*args, **tpu, **kwargs)
     if impl == "pallas_gpu":
         return ragged_paged_attention_gpu_stacked(*args, **kwargs)
     raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {impl!r}")

@@ -14,6 +14,18 @@ slice with C below the tile occupies a whole tile anyway. Padding C makes that w
 counted in the KV sizing), and it lets the kernel view a page as ``[page_size*C, D]`` for free - a
 bitcast, where an unpadded small C makes XLA relayout the whole cache around every call. Combined
 heads ``>= 2*Hkv`` are padding: never written, never read into the attention math, zero forever.
+
+What that costs an FP8 cache (``page_bytes``; the memory plan counts it): a token row takes
+``C x 128-lane rows x itemsize`` bytes a layer. With 2*Hkv <= 16 per device, bf16 pads to 16 rows
+of 2 bytes and fp8 to 32 rows of 1 byte: the same bytes. Llama-3.2-1B (8 KV heads, head_dim 64 in
+128 lanes): 4,096 B a token a layer in bf16 and in fp8 (payload 2,048 and 1,024). Llama-3-8B (8 KV
+heads, d 128): 4,096 both. Only 2*Hkv > 16 per device gains (2x at 16 KV heads). Follow-up for a
+dense 8-bit layout: two token rows of 16 combined heads sharing one 32-row tile - the cache as
+``[L, P, page_size / 2, 32, D]`` (or 4-D ``[L, P, page_size*C, D]``), whose 2-D view is the same
+free bitcast; the kernel's loads work on it unchanged (stride C/4 words), but a token's write is
+half a tile, which Mosaic cannot DMA into HBM (a read-modify-write of the tile, or the write left
+to an in-place XLA scatter outside the kernel), and every consumer of the 5-D page shape (write_kv_ref,
+the page movers, host tier, P/D transfer between impls) must take the new shape.
 """
 
 from __future__ import annotations
@@ -51,9 +63,9 @@ def min_page_size(impl: str, max_model_len: int, max_num_seqs: int) -> int:
 def resolve_impl(impl: str, backend: str, kv_cache_dtype=None) -> str:
     """Turn ``auto`` into a concrete implementation for a JAX backend ('tpu', 'gpu', 'cpu').
 
-    The compiled TPU kernel reads 32- and 16-bit caches only (Mosaic strides 32-bit words), so an
-    8-bit (fp8) ``kv_cache_dtype`` on a TPU is refused unless the jnp reference is asked for by
-    name (resolve_attention_impl says why), and asking for ``pallas_tpu`` with one is refused."""
+    The compiled TPU kernel reads float32, bfloat16 and 1-byte FP8 caches (float8_e4m3fn /
+    float8_e5m2 codes, decoded in VMEM), so ``auto`` is ``pallas_tpu`` on a TPU for every cache
+    dtype the engine offers."""
     byte_cache = kv_cache_dtype is not None and np.dtype(kv_cache_dtype).itemsize == 1
     name = np.dtype(kv_cache_dtype).name if byte_cache else ""
     return resolve_attention_impl(impl, backend, byte_cache, name)
@@ -61,28 +73,18 @@ def resolve_impl(impl: str, backend: str, kv_cache_dtype=None) -> str:
 
 def resolve_attention_impl(impl: str, backend: str, byte_cache: bool, cache_dtype_name: str = "fp8") -> str:
     """``resolve_impl`` knowing only whether the cache holds 1-byte values (the engine config
-    resolves its mode before any dtype exists)."""
+    resolves its mode before any dtype exists).
+
+    A 1-byte (FP8) cache on a TPU runs the compiled kernel, which decodes its codes in VMEM. The
+    jnp reference, asked for by name, still runs one too, but it is no default there: with the
+    cache stored as fp8 its step on a v5e needed 56.8 GB of HLO temporaries for a 1B model at
+    gpu_memory_utilization 0.9 (XLA widened the whole cache); with today's uint8 storage
+    (``kv_storage_dtype``) it gathers bytes as on CPU, not yet measured on a TPU."""
+    del byte_cache, cache_dtype_name  # every cache dtype the engine offers has a TPU path now
     if impl not in ATTENTION_IMPLS:
         raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {impl!r}")
-    if impl == "pallas_tpu" and byte_cache:
-        raise ValueError(
-            f"attention_impl=pallas_tpu cannot read a {cache_dtype_name} "
-            f"KV cache (the compiled TPU kernel reads float32 and bfloat16 caches); "
-            f"use kv_cache_dtype=auto, or attention_impl=reference"
-        )
     if impl != "auto":
         return impl
-    if backend == "tpu" and byte_cache:
-        # Left to "auto" this took the jnp reference, which on a v5e needed 56.8 GB of HLO
-        # temporaries for a 1B model's step at gpu_memory_utilization 0.9 (XLA widened the whole
-        # 1-byte cache) and failed warm-up. Asking for "reference" explicitly still runs it.
-        raise ValueError(
-            f"kv_cache_dtype {cache_dtype_name} is not supported on TPU yet: the compiled TPU "
-            f"attention kernel does not read 1-byte caches, and the jnp reference path widens the "
-            f"whole cache (on a v5e a 1B model's step needed 56.8 GB of temporaries at "
-            f"gpu_memory_utilization 0.9); use kv_cache_dtype=auto, or attention_impl=reference "
-            f"with a small KV cache (--num-gpu-blocks) to run it anyway"
-        )
     # CPU (and anything else) runs the blocked jnp path: the reference's whole-row gather costs
     # 2-7x more there (attention/blocked.py says why).
     return {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}.get(backend, "blocked")
@@ -91,14 +93,17 @@ def resolve_attention_impl(impl: str, backend: str, byte_cache: bool, cache_dtyp
 def kv_storage_dtype(dtype, backend: str) -> np.dtype:
     """The dtype a KV cache of ``dtype`` values is stored in on ``backend``.
 
-    XLA:CPU widens the whole operand of an fp8 gather or scatter, so every layer of every step
-    copied the entire cache; bitcasting the whole cache to uint8 inside the step copied it too.
-    Stored as uint8 (the same bytes), the cache is read and written in place, and only the rows a
-    step reads or writes are bitcast. Elsewhere (a TPU runs an fp8 cache on the jnp reference) the
-    cache stays in its own dtype."""
+    An FP8 cache is stored as uint8 (the same bytes) on CPU and TPU. XLA:CPU widens the whole
+    operand of an fp8 gather or scatter, so every layer of every step copied the entire cache
+    (bitcasting the whole cache to uint8 inside the step copied it too); as uint8 it is read and
+    written in place, and only the rows a step reads or writes are bitcast. On a TPU the compiled
+    kernel reads the bytes as 32-bit words and decodes the codes with integer ops (no fp8 vector
+    type: a v5e has none), the jnp reference gathers bytes as on CPU, and interpret-mode tests run
+    the very storage the chip does. Elsewhere (the GPU kernel reads fp8 itself) the cache stays
+    in its own dtype."""
     dtype = np.dtype(dtype)
     byte_float = dtype.itemsize == 1 and dtype.kind not in "biu"  # ml_dtypes' float8 types
-    return np.dtype(np.uint8) if byte_float and backend == "cpu" else dtype
+    return np.dtype(np.uint8) if byte_float and backend in ("cpu", "tpu") else dtype
 
 
 def sublane_tile(dtype) -> int:

@@ -26,6 +26,17 @@ In the 2-D view K of head h for a KV block is one sublane-strided load
 (``pl.ds(2*h, kv_block, stride=C)``), the pattern jax's own TPU kernel uses; for bf16 the compiled
 kernel strides a uint32 view instead (``_load_kv_head``).
 
+FP8 cache: 1-byte float8_e4m3fn / float8_e5m2 codes, stored as uint8 by the engine
+(``kv_storage_dtype``, ``kv_dtype=`` here; a float8-typed cache works too). Pages move by the same
+DMAs; the new rows arrive quantized (``quantize_kv``) and are DMA'd as bytes. Reads stride the
+buffer's uint32 view: a word holds combined heads 4w .. 4w+3 of a token, so K and V of head h are
+bytes ``2*(h % 2)`` and ``2*(h % 2) + 1`` of word ``h // 2``, extracted with shifts and decoded to
+f32 with 32-bit integer ops (``_fp8_to_f32``: no fp8 vector type, which a v5e has no unit for),
+then cast to the query dtype (exact: every fp8 value is a bf16). C is padded to 32 for 8-bit (the
+tile of 32 byte rows), so with up to 8 KV heads a token's row takes as many bytes as bf16's 16
+rows: the FP8 cache then saves no HBM or DMA bytes, only from 16 KV heads (per device) on (see
+``kv_cache_shape``).
+
 Queries are re-laid out outside the kernel (cheap next to the KV traffic) from ``[T, Hq, D]`` to
 ``[NB, Hkv, bq*G, D]`` (NB query blocks of ``bq`` tokens, G = Hq/Hkv): row ``t*G + g`` of KV head
 h is query head ``h*G + g`` of token ``blk*bq + t``. One matmul per KV head then serves the whole
@@ -60,7 +71,7 @@ grid = (NB,) over query blocks, "arbitrary" (sequential) because DMAs cross grid
   row starts instead at its head's sink: m = s_h, l = 1 (a key with no value). Masks are built from integer products only
   (row >= (kv_pos - base) * G) - no vector integer division, which Mosaic handles poorly.
 * Scales: ``sm_scale * k_scale`` multiplies the scores, ``v_scale`` the final output (both are
-  linear), so FP8 pages are only cast, never rescaled element-wise.
+  linear), so FP8 pages are only decoded, never rescaled element-wise.
 
 Block sizes
 -----------
@@ -82,10 +93,11 @@ paged-decode schedule. It is the same kernel (correct for any batch), chosen sta
 
 Status: verified on CPU in TPU interpret mode (DMAs, semaphores, race detection) against the jnp
 reference and jax's ``ref_ragged_paged_attention``, and lowered to Mosaic (jaxpr -> Mosaic MLIR,
-``.lower(lowering_platforms=("tpu",))``) without a TPU. Not yet compiled by Mosaic's layout passes
-or run on a real TPU. Likeliest snags there: sublane-strided loads of packed dtypes (bf16/fp8 -
-jax's kernel once worked around a Mosaic limitation with u32 bitcasts) and fp8 -> bf16 casts on
-chips without fp8 (v5e).
+``.lower(lowering_platforms=("tpu",))``) without a TPU. The f32 and bf16 caches have been compiled
+and run on a v5e (benchmarks/attention_tpu.py, benchmarks/RESULTS.md); the FP8 cache's reads (a
+uint32 view of an 8-bit buffer, byte shifts, the integer decode) have not yet met Mosaic's layout
+passes. Interpret mode builds the same words from byte rows, so only the chip's byte order within
+a word is assumed there (the lowest row in the low byte, as for bf16's pair).
 """
 
 from __future__ import annotations
@@ -155,8 +167,9 @@ def default_block_sizes(
     head_dim: int = 128,
 ) -> tuple[int, int]:
     """(num_queries_per_block, num_kv_pages_per_block) for a step's static shapes. The KV token
-    counts are for 16-bit caches; a 32-bit cache gets half as many (same VMEM bytes), and a cache
-    with wider token rows (``cache_heads`` x ``head_dim``, the head dim in whole 128-lane tiles)
+    counts are for 16-bit caches; a 32-bit cache gets half as many (same VMEM bytes), a 1-byte
+    (FP8) cache as many as 16-bit (its padded rows of up to 32 heads take bf16's bytes; its decode
+    temporaries are not measured on a chip yet), and a cache with wider token rows (``cache_heads`` x ``head_dim``, the head dim in whole 128-lane tiles)
     as many as keep the two KV buffers within ``_KV_BUFFER_BYTES``."""
     kind = _device_kind() if device_kind is None else device_kind.lower()
     sizes = _FALLBACK_BLOCK_SIZES
@@ -215,6 +228,7 @@ def _kernel(
     k_scale: float | None,
     v_scale: float | None,
     packed_loads: bool,
+    byte_values=None,
 ):
     del kv_in_hbm  # same buffer as kv_hbm; every read and write goes through the output ref
     blk = pl.program_id(0)
@@ -340,9 +354,10 @@ def _kernel(
         v_ok = (kvb * kv_block + lax.broadcasted_iota(jnp.int32, (kv_block, 1), 0)) < kv_len
 
         score_scale = sm_scale * (1.0 if k_scale is None else k_scale)
+        words = {}  # 1-byte cache: one word load serves heads 2w and 2w + 1
         for h in range(num_kv_heads):
             q = q_ref[0, h]  # [rows, D]
-            k, v = _load_kv_head(kv_buf.at[slot], h, kv_block, cache_heads, packed_loads)
+            k, v = _load_kv_head(kv_buf.at[slot], h, kv_block, cache_heads, packed_loads, byte_values, words)
             k, v = k.astype(q.dtype), v.astype(q.dtype)
             v = jnp.where(v_ok, v, jnp.zeros_like(v))  # stale / NaN rows past kv_len
             precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
@@ -437,7 +452,9 @@ def _kernel(
         o_ref[0, h] = out.astype(o_ref.dtype)
 
 
-def _load_kv_head(buf, h: int, kv_block: int, cache_heads: int, packed_loads: bool):
+def _load_kv_head(
+    buf, h: int, kv_block: int, cache_heads: int, packed_loads: bool, byte_values=None, words=None
+):
     """K and V ``[kv_block, D]`` of KV head ``h`` from one block buffer ``[kv_block*C, D]``.
 
     Sublane-strided loads pick one combined head out of every token's C rows; padding heads
@@ -447,7 +464,22 @@ def _load_kv_head(buf, h: int, kv_block: int, cache_heads: int, packed_loads: bo
     row h of a token's C/2, and moving each half to the top of a 32-bit word gives its exact value
     as f32. TPU interpret mode cannot index a bitcast ref, so it loads bf16 rows directly (same
     values); the compiled unpacking is checked on a TPU by benchmarks/attention_tpu.py.
+
+    ``byte_values`` (a float8 dtype): the buffer holds 1-byte FP8 codes (as uint8 or as that
+    float8 type); K and V come back as f32 values, decoded with integer ops (``_fp8_to_f32``).
+    ``words`` (a dict the caller keeps over one KV block's head loop): the loaded words by index,
+    so heads 2w and 2w + 1 share one load of word w.
     """
+    if byte_values is not None:
+        words = {} if words is None else words
+        if h // 2 not in words:
+            words.clear()  # the previous pair's word is done with: keep one live
+            words[h // 2] = _packed_byte_rows(buf, h // 2, kv_block, cache_heads, packed_loads)
+        word = words[h // 2]
+        low = 16 * (h % 2)  # K_h is byte 2h mod 4 of its word, V_h the byte above it
+        k = _fp8_to_f32(lax.shift_right_logical(word, low) & 0xFF, byte_values)
+        v = _fp8_to_f32(lax.shift_right_logical(word, low + 8) & 0xFF, byte_values)
+        return k, v
     if jnp.dtype(buf.dtype).itemsize == 4 or not packed_loads:
         k = buf[pl.ds(2 * h, kv_block, stride=cache_heads), :]
         v = buf[pl.ds(2 * h + 1, kv_block, stride=cache_heads), :]
@@ -459,13 +491,92 @@ def _load_kv_head(buf, h: int, kv_block: int, cache_heads: int, packed_loads: bo
     return k, v
 
 
-def check_compiled_cache_dtype(dtype) -> None:
-    """NotImplementedError unless the compiled (Mosaic) kernel can read a ``dtype`` KV cache."""
-    if jnp.dtype(dtype).itemsize != 4 and jnp.dtype(dtype) != jnp.bfloat16:
+def _packed_byte_rows(buf, w: int, kv_block: int, cache_heads: int, packed_loads: bool):
+    """int32 ``[kv_block, D]``: word ``w`` of every token's C byte rows, i.e. combined heads
+    ``4w .. 4w+3`` of a 1-byte buffer packed four to a 32-bit word, head ``4w + j`` in byte j (bits
+    8j .. 8j+7: the lowest row in the low byte, as a TPU packs 8-bit rows into a 32-bit sublane
+    word, the order of the bf16 pair above). Compiled: one sublane-strided load of the buffer's
+    uint32 view. TPU interpret mode (no bitcast refs) builds the same words from four strided
+    byte-row loads, so the byte extraction and decoding after it run there too; only the packing
+    order itself is the chip's (checked on one by benchmarks/attention_tpu.py)."""
+    if packed_loads:
+        word = buf.bitcast(jnp.uint32)[pl.ds(w, kv_block, stride=cache_heads // 4), :]
+        return lax.bitcast_convert_type(word, jnp.int32)
+    word = None
+    for j in range(4):
+        c = 4 * w + j
+        if c >= cache_heads:  # an unpadded cache whose C is not a multiple of 4
+            break
+        row = buf[pl.ds(c, kv_block, stride=cache_heads), :]
+        if row.dtype != jnp.uint8:
+            row = lax.bitcast_convert_type(row, jnp.uint8)
+        part = row.astype(jnp.int32) << (8 * j)
+        word = part if word is None else word | part
+    return word
+
+
+# (exponent bits, mantissa bits, exponent bias) of the FP8 formats the kernel decodes.
+_FP8_FORMATS = {
+    jnp.dtype(jnp.float8_e4m3fn): (4, 3, 7),
+    jnp.dtype(jnp.float8_e5m2): (5, 2, 15),
+}
+
+
+def _fp8_to_f32(code, dtype):
+    """int32 FP8 codes (0..255) of ``dtype`` -> their f32 values, with 32-bit integer ops, a
+    bitcast and one int -> float conversion only (no fp8 vector type, which a v5e lacks).
+
+    A normal code (exponent field E > 0) is the f32 with exponent ``E - bias + 127`` and the
+    mantissa bits at the top of f32's; a subnormal one (E == 0) is ``m * 2**(1 - bias - mbits)``.
+    The NaN / inf codes are never stored (``quantize_kv`` clips to the finite range) and are not
+    special-cased: e4m3fn's NaN decodes as 480, e5m2's inf / NaN as large finite values."""
+    ebits, mbits, bias = _FP8_FORMATS[jnp.dtype(dtype)]
+    exp = (code >> mbits) & ((1 << ebits) - 1)
+    man = code & ((1 << mbits) - 1)
+    normal = lax.bitcast_convert_type(((exp + (127 - bias)) << 23) | (man << (23 - mbits)), jnp.float32)
+    subnormal = man.astype(jnp.float32) * jnp.float32(2.0 ** (1 - bias - mbits))
+    mag = jnp.where(exp == 0, subnormal, normal)
+    return jnp.where((code & 0x80) != 0, -mag, mag)
+
+
+def fp8_value_dtype(cache_dtype, kv_dtype=None):
+    """The float8 dtype whose codes a 1-byte cache holds, or None for a 16/32-bit cache.
+
+    ``kv_dtype``: the values' dtype when the cache stores their bytes as uint8
+    (``kv_cache_shape.kv_storage_dtype``); None: the cache's own dtype. ValueError for a pairing
+    that cannot be (a uint8 cache of 2-byte values, a bf16 cache said to hold fp8)."""
+    cache_dtype = jnp.dtype(cache_dtype)
+    values = cache_dtype if kv_dtype is None else jnp.dtype(kv_dtype)
+    if values != cache_dtype and (cache_dtype != jnp.uint8 or values.itemsize != 1):
+        raise ValueError(f"a {cache_dtype.name} KV cache cannot hold {values.name} values")
+    if values.itemsize != 1:
+        return None
+    if values not in _FP8_FORMATS:
         raise NotImplementedError(
-            f"the compiled TPU attention kernel reads float32 or bfloat16 KV caches, not "
-            f"{jnp.dtype(dtype).name}: Mosaic strides 32-bit words only, and unpacking is written "
-            f"for bf16 alone (kv_cache_dtype=auto, or attention_impl=reference, avoid it)"
+            f"the TPU attention kernel reads float8_e4m3fn and float8_e5m2 KV caches (as such or "
+            f"as uint8 bytes), not {values.name}"
+        )
+    return values
+
+
+def check_compiled_cache_dtype(dtype, num_combined_heads: int | None = None) -> None:
+    """NotImplementedError unless the compiled (Mosaic) kernel can read a ``dtype`` KV cache:
+    float32, bfloat16, or 1-byte FP8 codes (``fp8_value_dtype`` says which) whose C rows a token
+    fill whole 32-bit words (``num_combined_heads`` a multiple of 4)."""
+    dtype = jnp.dtype(dtype)
+    if dtype.itemsize == 1:
+        if num_combined_heads is not None and num_combined_heads % 4:
+            raise NotImplementedError(
+                f"the compiled TPU attention kernel reads a 1-byte KV cache as 32-bit words of 4 "
+                f"combined heads; C={num_combined_heads} is not a multiple of 4 (the padded cache "
+                f"kv_cache_shape('pallas_tpu', ...) gives has C a multiple of 32)"
+            )
+        return
+    if dtype.itemsize != 4 and dtype != jnp.bfloat16:
+        raise NotImplementedError(
+            f"the compiled TPU attention kernel reads float32, bfloat16 or FP8 KV caches, not "
+            f"{dtype.name}: Mosaic strides 32-bit words only, and unpacking is written for bf16 "
+            f"and 1-byte FP8 codes (kv_cache_dtype=auto, or attention_impl=reference, avoid it)"
         )
 
 
@@ -489,6 +600,7 @@ def _first_seq_per_block(cu_q_lens, num_blocks: int, bq: int):
         "num_kv_pages_per_block",
         "vmem_limit_bytes",
         "num_kv_heads",
+        "kv_dtype",
         "interpret",
     ),
 )
@@ -512,6 +624,7 @@ def ragged_paged_attention_tpu_stacked(
     num_kv_pages_per_block: int | None = None,
     vmem_limit_bytes: int | None = None,
     num_kv_heads: int | None = None,
+    kv_dtype=None,
     interpret=None,
     sinks=None,
 ):
@@ -523,7 +636,11 @@ def ragged_paged_attention_tpu_stacked(
     layer: int32 scalar (traced is fine); kv_lens [S], page_indices [S, pages_per_seq],
     cu_q_lens [S+1], num_seqs [1] (all int32).
     ``num_kv_heads``: Hkv; taken from new_kv when it is given, else C // 2 - so pass it when
-    attending to a padded cache without writing. Returns (out [T, Hq, D] in queries.dtype,
+    attending to a padded cache without writing. ``kv_dtype``: the dtype of the cached values when
+    a uint8 cache holds their bytes (an FP8 cache as the engine stores it, ``kv_storage_dtype``);
+    None: the cache's own dtype. A 1-byte cache (float8_e4m3fn / float8_e5m2 codes, as such or as
+    uint8) is decoded in VMEM; new_kv is cast to the value dtype (the engine quantizes it first,
+    ``quantize_kv``) and written as bytes. Returns (out [T, Hq, D] in queries.dtype,
     kv_cache). ``interpret``: None to compile for TPU, or a ``pltpu.InterpretParams`` to run in
     TPU interpret mode. ``sinks``: None, or f32 [Hq] attention-sink logits (traced), as in the
     reference: each row's softmax starts from its head's sink. They travel in SMEM: Hq scalars
@@ -541,8 +658,9 @@ def ragged_paged_attention_tpu_stacked(
     elif num_kv_heads is None:
         num_kv_heads = cache_heads // 2
     num_combined = 2 * num_kv_heads
+    byte_values = fp8_value_dtype(kv_cache.dtype, kv_dtype)
     if interpret is None:
-        check_compiled_cache_dtype(kv_cache.dtype)
+        check_compiled_cache_dtype(kv_cache.dtype, cache_heads)
     num_slots, pages_per_seq = page_indices.shape
     if (
         head_dim_kv != head_dim
@@ -577,7 +695,12 @@ def ragged_paged_attention_tpu_stacked(
     q = q.reshape(num_blocks, bq, num_kv_heads, group, head_dim).transpose(0, 2, 1, 3, 4)
     q = q.reshape(num_blocks, num_kv_heads, bq * group, head_dim)
     if new_kv is not None:
-        new_kv = new_kv.astype(kv_cache.dtype)
+        if byte_values is None:
+            new_kv = new_kv.astype(kv_cache.dtype)
+        else:  # the values' codes, bitcast to the storage type (uint8) when it differs
+            new_kv = new_kv.astype(byte_values)
+            if kv_cache.dtype != byte_values:
+                new_kv = lax.bitcast_convert_type(new_kv, kv_cache.dtype)
         if cache_heads > num_combined:
             new_kv = jnp.pad(new_kv, ((0, 0), (0, cache_heads - num_combined), (0, 0)))
 
@@ -607,6 +730,7 @@ def ragged_paged_attention_tpu_stacked(
         k_scale=k_scale,
         v_scale=v_scale,
         packed_loads=interpret is None,
+        byte_values=byte_values,
     )
     if sinks is None or new_kv is None:
         kernel = functools.partial(_without_optional_inputs, kernel, sinks is not None, new_kv is not None)
@@ -681,6 +805,7 @@ def ragged_paged_attention_tpu(
     num_kv_pages_per_block: int | None = None,
     vmem_limit_bytes: int | None = None,
     num_kv_heads: int | None = None,
+    kv_dtype=None,
     interpret=None,
     sinks=None,
 ):
@@ -707,6 +832,7 @@ def ragged_paged_attention_tpu(
         num_kv_pages_per_block=num_kv_pages_per_block,
         vmem_limit_bytes=vmem_limit_bytes,
         num_kv_heads=num_kv_heads,
+        kv_dtype=kv_dtype,
         interpret=interpret,
         sinks=sinks,
     )

@@ -25,7 +25,14 @@ On a TPU machine (JAX_PLATFORMS unset):
    attend-only against attend-only, write against write; "jax/RPA" likewise, attend-only.
    At head_dim 64 it reads a cache padded to 128 lanes (v3 pads head_dim; tpu-inference itself
    switches to a separate head_dim-64 kernel, not loaded here).
-5. Writes everything (command, versions, device) as JSON to --out. Exit status 1 if a check (ours
+5. FP8 KV cache (--kv-dtype fp8, or bfloat16,fp8 for both): the checks gain an "fp8" dtype (bf16
+   queries over a cache of float8_e4m3fn codes stored as uint8, as the engine stores it, k_scale /
+   v_scale != 1; oracle: jax's reference on the dequantized f32 cache; the KV write exact byte for
+   byte), and every timing shape runs once per KV dtype ("[fp8]" in its name). kv_gbps counts the
+   K/V payload (2*Hkv heads x head_dim x itemsize a token); dma_gbps the bytes the kernel really
+   moves (the padded C rows x 128-lane rows), which for up to 8 KV heads are the same for fp8 as
+   for bf16 (attention/kv_cache_shape.py). jax's kernel and RPA v3 run on bf16 caches only.
+6. Writes everything (command, versions, device) as JSON to --out. Exit status 1 if a check (ours
    or RPA v3's) fails.
 """
 
@@ -50,7 +57,7 @@ from device_timing import copy_bandwidth, time_calls, time_donating
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas.ops.tpu import ragged_paged_attention as jax_rpa
 
-from tpuserve.attention.kv_cache_shape import combined_heads
+from tpuserve.attention.kv_cache_shape import combined_heads, device_head_dim
 from tpuserve.attention.pallas_tpu import ragged_paged_attention_tpu_stacked
 from tpuserve.attention.reference import ragged_paged_attention_ref, write_kv_ref
 
@@ -73,7 +80,16 @@ def parse_args(argv=None):
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--iters", type=int, default=20, help="timed calls per repeat")
     p.add_argument("--copy-gib", type=float, default=2.0, help="size of the bandwidth probe")
-    p.add_argument("--check-dtypes", default="float32,bfloat16")
+    p.add_argument(
+        "--check-dtypes",
+        default="float32,bfloat16",
+        help="KV cache dtypes checked: float32, bfloat16, fp8 (float8_e4m3fn codes stored as uint8)",
+    )
+    p.add_argument(
+        "--kv-dtype",
+        default="bfloat16",
+        help="KV cache dtypes timed, comma-separated: bfloat16, fp8 (fp8 also joins --check-dtypes; --sweep times bf16 only)",
+    )
     p.add_argument(
         "--check-options",
         default=",".join(CHECK_OPTIONS),
@@ -100,11 +116,44 @@ def parse_args(argv=None):
         "--sweep", action="store_true", help="only time our kernel over block sizes (no checks, no peers)"
     )
     args = p.parse_args(argv)
+    kv_dtypes = [x for x in args.kv_dtype.split(",") if x]
+    bad = [x for x in kv_dtypes if x not in KV_DTYPES]
+    if bad or not kv_dtypes:
+        p.error(f"--kv-dtype: each of {sorted(KV_DTYPES)}, got {args.kv_dtype!r}")
+    args.kv_dtypes = kv_dtypes
+    checked = [x for x in args.check_dtypes.split(",") if x]
+    if "fp8" in kv_dtypes and "fp8" not in checked:
+        args.check_dtypes = ",".join(checked + ["fp8"])
     if args.smoke:
         args.batches, args.contexts = "1,2", "64,128"
         args.num_q_heads, args.num_kv_heads, args.head_dim = 4, 2, 64
         args.iters, args.copy_gib = 2, 0.01
     return args
+
+
+# KV cache dtypes the timings take: the name on the command line -> (cache storage dtype, the
+# values' dtype when the storage holds their bytes).
+KV_DTYPES = {"bfloat16": (jnp.bfloat16, None), "fp8": (jnp.uint8, jnp.float8_e4m3fn)}
+# FP8 checks and timings quantize N(0, 1) data with these (|x| / scale stays far below 448).
+FP8_SCALES = dict(k_scale=0.02, v_scale=0.03)
+
+
+def fp8_codes(x, kv_axis: int = -2):
+    """f32 numpy [..., 2*Hkv, D] interleaved K/V -> their float8_e4m3fn codes as uint8 (K rows
+    divided by k_scale, V rows by v_scale, clipped to +-448), as quantize_kv writes them."""
+    x = np.moveaxis(np.asarray(x, np.float32), kv_axis, -2).copy()
+    x[..., 0::2, :] /= FP8_SCALES["k_scale"]
+    x[..., 1::2, :] /= FP8_SCALES["v_scale"]
+    codes = np.clip(x, -448.0, 448.0).astype(jnp.float8_e4m3fn).view(np.uint8)
+    return np.moveaxis(codes, -2, kv_axis)
+
+
+def fp8_values(codes):
+    """uint8 codes [..., 2*Hkv, D] -> the f32 values the cache holds (times the scales)."""
+    out = np.asarray(codes).view(jnp.float8_e4m3fn).astype(np.float32)
+    out[..., 0::2, :] *= FP8_SCALES["k_scale"]
+    out[..., 1::2, :] *= FP8_SCALES["v_scale"]
+    return out
 
 
 def on_tpu() -> bool:
@@ -197,7 +246,11 @@ def check_against_oracle(args, rpa_v3=None) -> list[dict]:
     results = []
     for hq, hkv, d in models:
         for name, seqs in (SMOKE_BATCHES if args.smoke else CHECK_BATCHES).items():
-            for dtype in [jnp.dtype(x) for x in args.check_dtypes.split(",")]:
+            for dtype_name in args.check_dtypes.split(","):
+                fp8 = dtype_name == "fp8"
+                # fp8: bf16 queries and new K/V before quantization, a uint8 cache of e4m3 codes.
+                dtype = jnp.dtype(jnp.bfloat16 if fp8 else dtype_name)
+                cache_dtype = jnp.dtype(jnp.uint8 if fp8 else dtype)
                 for opt in options:
                     kw = dict(sm_scale=d**-0.5, **opt)
                     if kw.pop("sinks", False):
@@ -205,7 +258,7 @@ def check_against_oracle(args, rpa_v3=None) -> list[dict]:
                     slots = len(seqs) + 1
                     kv_lens, pages, cu, ns, num_pages = step_metadata(seqs, ps, slots, rng)
                     t = int(cu[-1]) + 3  # padding tokens past the last sequence
-                    c = combined_heads("pallas_tpu", hkv, dtype)
+                    c = combined_heads("pallas_tpu", hkv, cache_dtype)
                     q = rng.standard_normal((t, hq, d)).astype(np.float32)
                     new_kv = rng.standard_normal((t, 2 * hkv, d)).astype(np.float32)
                     cache = np.zeros((num_pages, ps, c, d), np.float32)
@@ -215,37 +268,67 @@ def check_against_oracle(args, rpa_v3=None) -> list[dict]:
                         np.asarray(jnp.asarray(a, dtype).astype(jnp.float32)) for a in (q, new_kv, cache)
                     )
                     md_np = (kv_lens, pages, cu, ns)
+                    if fp8:  # the cache and this step's K/V as codes; the oracle sees their values
+                        cache8 = np.zeros(cache.shape, np.uint8)
+                        cache8[:, :, : 2 * hkv] = fp8_codes(cache[:, :, : 2 * hkv])
+                        new8 = fp8_codes(new_kv)
                     with jax.default_device(cpu):
-                        want_kv = write_kv_ref(
-                            jnp.asarray(cache[:, :, : 2 * hkv]), jnp.asarray(new_kv), *map(jnp.asarray, md_np)
-                        )
+                        if fp8:
+                            want_kv = write_kv_ref(
+                                jnp.asarray(cache8[:, :, : 2 * hkv]),
+                                jnp.asarray(new8),
+                                *map(jnp.asarray, md_np),
+                            )
+                            seen = jnp.asarray(fp8_values(want_kv))
+                        else:
+                            want_kv = write_kv_ref(
+                                jnp.asarray(cache[:, :, : 2 * hkv]),
+                                jnp.asarray(new_kv),
+                                *map(jnp.asarray, md_np),
+                            )
+                            seen = want_kv
                         oracle = (
                             ragged_paged_attention_ref
                             if "sinks" in kw
                             else jax_rpa.ref_ragged_paged_attention
                         )
-                        want = oracle(jnp.asarray(q), want_kv, *map(jnp.asarray, md_np), **kw)
+                        want = oracle(jnp.asarray(q), seen, *map(jnp.asarray, md_np), **kw)
                         want, want_kv = np.asarray(want), np.asarray(want_kv)
                     md = tuple(jnp.asarray(a) for a in md_np)
-                    q_d, kv_d = jnp.asarray(q, dtype), jnp.asarray(new_kv, dtype)
-                    cache_d = jnp.asarray(cache, dtype)[None]
+                    q_d = jnp.asarray(q, dtype)
+                    if fp8:
+                        kv_d = jnp.asarray(new8.view(jnp.float8_e4m3fn))
+                        cache_d = jnp.asarray(cache8)[None]
+                        fp8_kw = dict(kv_dtype=jnp.float8_e4m3fn, **FP8_SCALES)
+                    else:
+                        kv_d, cache_d, fp8_kw = (
+                            jnp.asarray(new_kv, dtype),
+                            jnp.asarray(cache, dtype)[None],
+                            {},
+                        )
                     try:
                         out, got_cache = ragged_paged_attention_tpu_stacked(
-                            q_d, kv_d, cache_d, jnp.int32(0), *md, interpret=interpret_params(), **kw
+                            q_d,
+                            kv_d,
+                            cache_d,
+                            jnp.int32(0),
+                            *md,
+                            interpret=interpret_params(),
+                            **kw,
+                            **fp8_kw,
                         )
                         jax.block_until_ready(out)
                     except Exception as e:  # e.g. a Mosaic lowering error: record it, go on
                         msg = f"{type(e).__name__}: {str(e)[:2000]}"
                         print(
-                            f"check hq{hq}/hkv{hkv}/d{d} {name} {jnp.dtype(dtype).name} {opt}: "
-                            f"FAILED {msg[:500]}",
+                            f"check hq{hq}/hkv{hkv}/d{d} {name} {dtype_name} {opt}: FAILED {msg[:500]}",
                             flush=True,
                         )
                         results.append(
                             dict(
                                 model=f"hq{hq}/hkv{hkv}/d{d}",
                                 batch=name,
-                                dtype=jnp.dtype(dtype).name,
+                                dtype=dtype_name,
                                 options=str(opt),
                                 error=msg,
                                 passed=False,
@@ -256,13 +339,16 @@ def check_against_oracle(args, rpa_v3=None) -> list[dict]:
                     got = np.asarray(out[:real].astype(jnp.float32))
                     err = float(np.max(np.abs(got - want[:real])))
                     got_kv = np.asarray(got_cache[0, :, :, : 2 * hkv].astype(jnp.float32))
-                    want_kv_d = np.asarray(jnp.asarray(want_kv, dtype).astype(jnp.float32))
+                    # (fp8: the uint8 codes themselves, compared as numbers: bit for bit)
+                    want_kv_d = np.asarray(jnp.asarray(want_kv, cache_dtype).astype(jnp.float32))
                     kv_exact = bool(np.array_equal(got_kv, want_kv_d))
                     pad_untouched = bool(
                         not np.asarray(got_cache[0, :, :, 2 * hkv :].astype(jnp.float32)).any()
                     )
                     peer_err = None
-                    if on_tpu() and c == 2 * hkv and "sinks" not in kw:  # jax's: unpadded, no sinks
+                    if (
+                        on_tpu() and c == 2 * hkv and "sinks" not in kw and not fp8
+                    ):  # jax's: unpadded, no sinks
                         try:
                             peer = jax_rpa.ragged_paged_attention(q_d, jnp.asarray(want_kv, dtype), *md, **kw)
                             peer_err = float(
@@ -270,10 +356,10 @@ def check_against_oracle(args, rpa_v3=None) -> list[dict]:
                             )
                         except Exception as e:  # its default blocks can overflow VMEM in f32
                             print(f"  jax's kernel failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
-                    tol = 2e-2 if dtype == jnp.float32 else 6e-2
+                    tol = 2e-2 if dtype == jnp.float32 else 6e-2  # fp8: bf16 queries, exact K/V values
                     ok = err <= tol and kv_exact and pad_untouched
                     rpa = {}
-                    if rpa_v3 is not None and "sinks" not in kw:  # v3's d=128 kernel has no sinks
+                    if rpa_v3 is not None and "sinks" not in kw and not fp8:  # v3's d=128 kernel has no sinks
                         try:
                             rpa_out, rpa_kv = check_rpa_v3(
                                 rpa_v3, q, new_kv, cache, md_np, hkv, dtype, kw, real
@@ -294,7 +380,7 @@ def check_against_oracle(args, rpa_v3=None) -> list[dict]:
                         dict(
                             model=f"hq{hq}/hkv{hkv}/d{d}",
                             batch=name,
-                            dtype=jnp.dtype(dtype).name,
+                            dtype=dtype_name,
                             options=str(opt),
                             max_abs_err=err,
                             tolerance=tol,
@@ -314,7 +400,7 @@ def check_against_oracle(args, rpa_v3=None) -> list[dict]:
                     elif rpa:
                         rpa_note = " | RPA v3 FAIL"
                     print(
-                        f"check hq{hq}/hkv{hkv}/d{d} {name:7s} {jnp.dtype(dtype).name:8s} "
+                        f"check hq{hq}/hkv{hkv}/d{d} {name:7s} {dtype_name:8s} "
                         f"{str(opt):40s} err {err:.2e} (jax's kernel "
                         f"{'-' if peer_err is None else f'{peer_err:.2e}'}) kv exact {kv_exact} "
                         f"{'PASS' if ok else 'FAIL'}{rpa_note}",
@@ -363,13 +449,24 @@ def time_rpa_v3(kernel, base, num_pages: int, hkv: int, q, new_kv, md_np, out_ou
 
 
 def timing_point(
-    args, name: str, seqs: list[tuple[int, int]], bandwidth: float, rng, head_dim=None, rpa_v3=None
+    args,
+    name: str,
+    seqs: list[tuple[int, int]],
+    bandwidth: float,
+    rng,
+    head_dim=None,
+    rpa_v3=None,
+    kv_dtype: str = "bfloat16",
 ) -> dict:
-    """Time ours (attend only; attend + KV write), jax's kernel and RPA v3 on one step shape."""
+    """Time ours (attend only; attend + KV write), jax's kernel and RPA v3 on one step shape.
+    ``kv_dtype`` (a KV_DTYPES name): "fp8" times ours over a uint8 cache of e4m3 codes (bf16
+    queries), the peers not at all (they would read another cache)."""
     ps, hq, hkv = args.page_size, args.num_q_heads, args.num_kv_heads
     d = head_dim or args.head_dim
     dtype = jnp.bfloat16
-    c = combined_heads("pallas_tpu", hkv, dtype)
+    cache_dtype, values = KV_DTYPES[kv_dtype]
+    fp8 = values is not None
+    c = combined_heads("pallas_tpu", hkv, cache_dtype)
     slots = len(seqs)
     kv_lens, pages, cu, ns, num_pages = step_metadata(seqs, ps, slots, rng)
     md = tuple(jnp.asarray(a) for a in (kv_lens, pages, cu, ns))
@@ -378,10 +475,15 @@ def timing_point(
     # Random pages tiled over the cache: values do not change the kernel's speed, and a full-size
     # jax.random.normal would need an f32 temporary twice the cache.
     base = jax.random.normal(key, (min(num_pages, 256), ps, c, d), dtype)
+    if fp8:  # e4m3 codes of values ~N(0, 8): a realistic spread of exponents, stored as bytes
+        base = jax.lax.bitcast_convert_type((base * 8).astype(values), cache_dtype)
     cache = jax.jit(lambda b: b[jnp.arange(num_pages) % b.shape[0]][None])(base)
     q = jax.random.normal(jax.random.fold_in(key, 1), (t, hq, d), dtype)
     new_kv = jax.random.normal(jax.random.fold_in(key, 2), (t, 2 * hkv, d), dtype)
     kw = dict(sm_scale=d**-0.5)
+    if fp8:
+        new_kv = (new_kv * 8).astype(values)
+        kw.update(kv_dtype=values, **FP8_SCALES)
     interp = interpret_params()
 
     # The kernel updates the cache in place (an aliased output): without donation XLA would copy
@@ -401,7 +503,7 @@ def timing_point(
     t_ours, cache = time_donating(attend, cache, q, *md, iters=args.iters)
     out_ours, cache = attend(cache, q, *md)
     t_peer = peer_err = peer_blocks = None
-    if on_tpu() and c == 2 * hkv:
+    if on_tpu() and c == 2 * hkv and not fp8:
         # jax's kernel reads the cache only (no alias, no copy). Its default blocks overflow v5e's
         # 16 MiB scoped VMEM at these shapes, so smaller KV blocks are tried in turn.
         for blocks in (
@@ -430,7 +532,7 @@ def timing_point(
     t_write, cache = time_donating(write, cache, q, new_kv, *md, iters=args.iters)
     del cache
     rpa = {}
-    if rpa_v3 is not None:
+    if rpa_v3 is not None and not fp8:
         try:
             rpa = time_rpa_v3(
                 rpa_v3, base, num_pages, hkv, q, new_kv, (kv_lens, pages, cu, ns), out_ours, args.iters
@@ -443,7 +545,10 @@ def timing_point(
         rpa["ours_over_rpa_v3"] = t_rpa / (t_ours * 1e6)
         rpa["ours_over_rpa_v3_with_kv_write"] = t_rpa_write / (t_write * 1e6)
         rpa["jax_over_rpa_v3"] = None if t_peer is None else t_rpa / (t_peer * 1e6)
-    kv_bytes = int(np.sum(kv_lens)) * 2 * hkv * d * jnp.dtype(dtype).itemsize
+    itemsize = jnp.dtype(cache_dtype).itemsize
+    kv_bytes = int(np.sum(kv_lens)) * 2 * hkv * d * itemsize
+    # What the DMAs move: whole padded token rows (C combined heads) of whole 128-lane tiles.
+    dma_bytes = int(np.sum(kv_lens)) * c * device_head_dim("pallas_tpu", d) * itemsize
     flops = 4 * hq * d * sum(q * kv for q, kv in seqs)  # QK^T and PV (causal halves ignored)
     row = dict(
         name=name,
@@ -455,7 +560,9 @@ def timing_point(
         jax_us=None if t_peer is None else t_peer * 1e6,
         ours_over_jax=None if t_peer is None else t_peer / t_ours,
         jax_blocks=str(peer_blocks),
+        kv_dtype=kv_dtype,
         kv_gbps=kv_bytes / t_ours / 1e9,
+        dma_gbps=dma_bytes / t_ours / 1e9,
         roofline_frac=kv_bytes / t_ours / bandwidth,
         tflops=flops / t_ours / 1e12,
         jax_vs_ours_max_abs_diff=peer_err,
@@ -466,7 +573,8 @@ def timing_point(
         f"time {name:24s} ours {t_ours * 1e6:9.1f} us (+write {t_write * 1e6:9.1f}) "
         f"jax {'-' if t_peer is None else f'{t_peer * 1e6:9.1f}'} us "
         f"speedup {'-' if t_peer is None else f'{t_peer / t_ours:5.2f}'}x  "
-        f"KV {row['kv_gbps']:7.1f} GB/s = {row['roofline_frac'] * 100:5.1f}% of copy  "
+        f"KV {row['kv_gbps']:7.1f} GB/s = {row['roofline_frac'] * 100:5.1f}% of copy "
+        f"(DMA {row['dma_gbps']:7.1f})  "
         f"{row['tflops']:6.2f} TFLOP/s",
         flush=True,
     )
@@ -614,12 +722,26 @@ def main(argv=None) -> int:
     head_dims = [int(x) for x in args.timing_head_dims.split(",") if x] or [args.head_dim]
     for d in head_dims:
         for base_name, seqs in points:
-            name = base_name if len(head_dims) == 1 else f"d{d} {base_name}"
-            try:
-                timings.append(timing_point(args, name, seqs, bandwidth, rng, head_dim=d, rpa_v3=rpa_v3))
-            except Exception as e:  # one failing shape must not cost the rest of a short device lease
-                print(f"time {name}: FAILED {type(e).__name__}: {str(e)[:500]}", flush=True)
-                timings.append(dict(name=name, head_dim=d, error=f"{type(e).__name__}: {str(e)[:2000]}"))
+            for kv_dtype in args.kv_dtypes:  # side by side per shape
+                name = base_name if len(head_dims) == 1 else f"d{d} {base_name}"
+                if kv_dtype != "bfloat16":
+                    name = f"{name} [{kv_dtype}]"
+                try:
+                    timings.append(
+                        timing_point(
+                            args, name, seqs, bandwidth, rng, head_dim=d, rpa_v3=rpa_v3, kv_dtype=kv_dtype
+                        )
+                    )
+                except Exception as e:  # one failing shape must not cost the rest of a short device lease
+                    print(f"time {name}: FAILED {type(e).__name__}: {str(e)[:500]}", flush=True)
+                    timings.append(
+                        dict(
+                            name=name,
+                            head_dim=d,
+                            kv_dtype=kv_dtype,
+                            error=f"{type(e).__name__}: {str(e)[:2000]}",
+                        )
+                    )
             if args.out:  # after every shape: a run cut short by its time limit keeps what it measured
                 with open(args.out, "w") as f:
                     json.dump(result, f, indent=1)

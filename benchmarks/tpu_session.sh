@@ -110,9 +110,17 @@ for s in $stages; do
       checkpoint llama-1b-gqa
       stage startup 300 python benchmarks/startup.py --model /tmp/m/llama-1b-gqa --what llm \
           --runs cold,warm --cache-dir /tmp/xla-startup --json "$out/startup_1b.json" ;;
+    kernels-fp8) # the FP8 KV cache in the compiled kernel at the 1B shape (32 q / 8 KV heads, d 64):
+               # checked on the chip (bf16 and fp8, plain and window + cap; the fp8 write byte-exact),
+               # then decode / prefill / mixed timed with a bf16 and an fp8 cache side by side
+      stage kernels-fp8 330 python benchmarks/attention_tpu.py --rpa-v3 off --num-q-heads 32 \
+          --num-kv-heads 8 --head-dim 64 --kv-dtype bfloat16,fp8 --check-dtypes bfloat16,fp8 \
+          --check-options plain,window_cap --batches 1,32,128 --contexts 1024,4096,16384 \
+          --out "$out/kernels_fp8.json" ;;
     fp8-kv)    # an FP8 KV cache through LLM(...) at 0.9: warm-up, generation, peak HBM, and whether
-               # its step program copies the cache. Refused on a TPU since 1b9f8bf (the reference's
-               # step needed 56.8 GB here): this stage shows that message until the kernel reads FP8
+               # its step program copies the cache. "auto" runs it on the compiled kernel (uint8
+               # storage, decoded in VMEM); before, a TPU refused it (the reference's step needed
+               # 56.8 GB here with the cache stored as fp8)
       checkpoint llama-1b-gqa
       stage fp8-kv 240 python benchmarks/tpu_memory.py --llm /tmp/m/llama-1b-gqa --kv-cache-dtype fp8 \
           --batches 1,128 --out "$out/fp8kv_1b.json" ;;

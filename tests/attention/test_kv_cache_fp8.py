@@ -110,11 +110,13 @@ def fp8_case(name="mixed_g3_d128", seed=3):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
     "impl, stored",
-    [(impl, "fp8") for impl in IMPLS] + [("reference", "bytes"), ("blocked", "bytes")],
+    [(impl, "fp8") for impl in IMPLS]
+    + [("reference", "bytes"), ("blocked", "bytes"), ("pallas_tpu_interpret", "bytes")],
 )
 def test_fp8_cache_matches_f32_cache_and_oracle(impl, stored):
     """stored="bytes": the cache holds the fp8 values' bytes as uint8, as the engine stores an FP8
-    cache on XLA:CPU (kv_cache_shape.kv_storage_dtype); the jnp paths read and write those."""
+    cache on CPU and TPU (kv_cache_shape.kv_storage_dtype); the jnp paths and the TPU kernel read
+    and write those."""
     case, kwargs, k_scale, v_scale = fp8_case()
     hkv = case.new_kv.shape[1] // 2
     old8 = np_quantize_pages(case.kv_pages, k_scale, v_scale)  # the pages earlier steps wrote
@@ -169,10 +171,10 @@ def test_overflow_saturates_never_nan(impl):
     assert np.isnan(np.asarray(jnp.asarray([1e4], jnp.float32).astype(FP8), np.float32)).all()
 
 
-@pytest.mark.parametrize("impl", ["pallas_tpu_interpret", "pallas_gpu"])
-def test_kernels_refuse_a_cache_of_fp8_bytes(impl):
-    """Only the jnp paths read a uint8 cache as the fp8 values it holds; a kernel would read the
-    bytes as numbers, so it refuses (a TPU or GPU stores an FP8 cache as fp8)."""
+@pytest.mark.parametrize("impl", ["pallas_gpu"])
+def test_gpu_kernel_refuses_a_cache_of_fp8_bytes(impl):
+    """The GPU kernel would read a uint8 cache's bytes as numbers, so it refuses (a GPU stores an
+    FP8 cache as fp8); the jnp paths and the TPU kernel read the fp8 values the bytes hold."""
     case, kwargs, k_scale, v_scale = fp8_case("decode_g8", seed=4)
     hkv = case.new_kv.shape[1] // 2
     cache = jnp.asarray(bits(padded(np_quantize_pages(case.kv_pages, k_scale, v_scale), impl, hkv, FP8)))

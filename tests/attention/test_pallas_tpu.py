@@ -173,20 +173,29 @@ def test_lowers_to_mosaic(num_tokens, kv_dtype, options):
     assert "tpu_custom_call" in lowered.as_text()
 
 
-def test_compiled_kernel_refuses_an_fp8_cache_naming_the_dtype():
-    # Mosaic strides 32-bit words only; interpret mode (the tests above) still runs fp8 caches.
-    args = (
-        jnp.zeros((8, 4, 64), jnp.bfloat16),
-        None,
-        jnp.zeros((1, 9, 16, 32, 64), jnp.float8_e4m3fn),
-        jnp.int32(0),
-        jnp.zeros((2,), jnp.int32),
-        jnp.zeros((2, 4), jnp.int32),
-        jnp.zeros((3,), jnp.int32),
-        jnp.zeros((1,), jnp.int32),
-    )
-    with pytest.raises(NotImplementedError, match="float8_e4m3fn"):
-        ragged_paged_attention_tpu_stacked.trace(*args, num_kv_heads=2).lower(lowering_platforms=("tpu",))
+def test_compiled_kernel_refuses_a_cache_it_cannot_read_naming_the_dtype():
+    # An FP8 cache is read (tests/attention/test_pallas_tpu_fp8.py); float16 has no unpacking, and
+    # a 1-byte cache whose C is not whole 32-bit words cannot be read as words.
+    def args(dtype, heads):
+        return (
+            jnp.zeros((8, 4, 64), jnp.bfloat16),
+            None,
+            jnp.zeros((1, 9, 16, heads, 64), dtype),
+            jnp.int32(0),
+            jnp.zeros((2,), jnp.int32),
+            jnp.zeros((2, 4), jnp.int32),
+            jnp.zeros((3,), jnp.int32),
+            jnp.zeros((1,), jnp.int32),
+        )
+
+    with pytest.raises(NotImplementedError, match="float16"):
+        ragged_paged_attention_tpu_stacked.trace(*args(jnp.float16, 16), num_kv_heads=2).lower(
+            lowering_platforms=("tpu",)
+        )
+    with pytest.raises(NotImplementedError, match="C=2 is not a multiple of 4"):
+        ragged_paged_attention_tpu_stacked.trace(*args(jnp.float8_e4m3fn, 2), num_kv_heads=1).lower(
+            lowering_platforms=("tpu",)
+        )
 
 
 # ---- the padded cache kv_cache_shape gives the TPU kernel: combined heads padded to the tile ----

@@ -79,12 +79,11 @@ def test_auto_is_resolved_once_for_the_backend(backend, kv_cache_dtype, impl, lo
 def test_explicit_modes_are_kept_and_a_bad_pair_is_refused_when_resolving():
     cfg = EngineConfig.from_kwargs(attention_impl="reference", layer_loop="scan")
     assert cfg.with_modes_resolved("cpu") is cfg
-    with pytest.raises(ValueError, match="pallas_tpu cannot read"):
-        EngineConfig.from_kwargs(attention_impl="pallas_tpu", kv_cache_dtype="fp8").with_modes_resolved("tpu")
-    # the TPU kernel reads no 1-byte cache, and "auto" no longer falls back to a path that did not
-    # fit a v5e: refused with the ways out; the reference asked for by name still runs
-    with pytest.raises(ValueError, match="fp8 is not supported on TPU yet.*kv_cache_dtype=auto"):
-        EngineConfig.from_kwargs(kv_cache_dtype="fp8").with_modes_resolved("tpu")
+    # the TPU kernel reads an FP8 cache: "auto" takes it, and asking for it by name is kept; the
+    # reference asked for by name still runs
+    for impl in ("auto", "pallas_tpu"):
+        fp8 = EngineConfig.from_kwargs(attention_impl=impl, kv_cache_dtype="fp8").with_modes_resolved("tpu")
+        assert fp8.compilation.attention_impl is AttentionImpl.PALLAS_TPU
     ref = EngineConfig.from_kwargs(attention_impl="reference", kv_cache_dtype="fp8").with_modes_resolved(
         "tpu"
     )

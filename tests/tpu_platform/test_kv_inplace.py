@@ -179,20 +179,42 @@ def test_fp8_cache_is_read_and_written_in_place_on_cpu(impl):
     assert grown <= 0.1 * (big_bytes - small_bytes), (grown, big_bytes - small_bytes)
 
 
-def test_tpu_step_keeps_an_fp8_cache_as_fp8_and_lowers():
-    """The uint8 storage is XLA:CPU's: a TPU runs an fp8 cache on the jnp reference (asked for by
-    name: "auto" refuses it there, attention/kv_cache_shape.py) as fp8, and that step still lowers
-    for a TPU with the cache donated."""
-    with pytest.raises(ValueError, match="not supported on TPU yet"):
-        _runner("auto", kv_cache_dtype="fp8", kv_scales=(0.05, 0.05))
+@pytest.mark.parametrize("loop", ["scan", "unroll"])
+def test_tpu_step_runs_an_fp8_cache_in_the_kernel_in_place(loop):
+    """On a TPU an FP8 cache is stored as its uint8 bytes (kv_storage_dtype) and "auto" runs it on
+    the compiled kernel, which decodes the codes in VMEM: the step lowered for TPU takes the uint8
+    cache donated and pinned row-major in the 8-bit tiling, returns it pinned the same way, and the
+    kernel is what updates it (the same in-place mechanism as bf16's)."""
+    r = _runner("auto", loop, kv_cache_dtype="fp8", kv_scales=(0.05, 0.05))
+    assert r.attn_impl == "pallas_tpu" and r.kv_storage_dtype == jnp.uint8
+    assert r.kv_cache_dtype == jnp.float8_e4m3fn
+    b = r._empty_batch(8, r.page_buckets[0])
+    spec = r._cache_spec(64)
+    shape = spec.shape_for(r.attn_impl)
+    assert shape[3] == 32  # 2 KV heads -> 4 combined heads, padded to the 32-row 8-bit tile
+    cache = jax.ShapeDtypeStruct(shape, spec.dtype)
+    text = r._step.trace(*r.step_args(b, kv_cache=cache)).lower(lowering_platforms=("tpu",)).as_text()
+    main = next(line for line in text.splitlines() if "func.func public @main" in line)
+    cache_type = "tensor<" + "x".join(map(str, shape)) + "xui8>"
+    row_major = 'mhlo.layout_mode = "{4,3,2,1,0:T(8,128)(4,1)}"'
+    args, results = main.split("->", 1)
+    arg = re.search(re.escape(cache_type) + r" \{(.*?)(?:, %arg\d+:|\)$)", args)
+    assert arg and row_major in arg.group(1) and "tf.aliasing_output" in arg.group(1), args
+    assert re.search(re.escape(cache_type) + r" \{[^{]*" + re.escape(row_major), results), results
+    assert "tpu_custom_call" in text
+
+
+def test_tpu_reference_step_reads_the_fp8_bytes_and_lowers():
+    """The jnp reference asked for by name on a TPU reads the same uint8 storage (gathering bytes,
+    bitcasting only the gathered pages) and its step still lowers with the cache donated."""
     r = _runner("reference", kv_cache_dtype="fp8", kv_scales=(0.05, 0.05))
-    assert r.attn_impl == "reference" and r.kv_storage_dtype == jnp.float8_e4m3fn
+    assert r.attn_impl == "reference" and r.kv_storage_dtype == jnp.uint8
     b = r._empty_batch(8, r.page_buckets[0])
     spec = r._cache_spec(64)
     cache = jax.ShapeDtypeStruct(spec.shape_for(r.attn_impl), spec.dtype)
     text = r._step.trace(*r.step_args(b, kv_cache=cache)).lower(lowering_platforms=("tpu",)).as_text()
     main = next(line for line in text.splitlines() if "func.func public @main" in line)
-    cache_type = "tensor<" + "x".join(map(str, spec.shape_for(r.attn_impl))) + "xf8E4M3FN>"
+    cache_type = "tensor<" + "x".join(map(str, spec.shape_for(r.attn_impl))) + "xui8>"
     arg = re.search(re.escape(cache_type) + r" \{(.*?)(?:, %arg\d+:|\)$)", main.split("->", 1)[0])
     assert arg and "tf.aliasing_output" in arg.group(1), main
 
