@@ -113,6 +113,12 @@ def parse_args(argv=None):
     )
     p.add_argument("--checks-only", action="store_true")
     p.add_argument(
+        "--steps",
+        default="decode,prefill,mixed",
+        help="which timed steps, comma-separated (decode: --batches x --contexts); one chip call "
+        "cannot hold them all with RPA v3 beside ours",
+    )
+    p.add_argument(
         "--sweep", action="store_true", help="only time our kernel over block sizes (no checks, no peers)"
     )
     args = p.parse_args(argv)
@@ -697,14 +703,16 @@ def main(argv=None) -> int:
     print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s", flush=True)
     rng = np.random.default_rng(1)
     timings, points = [], []
-    for b in (int(x) for x in args.batches.split(",")):
+    steps = set(args.steps.split(","))
+    for b in (int(x) for x in args.batches.split(",")) if "decode" in steps else ():
         for ctx in (int(x) for x in args.contexts.split(",")):
             if b * ctx > args.max_kv_tokens:
                 print(f"skip decode b{b} ctx{ctx}: over --max-kv-tokens", flush=True)
                 continue
             points.append((f"decode b{b} ctx{ctx}", [(1, ctx)] * b))
-    if not args.smoke:
+    if not args.smoke and "prefill" in steps:
         points.append(("prefill 4x512 @4k", [(512, 4096)] * 4))
+    if not args.smoke and "mixed" in steps:
         points.append(("mixed 4x128 @2k + 60 dec", [(128, 2048)] * 4 + [(1, 2048)] * 60))
     result = dict(
         command=" ".join([sys.executable] + sys.argv),

@@ -52,12 +52,16 @@ for s in $stages; do
     kernels)   # the Pallas kernels compiled by Mosaic against jax's reference on the chip
       stage kernels 240 python benchmarks/attention_tpu.py --checks-only --rpa-v3 off --out "$out/kernels.json" ;;
     rpa|rpa64) # tpu-inference's RPA v3 (needs build_carry.sh --rpa) beside ours and jax's kernel: checked
-               # against the oracle (bf16, no window / cap / sinks), then timed on every decode, prefill
-               # and mixed shape; rpa at head_dim 128, rpa64 at head_dim 64. One stage per call fits
-               # with room (about 5 min each is the estimate, not yet measured).
+               # against the oracle (bf16, no window / cap / sinks), then timed on every decode shape;
+               # rpa at head_dim 128, rpa64 at head_dim 64 (prefill and mixed: rpa-mixed). 2026-12-05:
+               # the checks and decode points of rpa ran past 420 s by the last two b128 points
       d=128; [ "$s" = rpa64 ] && d=64
       stage "$s" 420 python benchmarks/attention_tpu.py --rpa-v3 require --head-dim "$d" \
-          --check-dtypes bfloat16 --check-options plain --out "$out/${s}.json" ;;
+          --check-dtypes bfloat16 --check-options plain --steps decode --out "$out/${s}.json" ;;
+    rpa-mixed) # the same peers on the prefill and mixed steps (the rpa stage's decode points took
+               # its whole 420 s on 2026-12-05), checks first as in rpa
+      stage rpa-mixed 300 python benchmarks/attention_tpu.py --rpa-v3 require --head-dim 128 \
+          --check-dtypes bfloat16 --check-options plain --steps prefill,mixed --out "$out/rpa_mixed.json" ;;
     e2e-1b)
       checkpoint llama-1b-gqa
       stage e2e-1b 200 python benchmarks/tpu_e2e.py --models /tmp/m/llama-1b-gqa --rounds 1 \
@@ -117,6 +121,11 @@ for s in $stages; do
           --num-kv-heads 8 --head-dim 64 --kv-dtype bfloat16,fp8 --check-dtypes bfloat16,fp8 \
           --check-options plain,window_cap --batches 1,32,128 --contexts 1024,4096,16384 \
           --out "$out/kernels_fp8.json" ;;
+    kv8-quick) # the FP8 KV cache in the compiled kernel, short: checked on the chip at the 1B shape
+               # (plain; decode, mixed, prefill), then one decode point per dtype
+      stage kv8-quick "${KV8_LIMIT_S:-150}" python benchmarks/attention_tpu.py --rpa-v3 off --num-q-heads 32 \
+          --num-kv-heads 8 --head-dim 64 --kv-dtype bfloat16,fp8 --check-dtypes fp8 --check-options plain \
+          --steps decode --batches 32 --contexts 4096 --out "$out/kv8_quick.json" ;;
     fp8-kv)    # an FP8 KV cache through LLM(...) at 0.9: warm-up, generation, peak HBM, and whether
                # its step program copies the cache. "auto" runs it on the compiled kernel (uint8
                # storage, decoded in VMEM); before, a TPU refused it (the reference's step needed
@@ -134,8 +143,10 @@ for s in $stages; do
                # ready, decode at b1/b8 against the roofline of its quantized bytes
       [ -d /tmp/m/llama-8b-fp8 ] || python benchmarks/random_checkpoint.py --quantize fp8 --dtype float16 \
           --like .tpu_carry/shapes/llama-8b-gqa --out /tmp/m/llama-8b-fp8 > /dev/null
-      stage e2e-8b-fp8 330 python benchmarks/tpu_e2e.py --models /tmp/m/llama-8b-fp8 --rounds 1 \
-          --batches 1,8 --prefill "" --out "$out/e2e_8b_fp8.json" ;;
+      # no warm-up: the untimed round compiles only what the timed one runs (the 8B's 101 warm-up
+      # compiles would take most of a call)
+      stage e2e-8b-fp8 "${E2E8B_LIMIT_S:-330}" python benchmarks/tpu_e2e.py --models /tmp/m/llama-8b-fp8 \
+          --rounds 1 --batches 1,8 --prefill "" --engine-args '{"warmup": false}' --out "$out/e2e_8b_fp8.json" ;;
     e2e-quant) # the 1B shape through LLM(...) with each online quantization, round-to-nearest (GPTQ's
                # calibration costs start-up, not step time), decode only
       checkpoint llama-1b-gqa
