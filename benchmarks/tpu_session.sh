@@ -92,6 +92,13 @@ for s in $stages; do
       stage host-t1 100 python benchmarks/tpu_e2e.py --models /tmp/m/smollm2-135m --rounds 1 \
           --prefill "" --batches 1,128 --temperature 1.0 --host-profile "$out/host_t1_135m" \
           --out "$out/host_t1_135m.json" ;;
+    host-1b)   # the host's share of the 1B shape's b32 / b128 decode steps now: TPOT against the
+               # device's empty step, and a cProfile of one b128 round (no warm-up: the untimed
+               # round compiles what the timed one runs)
+      checkpoint llama-1b-gqa
+      stage host-1b "${HOST1B_LIMIT_S:-150}" python benchmarks/tpu_e2e.py --models /tmp/m/llama-1b-gqa --rounds 1 \
+          --batches 32,128 --prefill "" --engine-args '{"warmup": false}' --host-profile "$out/host_1b" \
+          --out "$out/host_1b.json" ;;
     moe-gmm)   # the MoE grouped matmul compiled by Mosaic: ours (bf16, int8, MXFP4) against megablox gmm and ragged_dot
       stage moe-gmm 260 python benchmarks/moe_gmm_tpu.py --int8 --mxfp4 --out "$out/moe_gmm.json" ;;
     e2e-qmoe)  # a Qwen3-30B-A3B layer (128 experts, top-8) x 4 layers: MoE decode against the roofline
