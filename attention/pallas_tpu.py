@@ -59,9 +59,10 @@ grid = (NB,) over query blocks, "arbitrary" (sequential) because DMAs cross grid
   and for it the KV blocks of ``pages_per_block`` pages that its rows can see - blocks entirely
   after the last row (causal) or entirely before the sliding window of the first row are skipped.
 * Double buffering: ``kv_buf[2, pages_per_block*page_size*C, D]`` in VMEM, one DMA semaphore
-  per slot, one DMA per page. Each item waits for its slot, starts the next item's pages into the
-  other slot - across sequences and across grid steps (the last item of step i prefetches step
-  i+1's first block; the slot it used is kept in SMEM) - and then computes. Only pages below
+  per slot, one DMA per page. Each item starts the next item's pages into the other slot - across
+  sequences and across grid steps (the last item of step i prefetches step i+1's first block; the
+  slot it used is kept in SMEM) - then waits for its own slot and computes, so two blocks' DMAs can
+  be in flight while the scalar core issues the next. Only pages below
   ``kv_len`` are fetched; the rest of the slot is stale (or NaN in interpret mode), so V rows past
   ``kv_len`` are zeroed and scores are masked with ``where`` (never multiplied) before use.
 * Online softmax per KV head in f32 VMEM scratch (m, l: [Hkv, bq*G, 1]; acc: [Hkv, bq*G, D]).
@@ -422,7 +423,10 @@ def _kernel(
         def body(carry):
             s, kvb, slot, _ = carry
             ns, nkvb, has_next = next_item(blk, s, kvb)
-            wait_fetch(s, kvb, slot)
+            # The next item's pages are started before this item's are waited for: the other slot
+            # was last read by the previous item's attend, which has finished, and while the scalar
+            # core issues these DMAs (one a page) this item's are still streaming, so HBM never
+            # idles between blocks (issuing after the wait left it idle for the whole issue loop).
 
             @pl.when(has_next)
             def _():
@@ -439,6 +443,7 @@ def _kernel(
                 start_fetch(fs, fkvb, 1 - slot)
                 next_slot_ref[0] = 1 - slot
 
+            wait_fetch(s, kvb, slot)
             attend(s, kvb, slot)
             return ns, nkvb, 1 - slot, has_next
 
