@@ -53,6 +53,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from tpuserve.quant.codecs import e2m1_bits_decode, e4m3_bits_decode, e8m0_bits_decode
+from tpuserve.quant.fp4_swar import decode_words, nv_scale_terms, swar_x_order
 from tpuserve.quant.fp4 import Mxfp4Weight, Nvfp4Weight, dequantize_mxfp4, dequantize_nvfp4
 from tpuserve.quant.fp8 import Fp8Weight, dequantize_fp8, quantize_per_token, scale_columns
 
@@ -271,6 +272,64 @@ def _fp4_kernel(layer_ref, xe_ref, xo_ref, p_ref, s_ref, o_ref, acc_ref, *, scal
         o_ref[...] = acc_ref[...].astype(o_ref.dtype)
 
 
+def _expand_rows(v: jax.Array, p: int, how: str) -> jax.Array:
+    """``[R, tn]`` -> ``[p*R, tn]``, row i repeated into rows p*i .. p*i + p - 1 (p a power of 2).
+
+    "bcast": a broadcast and a reshape that merges a p-row axis into the sublanes (p < 8 rows: not
+    whole 32-bit tiles, which Mosaic may relayout slowly or refuse). "dot": an MXU product with the
+    0/1 matrix ``[p*R, R]``; exact for values exact in bf16 (integers up to 256, e4m3 values),
+    since each output row has one nonzero term (a -0.0 becomes +0.0).
+    """
+    if p == 1:
+        return v
+    r, tn = v.shape
+    if how == "bcast":
+        return jnp.broadcast_to(v[:, None, :], (r, p, tn)).reshape(r * p, tn)
+    rows = lax.broadcasted_iota(jnp.int32, (r * p, r), 0) >> (p.bit_length() - 1)
+    cols = lax.broadcasted_iota(jnp.int32, (r * p, r), 1)
+    ones = jnp.where(rows == cols, 1.0, 0.0).astype(jnp.bfloat16)
+    return jnp.dot(ones, v.astype(jnp.bfloat16), preferred_element_type=jnp.float32)
+
+
+def _fp4_swar_kernel(layer_ref, x_ref, p_ref, s_ref, o_ref, acc_ref, *, scale_rows, block, kind, nk, expand):
+    """The SWAR decode (quant/fp4_swar.py): the tile's bytes as int32 words ``[tk/8, tn]`` (8 codes
+    each, k = 8i + c), four bf16 outputs per word row, four dots against x's matching column groups
+    (``swar_x_order``). The scale terms are made per scale row, then repeated over the block/8 word
+    rows each covers (``_expand_rows``)."""
+    del layer_ref  # read by the index maps only
+    kk = pl.program_id(2)
+
+    @pl.when(kk == 0)
+    def _init():
+        acc_ref[...] = jnp.zeros_like(acc_ref)
+
+    sb = s_ref[pl.ds(kk * scale_rows, scale_rows), :].astype(jnp.int32)  # [tk/block, tn]
+    per_scale = block // 8  # word rows under one scale row
+    if kind == "mx":
+        s_rows = _expand_rows(jnp.maximum(sb - 1, 0), per_scale, expand).astype(jnp.int32)
+        terms: tuple[jax.Array, ...] = (s_rows << 7,)
+    else:
+        terms = nv_scale_terms(_expand_rows(e4m3_bits_decode(sb), per_scale, expand))
+    words = pltpu.bitcast(p_ref[...], jnp.int32)  # [tk/8, tn]: byte rows 4i..4i+3 in word row i
+    acc = acc_ref[...]
+    for j, bits in enumerate(decode_words(words, terms, kind)):
+        w = pltpu.bitcast(bits, jnp.bfloat16)  # [tk/4, tn]: row 2i + h is k = 8i + j + 4h
+        xj = x_ref[j]
+        acc = acc + jnp.dot(xj, w.astype(xj.dtype), preferred_element_type=jnp.float32)
+    acc_ref[...] = acc
+
+    @pl.when(kk == nk - 1)
+    def _store():
+        o_ref[...] = acc_ref[...].astype(o_ref.dtype)
+
+
+# decode= of fp4_matmul_tpu: "f32" (one code per lane, f32 scale multiply, even/odd x halves),
+# "swar" (quant/fp4_swar.py, scale rows repeated by an MXU product), "swar_bcast" (the same, rows
+# repeated by a broadcast + reshape). All give the same dequantized weights bit for bit.
+FP4_DECODES = ("f32", "swar", "swar_bcast")
+FP4_DEFAULT_DECODE = "f32"  # what decode=None means (the chip's timings pick it: benchmarks/quant_tpu.py)
+
+
 def fp4_matmul_tpu(
     x: jax.Array,
     w: Mxfp4Weight | Nvfp4Weight,
@@ -280,12 +339,16 @@ def fp4_matmul_tpu(
     block_n: int | None = None,
     block_k: int | None = None,
     layer=None,
+    decode: str | None = None,
     interpret=None,
 ) -> jax.Array:
     """``x [M, K] @ w -> [M, N]`` for MXFP4 / NVFP4 (W4A16), f32 accumulation.
 
     w: a record of ``[K, N]``, or of ``[L, K, N]`` with ``layer`` (as in ``fp8_matmul_tpu``).
-    block_k (in elements of K) must divide K and be a multiple of the format's block.
+    block_k (in elements of K) must divide K and be a multiple of the format's block (and of 8;
+    on a TPU the SWAR decodes want it a multiple of 512, or K).
+    decode: one of ``FP4_DECODES`` (None: ``FP4_DEFAULT_DECODE``): how the kernel turns codes
+    into weights.
     """
     m, k = x.shape
     n = w.out_features
@@ -297,10 +360,15 @@ def fp4_matmul_tpu(
             "fp4_matmul_tpu: a rotated MXFP4 record needs x rotated first "
             "(quant.dispatch.quant_linear does both)"
         )
+    decode = decode or FP4_DEFAULT_DECODE
+    if decode not in FP4_DECODES:
+        raise ValueError(f"fp4_matmul_tpu: decode={decode!r}, not one of {FP4_DECODES}")
+    swar = decode != "f32"
     out_dtype = out_dtype or x.dtype
     blk = w.block
-    tk = block_k or (k if k <= 2 * _MAX_TK else _pick_tile(k, 2 * _MAX_TK, 256))
-    if k % tk or tk % blk:
+    # SWAR: x's four column groups take tk/4 lanes a tile, so tk a multiple of 512 keeps them whole
+    tk = block_k or (k if k <= 2 * _MAX_TK else _pick_tile(k, 2 * _MAX_TK, 512 if swar else 256))
+    if k % tk or tk % blk or tk % 8:
         raise ValueError(f"block_k={tk} must divide K={k} and be a multiple of {blk}")
     if isinstance(w, Mxfp4Weight):
         kind, sbytes = "mx", w.scale
@@ -310,26 +378,39 @@ def fp4_matmul_tpu(
     mp = _round_up(m, tm)
     tn = block_n or _pick_tile(n, _MAX_TN, 128)
     nk = k // tk
-    xp = _pad_rows(x, mp).reshape(mp, k // 2, 2)
-    kernel = functools.partial(_fp4_kernel, scale_rows=tk // blk, block=blk, kind=kind, nk=nk)
+    weight_specs = [
+        _spec(stacked, (tk // 2, tn), lambda i, j, kk: (kk, j)),
+        _spec(stacked, (k // blk, tn), lambda i, j, kk: (0, j)),
+    ]
+    if swar:
+        x_args = [swar_x_order(_pad_rows(x, mp))]  # [4, mp, K/4]
+        x_specs = [pl.BlockSpec((4, tm, tk // 4), lambda i, j, kk, layer: (0, i, kk))]
+        kernel = functools.partial(
+            _fp4_swar_kernel,
+            scale_rows=tk // blk,
+            block=blk,
+            kind=kind,
+            nk=nk,
+            expand="bcast" if decode == "swar_bcast" else "dot",
+        )
+    else:
+        xp = _pad_rows(x, mp).reshape(mp, k // 2, 2)
+        x_args = [xp[..., 0], xp[..., 1]]
+        x_specs = [_act_spec((tm, tk // 2), lambda i, j, kk: (i, kk))] * 2
+        kernel = functools.partial(_fp4_kernel, scale_rows=tk // blk, block=blk, kind=kind, nk=nk)
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=1,
             grid=(mp // tm, n // tn, nk),
-            in_specs=[
-                _act_spec((tm, tk // 2), lambda i, j, kk: (i, kk)),
-                _act_spec((tm, tk // 2), lambda i, j, kk: (i, kk)),
-                _spec(stacked, (tk // 2, tn), lambda i, j, kk: (kk, j)),
-                _spec(stacked, (k // blk, tn), lambda i, j, kk: (0, j)),
-            ],
+            in_specs=x_specs + weight_specs,
             out_specs=_act_spec((tm, tn), lambda i, j, kk: (i, j)),
             scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32)],
         ),
         out_shape=jax.ShapeDtypeStruct((mp, n), jnp.float32 if kind == "nv" else out_dtype),
         compiler_params=_compiler_params(),
         interpret=interpret if interpret is not None else False,
-    )(layer_arr, xp[..., 0], xp[..., 1], w.packed, sbytes)[:m]
+    )(layer_arr, *x_args, w.packed, sbytes)[:m]
     if kind == "nv":
         g = w.global_multiplier()  # [*L, 1, 1 or N]: tiny, sliced by XLA
         g = g[layer_arr[0]] if stacked else g
