@@ -11,11 +11,18 @@ made and quantized on the device layer by layer.
     python benchmarks/quant_tpu.py --shape llama-1b --rows 1,8,128 --out q1b.json
     python benchmarks/quant_tpu.py --shape llama-8b --layers 8 --rows 1 --out q8b.json
     python benchmarks/quant_tpu.py --shape tiny --interpret        # CPU: the harness itself
+    python benchmarks/quant_tpu.py --shape llama-1b --rows 1,8 --fp4-decode f32,swar,swar_bcast
+
+``--fp4-decode``: the FP4 kernels' weight decodes (``pallas_tpu_matmul.FP4_DECODES``) side by
+side instead: for each FP4 format and decode, the compiled kernel checked against the reference on
+the device, then the layer scan with the records whole (the decoder's way), against bf16 and the
+roofline of the quantized bytes. The sliced and XLA ways and FP8 are skipped in that mode.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 
 import jax
@@ -25,7 +32,13 @@ from device_timing import median_seconds
 
 from tpuserve.quant import fp4, fp8
 from tpuserve.quant.dispatch import quant_linear
-from tpuserve.quant.pallas_tpu_matmul import fp4_matmul_ref, fp4_matmul_tpu, fp8_matmul_ref, fp8_matmul_tpu
+from tpuserve.quant.pallas_tpu_matmul import (
+    FP4_DECODES,
+    fp4_matmul_ref,
+    fp4_matmul_tpu,
+    fp8_matmul_ref,
+    fp8_matmul_tpu,
+)
 
 HBM_BYTES_PER_S = 819e9  # TPU v5e
 
@@ -80,12 +93,13 @@ def chain(mm, h, w_of, q_cols: int, inter: int):
     return mm(act, w_of("down")).astype(h.dtype)
 
 
-def scan_fns(layers: int, q_cols: int, inter: int, interpret):
-    """name -> jitted f(h [M, H], weights) -> h, one layer scan each."""
+def scan_fns(layers: int, q_cols: int, inter: int, interpret, decode=None):
+    """name -> jitted f(h [M, H], weights) -> h, one layer scan each (``decode``: the FP4 kernels')."""
 
     def kernel(x, w, layer=None):
-        fn = fp8_matmul_tpu if isinstance(w, fp8.Fp8Weight) else fp4_matmul_tpu
-        return fn(x, w, out_dtype=jnp.float32, layer=layer, interpret=interpret)
+        if isinstance(w, fp8.Fp8Weight):
+            return fp8_matmul_tpu(x, w, out_dtype=jnp.float32, layer=layer, interpret=interpret)
+        return fp4_matmul_tpu(x, w, out_dtype=jnp.float32, layer=layer, decode=decode, interpret=interpret)
 
     def dense(x, w):
         return jnp.dot(x, w, preferred_element_type=jnp.float32)
@@ -113,12 +127,12 @@ def scan_fns(layers: int, q_cols: int, inter: int, interpret):
     }
 
 
-def check_kernels(shapes, quantize, name: str, interpret, seed: int) -> dict:
+def check_kernels(shapes, quantize, name: str, interpret, seed: int, decode=None) -> dict:
     """One layer per matmul shape: the compiled kernel against the reference (f32 at HIGHEST), both
     on this device, 8 bf16 rows; also the stacked form with a layer index against its slice."""
     errs = {}
     ref = fp8_matmul_ref if name == "fp8" else fp4_matmul_ref
-    mm = fp8_matmul_tpu if name == "fp8" else fp4_matmul_tpu
+    mm = fp8_matmul_tpu if name == "fp8" else functools.partial(fp4_matmul_tpu, decode=decode)
     for mname, (k, n) in shapes.items():
         w = jax.random.normal(jax.random.PRNGKey(seed), (k, n), jnp.float32) / np.sqrt(k)
         rec = jax.jit(quantize)(w)
@@ -137,6 +151,53 @@ def check_kernels(shapes, quantize, name: str, interpret, seed: int) -> dict:
     return errs
 
 
+def compare_fp4_decodes(args, formats, shapes, layers, hidden, q_cols, inter, result) -> dict:
+    """For each FP4 format and decode: the on-device check, then the whole-record layer scan per M."""
+    from jax.experimental.pallas import tpu as pltpu
+
+    interpret = pltpu.InterpretParams() if args.interpret else None
+    decodes = [d for d in args.fp4_decode.split(",") if d]
+    unknown = set(decodes) - set(FP4_DECODES)
+    if unknown:
+        raise SystemExit(f"--fp4-decode: unknown {sorted(unknown)}; known: {FP4_DECODES}")
+    rows = [int(r) for r in args.rows.split(",") if r]
+    out: dict = {}
+    for name in [f for f in formats if f != "fp8"]:
+        ws = make_layers(shapes, layers, FORMATS[name], seed=2)
+        roof = weight_bytes(ws) / HBM_BYTES_PER_S
+        out[name] = {"weight_bytes": weight_bytes(ws), "decodes": {}}
+        for decode in decodes:
+            res: dict = {"rows": {}}
+            try:
+                res["checks"] = check_kernels(shapes, FORMATS[name], name, interpret, seed=7, decode=decode)
+                worst = max(c["max_rel_err"] for c in res["checks"].values())
+                same = all(c["stacked_equal"] for c in res["checks"].values())
+                print(f"{name} decode={decode}: max rel err vs reference {worst:.2e}; stacked == 2-D: {same}")
+            except Exception as e:  # a decode Mosaic refuses is reported, the others still run
+                res["error"] = f"{type(e).__name__}: {str(e)[:600]}"
+                print(f"{name} decode={decode}: FAILED {res['error']}")
+                out[name]["decodes"][decode] = res
+                continue
+            scan = scan_fns(layers, q_cols, inter, interpret, decode=decode)["whole"]
+            for m in rows:
+                h = jnp.ones((m, hidden), jnp.bfloat16) * 0.01
+                try:
+                    t = median_seconds(scan, (h, ws), args.iters, args.repeats)
+                except Exception as e:
+                    res["rows"][m] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+                    print(f"{name:6s} decode={decode:10s} M={m:4d}: FAILED {res['rows'][m]['error'][:120]}")
+                    continue
+                bf16_us = result["bf16"]["rows"][m]["us"]
+                res["rows"][m] = {"us": t * 1e6, "roofline_frac": roof / t, "bf16_over": bf16_us / (t * 1e6)}
+                print(
+                    f"{name:6s} decode={decode:10s} M={m:4d}: {t * 1e6:8.1f} us ({roof / t:5.1%} of the "
+                    f"{roof * 1e6:.1f} us roofline, bf16/this {bf16_us / (t * 1e6):.2f}x)"
+                )
+            out[name]["decodes"][decode] = res
+        del ws
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", choices=sorted(SHAPES), default="llama-1b")
@@ -145,6 +206,11 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", default="1,8,128", help="token rows M of the timed scans")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument(
+        "--fp4-decode",
+        default="",
+        help=f"compare the FP4 kernels' decodes instead (comma list of {','.join(FP4_DECODES)})",
+    )
     ap.add_argument("--interpret", action="store_true", help="TPU interpret mode (CPU)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -172,7 +238,11 @@ def main(argv=None) -> int:
         print(f"bf16   M={m:4d}: {t * 1e6:9.1f} us  roofline {roof * 1e6:8.1f} us  ({roof / t:6.1%})")
     del dense
 
-    for name in [f for f in args.formats.split(",") if f]:
+    formats = [f for f in args.formats.split(",") if f]
+    if args.fp4_decode:
+        result["fp4_decodes"] = compare_fp4_decodes(args, formats, shapes, layers, hidden, q * hd, inter, result)
+        formats = []
+    for name in formats:
         quantize = FORMATS[name]
         res: dict = {"checks": check_kernels(shapes, quantize, name, interpret, seed=7), "rows": {}}
         worst = max(c["max_rel_err"] for c in res["checks"].values())
