@@ -11,7 +11,7 @@ made and quantized on the device layer by layer.
     python benchmarks/quant_tpu.py --shape llama-1b --rows 1,8,128 --out q1b.json
     python benchmarks/quant_tpu.py --shape llama-8b --layers 8 --rows 1 --out q8b.json
     python benchmarks/quant_tpu.py --shape tiny --interpret        # CPU: the harness itself
-    python benchmarks/quant_tpu.py --shape llama-1b --rows 1,8 --fp4-decode f32,swar,swar_bcast
+    python benchmarks/quant_tpu.py --shape llama-1b --rows 1,8 --fp4-decode f32,int,swar,swar_bcast
 
 ``--fp4-decode``: the FP4 kernels' weight decodes (``pallas_tpu_matmul.FP4_DECODES``) side by
 side instead: for each FP4 format and decode, the compiled kernel checked against the reference on
@@ -93,13 +93,27 @@ def chain(mm, h, w_of, q_cols: int, inter: int):
     return mm(act, w_of("down")).astype(h.dtype)
 
 
-def scan_fns(layers: int, q_cols: int, inter: int, interpret, decode=None):
-    """name -> jitted f(h [M, H], weights) -> h, one layer scan each (``decode``: the FP4 kernels')."""
+def widest_tile(n: int, cap: int) -> int | None:
+    """The largest multiple of 128 <= cap dividing n (None: the kernel's own choice)."""
+    return next((t for t in range(cap - cap % 128, 0, -128) if n % t == 0), None) if cap else None
+
+
+def scan_fns(layers: int, q_cols: int, inter: int, interpret, decode=None, max_tn: int = 0):
+    """name -> jitted f(h [M, H], weights) -> h, one layer scan each (``decode``, ``max_tn``: the
+    FP4 kernels' decode and widest N tile, 0 for their default)."""
 
     def kernel(x, w, layer=None):
         if isinstance(w, fp8.Fp8Weight):
             return fp8_matmul_tpu(x, w, out_dtype=jnp.float32, layer=layer, interpret=interpret)
-        return fp4_matmul_tpu(x, w, out_dtype=jnp.float32, layer=layer, decode=decode, interpret=interpret)
+        return fp4_matmul_tpu(
+            x,
+            w,
+            out_dtype=jnp.float32,
+            layer=layer,
+            decode=decode,
+            block_n=widest_tile(w.out_features, max_tn),
+            interpret=interpret,
+        )
 
     def dense(x, w):
         return jnp.dot(x, w, preferred_element_type=jnp.float32)
@@ -178,21 +192,24 @@ def compare_fp4_decodes(args, formats, shapes, layers, hidden, q_cols, inter, re
                 print(f"{name} decode={decode}: FAILED {res['error']}")
                 out[name]["decodes"][decode] = res
                 continue
-            scan = scan_fns(layers, q_cols, inter, interpret, decode=decode)["whole"]
-            for m in rows:
-                h = jnp.ones((m, hidden), jnp.bfloat16) * 0.01
-                try:
-                    t = median_seconds(scan, (h, ws), args.iters, args.repeats)
-                except Exception as e:
-                    res["rows"][m] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-                    print(f"{name:6s} decode={decode:10s} M={m:4d}: FAILED {res['rows'][m]['error'][:120]}")
-                    continue
-                bf16_us = result["bf16"]["rows"][m]["us"]
-                res["rows"][m] = {"us": t * 1e6, "roofline_frac": roof / t, "bf16_over": bf16_us / (t * 1e6)}
-                print(
-                    f"{name:6s} decode={decode:10s} M={m:4d}: {t * 1e6:8.1f} us ({roof / t:5.1%} of the "
-                    f"{roof * 1e6:.1f} us roofline, bf16/this {bf16_us / (t * 1e6):.2f}x)"
-                )
+            for max_tn in [int(t) for t in args.fp4_block_n.split(",") if t]:
+                scan = scan_fns(layers, q_cols, inter, interpret, decode=decode, max_tn=max_tn)["whole"]
+                tn_note = f" tn<={max_tn}" if max_tn else ""
+                for m in rows:
+                    key = f"{m}" + (f"/tn{max_tn}" if max_tn else "")
+                    h = jnp.ones((m, hidden), jnp.bfloat16) * 0.01
+                    try:
+                        t = median_seconds(scan, (h, ws), args.iters, args.repeats)
+                    except Exception as e:
+                        res["rows"][key] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+                        print(f"{name:6s} decode={decode}{tn_note} M={m}: FAILED {res['rows'][key]['error'][:120]}")
+                        continue
+                    bf16_us = result["bf16"]["rows"][m]["us"]
+                    res["rows"][key] = {"us": t * 1e6, "roofline_frac": roof / t, "bf16_over": bf16_us / (t * 1e6)}
+                    print(
+                        f"{name:6s} decode={decode:10s}{tn_note} M={m:4d}: {t * 1e6:8.1f} us ({roof / t:5.1%} of "
+                        f"the {roof * 1e6:.1f} us roofline, bf16/this {bf16_us / (t * 1e6):.2f}x)"
+                    )
             out[name]["decodes"][decode] = res
         del ws
     return out
@@ -210,6 +227,11 @@ def main(argv=None) -> int:
         "--fp4-decode",
         default="",
         help=f"compare the FP4 kernels' decodes instead (comma list of {','.join(FP4_DECODES)})",
+    )
+    ap.add_argument(
+        "--fp4-block-n",
+        default="0",
+        help="with --fp4-decode: widest N tiles to time each decode at (comma list; 0 = the kernel's)",
     )
     ap.add_argument("--interpret", action="store_true", help="TPU interpret mode (CPU)")
     ap.add_argument("--out", default=None)

@@ -125,9 +125,11 @@ for s in $stages; do
     fp4)       # the FP4 kernels' weight decodes side by side (pallas_tpu_matmul.FP4_DECODES): each
                # checked against the reference on the chip, then the 1B shape's whole-record layer
                # scan at M 1 and 8 against bf16 and the roofline of the quantized bytes. Estimate
-               # ~130 s (14 scans, 6 checks; not yet measured), hence the 200 s limit
-      stage fp4 200 python benchmarks/quant_tpu.py --shape llama-1b --rows 1,8 --formats mxfp4,nvfp4 \
-          --fp4-decode "${FP4_DECODES:-f32,swar,swar_bcast}" --out "$out/fp4_decode_1b.json" ;;
+               # ~160 s (18 scans, 8 checks; not yet measured), hence the 240 s limit.
+               # FP4_BLOCK_N=0,1024: each decode at the default N tiles and at up to 1024 too
+      stage fp4 240 python benchmarks/quant_tpu.py --shape llama-1b --rows 1,8 --formats mxfp4,nvfp4 \
+          --fp4-decode "${FP4_DECODES:-f32,int,swar,swar_bcast}" --fp4-block-n "${FP4_BLOCK_N:-0}" \
+          --out "$out/fp4_decode_1b.json" ;;
     e2e-8b-fp8) # the Llama-8B shape as a pre-quantized FP8 checkpoint (bf16 would not fit 16 GB): fit,
                # ready, decode at b1/b8 against the roofline of its quantized bytes
       [ -d /tmp/m/llama-8b-fp8 ] || python benchmarks/random_checkpoint.py --quantize fp8 --dtype float16 \

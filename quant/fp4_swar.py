@@ -142,6 +142,22 @@ def words_to_bf16_reference(out: jax.Array) -> jax.Array:
     return jnp.swapaxes(halves, -1, -2).reshape(2 * r, n)
 
 
+def lane_decode(b: jax.Array, nibble: int, exp_bias: jax.Array | int) -> jax.Array:
+    """The ``"int"`` decode: one code per 32-bit lane, f32 out, by an integer add.
+
+    b: int32 bytes (0..255) ``[...]``; nibble 0 (low, even k) or 1 (high, odd k); exp_bias: int32
+    ``[...]`` or a constant, ``(s - 1) << 23`` with s the f32 exponent field of a power-of-two
+    scale (MXFP4: the e8m0 byte, clamped at 1; ``126 << 23`` for no scale). For mag = 2e + m with
+    e >= 1 the f32 bits ``(mag << 22) + exp_bias`` have exponent s - 1 + e and mantissa m: the code
+    times the scale; mag 1 is ``exp_bias`` itself (half the scale), mag 0 is ``0 * exp_bias``. Then
+    the code's sign bit. ~10 VPU ops a code, against ~17 for ``e2m1_bits_decode`` and a multiply.
+    """
+    mag = (_srl(b, 4 * nibble)) & 7
+    sign = (b << (28 - 4 * nibble)) & _i32(0x80000000)
+    bits = jnp.where(mag >= 2, (mag << 22) + exp_bias, mag * exp_bias) | sign
+    return lax.bitcast_convert_type(bits, jnp.float32)
+
+
 def swar_x_order(x: jax.Array) -> jax.Array:
     """x ``[M, K]`` -> ``[4, M, K/4]``: group j holds the columns k = 8i + j + 4h in the order
     (i, h), the row order of decoded output j bitcast to bf16 (row 2i + h). K tiles that are

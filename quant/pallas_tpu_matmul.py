@@ -53,7 +53,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from tpuserve.quant.codecs import e2m1_bits_decode, e4m3_bits_decode, e8m0_bits_decode
-from tpuserve.quant.fp4_swar import decode_words, nv_scale_terms, swar_x_order
+from tpuserve.quant.fp4_swar import decode_words, lane_decode, nv_scale_terms, swar_x_order
 from tpuserve.quant.fp4 import Mxfp4Weight, Nvfp4Weight, dequantize_mxfp4, dequantize_nvfp4
 from tpuserve.quant.fp8 import Fp8Weight, dequantize_fp8, quantize_per_token, scale_columns
 
@@ -246,7 +246,10 @@ def fp8_matmul_ref(x: jax.Array, w: Fp8Weight, *, out_dtype=None, layer=None) ->
 # FP4
 
 
-def _fp4_kernel(layer_ref, xe_ref, xo_ref, p_ref, s_ref, o_ref, acc_ref, *, scale_rows, block, kind, nk):
+def _fp4_kernel(layer_ref, xe_ref, xo_ref, p_ref, s_ref, o_ref, acc_ref, *, scale_rows, block, kind, nk, by_int):
+    """One code per 32-bit lane. by_int False (decode "f32"): ``e2m1_bits_decode`` times the f32
+    scale; True (decode "int"): ``fp4_swar.lane_decode``, the MX scale folded into its integer add
+    (NVFP4 still multiplies by its e4m3 scale in f32)."""
     del layer_ref  # read by the index maps only
     kk = pl.program_id(2)
 
@@ -256,13 +259,23 @@ def _fp4_kernel(layer_ref, xe_ref, xo_ref, p_ref, s_ref, o_ref, acc_ref, *, scal
 
     b = p_ref[...].astype(jnp.int32)  # [tk/2, tn]
     sb = s_ref[pl.ds(kk * scale_rows, scale_rows), :]  # [tk/block, tn]
-    s = e8m0_bits_decode(sb) if kind == "mx" else e4m3_bits_decode(sb)
+    if by_int and kind == "mx":
+        s = jnp.maximum(sb.astype(jnp.int32) - 1, 0) << 23  # the integer add's exponent bias
+    else:
+        s = e8m0_bits_decode(sb) if kind == "mx" else e4m3_bits_decode(sb)
     tn = s.shape[-1]
     # each scale row covers block/2 byte rows: broadcast along a new axis, merge it into the rows
     s = jnp.broadcast_to(s[:, None, :], (scale_rows, block // 2, tn)).reshape(-1, tn)
     xe = xe_ref[...]
-    w_even = (e2m1_bits_decode(b & 15) * s).astype(xe.dtype)
-    w_odd = (e2m1_bits_decode(b >> 4) * s).astype(xe.dtype)
+    if by_int and kind == "mx":
+        w_even = lane_decode(b, 0, s).astype(xe.dtype)
+        w_odd = lane_decode(b, 1, s).astype(xe.dtype)
+    elif by_int:
+        w_even = (lane_decode(b, 0, 126 << 23) * s).astype(xe.dtype)
+        w_odd = (lane_decode(b, 1, 126 << 23) * s).astype(xe.dtype)
+    else:
+        w_even = (e2m1_bits_decode(b & 15) * s).astype(xe.dtype)
+        w_odd = (e2m1_bits_decode(b >> 4) * s).astype(xe.dtype)
     acc_ref[...] += jnp.dot(xe, w_even, preferred_element_type=jnp.float32) + jnp.dot(
         xo_ref[...], w_odd, preferred_element_type=jnp.float32
     )
@@ -324,9 +337,10 @@ def _fp4_swar_kernel(layer_ref, x_ref, p_ref, s_ref, o_ref, acc_ref, *, scale_ro
 
 
 # decode= of fp4_matmul_tpu: "f32" (one code per lane, f32 scale multiply, even/odd x halves),
+# "int" (one code per lane by an integer add, the MX scale folded in: fp4_swar.lane_decode),
 # "swar" (quant/fp4_swar.py, scale rows repeated by an MXU product), "swar_bcast" (the same, rows
 # repeated by a broadcast + reshape). All give the same dequantized weights bit for bit.
-FP4_DECODES = ("f32", "swar", "swar_bcast")
+FP4_DECODES = ("f32", "int", "swar", "swar_bcast")
 FP4_DEFAULT_DECODE = "f32"  # what decode=None means (the chip's timings pick it: benchmarks/quant_tpu.py)
 
 
@@ -363,7 +377,7 @@ def fp4_matmul_tpu(
     decode = decode or FP4_DEFAULT_DECODE
     if decode not in FP4_DECODES:
         raise ValueError(f"fp4_matmul_tpu: decode={decode!r}, not one of {FP4_DECODES}")
-    swar = decode != "f32"
+    swar = decode.startswith("swar")
     out_dtype = out_dtype or x.dtype
     blk = w.block
     # SWAR: x's four column groups take tk/4 lanes a tile, so tk a multiple of 512 keeps them whole
@@ -397,7 +411,9 @@ def fp4_matmul_tpu(
         xp = _pad_rows(x, mp).reshape(mp, k // 2, 2)
         x_args = [xp[..., 0], xp[..., 1]]
         x_specs = [_act_spec((tm, tk // 2), lambda i, j, kk: (i, kk))] * 2
-        kernel = functools.partial(_fp4_kernel, scale_rows=tk // blk, block=blk, kind=kind, nk=nk)
+        kernel = functools.partial(
+            _fp4_kernel, scale_rows=tk // blk, block=blk, kind=kind, nk=nk, by_int=decode == "int"
+        )
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(

@@ -78,3 +78,19 @@ def test_x_order_matches_decoded_rows(k):
         for i in range(k // 8):
             for h in range(2):
                 assert xs[j, 1, 2 * i + h] == x[1, 8 * i + j + 4 * h]
+
+
+@pytest.mark.parametrize("nibble", [0, 1])
+def test_lane_decode_every_byte_every_scale(nibble):
+    """The "int" decode: every byte's low or high code under every e8m0 byte 1..252 (byte 1, |code|
+    1 flushed as above), and unscaled (the NVFP4 path) bit-exact in f32."""
+    b = jnp.arange(256, dtype=jnp.int32)[:, None]
+    sbytes = np.arange(1, 253)
+    bias = jnp.asarray(np.maximum(sbytes - 1, 0) << 23, jnp.int32)[None]
+    got = np.asarray(fp4_swar.lane_decode(b, nibble, bias)).view(np.uint32)
+    codes = (np.arange(256) >> (4 * nibble)) & 15
+    want = (E2M1_VALUES[codes][:, None] * np.asarray(e8m0_decode(jnp.asarray(sbytes, jnp.uint8)))[None]).view(np.uint32)
+    flush = ((codes & 7) == 1)[:, None] & (sbytes == 1)[None]
+    np.testing.assert_array_equal(got, np.where(flush, want & 0x80000000, want))
+    plain = np.asarray(fp4_swar.lane_decode(b, nibble, 126 << 23)).view(np.uint32)
+    np.testing.assert_array_equal(plain[:, 0], E2M1_VALUES[codes].view(np.uint32))
