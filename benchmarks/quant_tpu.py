@@ -202,10 +202,16 @@ def compare_fp4_decodes(args, formats, shapes, layers, hidden, q_cols, inter, re
                         t = median_seconds(scan, (h, ws), args.iters, args.repeats)
                     except Exception as e:
                         res["rows"][key] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-                        print(f"{name:6s} decode={decode}{tn_note} M={m}: FAILED {res['rows'][key]['error'][:120]}")
+                        print(
+                            f"{name:6s} decode={decode}{tn_note} M={m}: FAILED {res['rows'][key]['error'][:120]}"
+                        )
                         continue
                     bf16_us = result["bf16"]["rows"][m]["us"]
-                    res["rows"][key] = {"us": t * 1e6, "roofline_frac": roof / t, "bf16_over": bf16_us / (t * 1e6)}
+                    res["rows"][key] = {
+                        "us": t * 1e6,
+                        "roofline_frac": roof / t,
+                        "bf16_over": bf16_us / (t * 1e6),
+                    }
                     print(
                         f"{name:6s} decode={decode:10s}{tn_note} M={m:4d}: {t * 1e6:8.1f} us ({roof / t:5.1%} of "
                         f"the {roof * 1e6:.1f} us roofline, bf16/this {bf16_us / (t * 1e6):.2f}x)"
@@ -262,7 +268,9 @@ def main(argv=None) -> int:
 
     formats = [f for f in args.formats.split(",") if f]
     if args.fp4_decode:
-        result["fp4_decodes"] = compare_fp4_decodes(args, formats, shapes, layers, hidden, q * hd, inter, result)
+        result["fp4_decodes"] = compare_fp4_decodes(
+            args, formats, shapes, layers, hidden, q * hd, inter, result
+        )
         formats = []
     for name in formats:
         quantize = FORMATS[name]

@@ -34,6 +34,16 @@ the current K tile are read with a dynamic sublane slice, so their block shape i
   dots accumulate in f32. NVFP4's global scale does not vary along K (one per tensor, or per column
   after fusing tensors), so it multiplies the output after the kernel (1/global for the
   compressed-tensors convention).
+* FP4 decodes (``decode=``, ``FP4_DECODES``; all give the same weights bit for bit, so results
+  differ only by f32 accumulation order). On a v5e the "f32" decode above made the kernel
+  VPU-bound (~20 ops a weight: 18-20% of the roofline of its bytes, slower than bf16):
+  "int" keeps one code per lane but builds the f32 bits with an integer add, the MX scale folded
+  into it (``fp4_swar.lane_decode``, ~10 ops + the bf16 convert); "swar" / "swar_bcast" read the
+  bytes as int32 words of 8 codes and emit two finished bf16 weights per lane, bitcast for free
+  (``quant/fp4_swar.py``, ~5.5 ops a weight MX, ~8 NVFP4), against x's K columns permuted once
+  outside to the decoded row order, 4 dots a tile; the two differ in how a scale row is repeated
+  over the 4 (MX) or 2 (NVFP4) word rows it covers: an MXU product with a 0/1 matrix, or a
+  broadcast + sub-tile reshape.
 
 Status: verified in TPU interpret mode on CPU (tests/quant/test_pallas_tpu_matmul.py). Not yet
 compiled by Mosaic for a real TPU; the likeliest snags there are u8 sublane-dynamic slices of the
@@ -53,8 +63,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from tpuserve.quant.codecs import e2m1_bits_decode, e4m3_bits_decode, e8m0_bits_decode
-from tpuserve.quant.fp4_swar import decode_words, lane_decode, nv_scale_terms, swar_x_order
 from tpuserve.quant.fp4 import Mxfp4Weight, Nvfp4Weight, dequantize_mxfp4, dequantize_nvfp4
+from tpuserve.quant.fp4_swar import decode_words, lane_decode, nv_scale_terms, swar_x_order
 from tpuserve.quant.fp8 import Fp8Weight, dequantize_fp8, quantize_per_token, scale_columns
 
 _MAX_TK = 2048  # K rows per tile (fp8: 2 MiB of weight per 1024-lane tile)
@@ -246,7 +256,9 @@ def fp8_matmul_ref(x: jax.Array, w: Fp8Weight, *, out_dtype=None, layer=None) ->
 # FP4
 
 
-def _fp4_kernel(layer_ref, xe_ref, xo_ref, p_ref, s_ref, o_ref, acc_ref, *, scale_rows, block, kind, nk, by_int):
+def _fp4_kernel(
+    layer_ref, xe_ref, xo_ref, p_ref, s_ref, o_ref, acc_ref, *, scale_rows, block, kind, nk, by_int
+):
     """One code per 32-bit lane. by_int False (decode "f32"): ``e2m1_bits_decode`` times the f32
     scale; True (decode "int"): ``fp4_swar.lane_decode``, the MX scale folded into its integer add
     (NVFP4 still multiplies by its e4m3 scale in f32)."""

@@ -67,7 +67,9 @@ def test_nv_every_byte_every_finite_scale():
 def test_words_to_bf16_reference_row_order():
     # low half -> even row, high half -> odd row (jax's interpret rule for pltpu.bitcast)
     out = jnp.asarray(np.array([[0x3F804000]], np.uint32).view(np.int32))
-    np.testing.assert_array_equal(np.asarray(fp4_swar.words_to_bf16_reference(out), np.float32), [[2.0], [1.0]])
+    np.testing.assert_array_equal(
+        np.asarray(fp4_swar.words_to_bf16_reference(out), np.float32), [[2.0], [1.0]]
+    )
 
 
 @pytest.mark.parametrize("k", [8, 64])
@@ -89,7 +91,9 @@ def test_lane_decode_every_byte_every_scale(nibble):
     bias = jnp.asarray(np.maximum(sbytes - 1, 0) << 23, jnp.int32)[None]
     got = np.asarray(fp4_swar.lane_decode(b, nibble, bias)).view(np.uint32)
     codes = (np.arange(256) >> (4 * nibble)) & 15
-    want = (E2M1_VALUES[codes][:, None] * np.asarray(e8m0_decode(jnp.asarray(sbytes, jnp.uint8)))[None]).view(np.uint32)
+    want = (E2M1_VALUES[codes][:, None] * np.asarray(e8m0_decode(jnp.asarray(sbytes, jnp.uint8)))[None]).view(
+        np.uint32
+    )
     flush = ((codes & 7) == 1)[:, None] & (sbytes == 1)[None]
     np.testing.assert_array_equal(got, np.where(flush, want & 0x80000000, want))
     plain = np.asarray(fp4_swar.lane_decode(b, nibble, 126 << 23)).view(np.uint32)

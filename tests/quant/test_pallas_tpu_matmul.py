@@ -105,7 +105,9 @@ def test_fp4_decodes_rows_and_k_tiles(kind, decode, m):
     x, w = data(m, 384, 256, seed=13)
     rec = fp4.quantize_mxfp4(w) if kind == "mx" else fp4.quantize_nvfp4(w)
     xb = x.astype(jnp.bfloat16)
-    y = fp4_matmul_tpu(xb, rec, out_dtype=jnp.float32, block_k=128, block_n=128, decode=decode, interpret=RACES)
+    y = fp4_matmul_tpu(
+        xb, rec, out_dtype=jnp.float32, block_k=128, block_n=128, decode=decode, interpret=RACES
+    )
     jax.block_until_ready(y)
     check(y, fp4_matmul_ref(xb.astype(jnp.float32), rec, out_dtype=jnp.float32))
 
