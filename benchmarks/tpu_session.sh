@@ -89,7 +89,9 @@ for s in $stages; do
           --prefill "" --batches 1,128 --temperature 1.0 --host-profile "$out/host_t1_135m" \
           --out "$out/host_t1_135m.json" ;;
     moe-gmm)   # the MoE grouped matmul compiled by Mosaic: ours (bf16, int8, MXFP4) against megablox gmm and ragged_dot
-      stage moe-gmm 260 python benchmarks/moe_gmm_tpu.py --int8 --mxfp4 --out "$out/moe_gmm.json" ;;
+      # GMM_FP4_DECODES=f32,swar: the MXFP4 experts with each decode (the second one not yet timed)
+      stage moe-gmm 260 python benchmarks/moe_gmm_tpu.py --int8 --mxfp4 --fp4-decode "${GMM_FP4_DECODES:-f32}" \
+          --out "$out/moe_gmm.json" ;;
     e2e-qmoe)  # a Qwen3-30B-A3B layer (128 experts, top-8) x 4 layers: MoE decode against the roofline
       [ -d /tmp/m/qwen3-moe-30b-a3b-4l ] || python benchmarks/random_checkpoint.py --dtype float16 \
           --like .tpu_carry/shapes/qwen3-moe-30b-a3b-4l --out /tmp/m/qwen3-moe-30b-a3b-4l > /dev/null

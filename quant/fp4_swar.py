@@ -158,6 +158,25 @@ def lane_decode(b: jax.Array, nibble: int, exp_bias: jax.Array | int) -> jax.Arr
     return lax.bitcast_convert_type(bits, jnp.float32)
 
 
+def expand_rows(v: jax.Array, p: int, how: str) -> jax.Array:
+    """``[R, tn]`` -> ``[p*R, tn]``, row i repeated into rows p*i .. p*i + p - 1 (p a power of 2).
+
+    "bcast": a broadcast and a reshape that merges a p-row axis into the sublanes (p < 8 rows: not
+    whole 32-bit tiles, which Mosaic may relayout slowly or refuse). "dot": an MXU product with the
+    0/1 matrix ``[p*R, R]``; exact for values exact in bf16 (integers up to 256, e4m3 values),
+    since each output row has one nonzero term (a -0.0 becomes +0.0).
+    """
+    if p == 1:
+        return v
+    r, tn = v.shape
+    if how == "bcast":
+        return jnp.broadcast_to(v[:, None, :], (r, p, tn)).reshape(r * p, tn)
+    rows = lax.broadcasted_iota(jnp.int32, (r * p, r), 0) >> (p.bit_length() - 1)
+    cols = lax.broadcasted_iota(jnp.int32, (r * p, r), 1)
+    ones = jnp.where(rows == cols, 1.0, 0.0).astype(jnp.bfloat16)
+    return jnp.dot(ones, v.astype(jnp.bfloat16), preferred_element_type=jnp.float32)
+
+
 def swar_x_order(x: jax.Array) -> jax.Array:
     """x ``[M, K]`` -> ``[4, M, K/4]``: group j holds the columns k = 8i + j + 4h in the order
     (i, h), the row order of decoded output j bitcast to bf16 (row 2i + h). K tiles that are

@@ -64,7 +64,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from tpuserve.quant.codecs import e2m1_bits_decode, e4m3_bits_decode, e8m0_bits_decode
 from tpuserve.quant.fp4 import Mxfp4Weight, Nvfp4Weight, dequantize_mxfp4, dequantize_nvfp4
-from tpuserve.quant.fp4_swar import decode_words, lane_decode, nv_scale_terms, swar_x_order
+from tpuserve.quant.fp4_swar import decode_words, expand_rows, lane_decode, nv_scale_terms, swar_x_order
 from tpuserve.quant.fp8 import Fp8Weight, dequantize_fp8, quantize_per_token, scale_columns
 
 _MAX_TK = 2048  # K rows per tile (fp8: 2 MiB of weight per 1024-lane tile)
@@ -297,30 +297,11 @@ def _fp4_kernel(
         o_ref[...] = acc_ref[...].astype(o_ref.dtype)
 
 
-def _expand_rows(v: jax.Array, p: int, how: str) -> jax.Array:
-    """``[R, tn]`` -> ``[p*R, tn]``, row i repeated into rows p*i .. p*i + p - 1 (p a power of 2).
-
-    "bcast": a broadcast and a reshape that merges a p-row axis into the sublanes (p < 8 rows: not
-    whole 32-bit tiles, which Mosaic may relayout slowly or refuse). "dot": an MXU product with the
-    0/1 matrix ``[p*R, R]``; exact for values exact in bf16 (integers up to 256, e4m3 values),
-    since each output row has one nonzero term (a -0.0 becomes +0.0).
-    """
-    if p == 1:
-        return v
-    r, tn = v.shape
-    if how == "bcast":
-        return jnp.broadcast_to(v[:, None, :], (r, p, tn)).reshape(r * p, tn)
-    rows = lax.broadcasted_iota(jnp.int32, (r * p, r), 0) >> (p.bit_length() - 1)
-    cols = lax.broadcasted_iota(jnp.int32, (r * p, r), 1)
-    ones = jnp.where(rows == cols, 1.0, 0.0).astype(jnp.bfloat16)
-    return jnp.dot(ones, v.astype(jnp.bfloat16), preferred_element_type=jnp.float32)
-
-
 def _fp4_swar_kernel(layer_ref, x_ref, p_ref, s_ref, o_ref, acc_ref, *, scale_rows, block, kind, nk, expand):
     """The SWAR decode (quant/fp4_swar.py): the tile's bytes as int32 words ``[tk/8, tn]`` (8 codes
     each, k = 8i + c), four bf16 outputs per word row, four dots against x's matching column groups
     (``swar_x_order``). The scale terms are made per scale row, then repeated over the block/8 word
-    rows each covers (``_expand_rows``)."""
+    rows each covers (``fp4_swar.expand_rows``)."""
     del layer_ref  # read by the index maps only
     kk = pl.program_id(2)
 
@@ -331,10 +312,10 @@ def _fp4_swar_kernel(layer_ref, x_ref, p_ref, s_ref, o_ref, acc_ref, *, scale_ro
     sb = s_ref[pl.ds(kk * scale_rows, scale_rows), :].astype(jnp.int32)  # [tk/block, tn]
     per_scale = block // 8  # word rows under one scale row
     if kind == "mx":
-        s_rows = _expand_rows(jnp.maximum(sb - 1, 0), per_scale, expand).astype(jnp.int32)
+        s_rows = expand_rows(jnp.maximum(sb - 1, 0), per_scale, expand).astype(jnp.int32)
         terms: tuple[jax.Array, ...] = (s_rows << 7,)
     else:
-        terms = nv_scale_terms(_expand_rows(e4m3_bits_decode(sb), per_scale, expand))
+        terms = nv_scale_terms(expand_rows(e4m3_bits_decode(sb), per_scale, expand))
     words = pltpu.bitcast(p_ref[...], jnp.int32)  # [tk/8, tn]: byte rows 4i..4i+3 in word row i
     acc = acc_ref[...]
     for j, bits in enumerate(decode_words(words, terms, kind)):
