@@ -223,14 +223,15 @@ def _mxfp4_swar_dot(lhs_ref, packed_ref, scale_ref, acc):
     bytes are read as int32 words (8 codes), decoded two bf16 weights a lane and bitcast, and the
     four column groups' matching lanes multiply them."""
     rows, _ = packed_ref.shape
-    per_scale = MXFP4_BLOCK // 2  # byte rows under one scale row
     dtype = lhs_ref.dtype
+    # the tile's scale terms once, one row per word row (4 per scale row: one MXU product), so each
+    # chunk slices whole 8-row tiles of them
     s_all = jnp.maximum((scale_ref[...].astype(jnp.int32) & 255) - 1, 0)  # [tk/32, tn]
+    s_words = expand_rows(s_all, MXFP4_BLOCK // 8, "dot").astype(jnp.int32) << 7  # [tk/8, tn]
     for lo in range(0, rows, _FP4_BYTE_ROWS):
         hi = min(lo + _FP4_BYTE_ROWS, rows)
         words = pltpu.bitcast(packed_ref[lo:hi, :], jnp.int32)  # [(hi-lo)/4, tn]
-        s_words = expand_rows(s_all[lo // per_scale : hi // per_scale], MXFP4_BLOCK // 8, "dot")
-        terms = (s_words.astype(jnp.int32) << 7,)
+        terms = (s_words[lo // 4 : hi // 4],)
         for j, bits in enumerate(decode_words(words, terms, "mx")):
             w = pltpu.bitcast(bits, jnp.bfloat16).astype(dtype)  # [(hi-lo)/2, tn]
             acc += jnp.dot(lhs_ref[j, :, lo // 2 : hi // 2], w, preferred_element_type=jnp.float32)

@@ -48,6 +48,8 @@ which decode to zeros exactly.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -103,10 +105,11 @@ def scale_terms(sbytes: jax.Array, kind: str) -> tuple[jax.Array, ...]:
     return mx_scale_terms(sbytes) if kind == "mx" else nv_scale_terms(e4m3_bits_decode(sbytes))
 
 
-def decode_words(words: jax.Array, terms: tuple[jax.Array, ...], kind: str) -> list[jax.Array]:
+def decode_words(words: jax.Array, terms: tuple[jax.Array, ...], kind: str) -> Iterator[jax.Array]:
     """int32 words ``[r, n]`` (8 codes each) and their scale terms (each ``[r, n]``, or
-    broadcastable) -> 4 int32 ``[r, n]``: output j holds the bf16 bits of code j (low half) and
-    code j + 4 (high half), scaled (module docstring)."""
+    broadcastable) -> 4 int32 ``[r, n]``, one at a time: output j holds the bf16 bits of code j
+    (low half) and code j + 4 (high half), scaled (module docstring). A generator, so a kernel that
+    consumes each output before asking for the next keeps one output live, not four."""
     w = words.astype(jnp.int32)
     mag = w & _i32(0x77777777)
     nz = _srl(mag + _i32(0x77777777), 3) & _EACH_NIBBLE  # per nibble: mag + 7 >= 8 <=> mag >= 1
@@ -120,7 +123,6 @@ def decode_words(words: jax.Array, terms: tuple[jax.Array, ...], kind: str) -> l
         sign = sign ^ flip
         gm = w & (_srl(w, 1) | _srl(w, 2)) & _EACH_NIBBLE  # m and e != 0
         ex = _srl(w, 1) & _i32(0x33333333)  # e
-    outs = []
     for j in range(4):
         nz_j = _srl(nz, 4 * j) & _HALVES
         sign_j = _shift(sign, 12 - 4 * j) & _HALF_SIGNS
@@ -130,8 +132,7 @@ def decode_words(words: jax.Array, terms: tuple[jax.Array, ...], kind: str) -> l
             gm_j = _srl(gm, 4 * j) & _HALVES
             e_j = _srl(ex, 4 * j) & _i32(0x00030003)
             body = nz_j * a + gm_j * d + e_j * e_step
-        outs.append(body | sign_j)
-    return outs
+        yield body | sign_j
 
 
 def words_to_bf16_reference(out: jax.Array) -> jax.Array:
