@@ -29,21 +29,22 @@ NVFP4's e4m3 <= 8 bits). With ``nz = [mag >= 1]`` and ``gm = [e >= 1 and m]``:
   else 0. mag >= 2 gives exponent field s - 1 + e and mantissa m: 2**(e-1) (1 + m/2) c; mag 1
   gives S = 0.5 c; mag 0 gives 0. ``nz * S`` is one int32 multiply for both halves (nz is 0/1 at
   bits 0 and 16, S < 2**15 so the products do not overlap).
-* NVFP4: bits = nz * A + gm * D + e * E with A = bf16 bits of 0.5 |c|, D = bits(1.5 |c|) -
-  bits(|c|), E = 128 (one exponent step): the exponent of ``|c| * 2**(e-1)`` is bits(|c|) plus
-  (e - 1) << 7 while normal, and 1.5 |c| has the same exponent as |c| or one more, which D
-  absorbs. A zero scale has A = D = E = 0.
+* NVFP4: bits = nz * A + gm * D + (e << 7) with A = bf16 bits of 0.5 |c|, D = bits(1.5 |c|) -
+  bits(|c|): the exponent of ``|c| * 2**(e-1)`` is bits(|c|) plus (e - 1) << 7 while normal, and
+  1.5 |c| has the same exponent as |c| or one more, which D absorbs. A zero scale has A = D = 0.
 * sign: bit 15 of each half = the code's sign bit (XOR the scale's sign for NVFP4), so ``-0.0``
   codes and negative scales come out bit for bit as the reference dequant's.
 
-Per word (8 weights): ~8 ops on all nibbles at once, then per output ~9 (MX) or ~13 (NV) ops:
-~5.5 (MX) / ~8 (NV) VPU ops per weight, plus the scale's per-word expansion.
+Per word (8 weights): ~10 ops on all nibbles at once, then per output ~9 (MX) or ~12 (NV) ops;
+with the scale terms, ~6 (MX) / ~9 (NV) VPU ops per weight (counted from the jaxpr; the "f32"
+decode is ~17 / ~18, "int" ~12 / ~14).
 
 Domain: bit-exact with ``dequantize_mxfp4`` / ``dequantize_nvfp4`` (then cast to bf16) for every
 code and e8m0 byte 1..252 (byte 1 with |code| 1, whose 2**-127 is subnormal, gives 0, as bf16
-math on a TPU does), and every finite e4m3 byte. e8m0 bytes 0 and 253..255 (values of 2**-127,
-inf or NaN) and e4m3 NaN are out of domain; our quantizers write byte 0 only for all-zero blocks,
-which decode to zeros exactly.
+math on a TPU does), and every finite nonzero e4m3 byte. e8m0 bytes 0 and 253..255 (values of
+2**-127, inf or NaN), e4m3 NaN and zero scales are out of domain, except that zero codes decode to
+their signed zeros under any scale byte: quantizers write e8m0 byte 0 (ours) or a zero e4m3 scale
+only for all-zero blocks.
 """
 
 from __future__ import annotations
@@ -84,8 +85,8 @@ def mx_scale_terms(sbytes: jax.Array) -> tuple[jax.Array]:
     return (jnp.maximum(s - 1, 0) << 7,)
 
 
-def nv_scale_terms(c: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """NVFP4 block scales as f32 values (``e4m3_bits_decode`` of the bytes, exact) -> (A, D, E,
+def nv_scale_terms(c: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """NVFP4 block scales as f32 values (``e4m3_bits_decode`` of the bytes, exact) -> (A, D,
     flip) int32 (module docstring). flip: the sign pattern (bit 3 of every nibble) to XOR into the
     codes' signs for a negative scale."""
     bits = lax.bitcast_convert_type(c.astype(jnp.float32), jnp.int32)
@@ -95,9 +96,8 @@ def nv_scale_terms(c: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.A
     nonzero = mag_bits != 0
     a = jnp.where(nonzero, v1 - 128, 0)
     d = v15 - v1
-    e = jnp.where(nonzero, 128, 0)
     flip = (bits >> 31) & _SIGNS  # arithmetic shift: all ones for a negative scale
-    return a, d, e, flip
+    return a, d, flip
 
 
 def scale_terms(sbytes: jax.Array, kind: str) -> tuple[jax.Array, ...]:
@@ -119,10 +119,9 @@ def decode_words(words: jax.Array, terms: tuple[jax.Array, ...], kind: str) -> I
         ge = _srl(mag + _i32(0x66666666), 3) & _EACH_NIBBLE  # mag >= 2
         f = mag + ge - nz  # mag if mag >= 2, else 0 (no nibble leaves 0..8: no carries)
     else:
-        a, d, e_step, flip = terms
+        a, d, flip = terms
         sign = sign ^ flip
         gm = w & (_srl(w, 1) | _srl(w, 2)) & _EACH_NIBBLE  # m and e != 0
-        ex = _srl(w, 1) & _i32(0x33333333)  # e
     for j in range(4):
         nz_j = _srl(nz, 4 * j) & _HALVES
         sign_j = _shift(sign, 12 - 4 * j) & _HALF_SIGNS
@@ -130,8 +129,8 @@ def decode_words(words: jax.Array, terms: tuple[jax.Array, ...], kind: str) -> I
             body = nz_j * s + (_shift(f, 6 - 4 * j) & _i32(0x01C001C0))
         else:
             gm_j = _srl(gm, 4 * j) & _HALVES
-            e_j = _srl(ex, 4 * j) & _i32(0x00030003)
-            body = nz_j * a + gm_j * d + e_j * e_step
+            e_j = _shift(w, 6 - 4 * j) & _i32(0x01800180)  # the code's e (bits 1-2) at bits 7-8
+            body = nz_j * a + gm_j * d + e_j
         yield body | sign_j
 
 
