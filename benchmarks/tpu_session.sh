@@ -127,7 +127,7 @@ for s in $stages; do
     fp4)       # the FP4 kernels' weight decodes side by side (pallas_tpu_matmul.FP4_DECODES): each
                # checked against the reference on the chip, then the 1B shape's whole-record layer
                # scan at M 1 and 8 against bf16 and the roofline of the quantized bytes. Estimate
-               # ~160 s (18 scans, 8 checks; not yet measured), hence the 240 s limit.
+               # ~150 s (18 scans, 8 x 4 small kernels checked; not yet measured): a 240 s limit.
                # FP4_BLOCK_N=0,1024: each decode at the default N tiles and at up to 1024 too
       stage fp4 240 python benchmarks/quant_tpu.py --shape llama-1b --rows 1,8 --formats mxfp4,nvfp4 \
           --fp4-decode "${FP4_DECODES:-f32,int,swar,swar_bcast}" --fp4-block-n "${FP4_BLOCK_N:-0}" \
