@@ -45,10 +45,13 @@ the current K tile are read with a dynamic sublane slice, so their block shape i
   over the 4 (MX) or 2 (NVFP4) word rows it covers: an MXU product with a 0/1 matrix, or a
   broadcast + sub-tile reshape.
 
-Status: verified in TPU interpret mode on CPU (tests/quant/test_pallas_tpu_matmul.py). Not yet
-compiled by Mosaic for a real TPU; the likeliest snags there are u8 sublane-dynamic slices of the
-FP4 scale block (a 32-row u8 tile) and int32 bit tricks on v5e, both with straightforward
-fallbacks (f32/bf16 decoded scales; a lookup via selects).
+Status: verified in TPU interpret mode on CPU (tests/quant/test_pallas_tpu_matmul.py, and the
+decodes alone bit for bit in tests/quant/test_fp4_swar.py). FP8 and the "f32" FP4 decode are
+compiled and timed on a v5e (benchmarks/RESULTS.md, "Quantized matmuls on a TPU v5e"); the "int",
+"swar" and "swar_bcast" decodes only lowered for TPU (jax.export), not yet compiled by Mosaic:
+their snags there would be the u8 -> int32 and int32 -> bf16 ``pltpu.bitcast`` of a tile (SWAR),
+the sub-tile reshape (swar_bcast) and int32 multiplies; ``benchmarks/quant_tpu.py --fp4-decode``
+reports a decode Mosaic refuses and times the rest.
 """
 
 from __future__ import annotations
