@@ -22,7 +22,9 @@ implementation is recorded and the rest still run; the exit status is 1 if any f
 ``--int8`` adds ``ours_int8``: our kernel on the same experts quantized to int8 per output channel
 (bytes counted at one per weight), checked against ragged_dot on the dequantized weight.
 ``--mxfp4`` adds ``ours_mxfp4``: our kernel on the experts quantized to MXFP4 by ``quant.fp4``
-(packed bytes decoded in VMEM; ``K * N * (1/2 + 1/32)`` bytes per active expert), checked likewise.
+(packed bytes decoded in VMEM; ``K * N * (1/2 + 1/32)`` bytes per active expert), checked likewise;
+``--fp4-decode f32,swar`` times it with each of the kernel's MXFP4 decodes (``ours_mxfp4`` is
+"f32", the others ``ours_mxfp4_<decode>``).
 """
 
 from __future__ import annotations
@@ -71,6 +73,9 @@ def parse_args(argv=None):
     )
     p.add_argument("--int8", action="store_true", help="also time our kernel on int8 per-channel experts")
     p.add_argument("--mxfp4", action="store_true", help="also time our kernel on MXFP4 experts")
+    p.add_argument(
+        "--fp4-decode", default="f32", help="with --mxfp4: the kernel's decodes to time (comma list)"
+    )
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
@@ -175,11 +180,13 @@ def run_case(
         rec, deq = fp4weights
         q_bytes = 2 * (m * k + m * n) + active * (k * n // 2 + k // MXFP4_BLOCK * n)
         q_want = np.asarray(jax.jit(ragged_dot_f32)(lhs.astype(jnp.float32), deq, gs))
-        res = dict(tiling=list(default_tiling(m, k, n, 1024)), mxfp4=True)
-        fn = lambda a, b, c: grouped_matmul_tpu(a, b, c, interpret=interpret)  # noqa: E731
-        res.update(measure(fn, (lhs, rec, gs), q_want, q_bytes, flops, args))
-        case["results"]["ours_mxfp4"] = res
-        print(format_result(case, "ours_mxfp4", res), flush=True)
+        for decode in [d for d in args.fp4_decode.split(",") if d]:
+            res = dict(tiling=list(default_tiling(m, k, n, 1024)), mxfp4=True, fp4_decode=decode)
+            fn = lambda a, b, c, d=decode: grouped_matmul_tpu(a, b, c, fp4_decode=d, interpret=interpret)  # noqa: E731
+            res.update(measure(fn, (lhs, rec, gs), q_want, q_bytes, flops, args))
+            name = "ours_mxfp4" if decode == "f32" else f"ours_mxfp4_{decode}"
+            case["results"][name] = res
+            print(format_result(case, name, res), flush=True)
     return case
 
 

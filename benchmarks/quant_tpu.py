@@ -11,11 +11,18 @@ made and quantized on the device layer by layer.
     python benchmarks/quant_tpu.py --shape llama-1b --rows 1,8,128 --out q1b.json
     python benchmarks/quant_tpu.py --shape llama-8b --layers 8 --rows 1 --out q8b.json
     python benchmarks/quant_tpu.py --shape tiny --interpret        # CPU: the harness itself
+    python benchmarks/quant_tpu.py --shape llama-1b --rows 1,8 --fp4-decode f32,int,swar,swar_bcast
+
+``--fp4-decode``: the FP4 kernels' weight decodes (``pallas_tpu_matmul.FP4_DECODES``) side by
+side instead: for each FP4 format and decode, the compiled kernel checked against the reference on
+the device, then the layer scan with the records whole (the decoder's way), against bf16 and the
+roofline of the quantized bytes. The sliced and XLA ways and FP8 are skipped in that mode.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 
 import jax
@@ -25,7 +32,13 @@ from device_timing import median_seconds
 
 from tpuserve.quant import fp4, fp8
 from tpuserve.quant.dispatch import quant_linear
-from tpuserve.quant.pallas_tpu_matmul import fp4_matmul_ref, fp4_matmul_tpu, fp8_matmul_ref, fp8_matmul_tpu
+from tpuserve.quant.pallas_tpu_matmul import (
+    FP4_DECODES,
+    fp4_matmul_ref,
+    fp4_matmul_tpu,
+    fp8_matmul_ref,
+    fp8_matmul_tpu,
+)
 
 HBM_BYTES_PER_S = 819e9  # TPU v5e
 
@@ -80,12 +93,27 @@ def chain(mm, h, w_of, q_cols: int, inter: int):
     return mm(act, w_of("down")).astype(h.dtype)
 
 
-def scan_fns(layers: int, q_cols: int, inter: int, interpret):
-    """name -> jitted f(h [M, H], weights) -> h, one layer scan each."""
+def widest_tile(n: int, cap: int) -> int | None:
+    """The largest multiple of 128 <= cap dividing n (None: the kernel's own choice)."""
+    return next((t for t in range(cap - cap % 128, 0, -128) if n % t == 0), None) if cap else None
+
+
+def scan_fns(layers: int, q_cols: int, inter: int, interpret, decode=None, max_tn: int = 0):
+    """name -> jitted f(h [M, H], weights) -> h, one layer scan each (``decode``, ``max_tn``: the
+    FP4 kernels' decode and widest N tile, 0 for their default)."""
 
     def kernel(x, w, layer=None):
-        fn = fp8_matmul_tpu if isinstance(w, fp8.Fp8Weight) else fp4_matmul_tpu
-        return fn(x, w, out_dtype=jnp.float32, layer=layer, interpret=interpret)
+        if isinstance(w, fp8.Fp8Weight):
+            return fp8_matmul_tpu(x, w, out_dtype=jnp.float32, layer=layer, interpret=interpret)
+        return fp4_matmul_tpu(
+            x,
+            w,
+            out_dtype=jnp.float32,
+            layer=layer,
+            decode=decode,
+            block_n=widest_tile(w.out_features, max_tn),
+            interpret=interpret,
+        )
 
     def dense(x, w):
         return jnp.dot(x, w, preferred_element_type=jnp.float32)
@@ -113,12 +141,12 @@ def scan_fns(layers: int, q_cols: int, inter: int, interpret):
     }
 
 
-def check_kernels(shapes, quantize, name: str, interpret, seed: int) -> dict:
+def check_kernels(shapes, quantize, name: str, interpret, seed: int, decode=None) -> dict:
     """One layer per matmul shape: the compiled kernel against the reference (f32 at HIGHEST), both
     on this device, 8 bf16 rows; also the stacked form with a layer index against its slice."""
     errs = {}
     ref = fp8_matmul_ref if name == "fp8" else fp4_matmul_ref
-    mm = fp8_matmul_tpu if name == "fp8" else fp4_matmul_tpu
+    mm = fp8_matmul_tpu if name == "fp8" else functools.partial(fp4_matmul_tpu, decode=decode)
     for mname, (k, n) in shapes.items():
         w = jax.random.normal(jax.random.PRNGKey(seed), (k, n), jnp.float32) / np.sqrt(k)
         rec = jax.jit(quantize)(w)
@@ -137,6 +165,86 @@ def check_kernels(shapes, quantize, name: str, interpret, seed: int) -> dict:
     return errs
 
 
+def compare_fp4_decodes(args, formats, shapes, layers, hidden, q_cols, inter, result) -> dict:
+    """For each FP4 format and decode: the on-device check, then the whole-record layer scan per M."""
+    from jax.experimental.pallas import tpu as pltpu
+
+    interpret = pltpu.InterpretParams() if args.interpret else None
+    decodes = [d for d in args.fp4_decode.split(",") if d]
+    unknown = set(decodes) - set(FP4_DECODES)
+    if unknown:
+        raise SystemExit(f"--fp4-decode: unknown {sorted(unknown)}; known: {FP4_DECODES}")
+    rows = [int(r) for r in args.rows.split(",") if r]
+    out: dict = {}
+    for name in [f for f in formats if f != "fp8"]:
+        # one layer per matmul shape, 8 bf16 rows, and its reference (f32 at HIGHEST), shared by
+        # every decode's check (the stacked form is what the timed scans run; their outputs are
+        # compared across decodes below)
+        cases = {}
+        for mname, (k, n) in shapes.items():
+            w = jax.random.normal(jax.random.PRNGKey(7), (k, n), jnp.float32) / np.sqrt(k)
+            rec = jax.jit(FORMATS[name])(w)
+            x = jax.random.normal(jax.random.PRNGKey(8), (8, k), jnp.float32).astype(jnp.bfloat16)
+            want = jax.jit(lambda x, r: fp4_matmul_ref(x.astype(jnp.float32), r, out_dtype=jnp.float32))(
+                x, rec
+            )
+            cases[mname] = (x, rec, want)
+        ws = make_layers(shapes, layers, FORMATS[name], seed=2)
+        roof = weight_bytes(ws) / HBM_BYTES_PER_S
+        out[name] = {"weight_bytes": weight_bytes(ws), "decodes": {}}
+        first_out: dict = {}  # M -> the first decode's scan output
+        for decode in decodes:
+            res: dict = {"rows": {}, "checks": {}}
+            try:
+                for mname, (x, rec, want) in cases.items():
+                    got = jax.jit(
+                        lambda x, r, d=decode: fp4_matmul_tpu(
+                            x, r, out_dtype=jnp.float32, decode=d, interpret=interpret
+                        )
+                    )(x, rec)
+                    err = float(jnp.max(jnp.abs(got - want))) / float(jnp.max(jnp.abs(want)))
+                    res["checks"][mname] = {"max_rel_err": err}
+                worst = max(c["max_rel_err"] for c in res["checks"].values())
+                print(f"{name} decode={decode}: max rel err vs reference {worst:.2e} (4 shapes, 8 rows)")
+            except Exception as e:  # a decode Mosaic refuses is reported, the others still run
+                res["error"] = f"{type(e).__name__}: {str(e)[:600]}"
+                print(f"{name} decode={decode}: FAILED {res['error']}")
+                out[name]["decodes"][decode] = res
+                continue
+            for max_tn in [int(t) for t in args.fp4_block_n.split(",") if t]:
+                scan = scan_fns(layers, q_cols, inter, interpret, decode=decode, max_tn=max_tn)["whole"]
+                tn_note = f" tn<={max_tn}" if max_tn else ""
+                for m in rows:
+                    key = f"{m}" + (f"/tn{max_tn}" if max_tn else "")
+                    h = jnp.ones((m, hidden), jnp.bfloat16) * 0.01
+                    try:
+                        t = median_seconds(scan, (h, ws), args.iters, args.repeats)
+                        y = np.asarray(scan(h, ws), np.float32)
+                    except Exception as e:
+                        res["rows"][key] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+                        print(
+                            f"{name:6s} decode={decode}{tn_note} M={m}: FAILED {res['rows'][key]['error'][:120]}"
+                        )
+                        continue
+                    ref_y = first_out.setdefault(key, y)  # same weights: the decodes differ by rounding only
+                    scan_diff = float(np.max(np.abs(y - ref_y))) / (float(np.max(np.abs(ref_y))) or 1.0)
+                    bf16_us = result["bf16"]["rows"][m]["us"]
+                    res["rows"][key] = {
+                        "scan_vs_first_decode_max_rel": scan_diff,
+                        "us": t * 1e6,
+                        "roofline_frac": roof / t,
+                        "bf16_over": bf16_us / (t * 1e6),
+                    }
+                    print(
+                        f"{name:6s} decode={decode:10s}{tn_note} M={m:4d}: {t * 1e6:8.1f} us ({roof / t:5.1%} of "
+                        f"the {roof * 1e6:.1f} us roofline, bf16/this {bf16_us / (t * 1e6):.2f}x; "
+                        f"output vs {decodes[0]}'s: {scan_diff:.1e})"
+                    )
+            out[name]["decodes"][decode] = res
+        del ws
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", choices=sorted(SHAPES), default="llama-1b")
@@ -145,6 +253,16 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", default="1,8,128", help="token rows M of the timed scans")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument(
+        "--fp4-decode",
+        default="",
+        help=f"compare the FP4 kernels' decodes instead (comma list of {','.join(FP4_DECODES)})",
+    )
+    ap.add_argument(
+        "--fp4-block-n",
+        default="0",
+        help="with --fp4-decode: widest N tiles to time each decode at (comma list; 0 = the kernel's)",
+    )
     ap.add_argument("--interpret", action="store_true", help="TPU interpret mode (CPU)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -172,7 +290,13 @@ def main(argv=None) -> int:
         print(f"bf16   M={m:4d}: {t * 1e6:9.1f} us  roofline {roof * 1e6:8.1f} us  ({roof / t:6.1%})")
     del dense
 
-    for name in [f for f in args.formats.split(",") if f]:
+    formats = [f for f in args.formats.split(",") if f]
+    if args.fp4_decode:
+        result["fp4_decodes"] = compare_fp4_decodes(
+            args, formats, shapes, layers, hidden, q * hd, inter, result
+        )
+        formats = []
+    for name in formats:
         quantize = FORMATS[name]
         res: dict = {"checks": check_kernels(shapes, quantize, name, interpret, seed=7), "rows": {}}
         worst = max(c["max_rel_err"] for c in res["checks"].values())

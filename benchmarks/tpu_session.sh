@@ -100,7 +100,9 @@ for s in $stages; do
           --batches 32,128 --prefill "" --engine-args '{"warmup": false}' --host-profile "$out/host_1b" \
           --out "$out/host_1b.json" ;;
     moe-gmm)   # the MoE grouped matmul compiled by Mosaic: ours (bf16, int8, MXFP4) against megablox gmm and ragged_dot
-      stage moe-gmm 260 python benchmarks/moe_gmm_tpu.py --int8 --mxfp4 --out "$out/moe_gmm.json" ;;
+      # GMM_FP4_DECODES=f32,swar: the MXFP4 experts with each decode (the second one not yet timed)
+      stage moe-gmm 260 python benchmarks/moe_gmm_tpu.py --int8 --mxfp4 --fp4-decode "${GMM_FP4_DECODES:-f32}" \
+          --out "$out/moe_gmm.json" ;;
     e2e-qmoe)  # a Qwen3-30B-A3B layer (128 experts, top-8) x 4 layers: MoE decode against the roofline
       [ -d /tmp/m/qwen3-moe-30b-a3b-4l ] || python benchmarks/random_checkpoint.py --dtype float16 \
           --like .tpu_carry/shapes/qwen3-moe-30b-a3b-4l --out /tmp/m/qwen3-moe-30b-a3b-4l > /dev/null
@@ -146,6 +148,14 @@ for s in $stages; do
       stage quant-1b 170 python benchmarks/quant_tpu.py --shape llama-1b --rows 1,8,128 --out "$out/quant_1b.json"
       stage quant-8b 150 python benchmarks/quant_tpu.py --shape llama-8b --layers 8 --rows 1,8 \
           --out "$out/quant_8b.json" ;;
+    fp4)       # the FP4 kernels' weight decodes side by side (pallas_tpu_matmul.FP4_DECODES): each
+               # checked against the reference on the chip, then the 1B shape's whole-record layer
+               # scan at M 1 and 8 against bf16 and the roofline of the quantized bytes. Estimate
+               # ~150 s (18 scans, 8 x 4 small kernels checked; not yet measured): a 240 s limit.
+               # FP4_BLOCK_N=0,1024: each decode at the default N tiles and at up to 1024 too
+      stage fp4 240 python benchmarks/quant_tpu.py --shape llama-1b --rows 1,8 --formats mxfp4,nvfp4 \
+          --fp4-decode "${FP4_DECODES:-f32,int,swar,swar_bcast}" --fp4-block-n "${FP4_BLOCK_N:-0}" \
+          --out "$out/fp4_decode_1b.json" ;;
     e2e-8b-fp8) # the Llama-8B shape as a pre-quantized FP8 checkpoint (bf16 would not fit 16 GB): fit,
                # ready, decode at b1/b8 against the roofline of its quantized bytes
       [ -d /tmp/m/llama-8b-fp8 ] || python benchmarks/random_checkpoint.py --quantize fp8 --dtype float16 \

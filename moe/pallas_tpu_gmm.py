@@ -65,7 +65,10 @@ and fed to two half-K dots accumulating in f32. Packed bytes and scales travel a
 bitcast outside) so the kernel widens them with a sign extension and masks, not an unsigned one.
 HBM moves ``K * N * (1/2 + 1/32)`` bytes per expert, 0.27x of bf16. ``tk`` must be K itself or a
 multiple of 1024 (its 32 scale rows are then one u8 sublane tile; K itself covers gpt-oss's 2880,
-90 blocks), and K a multiple of 32.
+90 blocks), and K a multiple of 32. ``fp4_decode="swar"`` decodes the same weights bit for bit
+two bf16 per 32-bit lane instead (quant/fp4_swar.py: the bytes of a chunk read as int32 words of
+8 codes, ``lhs`` permuted outside into 4 column groups of K/4 to match the decoded rows; ~5.5 VPU
+ops a weight against ~20), for the chip to time against the f32 decode.
 
 Traffic: with one K tile (the default up to K = 3072) a block index that does not change between
 grid steps is not fetched again, so each N tile reads every expert's weight once (its visits are
@@ -92,6 +95,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from tpuserve.quant.codecs import e2m1_bits_decode, e8m0_bits_decode
 from tpuserve.quant.fp4 import MXFP4_BLOCK, Mxfp4Weight
+from tpuserve.quant.fp4_swar import decode_words, expand_rows, swar_x_order
 
 DEFAULT_TM = 128  # the v5e MXU is 128 x 128
 _MAX_FULL_TN = 1024
@@ -103,6 +107,8 @@ _WIDEN_ROWS = 512  # K rows of an 8-bit weight tile widened at a time (a multipl
 # the lhs halves and of 32 u8 sublanes, and it bounds the f32 / int32 decode temporaries
 _FP4_BYTE_ROWS = 256
 _FP4_TK_QUANTUM = 1024  # several K tiles: tk / 32 scale rows must fill whole 32-row u8 tiles
+FP4_DECODES = ("f32", "swar")  # grouped_matmul_tpu(fp4_decode=...)
+FP4_DEFAULT_DECODE = "f32"
 
 
 def _largest_divisor(dim: int, cap: int, quantum: int) -> int | None:
@@ -211,13 +217,38 @@ def _mxfp4_dot(lhs_even_ref, lhs_odd_ref, packed_ref, scale_ref, acc):
     return acc
 
 
+def _mxfp4_swar_dot(lhs_ref, packed_ref, scale_ref, acc):
+    """``_mxfp4_dot`` with the SWAR decode (quant/fp4_swar.py): ``lhs_ref [4, tm, tk/4]`` (the
+    column groups of ``swar_x_order``), the same packed / scale tiles; per chunk of byte rows the
+    bytes are read as int32 words (8 codes), decoded two bf16 weights a lane and bitcast, and the
+    four column groups' matching lanes multiply them."""
+    rows, _ = packed_ref.shape
+    dtype = lhs_ref.dtype
+    # the tile's scale terms once, one row per word row (4 per scale row: one MXU product), so each
+    # chunk slices whole 8-row tiles of them
+    s_all = jnp.maximum((scale_ref[...].astype(jnp.int32) & 255) - 1, 0)  # [tk/32, tn]
+    s_words = expand_rows(s_all, MXFP4_BLOCK // 8, "dot").astype(jnp.int32) << 7  # [tk/8, tn]
+    for lo in range(0, rows, _FP4_BYTE_ROWS):
+        hi = min(lo + _FP4_BYTE_ROWS, rows)
+        words = pltpu.bitcast(packed_ref[lo:hi, :], jnp.int32)  # [(hi-lo)/4, tn]
+        terms = (s_words[lo // 4 : hi // 4],)
+        for j, bits in enumerate(decode_words(words, terms, "mx")):
+            w = pltpu.bitcast(bits, jnp.bfloat16).astype(dtype)  # [(hi-lo)/2, tn]
+            acc += jnp.dot(lhs_ref[j, :, lo // 2 : hi // 2], w, preferred_element_type=jnp.float32)
+    return acc
+
+
 def _gmm_kernel(out_tile_ref, in_tile_ref, group_ref, lo_ref, hi_ref, layer_ref, *refs, tm, nk, rhs_kind):
     """``rhs_kind``: "plain" (refs: lhs, rhs), "channel" (lhs, rhs, per-channel scale) or "mxfp4"
-    (lhs even half, odd half, packed, block scales); then the output and the f32 accumulator."""
+    (lhs even half, odd half, packed, block scales) or "mxfp4_swar" (lhs column groups, packed,
+    block scales); then the output and the f32 accumulator."""
     del in_tile_ref, group_ref, layer_ref  # read by the index maps only
     scaled = rhs_kind == "channel"
     if rhs_kind == "mxfp4":
         lhs_even_ref, lhs_odd_ref, rhs_ref, block_scale_ref, out_ref, acc_ref = refs
+        scale_ref = None
+    elif rhs_kind == "mxfp4_swar":
+        lhs_ref, rhs_ref, block_scale_ref, out_ref, acc_ref = refs
         scale_ref = None
     elif scaled:
         lhs_ref, rhs_ref, scale_ref, out_ref, acc_ref = refs
@@ -238,6 +269,9 @@ def _gmm_kernel(out_tile_ref, in_tile_ref, group_ref, lo_ref, hi_ref, layer_ref,
     def _accumulate():
         if rhs_kind == "mxfp4":
             acc_ref[...] = _mxfp4_dot(lhs_even_ref, lhs_odd_ref, rhs_ref, block_scale_ref, acc_ref[...])
+            return
+        if rhs_kind == "mxfp4_swar":
+            acc_ref[...] = _mxfp4_swar_dot(lhs_ref, rhs_ref, block_scale_ref, acc_ref[...])
             return
         if rhs_ref.dtype == lhs_ref.dtype:
             acc_ref[...] += jnp.dot(lhs_ref[...], rhs_ref[...], preferred_element_type=jnp.float32)
@@ -290,7 +324,7 @@ def _vmem_limit(
     return None if need <= _SCOPED_VMEM_DEFAULT else min(need, 100 * 2**20)
 
 
-@functools.partial(jax.jit, static_argnames=("tiling", "interpret"))
+@functools.partial(jax.jit, static_argnames=("tiling", "fp4_decode", "interpret"))
 def grouped_matmul_tpu(
     lhs: jax.Array,
     rhs: jax.Array | Mxfp4Weight,
@@ -299,6 +333,7 @@ def grouped_matmul_tpu(
     layer: jax.Array | None = None,
     *,
     tiling: tuple[int, int, int] | None = None,
+    fp4_decode: str | None = None,
     interpret=None,
 ) -> jax.Array:
     """``lhs [M, K]``, ``rhs [G, K, N]``, ``group_sizes [G]`` int32 -> ``[M, N]`` in lhs.dtype.
@@ -313,9 +348,14 @@ def grouped_matmul_tpu(
     fetches layer ``layer``'s blocks itself. A layer scan that sliced the stack instead would hand
     the custom call a copy of the whole layer's experts (all G of them, every step), where the
     kernel reads only the groups that have rows. ``tiling``: (tm, tk, tn), default
-    ``default_tiling(M, K, N)``. ``interpret``: None compiles for TPU; a ``pltpu.InterpretParams``
-    runs the kernel in TPU interpret mode.
+    ``default_tiling(M, K, N)``. ``fp4_decode``: an MXFP4 rhs's decode, one of ``FP4_DECODES``
+    (None: ``FP4_DEFAULT_DECODE``): "f32" (module docstring) or "swar" (quant/fp4_swar.py: two
+    bf16 weights per 32-bit lane, the same weights bit for bit). ``interpret``: None compiles for
+    TPU; a ``pltpu.InterpretParams`` runs the kernel in TPU interpret mode.
     """
+    fp4_decode = fp4_decode or FP4_DEFAULT_DECODE
+    if fp4_decode not in FP4_DECODES:
+        raise ValueError(f"grouped_matmul_tpu: fp4_decode={fp4_decode!r}, not one of {FP4_DECODES}")
     stacked = layer is not None
     fp4 = isinstance(rhs, Mxfp4Weight)
     lead_dims = 2 if stacked else 1
@@ -382,7 +422,23 @@ def grouped_matmul_tpu(
         return out_tile[v], j
 
     lead = (None, None) if stacked else (None,)
-    if isinstance(rhs, Mxfp4Weight):  # fp4
+    if isinstance(rhs, Mxfp4Weight) and fp4_decode == "swar":
+        # lhs's K columns in the decoded rows' order (one pass over [M, K], fused by XLA)
+        in_specs = [
+            pl.BlockSpec((4, tm, tk // 4), lambda *a: (0, *lhs_map(*a))),
+            pl.BlockSpec((*lead, tk // 2, tn), rhs_map),
+            pl.BlockSpec((*lead, tk // MXFP4_BLOCK, tn), rhs_map),
+        ]
+        operands = [
+            swar_x_order(lhs),
+            lax.bitcast_convert_type(rhs.packed, jnp.int8),
+            lax.bitcast_convert_type(rhs.scale, jnp.int8),
+        ]
+        w_bytes = 0.5 + 1 / MXFP4_BLOCK
+        # per chunk of byte rows: int32 words and ~8 word-sized temporaries (a byte each per byte
+        # row), four bf16 outputs of half the rows (a byte each)
+        temp_bytes = _FP4_BYTE_ROWS * tn * 12
+    elif isinstance(rhs, Mxfp4Weight):  # fp4
         # even / odd K columns of lhs (one pass over [M, K], fused by XLA); packed bytes and scales
         # as int8, a free bitcast, so the kernel sign-extends them (see the module docstring)
         halves = lhs.reshape(m, k // 2, 2)
@@ -422,7 +478,9 @@ def grouped_matmul_tpu(
         + int(groups_read * k * n * w_bytes)
         + m * n * lhs.dtype.itemsize,
     )
-    rhs_kind = "mxfp4" if fp4 else "channel" if scaled else "plain"
+    rhs_kind = (
+        ("mxfp4_swar" if fp4_decode == "swar" else "mxfp4") if fp4 else "channel" if scaled else "plain"
+    )
     return pl.pallas_call(
         functools.partial(_gmm_kernel, tm=tm, nk=nk, rhs_kind=rhs_kind),
         grid_spec=pltpu.PrefetchScalarGridSpec(

@@ -34,11 +34,24 @@ the current K tile are read with a dynamic sublane slice, so their block shape i
   dots accumulate in f32. NVFP4's global scale does not vary along K (one per tensor, or per column
   after fusing tensors), so it multiplies the output after the kernel (1/global for the
   compressed-tensors convention).
+* FP4 decodes (``decode=``, ``FP4_DECODES``; all give the same weights bit for bit, so results
+  differ only by f32 accumulation order). On a v5e the "f32" decode above made the kernel
+  VPU-bound (~20 ops a weight: 18-20% of the roofline of its bytes, slower than bf16):
+  "int" keeps one code per lane but builds the f32 bits with an integer add, the MX scale folded
+  into it (``fp4_swar.lane_decode``, ~10 ops + the bf16 convert); "swar" / "swar_bcast" read the
+  bytes as int32 words of 8 codes and emit two finished bf16 weights per lane, bitcast for free
+  (``quant/fp4_swar.py``, ~5.5 ops a weight MX, ~8 NVFP4), against x's K columns permuted once
+  outside to the decoded row order, 4 dots a tile; the two differ in how a scale row is repeated
+  over the 4 (MX) or 2 (NVFP4) word rows it covers: an MXU product with a 0/1 matrix, or a
+  broadcast + sub-tile reshape.
 
-Status: verified in TPU interpret mode on CPU (tests/quant/test_pallas_tpu_matmul.py). Not yet
-compiled by Mosaic for a real TPU; the likeliest snags there are u8 sublane-dynamic slices of the
-FP4 scale block (a 32-row u8 tile) and int32 bit tricks on v5e, both with straightforward
-fallbacks (f32/bf16 decoded scales; a lookup via selects).
+Status: verified in TPU interpret mode on CPU (tests/quant/test_pallas_tpu_matmul.py, and the
+decodes alone bit for bit in tests/quant/test_fp4_swar.py). FP8 and the "f32" FP4 decode are
+compiled and timed on a v5e (benchmarks/RESULTS.md, "Quantized matmuls on a TPU v5e"); the "int",
+"swar" and "swar_bcast" decodes only lowered for TPU (jax.export), not yet compiled by Mosaic:
+their snags there would be the u8 -> int32 and int32 -> bf16 ``pltpu.bitcast`` of a tile (SWAR),
+the sub-tile reshape (swar_bcast) and int32 multiplies; ``benchmarks/quant_tpu.py --fp4-decode``
+reports a decode Mosaic refuses and times the rest.
 """
 
 from __future__ import annotations
@@ -54,6 +67,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from tpuserve.quant.codecs import e2m1_bits_decode, e4m3_bits_decode, e8m0_bits_decode
 from tpuserve.quant.fp4 import Mxfp4Weight, Nvfp4Weight, dequantize_mxfp4, dequantize_nvfp4
+from tpuserve.quant.fp4_swar import decode_words, expand_rows, lane_decode, nv_scale_terms, swar_x_order
 from tpuserve.quant.fp8 import Fp8Weight, dequantize_fp8, quantize_per_token, scale_columns
 
 _MAX_TK = 2048  # K rows per tile (fp8: 2 MiB of weight per 1024-lane tile)
@@ -263,7 +277,12 @@ def fp8_matmul_ref(x: jax.Array, w: Fp8Weight, *, out_dtype=None, layer=None) ->
 # FP4
 
 
-def _fp4_kernel(layer_ref, xe_ref, xo_ref, p_ref, s_ref, o_ref, acc_ref, *, scale_rows, block, kind, nk):
+def _fp4_kernel(
+    layer_ref, xe_ref, xo_ref, p_ref, s_ref, o_ref, acc_ref, *, scale_rows, block, kind, nk, by_int
+):
+    """One code per 32-bit lane. by_int False (decode "f32"): ``e2m1_bits_decode`` times the f32
+    scale; True (decode "int"): ``fp4_swar.lane_decode``, the MX scale folded into its integer add
+    (NVFP4 still multiplies by its e4m3 scale in f32)."""
     del layer_ref  # read by the index maps only
     kk = pl.program_id(2)
 
@@ -273,13 +292,23 @@ def _fp4_kernel(layer_ref, xe_ref, xo_ref, p_ref, s_ref, o_ref, acc_ref, *, scal
 
     b = p_ref[...].astype(jnp.int32)  # [tk/2, tn]
     sb = s_ref[pl.ds(kk * scale_rows, scale_rows), :]  # [tk/block, tn]
-    s = e8m0_bits_decode(sb) if kind == "mx" else e4m3_bits_decode(sb)
+    if by_int and kind == "mx":
+        s = jnp.maximum(sb.astype(jnp.int32) - 1, 0) << 23  # the integer add's exponent bias
+    else:
+        s = e8m0_bits_decode(sb) if kind == "mx" else e4m3_bits_decode(sb)
     tn = s.shape[-1]
     # each scale row covers block/2 byte rows: broadcast along a new axis, merge it into the rows
     s = jnp.broadcast_to(s[:, None, :], (scale_rows, block // 2, tn)).reshape(-1, tn)
     xe = xe_ref[...]
-    w_even = (e2m1_bits_decode(b & 15) * s).astype(xe.dtype)
-    w_odd = (e2m1_bits_decode(b >> 4) * s).astype(xe.dtype)
+    if by_int and kind == "mx":
+        w_even = lane_decode(b, 0, s).astype(xe.dtype)
+        w_odd = lane_decode(b, 1, s).astype(xe.dtype)
+    elif by_int:
+        w_even = (lane_decode(b, 0, 126 << 23) * s).astype(xe.dtype)
+        w_odd = (lane_decode(b, 1, 126 << 23) * s).astype(xe.dtype)
+    else:
+        w_even = (e2m1_bits_decode(b & 15) * s).astype(xe.dtype)
+        w_odd = (e2m1_bits_decode(b >> 4) * s).astype(xe.dtype)
     acc_ref[...] += jnp.dot(xe, w_even, preferred_element_type=jnp.float32) + jnp.dot(
         xo_ref[...], w_odd, preferred_element_type=jnp.float32
     )
@@ -287,6 +316,49 @@ def _fp4_kernel(layer_ref, xe_ref, xo_ref, p_ref, s_ref, o_ref, acc_ref, *, scal
     @pl.when(kk == nk - 1)
     def _store():
         o_ref[...] = acc_ref[...].astype(o_ref.dtype)
+
+
+def _fp4_swar_kernel(layer_ref, x_ref, p_ref, s_ref, o_ref, acc_ref, *, scale_rows, block, kind, nk, expand):
+    """The SWAR decode (quant/fp4_swar.py): the tile's bytes as int32 words ``[tk/8, tn]`` (8 codes
+    each, k = 8i + c), four bf16 outputs per word row, four dots against x's matching column groups
+    (``swar_x_order``). The scale terms are repeated over the block/8 word rows each scale row
+    covers (``fp4_swar.expand_rows``; by the MXU, a -0.0 NVFP4 scale turns +0.0, so its block's
+    zero codes lose their sign: a zero scale is out of the decode's domain anyway)."""
+    del layer_ref  # read by the index maps only
+    kk = pl.program_id(2)
+
+    @pl.when(kk == 0)
+    def _init():
+        acc_ref[...] = jnp.zeros_like(acc_ref)
+
+    sb = s_ref[pl.ds(kk * scale_rows, scale_rows), :].astype(jnp.int32)  # [tk/block, tn]
+    per_scale = block // 8  # word rows under one scale row
+    if kind == "mx":
+        s_rows = expand_rows(jnp.maximum(sb - 1, 0), per_scale, expand).astype(jnp.int32)
+        terms: tuple[jax.Array, ...] = (s_rows << 7,)
+    elif expand == "bcast":  # the terms per scale row, then repeated: ~1.4 ops a weight fewer
+        terms = tuple(expand_rows(t, per_scale, expand) for t in nv_scale_terms(e4m3_bits_decode(sb)))
+    else:  # the MXU repeats only values exact in bf16: the scale itself, then the terms per word
+        terms = nv_scale_terms(expand_rows(e4m3_bits_decode(sb), per_scale, expand))
+    words = pltpu.bitcast(p_ref[...], jnp.int32)  # [tk/8, tn]: byte rows 4i..4i+3 in word row i
+    acc = acc_ref[...]
+    for j, bits in enumerate(decode_words(words, terms, kind)):
+        w = pltpu.bitcast(bits, jnp.bfloat16)  # [tk/4, tn]: row 2i + h is k = 8i + j + 4h
+        xj = x_ref[j]
+        acc = acc + jnp.dot(xj, w.astype(xj.dtype), preferred_element_type=jnp.float32)
+    acc_ref[...] = acc
+
+    @pl.when(kk == nk - 1)
+    def _store():
+        o_ref[...] = acc_ref[...].astype(o_ref.dtype)
+
+
+# decode= of fp4_matmul_tpu: "f32" (one code per lane, f32 scale multiply, even/odd x halves),
+# "int" (one code per lane by an integer add, the MX scale folded in: fp4_swar.lane_decode),
+# "swar" (quant/fp4_swar.py, scale rows repeated by an MXU product), "swar_bcast" (the same, rows
+# repeated by a broadcast + reshape). All give the same dequantized weights bit for bit.
+FP4_DECODES = ("f32", "int", "swar", "swar_bcast")
+FP4_DEFAULT_DECODE = "f32"  # what decode=None means (the chip's timings pick it: benchmarks/quant_tpu.py)
 
 
 def fp4_matmul_tpu(
@@ -298,12 +370,16 @@ def fp4_matmul_tpu(
     block_n: int | None = None,
     block_k: int | None = None,
     layer=None,
+    decode: str | None = None,
     interpret=None,
 ) -> jax.Array:
     """``x [M, K] @ w -> [M, N]`` for MXFP4 / NVFP4 (W4A16), f32 accumulation.
 
     w: a record of ``[K, N]``, or of ``[L, K, N]`` with ``layer`` (as in ``fp8_matmul_tpu``).
-    block_k (in elements of K) must divide K and be a multiple of the format's block.
+    block_k (in elements of K) must divide K and be a multiple of the format's block (and of 8;
+    on a TPU the SWAR decodes want it a multiple of 512, or K).
+    decode: one of ``FP4_DECODES`` (None: ``FP4_DEFAULT_DECODE``): how the kernel turns codes
+    into weights.
     """
     m, k = x.shape
     n = w.out_features
@@ -315,10 +391,15 @@ def fp4_matmul_tpu(
             "fp4_matmul_tpu: a rotated MXFP4 record needs x rotated first "
             "(quant.dispatch.quant_linear does both)"
         )
+    decode = decode or FP4_DEFAULT_DECODE
+    if decode not in FP4_DECODES:
+        raise ValueError(f"fp4_matmul_tpu: decode={decode!r}, not one of {FP4_DECODES}")
+    swar = decode.startswith("swar")
     out_dtype = out_dtype or x.dtype
     blk = w.block
-    tk = block_k or (k if k <= 2 * _MAX_TK else _pick_tile(k, 2 * _MAX_TK, 256))
-    if k % tk or tk % blk:
+    # SWAR: x's four column groups take tk/4 lanes a tile, so tk a multiple of 512 keeps them whole
+    tk = block_k or (k if k <= 2 * _MAX_TK else _pick_tile(k, 2 * _MAX_TK, 512 if swar else 256))
+    if k % tk or tk % blk or tk % 8:
         raise ValueError(f"block_k={tk} must divide K={k} and be a multiple of {blk}")
     if isinstance(w, Mxfp4Weight):
         kind, sbytes = "mx", w.scale
@@ -328,26 +409,41 @@ def fp4_matmul_tpu(
     mp = _round_up(m, tm)
     tn = block_n or _pick_tile(n, _MAX_TN, 128)
     nk = k // tk
-    xp = _pad_rows(x, mp).reshape(mp, k // 2, 2)
-    kernel = functools.partial(_fp4_kernel, scale_rows=tk // blk, block=blk, kind=kind, nk=nk)
+    weight_specs = [
+        _spec(stacked, (tk // 2, tn), lambda i, j, kk: (kk, j)),
+        _spec(stacked, (k // blk, tn), lambda i, j, kk: (0, j)),
+    ]
+    if swar:
+        x_args = [swar_x_order(_pad_rows(x, mp))]  # [4, mp, K/4]
+        x_specs = [pl.BlockSpec((4, tm, tk // 4), lambda i, j, kk, layer: (0, i, kk))]
+        kernel = functools.partial(
+            _fp4_swar_kernel,
+            scale_rows=tk // blk,
+            block=blk,
+            kind=kind,
+            nk=nk,
+            expand="bcast" if decode == "swar_bcast" else "dot",
+        )
+    else:
+        xp = _pad_rows(x, mp).reshape(mp, k // 2, 2)
+        x_args = [xp[..., 0], xp[..., 1]]
+        x_specs = [_act_spec((tm, tk // 2), lambda i, j, kk: (i, kk))] * 2
+        kernel = functools.partial(
+            _fp4_kernel, scale_rows=tk // blk, block=blk, kind=kind, nk=nk, by_int=decode == "int"
+        )
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=1,
             grid=(mp // tm, n // tn, nk),
-            in_specs=[
-                _act_spec((tm, tk // 2), lambda i, j, kk: (i, kk)),
-                _act_spec((tm, tk // 2), lambda i, j, kk: (i, kk)),
-                _spec(stacked, (tk // 2, tn), lambda i, j, kk: (kk, j)),
-                _spec(stacked, (k // blk, tn), lambda i, j, kk: (0, j)),
-            ],
+            in_specs=x_specs + weight_specs,
             out_specs=_act_spec((tm, tn), lambda i, j, kk: (i, j)),
             scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32)],
         ),
         out_shape=jax.ShapeDtypeStruct((mp, n), jnp.float32 if kind == "nv" else out_dtype),
         compiler_params=_compiler_params(),
         interpret=interpret if interpret is not None else False,
-    )(layer_arr, xp[..., 0], xp[..., 1], w.packed, sbytes)[:m]
+    )(layer_arr, *x_args, w.packed, sbytes)[:m]
     if kind == "nv":
         g = w.global_multiplier()  # [*L, 1, 1 or N]: tiny, sliced by XLA
         g = g[layer_arr[0]] if stacked else g

@@ -21,7 +21,13 @@ from jax.experimental.pallas.ops.tpu.megablox import gmm as megablox_gmm
 from pallas_interpret import RACES, fresh_interpreter, races_found  # noqa: F401 (autouse fixture)
 
 from tpuserve.moe.grouped_matmul import grouped_matmul, grouped_matmul_reference
-from tpuserve.moe.pallas_tpu_gmm import default_tiling, grouped_matmul_tpu, visit_schedule
+from tpuserve.moe.pallas_tpu_gmm import (
+    FP4_DECODES,
+    FP4_DEFAULT_DECODE,
+    default_tiling,
+    grouped_matmul_tpu,
+    visit_schedule,
+)
 from tpuserve.quant import fp4, fp8
 
 
@@ -310,14 +316,15 @@ MXFP4_CASES = {
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("decode", FP4_DECODES)
 @pytest.mark.parametrize("name", list(MXFP4_CASES))
-def test_mxfp4_rhs_matches_ragged_dot_on_the_dequantized_weight_and_reference(name):
+def test_mxfp4_rhs_matches_ragged_dot_on_the_dequantized_weight_and_reference(name, decode):
     sizes, m, k, n, dtype, tiling = MXFP4_CASES[name]
     g, total = len(sizes), sum(sizes)
     x, _ = data(m, k, 1, 1, dtype, seed=len(name))
     rec = mxfp4_experts(g, k, n, seed=len(name) + 1)
     gs = jnp.asarray(sizes, jnp.int32)
-    y = grouped_matmul_tpu(x, rec, gs, tiling=tiling, interpret=RACES)
+    y = grouped_matmul_tpu(x, rec, gs, tiling=tiling, fp4_decode=decode, interpret=RACES)
     jax.block_until_ready(y)
     assert not races_found(), "the race detector reported a data race"
     assert y.shape == (m, n) and y.dtype == dtype
@@ -325,20 +332,23 @@ def test_mxfp4_rhs_matches_ragged_dot_on_the_dequantized_weight_and_reference(na
     close(y, ragged_dot_oracle(x.astype(jnp.float32), dequantized(rec), gs), dtype)
     close(y, grouped_matmul_reference(x, rec, gs), dtype)
     close(y, grouped_matmul(x, rec, gs, impl="reference"), dtype)
+    if decode != FP4_DEFAULT_DECODE:
+        return
     # the dispatch's interpret path with traced group sizes (as the MoE layer calls it): the same bits
     via = jax.jit(lambda sz: grouped_matmul(x, rec, sz, impl="pallas_tpu_interpret", tiling=tiling))(gs)
     np.testing.assert_array_equal(np.asarray(via, np.float32), np.asarray(y, np.float32))
 
 
 @pytest.mark.timeout(300)
-def test_mxfp4_swapped_nibbles_or_shifted_scales_break_it():
+@pytest.mark.parametrize("decode", FP4_DECODES)
+def test_mxfp4_swapped_nibbles_or_shifted_scales_break_it(decode):
     """The comparison can fail: the same bytes read with the other nibble order (GGUF-style
     confusion) or with each block's scale moved to its neighbour give a different product."""
     sizes, m, k, n = [7, 0, 9], 16, 128, 128
     x, _ = data(m, k, 1, 1, jnp.float32, seed=5)
     rec = mxfp4_experts(len(sizes), k, n, seed=6)
     gs = jnp.asarray(sizes, jnp.int32)
-    y = np.asarray(grouped_matmul_tpu(x, rec, gs, tiling=(8, 128, 128), interpret=RACES))
+    y = np.asarray(grouped_matmul_tpu(x, rec, gs, tiling=(8, 128, 128), fp4_decode=decode, interpret=RACES))
     swapped = fp4.Mxfp4Weight((rec.packed >> 4) | (rec.packed << 4), rec.scale, rec.out_shape)
     rolled = fp4.Mxfp4Weight(rec.packed, jnp.roll(rec.scale, 1, axis=-2), rec.out_shape)
     for wrong in (swapped, rolled):
@@ -366,20 +376,24 @@ def test_mxfp4_all_groups_empty_gives_zeros_and_bad_inputs_are_refused():
 
 
 @pytest.mark.timeout(300)
-def test_mxfp4_stacked_layers_read_the_given_layers_experts():
+@pytest.mark.parametrize("decode", FP4_DECODES)
+def test_mxfp4_stacked_layers_read_the_given_layers_experts(decode):
     sizes = jnp.asarray([5, 0, 9, 2], jnp.int32)
     x, _ = data(16, 128, 1, 1, jnp.bfloat16, seed=9)
     rec = mxfp4_experts(4, 128, 256, seed=10, layers=3)  # packed [3, 4, 64, 256]
+    tiles = (16, 128, 128)
 
     @jax.jit
     def stacked(layer):
-        return grouped_matmul_tpu(x, rec, sizes, None, layer, tiling=(16, 128, 128), interpret=RACES)
+        return grouped_matmul_tpu(
+            x, rec, sizes, None, layer, tiling=tiles, fp4_decode=decode, interpret=RACES
+        )
 
     for layer in (1, 2, 0):
         got = stacked(jnp.int32(layer))
         assert not races_found(), "the race detector reported a data race"
         one = jax.tree_util.tree_map(lambda a, layer=layer: a[layer], rec)
-        alone = grouped_matmul_tpu(x, one, sizes, tiling=(16, 128, 128), interpret=RACES)
+        alone = grouped_matmul_tpu(x, one, sizes, tiling=tiles, fp4_decode=decode, interpret=RACES)
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(alone, np.float32))
         close(got, grouped_matmul(x, rec, sizes, None, jnp.int32(layer), impl="reference"), jnp.bfloat16)
         close(got, ragged_dot_oracle(x.astype(jnp.float32), dequantized(one), sizes), jnp.bfloat16)
@@ -392,12 +406,13 @@ def test_mxfp4_stacked_layers_read_the_given_layers_experts():
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.parametrize("decode", FP4_DECODES)
 @pytest.mark.parametrize(
     "m,k,n,layers",
     [(64, 2880, 5760, None), (64, 2880, 2880, None), (8, 2880, 5760, 24)],
     ids=["gpt_oss_gate_up", "gpt_oss_down", "gpt_oss_gate_up_stacked"],
 )
-def test_mxfp4_lowers_to_mosaic_at_gpt_oss_shapes(m, k, n, layers):
+def test_mxfp4_lowers_to_mosaic_at_gpt_oss_shapes(m, k, n, layers, decode):
     """gpt-oss-20b's experts (32, K = 2880 = 90 blocks: one whole-K tile of 1440 byte rows), packed,
     export for TPU from CPU with the default tiling (Mosaic lowering; not its TPU-only passes)."""
     g = 32
@@ -405,7 +420,7 @@ def test_mxfp4_lowers_to_mosaic_at_gpt_oss_shapes(m, k, n, layers):
 
     def fn(x, packed, scale, gs, *layer):
         rec = fp4.Mxfp4Weight(packed, scale, (n,))
-        return grouped_matmul_tpu(x, rec, gs, None, *layer)
+        return grouped_matmul_tpu(x, rec, gs, None, *layer, fp4_decode=decode)
 
     shapes = [
         jax.ShapeDtypeStruct((m, k), jnp.bfloat16),

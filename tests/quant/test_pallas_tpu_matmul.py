@@ -8,6 +8,8 @@ padding, ragged FP8 edge blocks, several scale rows per K tile and one scale row
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,7 +17,13 @@ import pytest
 from pallas_interpret import RACES, fresh_interpreter, races_found  # noqa: F401 (autouse fixture)
 
 from tpuserve.quant import fp4, fp8
-from tpuserve.quant.pallas_tpu_matmul import fp4_matmul_ref, fp4_matmul_tpu, fp8_matmul_ref, fp8_matmul_tpu
+from tpuserve.quant.pallas_tpu_matmul import (
+    FP4_DECODES,
+    fp4_matmul_ref,
+    fp4_matmul_tpu,
+    fp8_matmul_ref,
+    fp8_matmul_tpu,
+)
 
 
 def data(m, k, n, seed=0):
@@ -76,14 +84,39 @@ FP4_CASES = {
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("decode", FP4_DECODES)
 @pytest.mark.parametrize("name", list(FP4_CASES))
-def test_fp4_kernel_matches_reference(name):
+def test_fp4_kernel_matches_reference(name, decode):
     kind, m, k, n, tiles = FP4_CASES[name]
     x, w = data(m, k, n, seed=5)
     rec = fp4.quantize_mxfp4(w) if kind == "mx" else fp4.quantize_nvfp4(w)
-    y = fp4_matmul_tpu(x, rec, interpret=RACES, **tiles)
+    y = fp4_matmul_tpu(x, rec, decode=decode, interpret=RACES, **tiles)
     jax.block_until_ready(y)
     check(y, fp4_matmul_ref(x, rec))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("m", [1, 8, 130])
+@pytest.mark.parametrize("decode", FP4_DECODES)
+@pytest.mark.parametrize("kind", ["mx", "nv"])
+def test_fp4_decodes_rows_and_k_tiles(kind, decode, m):
+    """Every decode at one decode row, 8 and 130 (a padded 136-row tile), 3 K tiles of 128, 2 N
+    tiles; bf16 activations (what the chip runs) against the f32 reference of the same x."""
+    x, w = data(m, 384, 256, seed=13)
+    rec = fp4.quantize_mxfp4(w) if kind == "mx" else fp4.quantize_nvfp4(w)
+    xb = x.astype(jnp.bfloat16)
+    y = fp4_matmul_tpu(
+        xb, rec, out_dtype=jnp.float32, block_k=128, block_n=128, decode=decode, interpret=RACES
+    )
+    jax.block_until_ready(y)
+    check(y, fp4_matmul_ref(xb.astype(jnp.float32), rec, out_dtype=jnp.float32))
+
+
+@pytest.mark.timeout(60)
+def test_unknown_fp4_decode_is_refused():
+    x, w = data(8, 256, 128)
+    with pytest.raises(ValueError, match="decode"):
+        fp4_matmul_tpu(x, fp4.quantize_mxfp4(w), decode="lut")
 
 
 @pytest.mark.timeout(300)
@@ -147,9 +180,14 @@ def _stack(recs):
     return jax.tree.map(lambda *a: jnp.stack(a), *recs)
 
 
+STACKED_DECODES = [(name, None) for name in STACKED if name.startswith("fp8")] + [
+    (name, decode) for name in STACKED if not name.startswith("fp8") for decode in FP4_DECODES
+]
+
+
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("name", list(STACKED))
-def test_stacked_record_reads_the_scanned_layer(name):
+@pytest.mark.parametrize("name,decode", STACKED_DECODES)
+def test_stacked_record_reads_the_scanned_layer(name, decode):
     """The kernels take a record stacked over 3 layers and a traced layer index (what the decoder's
     scan hands them, tpu_platform/linear.py LayerOfStack): each scan step must multiply by its own
     layer, so equal layers or a layer index ignored fail."""
@@ -157,8 +195,10 @@ def test_stacked_record_reads_the_scanned_layer(name):
     x, _ = data(12, 256, 256, seed=5)
     recs = [quantize(data(1, 256, 256, seed=10 + i)[1]) for i in range(3)]
     stacked = _stack(recs)
-    matmul = fp8_matmul_tpu if name.startswith("fp8") else fp4_matmul_tpu
-    reference = fp8_matmul_ref if name.startswith("fp8") else fp4_matmul_ref
+    if name.startswith("fp8"):
+        matmul, reference = fp8_matmul_tpu, fp8_matmul_ref
+    else:
+        matmul, reference = functools.partial(fp4_matmul_tpu, decode=decode), fp4_matmul_ref
 
     @jax.jit
     def scanned(x, w):
@@ -207,3 +247,26 @@ def test_kernels_export_for_tpu(name, stacked):
         exported = jax.export.export(fn, platforms=["tpu"])(*args)
         assert "tpu_custom_call" in exported.mlir_module()
         assert exported.out_avals[0].shape == (m, n)
+
+
+# Llama-1B's and Llama-8B's FP4 matmuls (K, N): gate_up and down (the widest K)
+EXPORT_SHAPES = {"llama-1b": [(2048, 16384), (8192, 2048)], "llama-8b": [(4096, 28672), (14336, 4096)]}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("decode", FP4_DECODES)
+@pytest.mark.parametrize("kind", ["mx", "nv"])
+@pytest.mark.parametrize("shape", list(EXPORT_SHAPES))
+def test_fp4_decodes_export_for_tpu(shape, kind, decode):
+    """Each decode lowered for TPU (jax.export) at the 1B and 8B shapes, stacked over layers with a
+    traced layer, one decode row and 128 rows."""
+    quantize = fp4.quantize_mxfp4 if kind == "mx" else fp4.quantize_nvfp4
+    for k, n in EXPORT_SHAPES[shape]:
+        rec = jax.eval_shape(quantize, jax.ShapeDtypeStruct((k, n), jnp.float32))
+        rec = jax.tree.map(lambda a: jax.ShapeDtypeStruct((4, *a.shape), a.dtype), rec)
+        for m in (1, 128):
+            fn = jax.jit(lambda x, w, layer: fp4_matmul_tpu(x, w, layer=layer, decode=decode))
+            x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
+            exported = jax.export.export(fn, platforms=["tpu"])(x, rec, jax.ShapeDtypeStruct((), jnp.int32))
+            assert "tpu_custom_call" in exported.mlir_module()
+            assert exported.out_avals[0].shape == (m, n)
