@@ -130,6 +130,12 @@ for s in $stages; do
           --num-kv-heads 8 --head-dim 64 --kv-dtype bfloat16,fp8 --check-dtypes bfloat16,fp8 \
           --check-options plain,window_cap --batches 1,32,128 --contexts 1024,4096,16384 \
           --out "$out/kernels_fp8.json" ;;
+    attn)      # one short attention stage: ours (bf16 and the FP8 cache) and RPA v3 checked on the
+               # chip (plain; mixed / decode / prefill at d 128 and d 64), then batched decode points
+               # where RPA v3 led on 2026-12-05 (b32 / b128 x 1k / 4k), ours bf16 and fp8 beside it
+      stage attn "${ATTN_LIMIT_S:-240}" python benchmarks/attention_tpu.py --rpa-v3 require --head-dim 128 \
+          --check-dtypes bfloat16,fp8 --check-options plain --kv-dtype bfloat16,fp8 --steps decode \
+          --batches 32,128 --contexts 1024,4096 --out "$out/attn.json" ;;
     kv8-quick) # the FP8 KV cache in the compiled kernel, short: checked on the chip at the 1B shape
                # (plain; decode, mixed, prefill), then one decode point per dtype
       stage kv8-quick "${KV8_LIMIT_S:-150}" python benchmarks/attention_tpu.py --rpa-v3 off --num-q-heads 32 \
