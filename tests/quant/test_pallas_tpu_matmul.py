@@ -270,3 +270,18 @@ def test_fp4_decodes_export_for_tpu(shape, kind, decode):
             exported = jax.export.export(fn, platforms=["tpu"])(x, rec, jax.ShapeDtypeStruct((), jnp.int32))
             assert "tpu_custom_call" in exported.mlir_module()
             assert exported.out_avals[0].shape == (m, n)
+
+
+def test_fp8_kernel_asks_mosaic_for_more_scoped_vmem():
+    """On a v5e the Llama-8B shape's FP8 down projection (K 14336, per-channel scales) needed
+    17-22 MB of scoped VMEM at 128-256 rows, over Mosaic's 16 MiB default, and the 8B model failed
+    to warm up. The exported call must carry the kernel's own limit (scoped_memory_configs)."""
+    from tpuserve.quant.pallas_tpu_matmul import _FP8_VMEM_LIMIT
+
+    rec = jax.eval_shape(fp8.quantize_fp8, jax.ShapeDtypeStruct((14336, 4096), jnp.float32))
+    rec = jax.tree.map(lambda a: jax.ShapeDtypeStruct((2, *a.shape), a.dtype), rec)
+    fn = jax.jit(lambda x, w, layer: fp8_matmul_tpu(x, w, layer=layer))
+    x = jax.ShapeDtypeStruct((256, 14336), jnp.bfloat16)
+    text = jax.export.export(fn, platforms=["tpu"])(x, rec, jax.ShapeDtypeStruct((), jnp.int32)).mlir_module()
+    assert _FP8_VMEM_LIMIT > 16 * 1024 * 1024
+    assert f"\\22size\\22: {_FP8_VMEM_LIMIT}" in text
