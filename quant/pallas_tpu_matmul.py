@@ -246,6 +246,7 @@ def fp8_matmul_tpu(
     args = [_pad_rows(xin, mp), w.qweight, s_cols]
     if w.act_quant:
         in_specs.append(_act_spec((tm, 1), lambda i, j, kk: (i, 0)))
+        assert sx is not None  # quantize_per_token gave it with xin
         args.append(_pad_rows(sx, mp))
     kernel = functools.partial(
         _fp8_kernel, subs=subs, rows_per_tile=rows_per_tile, tk=tk, bk=bk, act_quant=w.act_quant, nk=nk
@@ -451,7 +452,7 @@ def fp4_matmul_tpu(
         compiler_params=_compiler_params(),
         interpret=interpret if interpret is not None else False,
     )(layer_arr, *x_args, w.packed, sbytes)[:m]
-    if kind == "nv":
+    if isinstance(w, Nvfp4Weight):  # kind == "nv"
         g = w.global_multiplier()  # [*L, 1, 1 or N]: tiny, sliced by XLA
         g = g[layer_arr[0]] if stacked else g
         out = (out * g[0]).astype(out_dtype)  # [1] or per column [N]

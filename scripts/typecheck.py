@@ -1,5 +1,4 @@
-"""Type-check the package with mypy (settings, the strict core and the modules not yet clean in
-pyproject.toml).
+"""Type-check the package with mypy (settings and the strict core in pyproject.toml).
 
     python scripts/typecheck.py [mypy options]
 
