@@ -48,6 +48,7 @@ from tpuserve.tpu_platform.models.arch import ModelArch, ModelConfigError
 from tpuserve.tpu_platform.models.draft_head import DraftHead
 from tpuserve.tpu_platform.models.quantize import QuantReport, quantize_params
 from tpuserve.tpu_platform.models.sharding import (
+    check_expert_parallel,
     check_tensor_parallel,
     group_gate_up_by_device,
     replicate_kv_heads,
@@ -152,16 +153,23 @@ def check_moe_combinations(
 ) -> None:
     """Refuse, by name, what a mixture-of-experts model does not support yet: its experts are
     multiplied by models/moe.py's grouped matmul, which takes them dense or as the checkpoint's
-    own MXFP4 records (gpt-oss) but not quantized online, and which neither the tensor-parallel
-    PartitionSpecs nor the draft heads' target interface know about. ``checkpoint_method``: the
-    loaded checkpoint's format; ``--quantization`` naming it is what the checkpoint is, not a request.
-    Raises ConfigError naming the setting; returns for a dense model or a plain single-device one."""
+    own MXFP4 records (gpt-oss) but not quantized online, and which the draft heads' target
+    interface does not know about. Tensor parallelism is supported (experts replicated, or split
+    on E with ``enable_expert_parallel``, which this also validates, for dense models too).
+    ``checkpoint_method``: the loaded checkpoint's format; ``--quantization`` naming it is what
+    the checkpoint is, not a request.
+    Raises ConfigError naming the setting; returns for a dense model or a supported MoE setting."""
+    par = config.parallel
+    if par.enable_expert_parallel:
+        try:
+            check_expert_parallel(arch, par.tensor_parallel_size)
+        except ValueError as e:
+            raise ConfigError(str(e)) from e
     if arch.moe is None:
         return
-    par, spec, quant = config.parallel, config.speculative, config.quantization.method
+    spec, quant = config.speculative, config.quantization.method
     draft = None if spec is None else str(spec.method)
     unsupported = [
-        (par.tensor_parallel_size > 1, f"tensor_parallel_size={par.tensor_parallel_size}"),
         (par.data_parallel_size > 1, f"data_parallel_size={par.data_parallel_size}"),
         (quant is not None and quant != checkpoint_method, f"quantization={quant!r}"),
         (draft in (SpecMethod.EAGLE3, SpecMethod.MTP), f"speculative_config.method={draft!r}"),
