@@ -86,9 +86,10 @@ def _spec(name: str, arr, table: dict, axis: str, stacked: bool, expert_parallel
         return jax.tree_util.tree_map(lambda _: spec, arr)
     if not hasattr(arr, "ndim"):  # a quantized weight record (a pytree of arrays)
         # a spec per array, so the spec tree has the params' structure; a record with no split
-        # (gpt-oss's packed experts, replicated like dense experts) gets P() for each
+        # (gpt-oss's packed experts without expert_parallel, replicated like dense experts) gets
+        # P() for each
         return _record_spec(name, arr, axis, stacked)
-    if name not in table:  # norms, o_bias, down_bias, q_norm, k_norm, experts: replicated
+    if name not in table:  # norms, o_bias, down_bias, q_norm, k_norm, router, experts: replicated
         return P()
     rank, make = table[name]
     ndim = getattr(arr, "ndim", None)
