@@ -237,7 +237,13 @@ class ModelRunner:
         # is nothing to split.
         self.expert_parallel = bool(config.parallel.enable_expert_parallel) and model_axis_size(mesh) > 1
         if self.expert_parallel:
-            check_expert_parallel(arch, model_axis_size(mesh))
+            ep = model_axis_size(mesh)
+            check_expert_parallel(arch, ep)
+            assert arch.moe is not None  # checked just above
+            e = arch.moe.num_experts
+            log.info("expert parallel: %d experts over %d devices, %d each", e, ep, e // ep)
+        elif config.parallel.enable_expert_parallel:
+            log.info("enable_expert_parallel on one device: every expert stays on it")
         if mesh is not None:
             specs = param_partition_specs(params, MODEL_AXIS, expert_parallel=self.expert_parallel)
             params = jax.tree.map(lambda a, s: place(a, NamedSharding(mesh, s)), params, specs)

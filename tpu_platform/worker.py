@@ -17,6 +17,7 @@ reports, SGLang from ``--max-total-tokens``). Steps, in the order vLLM calls the
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from dataclasses import dataclass, replace
@@ -144,8 +145,20 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: Any) -> Any:
 
 
 def _tree_nbytes(tree: Any) -> int:
-    """Bytes of every array in ``tree`` (quantized records count their data and scales)."""
-    return sum(x.nbytes for x in jax.tree_util.tree_leaves(tree))
+    """Bytes of every array in ``tree`` (quantized records count their data and scales), as the
+    devices hold them: an array placed over a mesh counts each device's shard, so a replicated
+    array counts once a device (a MoE model's experts under plain TP) and a split one once in
+    all (split on E with --enable-expert-parallel). The memory plan compares this total with the
+    mesh's memory (device memory x TP)."""
+    total = 0
+    for x in jax.tree_util.tree_leaves(tree):
+        sharding = getattr(x, "sharding", None)
+        if sharding is None or len(sharding.device_set) == 1:
+            total += x.nbytes
+        else:
+            shard = math.prod(sharding.shard_shape(x.shape)) * x.dtype.itemsize
+            total += shard * len(sharding.device_set)
+    return total
 
 
 def check_moe_combinations(

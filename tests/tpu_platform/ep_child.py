@@ -135,7 +135,7 @@ def check_engine(path: str) -> None:
     from tpuserve.server.sampling_params import SamplingParams
 
     texts = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
-    results = {}
+    results, weight_bytes = {}, {}
     for tp, ep in ((1, False), (TP, False), (TP, True)):
         engine = LLMEngine(
             EngineConfig.from_kwargs(
@@ -149,6 +149,8 @@ def check_engine(path: str) -> None:
         )
         if ep:
             check_shards(engine.runner, True)
+        weight_bytes[(tp, ep)] = engine.worker.weight_bytes
+        experts = sum(leaf.nbytes for _, leaf in expert_leaves(engine.runner))
         for i, p in enumerate(texts):
             engine.add_request(str(i), p, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
         done = {}
@@ -161,6 +163,12 @@ def check_engine(path: str) -> None:
     assert results[(TP, False)] == results[(1, False)], results
     assert results[(TP, True)] == results[(1, False)], results
     print(f"OK engine greedy EP={TP} == TP={TP} == one device", flush=True)
+    # The memory plan's weight bytes count what the devices hold: TP's replicated experts TP
+    # times, EP's split ones once.
+    saved = weight_bytes[(TP, False)] - weight_bytes[(TP, True)]
+    assert saved == (TP - 1) * experts, (weight_bytes, experts)
+    assert weight_bytes[(TP, True)] > weight_bytes[(1, False)], weight_bytes  # norms etc. replicated
+    print(f"OK weight bytes on the devices: EP={TP} holds {saved} fewer than TP={TP}", flush=True)
 
 
 if __name__ == "__main__":

@@ -82,7 +82,7 @@ def test_qwen3_moe_expert_parallel_logits_shards_collectives_and_engine(tmp_path
     for loop in ("unroll", "scan"):
         assert f"OK qwen3-moe TP=4 {loop}" in out and f"OK qwen3-moe EP=4 {loop}" in out, out
     out = _child("engine", path)
-    assert "OK engine greedy EP=4 == TP=4 == one device" in out, out
+    assert "OK engine greedy EP=4 == TP=4 == one device" in out and "OK weight bytes" in out, out
 
 
 @pytest.mark.slow
