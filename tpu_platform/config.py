@@ -4,7 +4,7 @@
       model         ModelConfig          which weights, tokenizer, dtype, context length, seed
       cache         CacheConfig          KV pages: size, count or memory budget, dtype
       scheduler     SchedulerConfig      per-step limits, chunked prefill, async scheduling
-      parallel      ParallelConfig       tensor / data parallel sizes
+      parallel      ParallelConfig       tensor / data parallel sizes, expert parallelism
       quantization  QuantizationConfig   weight quantization method
       speculative   SpeculativeConfig?   speculative decoding (None: off)
       kv_transfer   KVTransferConfig?    disaggregated prefill/decode (None: off)
@@ -236,10 +236,17 @@ class ParallelConfig:
     an engine over H processes joined by ``jax.distributed`` (the coordinator is host 0's address);
     tensor parallelism then spans every host's devices. All three unset on a TPU pod slice whose
     environment names several workers (``TPU_WORKER_HOSTNAMES``): ``jax.distributed.initialize()``
-    finds them itself."""
+    finds them itself.
+
+    ``--enable-expert-parallel`` (vLLM's flag): a mixture-of-experts model's experts split on the
+    expert axis over the tensor-parallel devices (EP size = TP size, each device holding E/TP whole
+    experts) instead of being replicated on each; attention stays tensor parallel. Checked against
+    the model once it is known (``models/sharding.check_expert_parallel``: experts needed, and
+    E divisible by the TP size)."""
 
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
+    enable_expert_parallel: bool = False
     distributed_coordinator: str | None = None
     num_hosts: int = 1
     host_rank: int = 0
@@ -250,6 +257,8 @@ class ParallelConfig:
             _need(
                 isinstance(v, int) and not isinstance(v, bool) and v >= 1, name, v, "must be an integer >= 1"
             )
+        ep = self.enable_expert_parallel
+        _need(isinstance(ep, bool), "enable_expert_parallel", ep, "must be true or false")
         r = self.host_rank
         _need(
             isinstance(r, int) and not isinstance(r, bool) and 0 <= r < self.num_hosts,

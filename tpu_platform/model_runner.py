@@ -54,7 +54,11 @@ from tpuserve.tpu_platform.linear import quant_linear_impls
 from tpuserve.tpu_platform.mesh import MODEL_AXIS, model_axis_size
 from tpuserve.tpu_platform.models.arch import ModelArch
 from tpuserve.tpu_platform.models.decoder import compute_logits, forward
-from tpuserve.tpu_platform.models.sharding import kv_cache_partition_spec, param_partition_specs
+from tpuserve.tpu_platform.models.sharding import (
+    check_expert_parallel,
+    kv_cache_partition_spec,
+    param_partition_specs,
+)
 from tpuserve.tpu_platform.models.weights import unstack_layers
 from tpuserve.tpu_platform.rejection_sampler import RejectionSampler
 from tpuserve.tpu_platform.sampler import Sampler, logprob_rows_bucket
@@ -198,8 +202,9 @@ class ModelRunner:
         num_speculative_tokens: the most drafts a sequence verifies per step (the draft slots
         ``warmup`` compiles); None takes the speculative config's, 0 when there is none.
         mesh: the ("data", "model") mesh to run on (``tpu_platform/mesh.py``); None: the default
-        device. Weights and KV heads split over "model"; logits come back replicated, so the
-        sampler runs on every device of the mesh alike.
+        device. Weights and KV heads split over "model" (a MoE model's experts too, on E, with
+        ``config.parallel.enable_expert_parallel``); logits come back replicated, so the sampler
+        runs on every device of the mesh alike.
         kv_cache_dtype: the KV cache's dtype (None: ``dtype``). An FP8 cache needs its
         (k_scale, v_scale): ``kv_scales``, or ``calibration_tokens`` to measure them from
         (``calibrate_kv_scales``; tpu_platform/kv_scales.py).
@@ -228,8 +233,19 @@ class ModelRunner:
         params = unstack_layers(params) if self.layer_loop == LayerLoop.UNROLL else params
         self._replicated = None if mesh is None else NamedSharding(mesh, P())
         self._kv_sharding = None if mesh is None else NamedSharding(mesh, kv_cache_partition_spec(MODEL_AXIS))
+        # Experts split on E over the "model" axis (--enable-expert-parallel); on one device there
+        # is nothing to split.
+        self.expert_parallel = bool(config.parallel.enable_expert_parallel) and model_axis_size(mesh) > 1
+        if self.expert_parallel:
+            ep = model_axis_size(mesh)
+            check_expert_parallel(arch, ep)
+            assert arch.moe is not None  # checked just above
+            e = arch.moe.num_experts
+            log.info("expert parallel: %d experts over %d devices, %d each", e, ep, e // ep)
+        elif config.parallel.enable_expert_parallel:
+            log.info("enable_expert_parallel on one device: every expert stays on it")
         if mesh is not None:
-            specs = param_partition_specs(params, MODEL_AXIS)
+            specs = param_partition_specs(params, MODEL_AXIS, expert_parallel=self.expert_parallel)
             params = jax.tree.map(lambda a, s: place(a, NamedSharding(mesh, s)), params, specs)
         self.params = params
         self.dtype = dtype
@@ -385,6 +401,7 @@ class ModelRunner:
                 kv_scales=self.kv_scales,
                 kv_dtype=self.kv_cache_dtype,
                 aux_layer_ids=self.draft_aux_layers or (),
+                expert_parallel=self.expert_parallel,
             )
             logits = compute_logits(params, out.hidden[logits_indices], arch=self.arch)
         hidden, kv_cache = out.hidden, out.kv_cache
@@ -441,6 +458,7 @@ class ModelRunner:
                     attn_impl=self.attn_impl,
                     inv_freq=inv_freq,
                     mesh=self.mesh,
+                    expert_parallel=self.expert_parallel,
                 ).kv_cache
             # Combined heads interleave K (even) and V (odd); padding heads and unwritten rows
             # are zeros, which never raise an amax.

@@ -17,6 +17,7 @@ reports, SGLang from ``--max-total-tokens``). Steps, in the order vLLM calls the
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from dataclasses import dataclass, replace
@@ -48,6 +49,7 @@ from tpuserve.tpu_platform.models.arch import ModelArch, ModelConfigError
 from tpuserve.tpu_platform.models.draft_head import DraftHead
 from tpuserve.tpu_platform.models.quantize import QuantReport, quantize_params
 from tpuserve.tpu_platform.models.sharding import (
+    check_expert_parallel,
     check_tensor_parallel,
     group_gate_up_by_device,
     replicate_kv_heads,
@@ -143,8 +145,20 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: Any) -> Any:
 
 
 def _tree_nbytes(tree: Any) -> int:
-    """Bytes of every array in ``tree`` (quantized records count their data and scales)."""
-    return sum(x.nbytes for x in jax.tree_util.tree_leaves(tree))
+    """Bytes of every array in ``tree`` (quantized records count their data and scales), as the
+    devices hold them: an array placed over a mesh counts each device's shard, so a replicated
+    array counts once a device (a MoE model's experts under plain TP) and a split one once in
+    all (split on E with --enable-expert-parallel). The memory plan compares this total with the
+    mesh's memory (device memory x TP)."""
+    total = 0
+    for x in jax.tree_util.tree_leaves(tree):
+        sharding = getattr(x, "sharding", None)
+        if sharding is None or len(sharding.device_set) == 1:
+            total += x.nbytes
+        else:
+            shard = math.prod(sharding.shard_shape(x.shape)) * x.dtype.itemsize
+            total += shard * len(sharding.device_set)
+    return total
 
 
 def check_moe_combinations(
@@ -152,16 +166,23 @@ def check_moe_combinations(
 ) -> None:
     """Refuse, by name, what a mixture-of-experts model does not support yet: its experts are
     multiplied by models/moe.py's grouped matmul, which takes them dense or as the checkpoint's
-    own MXFP4 records (gpt-oss) but not quantized online, and which neither the tensor-parallel
-    PartitionSpecs nor the draft heads' target interface know about. ``checkpoint_method``: the
-    loaded checkpoint's format; ``--quantization`` naming it is what the checkpoint is, not a request.
-    Raises ConfigError naming the setting; returns for a dense model or a plain single-device one."""
+    own MXFP4 records (gpt-oss) but not quantized online, and which the draft heads' target
+    interface does not know about. Tensor parallelism is supported (experts replicated, or split
+    on E with ``enable_expert_parallel``, which this also validates, for dense models too).
+    ``checkpoint_method``: the loaded checkpoint's format; ``--quantization`` naming it is what
+    the checkpoint is, not a request.
+    Raises ConfigError naming the setting; returns for a dense model or a supported MoE setting."""
+    par = config.parallel
+    if par.enable_expert_parallel:
+        try:
+            check_expert_parallel(arch, par.tensor_parallel_size)
+        except ValueError as e:
+            raise ConfigError(str(e)) from e
     if arch.moe is None:
         return
-    par, spec, quant = config.parallel, config.speculative, config.quantization.method
+    spec, quant = config.speculative, config.quantization.method
     draft = None if spec is None else str(spec.method)
     unsupported = [
-        (par.tensor_parallel_size > 1, f"tensor_parallel_size={par.tensor_parallel_size}"),
         (par.data_parallel_size > 1, f"data_parallel_size={par.data_parallel_size}"),
         (quant is not None and quant != checkpoint_method, f"quantization={quant!r}"),
         (draft in (SpecMethod.EAGLE3, SpecMethod.MTP), f"speculative_config.method={draft!r}"),

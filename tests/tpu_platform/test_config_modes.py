@@ -106,7 +106,7 @@ def _vllm_settings(**model):
     cache = SimpleNamespace(
         block_size=32, cache_dtype="fp8_e4m3", gpu_memory_utilization=0.7, kv_cache_memory_bytes=None
     )
-    parallel = SimpleNamespace(tensor_parallel_size=1)
+    parallel = SimpleNamespace(tensor_parallel_size=1, enable_expert_parallel=True)
     options = SimpleNamespace(attention_impl="auto", layer_loop="scan", compilation_cache_dir="/xla")
     return model_config, sched, cache, parallel, options
 
@@ -135,6 +135,7 @@ def test_vllm_settings_map_to_the_engine_config():
         quantization=None,
         kv_cache_dtype="fp8_e4m3",
         tensor_parallel_size=1,
+        enable_expert_parallel=True,
         speculative_config=spec,
     )
     assert cfg == want

@@ -394,12 +394,13 @@ def test_full_attention_only_layers_run_scanned_and_match_transformers(tmp_path)
 @pytest.mark.parametrize(
     "kwargs, named",
     [
-        (dict(tensor_parallel_size=2), "tensor_parallel_size=2"),
+        (dict(data_parallel_size=2), "data_parallel_size=2"),
         (dict(quantization="mxfp4"), "quantization='mxfp4'"),
     ],
 )
 def test_unsupported_combinations_are_named(kwargs, named):
-    """gpt-oss takes the MoE path's refusals (experts are dense, one device, for now)."""
+    """gpt-oss takes the MoE path's refusals (tensor and expert parallel are supported:
+    test_expert_parallel.py)."""
     from tpuserve.tpu_platform.config import ConfigError, EngineConfig
     from tpuserve.tpu_platform.worker import check_moe_combinations
 

@@ -260,7 +260,6 @@ def test_prequantized_moe_checkpoint_is_refused(checkpoints, tmp_path):
 @pytest.mark.parametrize(
     "kwargs, named",
     [
-        (dict(tensor_parallel_size=2), "tensor_parallel_size=2"),
         (dict(data_parallel_size=2), "data_parallel_size=2"),
         (dict(quantization="nvfp4"), "quantization='nvfp4'"),
         (dict(speculative_config={"method": "mtp", "num_speculative_tokens": 2}), "method='mtp'"),

@@ -22,7 +22,8 @@ Parameter tree (L layers, H hidden, F ffn, Hq/Hkv heads of D, G = Hq/Hkv, V voca
             sliding-window and full-attention layers alternate: ModelArch.layer_window)
 qkv groups by KV head: [.., kv, g] for g < G is query head kv*G + g, [.., kv, G] is K, [.., kv, G+1] V
 (weights.build_params). Tensor parallelism is then one PartitionSpec per array (sharding.py): qkv
-splits on Hkv, gate_up on F, o and down on their input rows. With ``unstack_layers`` the leading [L]
+splits on Hkv, gate_up on F, o and down on their input rows; the experts are replicated, or split
+on E with ``expert_parallel`` (moe.expert_parallel_mlp). With ``unstack_layers`` the leading [L]
 axis becomes a list of per-layer dicts.
 """
 
@@ -110,10 +111,13 @@ def _layer(
     w,
     layer_idx,
     mesh=None,
+    expert_parallel: bool = False,
 ):
     """One transformer block. h [T, H] residual stream in; returns (h [T, H] out, kv_cache)."""
     x = rms_norm(h, w["input_norm"], arch.rms_norm_eps)
-    return block_from_normed(arch, attn_params, attn_impl, md, cos, sin, x, h, kv_cache, w, layer_idx, mesh)
+    return block_from_normed(
+        arch, attn_params, attn_impl, md, cos, sin, x, h, kv_cache, w, layer_idx, mesh, expert_parallel
+    )
 
 
 def block_from_normed(
@@ -129,10 +133,11 @@ def block_from_normed(
     w,
     layer_idx,
     mesh=None,
+    expert_parallel: bool = False,
 ):
     """A transformer block past its input norm: x [T, Hin] is the attention input (Hin = H, or
     2H for an EAGLE-3 draft layer, whose qkv reads [embedding, hidden]), h [T, H] the residual
-    stream. Returns (h [T, H] out, kv_cache)."""
+    stream. Returns (h [T, H] out, kv_cache). expert_parallel: ``forward``'s."""
     t = h.shape[0]
     hq, hkv, d = arch.num_heads, arch.num_kv_heads, arch.head_dim
     g = hq // hkv
@@ -164,7 +169,8 @@ def block_from_normed(
         assert arch.moe is not None
         # Experts stacked over layers ([L, E, ...], a layer scan's): the kernel indexes the layer.
         stacked = experts_stacked(w["experts_gate_up"])
-        return h + moe_mlp(x, w, arch.moe, layer=layer_idx if stacked else None), kv_cache
+        layer = layer_idx if stacked else None
+        return h + moe_mlp(x, w, arch.moe, layer=layer, mesh=mesh if expert_parallel else None), kv_cache
     wgu, bgu = w["gate_up"], w.get("gate_up_bias")
     if getattr(wgu, "ndim", 0) == 3:  # dense [2, H, F]: two dots, each reading its [H, F] in place
         gate = linear(x, wgu[0], None if bgu is None else bgu[0])
@@ -192,6 +198,7 @@ def forward(
     mesh=None,
     kv_scales: tuple[float, float] | None = None,
     kv_dtype=None,
+    expert_parallel: bool = False,
 ) -> DecoderOutput:
     """One ragged step over all T token slots; returns hidden states, not logits.
 
@@ -207,6 +214,9 @@ def forward(
         V/v_scale, attention/dispatch.py); None: the cache holds K and V as they are.
     kv_dtype: the dtype of the cached values, when the cache stores them as uint8 bytes (an FP8
         cache on XLA:CPU, ``kv_cache_shape.kv_storage_dtype``); None: the cache's own dtype.
+    expert_parallel: the expert weights are split over the mesh's "model" axis on E
+        (``sharding.param_partition_specs(expert_parallel=True)``): each device runs its own
+        experts and a psum adds them up (``moe.expert_parallel_mlp``). False: replicated experts.
     Returns DecoderOutput(hidden [T, H], aux_hidden (len(aux_layer_ids) x [T, H]), kv_cache).
     """
     num_layers = arch.num_layers
@@ -246,7 +256,9 @@ def forward(
 
     def block(h, kv_cache, w, layer_idx, params_i=attn_params):
         w = {**w, **whole, **{key: LayerOfStack(rec, layer_idx) for key, rec in records.items()}}
-        return _layer(arch, params_i, attn_impl, md, cos, sin, h, kv_cache, w, layer_idx, mesh)
+        return _layer(
+            arch, params_i, attn_impl, md, cos, sin, h, kv_cache, w, layer_idx, mesh, expert_parallel
+        )
 
     captured: dict[int, jax.Array] = {}
     if isinstance(layers, (list, tuple)):  # unrolled: layer i is a constant

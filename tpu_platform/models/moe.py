@@ -22,6 +22,7 @@ import jax.numpy as jnp
 
 from tpuserve.moe import grouped_matmul as moe_kernels
 from tpuserve.quant.fp4 import Mxfp4Weight, dequantize_mxfp4
+from tpuserve.tpu_platform.mesh import MODEL_AXIS, model_axis_size
 from tpuserve.tpu_platform.models.arch import MoeArch
 
 
@@ -100,7 +101,12 @@ def expert_activation(gate: jax.Array, up: jax.Array, moe: MoeArch) -> jax.Array
 
 
 def moe_mlp(
-    x: jax.Array, w: dict, moe: MoeArch, impl: str = "auto", layer: jax.Array | None = None
+    x: jax.Array,
+    w: dict,
+    moe: MoeArch,
+    impl: str = "auto",
+    layer: jax.Array | None = None,
+    mesh=None,
 ) -> jax.Array:
     """The expert block: x [T, H] (after the post-attention norm) -> [T, H] in x's dtype.
 
@@ -109,17 +115,47 @@ def moe_mlp(
     weights stacked ([L, E, ...]) next to this layer's router and biases.
     Padding slots of a ragged batch route like any token (their rows are finite, so are their
     outputs) and their results are discarded by the caller. impl: ``grouped_matmul``'s.
+    mesh: None, or a mesh whose "model" axis the expert weights (and their biases) are split over
+    on E (expert parallelism, ``sharding.param_partition_specs(expert_parallel=True)``): each
+    device then runs its own experts (``expert_parallel_mlp``).
+    """
+    if mesh is not None and model_axis_size(mesh) > 1:
+        return expert_parallel_mlp(x, w, moe, mesh, impl, layer)
+    weights, experts = route(x, w["router"], moe, w.get("router_bias"))
+    return local_experts(x, weights, experts, w, moe, 0, moe.num_experts, impl, layer).astype(x.dtype)
+
+
+def local_experts(
+    x: jax.Array,
+    weights: jax.Array,
+    experts: jax.Array,
+    w: dict,
+    moe: MoeArch,
+    first: jax.Array | int,
+    count: int,
+    impl: str = "auto",
+    layer: jax.Array | None = None,
+) -> jax.Array:
+    """The contributions of experts ``first .. first + count - 1`` to every token: x [T, H], the
+    routing (weights [T, k] f32, experts [T, k] i32) -> [T, H] f32.
+
+    w's expert arrays hold just those ``count`` experts (all E on one device; a device's E/ep
+    under expert parallelism, where ``first`` is traced). Assignments to other experts sort after
+    the local ones and stay out of the groups: the grouped matmul leaves rows past the groups' sum
+    zero (the TPU kernel only writes zeros to their tiles, no matmul), and their outputs are
+    masked out before the weighted sum, so they add exactly nothing.
     """
     t, k = x.shape[0], moe.top_k
-    weights, experts = route(x, w["router"], moe, w.get("router_bias"))
-    flat_expert = experts.reshape(t * k)
+    local = experts.reshape(t * k) - first
+    mine = (local >= 0) & (local < count)
+    key = jnp.where(mine, local, count)  # every other device's assignment: one bucket, last
     # Assignment a = token * k + slot; sorting by expert makes each expert's rows contiguous.
-    order = jnp.argsort(flat_expert, stable=True)
+    order = jnp.argsort(key, stable=True)
     token_of = order // k
-    group_sizes = jnp.bincount(flat_expert, length=moe.num_experts).astype(jnp.int32)
+    group_sizes = jnp.bincount(key, length=count + 1)[:count].astype(jnp.int32)
     rows = x[token_of]  # [T*k, H]
     gate_up = grouped_matmul(rows, w["experts_gate_up"], group_sizes, impl, layer)  # [T*k, 2F]
-    row_expert = flat_expert[order]  # the expert of each sorted row, for its biases
+    row_expert = jnp.minimum(key[order], count - 1)  # each sorted row's expert, for its biases
     if "experts_gate_up_bias" in w:
         gate_up = gate_up + w["experts_gate_up_bias"][row_expert].astype(gate_up.dtype)
     f = gate_up.shape[-1] // 2
@@ -127,7 +163,69 @@ def moe_mlp(
     out = grouped_matmul(act, w["experts_down"], group_sizes, impl, layer)  # [T*k, H]
     if "experts_down_bias" in w:
         out = out + w["experts_down_bias"][row_expert].astype(out.dtype)
-    # Weight and sum in f32: a token's k expert outputs add up in one place.
+    # Weight and sum in f32: a token's k expert outputs add up in one place. A `where`, not a
+    # zero weight: a row outside the groups is whatever the bias made of zeros, never counted.
     scaled = out.astype(jnp.float32) * weights.reshape(t * k)[order][:, None]
-    y = jnp.zeros((t, x.shape[1]), jnp.float32).at[token_of].add(scaled)
+    scaled = jnp.where(mine[order][:, None], scaled, 0.0)
+    return jnp.zeros((t, x.shape[1]), jnp.float32).at[token_of].add(scaled)
+
+
+# The per-expert arrays of a layer (split on E under expert parallelism), and those of them a layer
+# scan hands over whole, [L, E, ...] (decoder._UNSLICED); the biases are the scan's slices, [E, ...].
+EXPERT_ARRAYS = ("experts_gate_up", "experts_down", "experts_gate_up_bias", "experts_down_bias")
+_STACKED_EXPERTS = ("experts_gate_up", "experts_down")
+
+
+# Expert parallelism. The activations entering the expert block are replicated (tensor
+# parallelism's all-reduce after ``o`` leaves every token on every device), so the simplest correct
+# layout needs no dispatch: every device routes every token with the same replicated router (the
+# same f32 logits, so the same choices everywhere), runs its own E/ep experts over the assignments
+# routed to them, and one psum over the axis adds the devices' partial sums. Cost per layer: the
+# grouped matmul multiplies about T*k/ep rows a device (its experts' share; the TPU kernel only
+# zero-fills the tiles past them, while the row buffers stay [T*k, ...]: shapes are static), the
+# router and sort are repeated on every device (T x E, small), and the psum moves one [T, H] f32
+# (twice a bf16 all-reduce's bytes: a token's k partial outputs add in f32, as on one device).
+# An all-to-all layout would instead send each assignment's row only to the device owning its
+# expert and back: it needs tokens split over the devices to begin with (sequence/data-parallel
+# activations, not TP's replicated ones), a static per-device capacity (or padding to T*k rows)
+# for the exchanged buffers, two all_to_alls per layer of [T*k/ep, H] each, and a combine that
+# restores token order; it pays off when T*k*H per layer is large (big prefill batches over many
+# devices), not at decode. Not built.
+def expert_parallel_mlp(
+    x: jax.Array, w: dict, moe: MoeArch, mesh, impl: str = "auto", layer: jax.Array | None = None
+) -> jax.Array:
+    """``moe_mlp`` with w's experts split over ``mesh``'s "model" axis on E (the layout above)."""
+    from jax.sharding import PartitionSpec as P
+
+    ep = model_axis_size(mesh)
+    count = moe.num_experts // ep
+    if count * ep != moe.num_experts:
+        raise ValueError(f"{moe.num_experts} experts do not split over {ep} devices")
+    stacked = experts_stacked(w["experts_gate_up"])
+    names = [n for n in EXPERT_ARRAYS if n in w]
+    expert_w = {n: w[n] for n in names}
+    # E is axis 0 of a layer's arrays, axis 1 of the [L, E, ...] stacks a layer scan passes whole;
+    # a record (Mxfp4Weight) gets the spec on each of its arrays (they all lead with [L,] E).
+    specs = {}
+    for n in names:
+        spec = P(None, MODEL_AXIS) if stacked and n in _STACKED_EXPERTS else P(MODEL_AXIS)
+        specs[n] = jax.tree_util.tree_map(lambda _, spec=spec: spec, w[n])
+    shared = {n: w[n] for n in ("router", "router_bias") if n in w}
+    lyr = jnp.int32(0) if layer is None else layer
+
+    def block(x, shared, expert_w, lyr):
+        weights, experts = route(x, shared["router"], moe, shared.get("router_bias"))
+        first = jax.lax.axis_index(MODEL_AXIS) * count
+        y = local_experts(
+            x, weights, experts, expert_w, moe, first, count, impl, None if layer is None else lyr
+        )
+        return jax.lax.psum(y, MODEL_AXIS)
+
+    y = jax.shard_map(
+        block,
+        mesh=mesh,
+        in_specs=(P(), jax.tree_util.tree_map(lambda _: P(), shared), specs, P()),
+        out_specs=P(),
+        check_vma=False,
+    )(x, shared, expert_w, lyr)
     return y.astype(x.dtype)

@@ -6,15 +6,23 @@ o's rows are the query heads in the same kv-major order), the MLP splits by F (g
 down's rows), the embedding by vocabulary (an LM head [H, V] by its columns). Everything else (norms,
 output biases) is replicated. XLA's partitioner inserts the all-reduces after o and down.
 The split is even when the axis size divides Hkv, F and V.
+
+A mixture-of-experts layer's experts are replicated by default (each device holds all E and runs
+the whole expert block on the replicated activations). With ``expert_parallel`` they split on E
+instead, over the same "model" axis (EP size = TP size): every per-expert array, dense or a
+quantized record's arrays (gpt-oss's packed MXFP4 experts) and the experts' biases alike, so a
+device holds E/TP whole experts. The router stays replicated (moe.expert_parallel_mlp says why).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import jax
 from jax.sharding import PartitionSpec as P
 
 from tpuserve.quant.fuse import gate_up_in_out
+from tpuserve.tpu_platform.models.moe import EXPERT_ARRAYS
 
 # Per-layer weight -> (rank without the [L] axis, spec factory of the mesh axis name).
 _LAYER_SPECS = {
@@ -70,12 +78,18 @@ def _record_spec(name: str, rec, axis: str, stacked: bool):
     return dataclasses.replace(rec, **specs)
 
 
-def _spec(name: str, arr, table: dict, axis: str, stacked: bool) -> P:
+def _spec(name: str, arr, table: dict, axis: str, stacked: bool, expert_parallel: bool = False):
+    if expert_parallel and name in EXPERT_ARRAYS:
+        # E leads a layer's array ([E, ...]); a stacked [L, E, ...] has L first
+        # a spec for E on every array (a record's too), whatever its rank
+        spec = P(None, axis) if stacked else P(axis)
+        return jax.tree_util.tree_map(lambda _: spec, arr)
     if not hasattr(arr, "ndim"):  # a quantized weight record (a pytree of arrays)
         # a spec per array, so the spec tree has the params' structure; a record with no split
-        # (gpt-oss's packed experts, replicated like dense experts) gets P() for each
+        # (gpt-oss's packed experts without expert_parallel, replicated like dense experts) gets
+        # P() for each
         return _record_spec(name, arr, axis, stacked)
-    if name not in table:  # norms, o_bias, down_bias, q_norm, k_norm, experts: replicated
+    if name not in table:  # norms, o_bias, down_bias, q_norm, k_norm, router, experts: replicated
         return P()
     rank, make = table[name]
     ndim = getattr(arr, "ndim", None)
@@ -90,13 +104,15 @@ def _spec(name: str, arr, table: dict, axis: str, stacked: bool) -> P:
     return P(None, *spec) if stacked else spec
 
 
-def param_partition_specs(params: dict, axis: str = "model") -> dict:
+def param_partition_specs(params: dict, axis: str = "model", expert_parallel: bool = False) -> dict:
     """The params tree with each array replaced by its ``PartitionSpec`` over mesh axis ``axis``.
 
     Works for stacked layers (``layers`` a dict of [L, ...] arrays: the L axis is never split) and
     for ``weights.unstack_layers`` trees (a list of per-layer dicts). A quantized weight record
     gets a record of the same type holding one spec per array (``_RECORD_SPLIT``). Use as
     ``jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), params, specs)``.
+    expert_parallel: split a MoE layer's experts on E over ``axis`` (module docstring);
+    ``check_expert_parallel`` first.
     """
     out: dict[str, Any] = {
         k: _spec(k, v, _TOP_SPECS, axis, False) for k, v in params.items() if k != "layers"
@@ -104,10 +120,10 @@ def param_partition_specs(params: dict, axis: str = "model") -> dict:
     layers = params["layers"]
     if isinstance(layers, (list, tuple)):
         out["layers"] = type(layers)(
-            {k: _spec(k, v, _LAYER_SPECS, axis, False) for k, v in w.items()} for w in layers
+            {k: _spec(k, v, _LAYER_SPECS, axis, False, expert_parallel) for k, v in w.items()} for w in layers
         )
     else:
-        out["layers"] = {k: _spec(k, v, _LAYER_SPECS, axis, True) for k, v in layers.items()}
+        out["layers"] = {k: _spec(k, v, _LAYER_SPECS, axis, True, expert_parallel) for k, v in layers.items()}
     return out
 
 
@@ -143,12 +159,32 @@ def kv_head_replicas(num_heads: int, num_kv_heads: int, tp: int) -> int:
 def check_tensor_parallel(arch, tp: int) -> int:
     """Validate that ``arch`` splits over ``tp`` devices; returns kv_head_replicas (see there)."""
     r = kv_head_replicas(arch.num_heads, arch.num_kv_heads, tp)
-    for what, n in (("intermediate_size", arch.intermediate_size), ("vocab_size", arch.vocab_size)):
+    sizes = [("vocab_size", arch.vocab_size)]
+    if arch.moe is None or len(arch.moe.moe_layers) < arch.num_layers:  # some layer has a dense MLP
+        sizes.insert(0, ("intermediate_size", arch.intermediate_size))
+    for what, n in sizes:
         if n % tp:
             raise ValueError(
                 f"tensor_parallel_size={tp}: the model's {what}={n} does not split evenly over {tp} devices"
             )
     return r
+
+
+def check_expert_parallel(arch, ep: int) -> None:
+    """Validate expert parallelism over ``ep`` devices for ``arch``: it needs experts, and E / ep
+    whole experts a device. Raises ValueError naming the flag."""
+    if arch.moe is None:
+        raise ValueError(
+            f"enable_expert_parallel: {arch.architecture} is a dense model (no experts to shard); "
+            f"drop --enable-expert-parallel"
+        )
+    e = arch.moe.num_experts
+    if e % ep:
+        raise ValueError(
+            f"enable_expert_parallel: the model's {e} experts do not split evenly over "
+            f"tensor_parallel_size={ep} devices (expert parallelism shards the experts over the "
+            f"tensor-parallel devices); use a tensor_parallel_size that divides {e}"
+        )
 
 
 def group_gate_up_by_device(params: dict, tp: int) -> dict:

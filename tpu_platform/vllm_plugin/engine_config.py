@@ -62,5 +62,7 @@ def engine_config_from_vllm(
         # One worker drives all N devices as SPMD; a ConfigError names the flag and the device
         # count when there are fewer (raised in init_device, so vLLM's start-up fails with it).
         tensor_parallel_size=int(parallel_config.tensor_parallel_size),
+        # vLLM shards the experts over TP x DP devices; DP is refused here, so EP size = TP size.
+        enable_expert_parallel=bool(parallel_config.enable_expert_parallel),
         speculative_config=speculative_section,
     )
