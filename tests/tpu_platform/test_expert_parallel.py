@@ -16,8 +16,6 @@ import os
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
-import transformers
 from fake_devices import run_with_devices  # tests/tpu_platform/fake_devices.py
 
 from tpuserve.tpu_platform.config import ConfigError, EngineConfig
@@ -36,31 +34,11 @@ def _child(*args: str) -> str:
 
 
 def _qwen3_moe(path: str) -> str:
-    from conftest import real_tokenizer
+    """test_qwen3_moe.py's tiny random Qwen3-MoE (8 experts, top-2, 2 layers) at a TP-divisible
+    vocabulary."""
+    import test_qwen3_moe as base
 
-    tok = real_tokenizer("qwen3")
-    cfg = transformers.Qwen3MoeConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=96,
-        moe_intermediate_size=32,
-        num_experts=8,
-        num_experts_per_tok=2,
-        norm_topk_prob=True,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=512,
-        initializer_range=0.1,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
-        eos_token_id=tok.eos_token_id,
-    )
-    torch.manual_seed(0)
-    transformers.Qwen3MoeForCausalLM(cfg).to(torch.float32).eval().save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
+    return base._build(path, mlp_only_layers=[], norm_topk_prob=True, layers=2, vocab_size=VOCAB)
 
 
 def _gpt_oss(dense: str, mx: str) -> None:

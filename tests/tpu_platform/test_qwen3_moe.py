@@ -27,12 +27,16 @@ PROMPTS = [
 ]
 
 
-def _build(path: str, *, mlp_only_layers: list[int], norm_topk_prob: bool, layers: int) -> str:
+def _build(
+    path: str, *, mlp_only_layers: list[int], norm_topk_prob: bool, layers: int, vocab_size: int | None = None
+) -> str:
+    """A tiny random Qwen3-MoE (8 experts, top-2) with Qwen3's tokenizer; ``vocab_size`` pads the
+    vocabulary (a TP-divisible one for the sharding tests)."""
     from conftest import real_tokenizer
 
     tok = real_tokenizer("qwen3")
     cfg = transformers.Qwen3MoeConfig(
-        vocab_size=len(tok),
+        vocab_size=vocab_size or len(tok),
         hidden_size=64,
         intermediate_size=96,
         moe_intermediate_size=32,
