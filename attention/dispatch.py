@@ -148,7 +148,10 @@ def _attend(
     if as_bytes and (kv_cache.dtype != jnp.uint8 or values.itemsize != 1):
         raise ValueError(f"a {kv_cache.dtype} KV cache cannot hold {values.name} values")
     if impl == "auto":
-        impl = resolve_impl(impl, jax.default_backend(), values)
+        # Resolved once, where the engine's config meets its platform (EngineConfig.with_modes_resolved).
+        raise ValueError(
+            "ragged_paged_attention needs a concrete impl; resolve 'auto' with resolve_impl first"
+        )
     num_combined = 2 * new_k.shape[1]
     cache_heads = kv_cache.shape[-2]
     # Only the TPU kernel knows padding heads; the others read C as 2*Hkv and would misplace heads.

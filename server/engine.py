@@ -113,8 +113,8 @@ class LLMEngine:
                     f"tpuserve.tpu_platform.multihost.run_follower(config) (`tpuserve serve` does)"
                 )
             backend = discover().backend  # the first device query starts the backend
-        # The platform's scheduler sizes, and its concrete attention and layer-loop modes.
-        config = config.for_backend(backend).with_modes_resolved(backend)
+        # The platform's scheduler sizes (its concrete modes: the Worker resolves them).
+        config = config.for_backend(backend)
         self.config = config
         self.worker = Worker(config, replica, timings)
         self.worker.load()

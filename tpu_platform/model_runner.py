@@ -41,7 +41,6 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from tpuserve.attention.dispatch import resolve_impl
 from tpuserve.attention.kv_cache_shape import kv_storage_dtype
 from tpuserve.attention.metadata import AttentionMetadata
 from tpuserve.attention.names import AttentionImpl
@@ -213,7 +212,9 @@ class ModelRunner:
         concatenated (EAGLE-3). ``ForwardState.features`` carries them.
         executable_cache_dir: where warm-up keeps the compiled forwards across restarts
         (executable_cache.py); None: nowhere (each start traces and compiles them)."""
-        self.config = config
+        # A Worker's config has its modes resolved already (a no-op here); one built by hand
+        # (tests, benchmarks) gets the same one rule.
+        config = self.config = config.with_modes_resolved(device.backend)
         self.mesh = mesh
         if num_speculative_tokens is None:
             spec = config.speculative
@@ -221,10 +222,7 @@ class ModelRunner:
         self.num_speculative_tokens = int(num_speculative_tokens)
         self.draft_aux_layers = None if draft_aux_layers is None else tuple(int(i) for i in draft_aux_layers)
         self.arch = arch
-        # A config the engine built has its modes resolved already (EngineConfig.for_backend);
-        # one built by hand (tests, benchmarks) gets the same rule here.
-        byte_cache = jnp.dtype(dtype if kv_cache_dtype is None else kv_cache_dtype).itemsize == 1
-        self.layer_loop = config.compilation.resolved(device.backend, byte_cache).layer_loop
+        self.layer_loop = config.compilation.layer_loop
         if self.layer_loop == LayerLoop.SCAN and isinstance(params["layers"], (list, tuple)):
             # layers of different structure (a MoE model's dense layers, weights._stack_layers)
             # have no one body to scan: say so, rather than report a scan that does not happen
@@ -257,7 +255,7 @@ class ModelRunner:
         # What the cache array holds: the values themselves, or their bytes (an FP8 cache on CPU,
         # which XLA:CPU would copy whole around every fp8 scatter and gather; kv_storage_dtype).
         self.kv_storage_dtype = jnp.dtype(kv_storage_dtype(self.kv_cache_dtype, device.backend))
-        self.attn_impl = resolve_impl(config.compilation.attention_impl, device.backend, self.kv_cache_dtype)
+        self.attn_impl = config.compilation.attention_impl
         # How this engine's programs multiply by its weights: dense, or its quantized records'
         # kernels (a dense engine never meets a record). Active while its programs trace
         # (the fp8 cache's calibration pass below is one).

@@ -530,7 +530,7 @@ def run_follower(config: EngineConfig) -> str:
     if group is None or group.is_leader:
         raise ConfigError("run_follower: this process is not a follower host (host_rank must be > 0)")
     backend = discover().backend
-    config = config.for_backend(backend).with_modes_resolved(backend)
+    config = config.for_backend(backend)
     # Beating before the load: the leader's watchdog counts from when its own load ended.
     heartbeat = Heartbeat(group, _exit_on_store_loss(group))
     worker = Worker(config)

@@ -26,7 +26,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from tpuserve.attention.kv_cache_shape import min_page_size, resolve_impl
+from tpuserve.attention.kv_cache_shape import min_page_size
 from tpuserve.kv_cache.layout import KVCacheSpec
 from tpuserve.tpu_platform import kv_scales
 from tpuserve.tpu_platform.config import (
@@ -201,8 +201,9 @@ class Worker:
         new one (``self.timings``)."""
         self.timings = StartupTimings() if timings is None else timings
         t0 = time.perf_counter()
-        self.config = config
         self.device = discover()
+        # "auto" modes made concrete here, once, for every front end (engine, vLLM, SGLang).
+        config = self.config = config.with_modes_resolved(self.device.backend)
         par = config.parallel
         self.tensor_parallel_size = par.tensor_parallel_size
         # No mesh on a single device: the one-device engine stays exactly what it was.
@@ -317,7 +318,7 @@ class Worker:
         this max_model_len (attention/kv_cache_shape.min_page_size: the Pallas TPU kernel holds
         the table in SMEM); a block_size the user set that is too small is an error."""
         cache = self.config.cache
-        impl = resolve_impl(self.config.compilation.attention_impl, self.device.backend, self.kv_cache_dtype)
+        impl = self.config.compilation.attention_impl
         max_num_seqs = self.config.scheduler.max_num_seqs
         need = min_page_size(impl, self.loaded_model_len(), max_num_seqs)
         if cache.block_size >= need:
@@ -445,7 +446,7 @@ class Worker:
     def page_bytes_padded_and_plain(self) -> tuple[int, int]:
         """(bytes of a page as the attention backend lays it out, bytes of its real K/V)."""
         a = self.loaded_arch()
-        impl = resolve_impl(self.config.compilation.attention_impl, self.device.backend, self.kv_cache_dtype)
+        impl = self.config.compilation.attention_impl
         spec = KVCacheSpec(
             a.num_layers,
             1,

@@ -76,6 +76,34 @@ def test_auto_is_resolved_once_for_the_backend(backend, kv_cache_dtype, impl, lo
     assert cfg.compilation.attention_impl is AttentionImpl.AUTO  # the original is not changed
 
 
+def test_every_front_end_gets_concrete_modes_from_its_worker():
+    # The engine, the vLLM worker and the SGLang executor all build a Worker from a config that
+    # may still say "auto"; the Worker resolves it, once, and its parts read the concrete modes.
+    from tpuserve.tpu_platform.worker import Worker
+
+    worker = Worker(EngineConfig.from_kwargs(model="unused", attention_impl="auto", layer_loop="auto"))
+    assert worker.config.compilation.attention_impl is AttentionImpl.BLOCKED  # the CPU backend
+    assert worker.config.compilation.layer_loop is LayerLoop.UNROLL
+
+
+def test_the_attention_layer_refuses_an_unresolved_mode():
+    import jax.numpy as jnp
+
+    from tpuserve.attention.dispatch import AttentionParams, ragged_paged_attention
+
+    with pytest.raises(ValueError, match="resolve 'auto'"):
+        ragged_paged_attention(
+            jnp.zeros((1, 2, 8)),
+            jnp.zeros((1, 1, 8)),
+            jnp.zeros((1, 1, 8)),
+            jnp.zeros((1, 1, 4, 2, 8)),
+            jnp.int32(0),
+            None,  # never read: the mode is checked first
+            AttentionParams(sm_scale=1.0),
+            "auto",
+        )
+
+
 def test_explicit_modes_are_kept_and_a_bad_pair_is_refused_when_resolving():
     cfg = EngineConfig.from_kwargs(attention_impl="reference", layer_loop="scan")
     assert cfg.with_modes_resolved("cpu") is cfg
