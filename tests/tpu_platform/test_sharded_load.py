@@ -147,3 +147,21 @@ def test_shards_read_each_stored_byte_once(tmp_path):
                 one_host += sum(read) - before
     assert sum(read) == total  # every stored tensor byte, once
     assert 0.45 * total < one_host < 0.55 * total, (one_host, total)
+
+
+def test_place_reads_a_source_on_one_process_whole(tmp_path):
+    """A mesh this process holds entirely: ``place`` reads a source whole, the values of the
+    whole build (a multi-process mesh reads slices: test_multihost.py)."""
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from tpuserve.tpu_platform.device import place
+
+    arch, files, _ = _checkpoint(tmp_path, "llama", ml_dtypes.bfloat16)
+    whole = build_params(arch, files.get, jnp.bfloat16)
+    lazy = build_params(arch, files.view, jnp.bfloat16, sharded_reads=safetensors_raw.count)
+    sharding = NamedSharding(Mesh(np.array(jax.devices()[:1]), ("model",)), P())
+    placed = jax.tree_util.tree_map(lambda s: place(s, sharding), lazy)
+    for a, b in zip(jax.tree_util.tree_leaves(placed), jax.tree_util.tree_leaves(whole), strict=True):
+        assert isinstance(a, jax.Array) and a.sharding == sharding
+        _same(a, b)
