@@ -250,20 +250,21 @@ def replicate_kv_heads(params: dict, arch, tp: int):
 
 def _grown_source(x: HostSource, grow, r: int, g: int) -> HostSource:
     """``grow(x)`` of a sharded load's source, still read slice by slice: a slice of the grown
-    heads reads the KV heads they copy (each once: the copies of one KV head on one host share
-    the read), grows those and keeps the slice."""
+    heads reads the KV heads they copy, grows those and keeps the slice. The last read is kept
+    (only it, so that nothing stays held once placed): the copies of one KV head, on adjacent
+    devices, share one read."""
     *lead, hkv, _, d = x.shape
     shape = (*lead, hkv * r, g // r + 2, d)
-    reads: dict[tuple, object] = {}
+    last: list = [None, None]  # [key, grown values]
 
     def read(index):
         index = tuple(index) + (slice(None),) * (len(shape) - len(index))
         j0, j1, _ = index[-3].indices(hkv * r)
         kv0, kv1 = j0 // r, -(-j1 // r)
         key = tuple(s.indices(n) for s, n in zip(index[:-3], lead, strict=True)) + ((kv0, kv1),)
-        if key not in reads:
-            reads[key] = grow(x.read((*index[:-3], slice(kv0, kv1), slice(None), slice(None))))
-        return reads[key][..., j0 - kv0 * r : j1 - kv0 * r, :, :][(Ellipsis, *index[-2:])]
+        if last[0] != key:
+            last[:] = [key, grow(x.read((*index[:-3], slice(kv0, kv1), slice(None), slice(None))))]
+        return last[1][..., j0 - kv0 * r : j1 - kv0 * r, :, :][(Ellipsis, *index[-2:])]
 
     return HostSource(shape, x.dtype, read)
 
