@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -58,13 +61,82 @@ def enable_compilation_cache(path: str | None = None) -> str:
     return path
 
 
+class HostSource:
+    """A parameter not read yet: its ``shape`` and ``dtype``, and ``read(index)``, which returns
+    the values at ``index`` (a tuple of one slice per axis) in ``dtype`` (a numpy or jax array).
+
+    The loader hands these out on a mesh over several processes (loader/__init__.py), so that
+    ``place`` reads on each host only the slices its own devices hold, straight from the
+    checkpoint's files. Anything else that needs the whole value reads it (``read_whole``)."""
+
+    def __init__(self, shape: tuple[int, ...], dtype, read: Callable[[tuple[slice, ...]], Any]):
+        self.shape = tuple(int(n) for n in shape)
+        self.dtype = np.dtype(dtype)
+        self.read = read
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * self.dtype.itemsize
+
+    def whole(self):
+        return self.read(tuple(slice(0, n) for n in self.shape))
+
+    def layer(self, i: int) -> HostSource:
+        """Layer ``i`` of a stacked [L, ...] source (``models/weights.unstack_layers``)."""
+        return HostSource(self.shape[1:], self.dtype, lambda index: self.read((slice(i, i + 1), *index))[0])
+
+    def __repr__(self) -> str:
+        return f"HostSource({self.shape}, {self.dtype})"
+
+
+def read_whole(tree: Any) -> Any:
+    """``tree`` with every ``HostSource`` read whole and put on the default device (what a
+    single-process load hands out), for the steps that transform whole weights (KV-head
+    replication, online quantization)."""
+
+    def one(x):
+        if not isinstance(x, HostSource):
+            return x
+        value = x.whole()
+        return jax.device_put(value) if isinstance(value, np.ndarray) else value
+
+    return jax.tree_util.tree_map(one, tree)
+
+
+def _slice_key(index) -> tuple:
+    return tuple((s.start, s.stop, s.step) if isinstance(s, slice) else s for s in index)
+
+
 def place(x, sharding):
     """``jax.device_put(x, sharding)`` of a host value. On a mesh over several processes each
     builds its own shards from its copy of ``x`` (every host holds the same value: the same
     weights, the same step inputs from the leader), instead of device_put's cross-host equality
     check, which all-gathers the whole value on every call: the weights' full bytes at load, a
     collective per step input, and collectives whose order would differ between hosts when a
-    warm-up thread pool puts arrays."""
+    warm-up thread pool puts arrays.
+
+    A ``HostSource`` is read here: over several processes, only the slices this process's
+    devices hold, each once (devices holding the same slice, replicas, share one read)."""
+    if isinstance(x, HostSource):
+        if sharding is None or sharding.is_fully_addressable:
+            return jax.device_put(x.whole(), sharding)
+        reads = {}  # slice -> its values: devices holding the same slice share one read
+
+        def shard(index):
+            key = _slice_key(index)
+            if key not in reads:
+                reads[key] = x.read(tuple(index))
+            return reads[key]
+
+        return jax.make_array_from_callback(x.shape, sharding, shard)
     if sharding is None or sharding.is_fully_addressable:
         return jax.device_put(x, sharding)
     host = np.asarray(x)

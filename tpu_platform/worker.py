@@ -38,7 +38,7 @@ from tpuserve.tpu_platform.config import (
     SpecMethod,
     SpeculativeConfig,
 )
-from tpuserve.tpu_platform.device import discover, enable_compilation_cache, resolve_dtype
+from tpuserve.tpu_platform.device import discover, enable_compilation_cache, read_whole, resolve_dtype
 from tpuserve.tpu_platform.draft_runner import DraftRunner
 from tpuserve.tpu_platform.loader import load_model
 from tpuserve.tpu_platform.loader.draft_head import load_draft
@@ -262,7 +262,11 @@ class Worker:
         lowered to it with ``clamp_max_model_len`` (a front end that derived it from elsewhere)."""
         t0 = time.perf_counter()
         m = self.config.model
-        loaded = load_model(m.model, self.dtype, m.tokenizer, self.timings)
+        # A mesh over several processes: each reads only its own devices' shards of the weights
+        # (loader.load_model's shard_reads; the runner's placement reads them).
+        here = jax.process_index()
+        shard_reads = self.mesh is not None and any(d.process_index != here for d in self.mesh.devices.flat)
+        loaded = load_model(m.model, self.dtype, m.tokenizer, self.timings, shard_reads=shard_reads)
         arch = self.arch = loaded.arch
         check_moe_combinations(self.config, arch, loaded.quantization)
         self.tokenizer, self.model_source = loaded.tokenizer, loaded.source
@@ -389,9 +393,9 @@ class Worker:
                 arch.num_kv_heads,
                 r,
             )
-            params, self.arch = replicate_kv_heads(params, arch, tp)
+            params, self.arch = replicate_kv_heads(params, arch, tp)  # a sharded load's too
         if checkpoint_method is None and self.config.quantization.method is not None:
-            params = group_gate_up_by_device(params, tp)  # so its quantized record splits by F
+            params = group_gate_up_by_device(read_whole(params), tp)  # so its quantized record splits by F
         return params
 
     def _quantize(self, params: dict[str, Any], checkpoint_method: str | None) -> dict[str, Any]:
@@ -423,7 +427,8 @@ class Worker:
         calibration = None
         if method in calibrate.GPTQ_METHODS and self.config.quantization.calibration == QuantCalibration.GPTQ:
             calibration = (self.loaded_arch(), calibrate.calibration_token_ids(self.tokenizer))
-        params, report = quantize_params(params, method, calibration=calibration)
+        # quantizing needs whole weights: a sharded load reads them whole here
+        params, report = quantize_params(read_whole(params), method, calibration=calibration)
         self.quant_report = report
         log.info(
             "quantized online in %.1f s (%s): %s",

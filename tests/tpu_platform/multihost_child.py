@@ -5,7 +5,8 @@
     python multihost_child.py follower PORT CHECKPOINT  host 1: the follower loop
     python multihost_child.py single TP CHECKPOINT [MAX_TOKENS]   one process, TP over its own devices
 
-The leader prints "STEP n" as it goes (the host-loss test kills the follower after a few), and
+Each prints "READ <bytes>", the safetensors bytes it read (loader/safetensors_raw.bytes_read),
+once its weights are placed. The leader prints "STEP n" as it goes (the host-loss test kills the follower after a few), and
 "HOSTLOST <rank>" when the engine raises HostLost.
 """
 
@@ -53,17 +54,26 @@ def generate(engine, max_tokens: int) -> list[list[int]]:
     return [done[str(i)] for i in range(len(PROMPTS))]
 
 
+def print_read() -> None:
+    from tpuserve.tpu_platform.loader.safetensors_raw import bytes_read
+
+    print(f"READ {bytes_read()}", flush=True)
+
+
 def main() -> None:
     mode = sys.argv[1]
     if mode == "follower":
         from tpuserve.tpu_platform.multihost import run_follower
 
-        print("FOLLOWER", run_follower(config(sys.argv[3], 4, sys.argv[2], rank=1)), flush=True)
+        done = run_follower(config(sys.argv[3], 4, sys.argv[2], rank=1))
+        print_read()  # the weights load once, before the first step: the count is final
+        print("FOLLOWER", done, flush=True)
         return
     from tpuserve.server.engine import LLMEngine
 
     if mode == "single":
         engine = LLMEngine(config(sys.argv[3], int(sys.argv[2])))
+        print_read()
         engine.warmup(progress=False)
         max_tokens = int(sys.argv[4]) if len(sys.argv) > 4 else 12
         print("TOKENS", json.dumps(generate(engine, max_tokens)), flush=True)
@@ -72,6 +82,7 @@ def main() -> None:
 
     max_tokens = int(sys.argv[4]) if len(sys.argv) > 4 else 12
     engine = LLMEngine(config(sys.argv[3], 4, sys.argv[2], rank=0))
+    print_read()
     engine.warmup(progress=False)
     t0 = time.perf_counter()
     try:

@@ -221,19 +221,34 @@ def test_config_names_the_flags():
 # ---- two real processes ----
 
 
-def _checkpoint(tmp_path) -> str:
+def _checkpoint(tmp_path, kv_heads: int = 2) -> str:
     from conftest import build_random_checkpoint
 
     # 8 query / 2 KV heads: split over TP=4 (KV heads replicated twice); Llama-3's vocabulary
     # splits over 4.
     return build_random_checkpoint(
-        "llama", str(tmp_path / "llama"), num_attention_heads=8, num_key_value_heads=2
+        "llama", str(tmp_path / "llama"), num_attention_heads=8, num_key_value_heads=kv_heads
     )
 
 
 def _tokens(out: str) -> list[list[int]]:
     line = next(x for x in out.splitlines() if x.startswith("TOKENS "))
     return json.loads(line[len("TOKENS ") :])
+
+
+def _bytes_read(out: str) -> int:
+    line = next(x for x in out.splitlines() if x.startswith("READ "))
+    return int(line[len("READ ") :])
+
+
+def _checkpoint_bytes(path: str) -> int:
+    """The tensor bytes of a checkpoint's safetensors files (headers left out)."""
+    import glob
+
+    from tpuserve.tpu_platform.loader.safetensors_raw import SafetensorsFiles
+
+    files = SafetensorsFiles(sorted(glob.glob(os.path.join(path, "*.safetensors"))))
+    return sum(files.view(name).nbytes for name in files.keys())
 
 
 def _finish(proc, timeout: float) -> str:
@@ -246,10 +261,9 @@ def _finish(proc, timeout: float) -> str:
     return out
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(1500)
-def test_two_hosts_greedy_output_equals_one_process(tmp_path):
-    path = _checkpoint(tmp_path)
+def _two_hosts_and_one(path: str) -> tuple[list, list, list, list[int], list[int]]:
+    """Greedy tokens of TP=4 over two processes, of one process's TP=4 and TP=1; the
+    safetensors bytes each of the two hosts read, and each single process."""
     port = str(free_port())
     follower = popen_with_devices(CHILD, "follower", port, path, devices=2)
     leader = popen_with_devices(CHILD, "leader", port, path, devices=2)
@@ -262,9 +276,46 @@ def test_two_hosts_greedy_output_equals_one_process(tmp_path):
         for p in (leader, follower):
             if p.poll() is None:
                 p.kill()
-    two_hosts = _tokens(out)
-    tp4 = _tokens(run_with_devices(CHILD, "single", "4", path, devices=4, timeout=600))
-    tp1 = _tokens(run_with_devices(CHILD, "single", "1", path, devices=1, timeout=600))
+    tp4 = run_with_devices(CHILD, "single", "4", path, devices=4, timeout=600)
+    tp1 = run_with_devices(CHILD, "single", "1", path, devices=1, timeout=600)
+    return (
+        _tokens(out),
+        _tokens(tp4),
+        _tokens(tp1),
+        [_bytes_read(out), _bytes_read(fout)],
+        [_bytes_read(tp4), _bytes_read(tp1)],
+    )
+
+
+def _check_shares(path: str, hosts: list[int], single: list[int]) -> None:
+    """Each host reads about half the checkpoint: the split weights (embedding, LM head, qkv, o,
+    gate/up, down: nearly all of it) by half, the norms whole; a single process reads it all."""
+    total = _checkpoint_bytes(path)
+    print(f"checkpoint {total} B; hosts read {hosts} B; single processes {single} B")
+    assert single == [total, total]
+    for got in hosts:
+        assert 0.45 * total < got < 0.55 * total, (hosts, total)
+    assert sum(hosts) < 1.05 * total, (hosts, total)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_two_hosts_greedy_output_equals_one_process(tmp_path):
+    """2 KV heads over TP=4: each host grows (replicates) only the KV heads its devices hold."""
+    path = _checkpoint(tmp_path)
+    two_hosts, tp4, tp1, hosts, single = _two_hosts_and_one(path)
+    assert two_hosts == tp4 == tp1, (two_hosts, tp4, tp1)
+    _check_shares(path, hosts, single)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_two_hosts_each_read_their_share_of_the_weights(tmp_path):
+    """4 KV heads over TP=4, one a device: each host reads from the safetensors files only the
+    shards its own devices hold, and greedy output is still that of one process."""
+    path = _checkpoint(tmp_path, kv_heads=4)
+    two_hosts, tp4, tp1, hosts, single = _two_hosts_and_one(path)
+    _check_shares(path, hosts, single)
     assert two_hosts == tp4 == tp1, (two_hosts, tp4, tp1)
 
 

@@ -18,6 +18,7 @@ from tpuserve.tpu_platform.loader.gpt_oss_mxfp4 import (
 )
 from tpuserve.tpu_platform.loader.quantized import detect, read_linear
 from tpuserve.tpu_platform.loader.safetensors_raw import SafetensorsFiles
+from tpuserve.tpu_platform.loader.safetensors_raw import count as count_read
 from tpuserve.tpu_platform.models.arch import ModelArch, ModelConfigError
 from tpuserve.tpu_platform.models.weights import build_params
 from tpuserve.tpu_platform.startup_timing import StartupTimings
@@ -63,9 +64,15 @@ def load_model(
     timings: StartupTimings | None = None,
     *,
     dequantize_experts: bool = False,
+    shard_reads: bool = False,
 ) -> LoadedModel:
     """timings: where the phases of loading are recorded (the engine's start-up record); None: a
     record of its own, dropped.
+    shard_reads: the weights go to a mesh over several processes: a dense safetensors checkpoint
+    without experts then comes back as ``device.HostSource`` leaves, which ``device.place`` reads
+    slice by slice, so that each host reads from the files only its own devices' shards (and the
+    replicated tensors). Pre-quantized, mixture-of-experts and GGUF checkpoints load whole, as
+    without it.
     dequantize_experts: read gpt-oss's published MXFP4 experts as dense arrays in ``dtype``
     instead of packed records (loader/gpt_oss_mxfp4.py says why both exist); other checkpoints
     ignore it."""
@@ -84,11 +91,16 @@ def load_model(
         params = build_params(arch, ckpt.tensors.get, dtype, timings=timings)
         tok = _load_tokenizer(tokenizer, timings) if tokenizer else ckpt.tokenizer
         return LoadedModel(arch, params, tok, path)
-    return _load_hf_dir(path, dtype, tokenizer, timings, dequantize_experts)
+    return _load_hf_dir(path, dtype, tokenizer, timings, dequantize_experts, shard_reads)
 
 
 def _load_hf_dir(
-    path: str, dtype, tokenizer: str | None, timings: StartupTimings, dequantize_experts: bool
+    path: str,
+    dtype,
+    tokenizer: str | None,
+    timings: StartupTimings,
+    dequantize_experts: bool,
+    shard_reads: bool = False,
 ) -> LoadedModel:
     cfg_file = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_file):
@@ -103,13 +115,16 @@ def _load_hf_dir(
         files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
         if not files:
             raise ModelConfigError(f"{path!r} has no *.safetensors weight files")
-        raw = SafetensorsFiles(files).get  # stored dtype (fp8 included), memory-mapped
+        reader = SafetensorsFiles(files)
+        raw = reader.get  # stored dtype (fp8 included), memory-mapped
     # The tokenizer (importing transformers, then reading tokenizer.json: seconds) loads on a
     # thread beside the weights, whose numpy copies and device transfers release the GIL.
     with ThreadPoolExecutor(1, thread_name_prefix="tpuserve-tokenizer") as pool:
         tok_future = pool.submit(_load_tokenizer, tokenizer or path, timings, True)
         try:
-            loaded = _load_hf_weights(path, cfg, arch, raw, dtype, timings, dequantize_experts)
+            loaded = _load_hf_weights(
+                path, cfg, arch, raw, dtype, timings, dequantize_experts, reader.view if shard_reads else None
+            )
         except BaseException:
             tok_future.cancel()
             raise
@@ -119,9 +134,18 @@ def _load_hf_dir(
 
 
 def _load_hf_weights(
-    path: str, cfg: dict, arch: ModelArch, raw, dtype, timings: StartupTimings, dequantize_experts: bool
+    path: str,
+    cfg: dict,
+    arch: ModelArch,
+    raw,
+    dtype,
+    timings: StartupTimings,
+    dequantize_experts: bool,
+    view=None,
 ) -> LoadedModel:
-    """The weights of a Hugging Face directory (its tokenizer is the caller's: None here)."""
+    """The weights of a Hugging Face directory (its tokenizer is the caller's: None here).
+    view: the reader's uncharged ``view`` when the load may hand out per-slice sources
+    (``load_model``'s shard_reads); None reads every tensor whole."""
     # Tensors in their stored dtype, memory-mapped: build_params decides what to upcast, and a
     # tensor it keeps as stored is read once, by the copy that places it (no f32 copy first).
     get = raw
@@ -140,7 +164,10 @@ def _load_hf_weights(
         get = with_dequantized_experts(get, raw)
     elif gpt_oss_mxfp4:  # the experts stay MXFP4 records; the rest is dense already
         get_linear, method = expert_records(raw), "mxfp4"
-    params = build_params(arch, get, dtype, get_linear, timings=timings)
+    if view is not None and get is raw and get_linear is None and arch.moe is None:
+        params = build_params(arch, view, dtype, timings=timings, sharded_reads=count_read)
+    else:
+        params = build_params(arch, get, dtype, get_linear, timings=timings)
     kv_scales, kv_scales_error = None, None
     try:
         kv_scales = scales_from_checkpoint(raw, arch.num_layers)

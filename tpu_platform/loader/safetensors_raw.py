@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import struct
+import threading
 
 import ml_dtypes
 import numpy as np
@@ -35,6 +36,25 @@ DTYPES = {
 }
 
 
+# Bytes of tensor data handed out by every reader of this process: whole tensors by ``get``, the
+# slices a sharded load copies out of ``view``'s arrays by ``count`` (tests check that a host of a
+# multi-process engine reads about its share of the checkpoint).
+_read_lock = threading.Lock()
+_bytes_read = 0
+
+
+def bytes_read() -> int:
+    """Tensor bytes read from safetensors files by this process so far."""
+    return _bytes_read
+
+
+def count(nbytes: int) -> None:
+    """Charge ``nbytes`` read out of a ``view`` to this process's ``bytes_read``."""
+    global _bytes_read
+    with _read_lock:
+        _bytes_read += int(nbytes)
+
+
 class SafetensorsFiles:
     """Every tensor of a set of ``.safetensors`` files by name; ``get`` returns a read-only
     memory-mapped array (copy it to keep it past the file's lifetime)."""
@@ -56,6 +76,15 @@ class SafetensorsFiles:
         return name in self._where
 
     def get(self, name: str) -> np.ndarray | None:
+        """The whole tensor (read as it is used), charged to ``bytes_read`` in full."""
+        t = self.view(name)
+        if t is not None:
+            count(t.nbytes)
+        return t
+
+    def view(self, name: str) -> np.ndarray | None:
+        """``get`` without the charge: for a reader that copies only slices of it and charges
+        those (``count``)."""
         hit = self._where.get(name)
         if hit is None:
             return None

@@ -22,6 +22,7 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from tpuserve.quant.fuse import gate_up_in_out
+from tpuserve.tpu_platform.device import HostSource
 from tpuserve.tpu_platform.models.moe import EXPERT_ARRAYS
 
 # Per-layer weight -> (rank without the [L] axis, spec factory of the mesh axis name).
@@ -234,6 +235,8 @@ def replicate_kv_heads(params: dict, arch, tp: int):
                 "replicating KV heads needs dense qkv weights; this checkpoint's are "
                 "pre-quantized (use a tensor_parallel_size the KV heads divide)"
             )
+        if isinstance(x, HostSource):
+            return _grown_source(x, grow, r, g)
         *lead, hkv, _, d = x.shape
         q = x[..., :g, :].reshape(*lead, hkv * r, g // r, d)
         kv = jnp.repeat(x[..., g:, :], r, axis=-3)
@@ -243,6 +246,27 @@ def replicate_kv_heads(params: dict, arch, tp: int):
         _map_weight_and_bias(params, "qkv", grow),
         dataclasses.replace(arch, num_kv_heads=arch.num_kv_heads * r),
     )
+
+
+def _grown_source(x: HostSource, grow, r: int, g: int) -> HostSource:
+    """``grow(x)`` of a sharded load's source, still read slice by slice: a slice of the grown
+    heads reads the KV heads they copy, grows those and keeps the slice. The last read is kept
+    (only it, so that nothing stays held once placed): the copies of one KV head, on adjacent
+    devices, share one read."""
+    *lead, hkv, _, d = x.shape
+    shape = (*lead, hkv * r, g // r + 2, d)
+    last: list = [None, None]  # [key, grown values]
+
+    def read(index):
+        index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+        j0, j1, _ = index[-3].indices(hkv * r)
+        kv0, kv1 = j0 // r, -(-j1 // r)
+        key = tuple(s.indices(n) for s, n in zip(index[:-3], lead, strict=True)) + ((kv0, kv1),)
+        if last[0] != key:
+            last[:] = [key, grow(x.read((*index[:-3], slice(kv0, kv1), slice(None), slice(None))))]
+        return last[1][..., j0 - kv0 * r : j1 - kv0 * r, :, :][(Ellipsis, *index[-2:])]
+
+    return HostSource(shape, x.dtype, read)
 
 
 def _map_weight_and_bias(params: dict, name: str, fn) -> dict:

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tpuserve.quant import fuse
+from tpuserve.tpu_platform.device import HostSource
 from tpuserve.tpu_platform.models.arch import ModelArch, ModelConfigError
 from tpuserve.tpu_platform.startup_timing import StartupTimings
 
@@ -287,12 +288,129 @@ def _placed(rec):
     return jax.tree_util.tree_map(lambda a: jnp.asarray(a) if isinstance(a, np.ndarray) else a, rec)
 
 
+# ---- sharded reads: each parameter a HostSource that reads any slice from the files ----
+
+
+def _read_dtype(stored, dtype) -> np.dtype:
+    """The dtype ``_as_read`` gives a tensor stored in ``stored``."""
+    stored = np.dtype(stored)
+    return stored if stored == np.float32 or stored == jnp.dtype(dtype) else np.dtype(np.float32)
+
+
+def _part_dtype(part, dtype) -> np.dtype:
+    if isinstance(part, _Assembled):
+        return np.result_type(*(_read_dtype(v.dtype, dtype) for _, v in part.pieces))
+    return _read_dtype(part.dtype, dtype)
+
+
+def _normalized(index: tuple, shape: tuple[int, ...]) -> tuple[slice, ...]:
+    """``index`` (slices, None bounds allowed, as ``jax.make_array_from_callback`` gives them) as
+    one ``slice(start, stop)`` per axis."""
+    index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+    out = []
+    for s, n in zip(index, shape, strict=True):
+        start, stop, step = s.indices(n)
+        if step != 1:
+            raise ValueError(f"a parameter slice must be contiguous, got {s}")
+        out.append(slice(start, max(start, stop)))
+    return tuple(out)
+
+
+def _overlap(index: tuple[slice, ...], piece: tuple, shape: tuple[int, ...]):
+    """Where the piece of an ``_Assembled`` at ``piece`` (its index into the whole, ints allowed)
+    meets the request ``index``: (into the request's output, into the piece's values), or None."""
+    dst, src = [], []
+    for axis, n in enumerate(shape):
+        want = index[axis]
+        p = piece[axis] if axis < len(piece) else slice(None)
+        if isinstance(p, slice):
+            p0, p1, _ = p.indices(n)
+            dropped = False
+        else:
+            p0, p1, dropped = int(p), int(p) + 1, True
+        lo, hi = max(want.start, p0), min(want.stop, p1)
+        if lo >= hi:
+            return None
+        dst.append(slice(lo - want.start, hi - want.start))
+        if not dropped:
+            src.append(slice(lo - p0, hi - p0))
+    return tuple(dst), tuple(src)
+
+
+def _fill(out: np.ndarray, part, index: tuple[slice, ...], on_read: Callable[[int], None]) -> None:
+    """``out[...] = part[index]`` for a checkpoint view or an ``_Assembled`` of views, copying (and
+    so reading from the memory-mapped file) only the elements inside ``index``; ``on_read`` is
+    told the stored bytes each copy reads."""
+    if not isinstance(part, _Assembled):
+        view = part[index]
+        on_read(view.nbytes)
+        _copy_into(out, view)
+        return
+    for piece, values in part.pieces:
+        hit = _overlap(index, piece, part.shape)
+        if hit is None:
+            continue
+        dst, src = hit
+        target = out[dst]
+        view = values[src]
+        on_read(view.nbytes)
+        _copy_into(target, view.reshape(target.shape))  # an int-indexed piece: its axis back
+
+
+def _source(parts: list, dtype, stacked: bool, on_read: Callable[[int], None]) -> HostSource:
+    """One parameter as a HostSource: ``parts`` stacked on a new [L] axis (``stacked``) or the one
+    part as it is, read slice by slice with the values the whole-tensor load gives (the same
+    ``_as_read`` dtypes, the same final cast as ``_to_device``)."""
+    shapes = {p.shape for p in parts}
+    if len(shapes) > 1:
+        raise ValueError(f"cannot stack layers of shapes {sorted(shapes)}")
+    inner = tuple(parts[0].shape)
+    shape = (len(parts), *inner) if stacked else inner
+    host_dtype = np.result_type(*(_part_dtype(p, dtype) for p in parts))
+
+    def read(index):
+        index = _normalized(index, shape)
+        out = np.empty(tuple(s.stop - s.start for s in index), host_dtype)
+        if stacked:
+            layers = range(index[0].start, index[0].stop)
+
+            def layer(j: int) -> None:
+                _fill(out[j], parts[layers[j]], index[1:], on_read)
+
+            with ThreadPoolExecutor(_copy_threads(), thread_name_prefix="tpuserve-shard") as pool:
+                list(pool.map(layer, range(len(layers))))  # list(): re-raises a task's error here
+        else:
+            _fill(out, parts[0], index, on_read)
+        return out if out.dtype == jnp.dtype(dtype) else jnp.asarray(out, dtype)
+
+    return HostSource(shape, jnp.dtype(dtype), read)
+
+
+def _layer_sources(
+    layer_tensors: list[dict], dtype, keep_f32: frozenset, as_list: bool, on_read: Callable[[int], None]
+):
+    """``_stack_layers``'s tree, of HostSources."""
+
+    def final(k):
+        return jnp.float32 if k in keep_f32 else dtype
+
+    keys = {frozenset(layer) for layer in layer_tensors}
+    if len(keys) > 1 or as_list:
+        return [
+            {k: _source([v], final(k), False, on_read) for k, v in layer.items()} for layer in layer_tensors
+        ]
+    return {
+        k: _source([layer[k] for layer in layer_tensors], final(k), True, on_read) for k in layer_tensors[0]
+    }
+
+
 def build_params(
     arch: ModelArch,
     get: Callable[[str], np.ndarray | None],
     dtype,
     get_linear: Callable[[str], object | None] | None = None,
     timings: StartupTimings | None = None,
+    sharded_reads: Callable[[int], None] | None = None,
 ) -> dict:
     """``get(name)`` returns the HF tensor (any float dtype, HF [out, in] layout) or None if absent.
 
@@ -309,8 +427,17 @@ def build_params(
     ``tpu_platform/models/sharding.py`` gives its PartitionSpecs.
     timings: the start-up record the phases go to ("layer transforms", "stack layers", "to
     device"; startup_timing.py); the arrays are on the device when this returns.
+
+    sharded_reads: for a mesh over several processes: ``get`` returns memory-mapped views, and
+    every parameter comes back a ``HostSource`` (device.py) that copies out of them only the
+    slice asked for, charging the bytes it reads to ``sharded_reads``: ``device.place`` then
+    reads on each host only its devices' shards. Dense checkpoints without experts only (the
+    loader reads the others whole).
     """
     timings = StartupTimings() if timings is None else timings
+    lazy = sharded_reads is not None
+    if lazy and (get_linear is not None or arch.moe is not None):
+        raise ValueError("sharded reads cover dense checkpoints without experts; read this one whole")
     t_layers = time.perf_counter()
 
     def linear_rec(module: str, k: int, n: int, lead: tuple[int, ...] = ()):
@@ -321,7 +448,7 @@ def build_params(
         t = get(name)
         if t is None:
             raise ModelConfigError(f"checkpoint is missing tensor {name!r}")
-        return _as_read(t, dtype)
+        return t if lazy else _as_read(t, dtype)  # lazy: the view, read slice by slice
 
     def check(name: str, t: np.ndarray, shape: tuple) -> np.ndarray:
         if t.shape != shape:
@@ -356,7 +483,7 @@ def build_params(
                 check(p + f"self_attn.{n}_proj.bias", need(p + f"self_attn.{n}_proj.bias"), (rows,))
                 for n, rows in (("q", hq * d), ("k", hkv * d), ("v", hkv * d))
             )
-            add("qkv_bias", _group_qkv(qb, kb, vb, hkv, d))
+            add("qkv_bias", _qkv_parts(qb, kb, vb, hkv, d) if lazy else _group_qkv(qb, kb, vb, hkv, d))
         if arch.qk_norm:
             add("q_norm", check(p + "self_attn.q_norm.weight", need(p + "self_attn.q_norm.weight"), (d,)))
             add("k_norm", check(p + "self_attn.k_norm.weight", need(p + "self_attn.k_norm.weight"), (d,)))
@@ -398,7 +525,11 @@ def build_params(
                 else check(p + "mlp.down_proj.weight", need(p + "mlp.down_proj.weight"), (hid, f)).T,
             )
             if arch.mlp_bias:
-                add("gate_up_bias", np.stack([need(p + "mlp.gate_proj.bias"), need(p + "mlp.up_proj.bias")]))
+                gb, ub = need(p + "mlp.gate_proj.bias"), need(p + "mlp.up_proj.bias")
+                add(
+                    "gate_up_bias",
+                    _Assembled((2, f), (((0,), gb), ((1,), ub))) if lazy else np.stack([gb, ub]),
+                )
                 add("down_bias", need(p + "mlp.down_proj.bias"))
         add("input_norm", check(p + "input_layernorm.weight", need(p + "input_layernorm.weight"), (hid,)))
         add(
@@ -409,13 +540,16 @@ def build_params(
     embed = check("model.embed_tokens.weight", need("model.embed_tokens.weight"), (arch.vocab_size, hid))
     final_norm = need("model.norm.weight")
     timings.add("layer transforms", time.perf_counter() - t_layers)
+    as_list = len({arch.layer_window(i) for i in range(arch.num_layers)}) > 1
+    if sharded_reads is not None:
+        return _sources(arch, get, embed, final_norm, layer_tensors, dtype, as_list, sharded_reads)
     with timings.phase("to device"):
         params = {"embed": _to_device(embed, dtype), "final_norm": _to_device(final_norm, dtype)}
     params["layers"] = _stack_layers(
         layer_tensors,
         dtype,
         keep_f32=frozenset({"sinks"}),
-        as_list=len({arch.layer_window(i) for i in range(arch.num_layers)}) > 1,
+        as_list=as_list,
         timings=timings,
     )
     head_rec = None if arch.tie_word_embeddings else linear_rec("lm_head", hid, arch.vocab_size)
@@ -432,6 +566,26 @@ def build_params(
         # Wait for the transfers here, so that their time is charged to this phase, not to
         # whichever later phase first touches the weights.
         jax.block_until_ready(params)
+    return params
+
+
+def _sources(arch: ModelArch, get, embed, final_norm, layer_tensors, dtype, as_list, on_read) -> dict:
+    """``build_params``'s tree, of HostSources (its ``sharded_reads``)."""
+    params = {
+        "embed": _source([embed], dtype, False, on_read),
+        "final_norm": _source([final_norm], dtype, False, on_read),
+        "layers": _layer_sources(layer_tensors, dtype, frozenset({"sinks"}), as_list, on_read),
+    }
+    if not arch.tie_word_embeddings:
+        head = get("lm_head.weight")
+        if head is None:
+            raise ModelConfigError("checkpoint has no lm_head.weight and tie_word_embeddings is false")
+        if head.shape != (arch.vocab_size, arch.hidden_size):
+            raise ModelConfigError(
+                f"tensor 'lm_head.weight' has shape {head.shape}, config implies "
+                f"{(arch.vocab_size, arch.hidden_size)}"
+            )
+        params["lm_head"] = _source([head.T], dtype, False, on_read)
     return params
 
 
@@ -452,6 +606,8 @@ def unstack_layers(params: dict) -> dict:
     for key in list(stacked):
         value = stacked.pop(key)
         for i in range(num_layers):
-            layers[i][key] = jax.tree_util.tree_map(lambda a, i=i: jnp.array(a[i], copy=True), value)
+            layers[i][key] = jax.tree_util.tree_map(
+                lambda a, i=i: a.layer(i) if isinstance(a, HostSource) else jnp.array(a[i], copy=True), value
+            )
         del value
     return {**params, "layers": layers}

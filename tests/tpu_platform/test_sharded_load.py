@@ -1,0 +1,167 @@
+"""Sharded weight loading (issue 34): on a mesh over several processes the loader hands out
+``device.HostSource`` leaves that read any slice straight from the memory-mapped safetensors
+tensors. Here, in one process: every slice of every source equals the same slice of the whole
+build (fused qkv and gate_up, stacked layers, transposes, biases, replicated KV heads) bit for bit,
+and reading the shards of a split reads each stored byte once. test_multihost.py checks the
+hosts of a real two-process engine read about their share.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from test_weight_load_exact import _write_safetensors  # tests/tpu_platform/test_weight_load_exact.py
+from tiny_models import tiny_model  # tests/tpu_platform/tiny_models.py
+
+from tpuserve.tpu_platform.device import HostSource, read_whole
+from tpuserve.tpu_platform.loader import safetensors_raw
+from tpuserve.tpu_platform.loader.safetensors_raw import SafetensorsFiles
+from tpuserve.tpu_platform.models.sharding import param_partition_specs, replicate_kv_heads
+from tpuserve.tpu_platform.models.weights import build_params, unstack_layers
+
+
+def _checkpoint(tmp_path, kind: str, stored, **kw):
+    """A tiny model's safetensors file, with o / MLP biases and attention sinks added (arch
+    flags the tiny models leave off), and its reader."""
+    arch, tensors, _ = tiny_model(kind, **kw)
+    arch = dataclasses.replace(arch, o_bias=True, mlp_bias=True, attention_sinks=True)
+    rng = np.random.RandomState(7)
+    hid, f, hq = arch.hidden_size, arch.intermediate_size, arch.num_heads
+    for i in range(arch.num_layers):
+        p = f"model.layers.{i}."
+        for name, n in (("self_attn.o_proj.bias", hid), ("mlp.gate_proj.bias", f), ("mlp.up_proj.bias", f)):
+            tensors[p + name] = rng.standard_normal(n).astype(np.float32)
+        tensors[p + "mlp.down_proj.bias"] = rng.standard_normal(hid).astype(np.float32)
+        tensors[p + "self_attn.sinks"] = rng.standard_normal(hq).astype(np.float32)
+    path = tmp_path / "model.safetensors"
+    _write_safetensors(path, {k: v.astype(stored) for k, v in tensors.items()})
+    return (
+        arch,
+        SafetensorsFiles([str(path)]),
+        sum(v.size for v in tensors.values()) * np.dtype(stored).itemsize,
+    )
+
+
+def _random_slices(shape, rng, n: int = 6):
+    for _ in range(n):
+        index = []
+        for size in shape:
+            a = int(rng.integers(0, size))
+            index.append(slice(a, int(rng.integers(a + 1, size + 1))))
+        yield tuple(index)
+
+
+def _same(got, want) -> None:
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    assert got.tobytes() == want.tobytes()
+
+
+def _check_tree(lazy, whole, rng) -> None:
+    lazy_leaves = jax.tree_util.tree_leaves_with_path(lazy)
+    whole_leaves = jax.tree_util.tree_leaves_with_path(whole)
+    assert [p for p, _ in lazy_leaves] == [p for p, _ in whole_leaves]
+    for (path, src), (_, want) in zip(lazy_leaves, whole_leaves, strict=True):
+        assert isinstance(src, HostSource), path
+        assert src.shape == want.shape and src.dtype == want.dtype, path
+        _same(src.whole(), want)
+        for index in _random_slices(src.shape, rng):
+            _same(src.read(index), np.asarray(want)[index])
+        # None bounds, as jax.make_array_from_callback passes a whole axis
+        _same(src.read((slice(None),) * src.ndim), want)
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "llama"])
+@pytest.mark.parametrize("stored", [np.float32, ml_dtypes.bfloat16, np.float16])
+@pytest.mark.parametrize("target", [jnp.float32, jnp.bfloat16])
+def test_every_slice_equals_the_whole_build(tmp_path, kind, stored, target):
+    arch, files, _ = _checkpoint(tmp_path, kind, stored)
+    whole = build_params(arch, files.get, target)
+    lazy = build_params(arch, files.view, target, sharded_reads=safetensors_raw.count)
+    rng = np.random.default_rng(0)
+    _check_tree(lazy, whole, rng)
+    assert lazy["layers"]["sinks"].dtype == np.float32  # kept f32 like the whole build
+    # layer_loop="unroll": per-layer sources, each a slice of its stacked one
+    _check_tree(unstack_layers(lazy), unstack_layers(whole), rng)
+    # what online quantization reads: the whole values, on the device
+    for a, b in zip(
+        jax.tree_util.tree_leaves(read_whole(lazy)), jax.tree_util.tree_leaves(whole), strict=True
+    ):
+        _same(a, b)
+
+
+@pytest.mark.parametrize("tp", [4, 8])
+def test_replicated_kv_heads_read_by_slice(tmp_path, tp):
+    """KV heads fewer than the TP devices: the grown qkv (and bias) read by slice of the grown
+    heads equals the whole build grown."""
+    arch, files, _ = _checkpoint(tmp_path, "qwen2", ml_dtypes.bfloat16, heads=8, kv_heads=2)
+    whole, arch_w = replicate_kv_heads(build_params(arch, files.get, jnp.float32), arch, tp)
+    lazy, arch_l = replicate_kv_heads(
+        build_params(arch, files.view, jnp.float32, sharded_reads=safetensors_raw.count), arch, tp
+    )
+    assert arch_w == arch_l and arch_l.num_kv_heads == tp
+    rng = np.random.default_rng(1)
+    _check_tree(lazy, whole, rng)
+    for name in ("qkv", "qkv_bias"):  # each device's head, as placement asks for it
+        src, want = lazy["layers"][name], np.asarray(whole["layers"][name])
+        axis = src.ndim - 3
+        for j in range(tp):
+            index = tuple(slice(j, j + 1) if a == axis else slice(None) for a in range(src.ndim))
+            _same(src.read(index), want[index])
+
+
+def _model_axis_shards(spec, shape, parts: int):
+    """The indices of a split of ``shape`` over ``parts`` devices on the "model" axis of
+    ``spec`` (one whole index when the spec replicates)."""
+    axes = [a for a, s in enumerate(tuple(spec)) if s == "model"]
+    if not axes:
+        return [tuple(slice(None) for _ in shape)], False
+    (axis,) = axes
+    step = shape[axis] // parts
+    return [
+        tuple(slice(k * step, (k + 1) * step) if a == axis else slice(None) for a in range(len(shape)))
+        for k in range(parts)
+    ], True
+
+
+def test_shards_read_each_stored_byte_once(tmp_path):
+    """Reading every shard of a 2-way split reads the checkpoint's bytes once in all; one shard of
+    each split tensor, plus the replicated ones whole (what one of two hosts reads), about half."""
+    arch, files, total = _checkpoint(tmp_path, "qwen2", ml_dtypes.bfloat16, heads=8, kv_heads=4)
+    read: list[int] = []
+    lazy = build_params(arch, files.view, jnp.bfloat16, sharded_reads=read.append)
+    assert sum(read) == 0  # nothing read until asked
+    specs = param_partition_specs(lazy, "model")
+    one_host = 0
+    for src, spec in zip(jax.tree_util.tree_leaves(lazy), jax.tree_util.tree_leaves(specs), strict=True):
+        shards, split = _model_axis_shards(spec, src.shape, 2)
+        for k, index in enumerate(shards):
+            before = sum(read)
+            src.read(index)
+            if k == 0:
+                one_host += sum(read) - before
+    assert sum(read) == total  # every stored tensor byte, once
+    assert 0.45 * total < one_host < 0.55 * total, (one_host, total)
+
+
+def test_place_reads_a_source_on_one_process_whole(tmp_path):
+    """A mesh this process holds entirely: ``place`` reads a source whole, the values of the
+    whole build (a multi-process mesh reads slices: test_multihost.py)."""
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from tpuserve.tpu_platform.device import place
+
+    arch, files, _ = _checkpoint(tmp_path, "llama", ml_dtypes.bfloat16)
+    whole = build_params(arch, files.get, jnp.bfloat16)
+    lazy = build_params(arch, files.view, jnp.bfloat16, sharded_reads=safetensors_raw.count)
+    sharding = NamedSharding(Mesh(np.array(jax.devices()[:1]), ("model",)), P())
+    placed = jax.tree_util.tree_map(lambda s: place(s, sharding), lazy)
+    for a, b in zip(jax.tree_util.tree_leaves(placed), jax.tree_util.tree_leaves(whole), strict=True):
+        assert isinstance(a, jax.Array) and a.sharding == sharding
+        _same(a, b)
