@@ -33,7 +33,8 @@ def test_specs_for_stacked_and_unstacked_trees():
 
     per = param_partition_specs(unstack_layers(params))["layers"]
     assert len(per) == 2
-    assert per[0]["qkv"] == P(None, "model", None, None) and per[1]["gate_up"] == P(None, None, "model")
+    assert per[0]["qkv"] == P(None, "model", None, None) and per[1]["gate"] == P(None, "model")
+    assert per[1]["up"] == P(None, "model") and "gate_up" not in per[1]  # split for unrolled dots
     assert per[0]["qkv_bias"] == P("model", None, None) and per[0]["o"] == P("model", None)
 
     flat = dict(params, layers=dict(params["layers"], qkv=params["layers"]["qkv"].reshape(2, 64, -1)))

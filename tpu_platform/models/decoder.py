@@ -24,7 +24,8 @@ qkv groups by KV head: [.., kv, g] for g < G is query head kv*G + g, [.., kv, G]
 (weights.build_params). Tensor parallelism is then one PartitionSpec per array (sharding.py): qkv
 splits on Hkv, gate_up on F, o and down on their input rows; the experts are replicated, or split
 on E with ``expert_parallel`` (moe.expert_parallel_mlp). With ``unstack_layers`` the leading [L]
-axis becomes a list of per-layer dicts.
+axis becomes a list of per-layer dicts, and a dense gate_up there is gate [H, F] and up [H, F]
+(gate_bias, up_bias [F]?).
 """
 
 from __future__ import annotations
@@ -171,6 +172,10 @@ def block_from_normed(
         stacked = experts_stacked(w["experts_gate_up"])
         layer = layer_idx if stacked else None
         return h + moe_mlp(x, w, arch.moe, layer=layer, mesh=mesh if expert_parallel else None), kv_cache
+    if "gate" in w:  # unrolled dense layers (weights.unstack_layers): two arrays, two dots
+        gate = linear(x, w["gate"], w.get("gate_bias"))
+        up = linear(x, w["up"], w.get("up_bias"))
+        return h + linear(jax.nn.silu(gate) * up, w["down"], w.get("down_bias")), kv_cache
     wgu, bgu = w["gate_up"], w.get("gate_up_bias")
     if getattr(wgu, "ndim", 0) == 3:  # dense [2, H, F]: two dots, each reading its [H, F] in place
         gate = linear(x, wgu[0], None if bgu is None else bgu[0])

@@ -32,6 +32,11 @@ _LAYER_SPECS = {
     "o": (2, lambda a: P(a, None)),  # [Hq*D, H]: rows are heads
     "gate_up": (3, lambda a: P(None, None, a)),  # [2, H, F]
     "gate_up_bias": (2, lambda a: P(None, a)),  # [2, F]
+    # unrolled dense layers split gate_up (weights.unstack_layers): [H, F] each, biases [F]
+    "gate": (2, lambda a: P(None, a)),
+    "up": (2, lambda a: P(None, a)),
+    "gate_bias": (1, lambda a: P(a)),
+    "up_bias": (1, lambda a: P(a)),
     # grouped by device (group_gate_up_by_device): [H, TP, 2, F/TP] and [TP, 2, F/TP]
     "gate_up_grouped": (4, lambda a: P(None, a, None, None)),
     "gate_up_bias_grouped": (3, lambda a: P(a, None, None)),
