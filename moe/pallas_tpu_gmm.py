@@ -68,7 +68,7 @@ multiple of 1024 (its 32 scale rows are then one u8 sublane tile; K itself cover
 90 blocks), and K a multiple of 32. ``fp4_decode="swar"`` decodes the same weights bit for bit
 two bf16 per 32-bit lane instead (quant/fp4_swar.py: the bytes of a chunk read as int32 words of
 8 codes, ``lhs`` permuted outside into 4 column groups of K/4 to match the decoded rows; ~5.5 VPU
-ops a weight against ~20), for the chip to time against the f32 decode.
+ops a weight against ~20); the default, being faster on the chip.
 
 Traffic: with one K tile (the default up to K = 3072) a block index that does not change between
 grid steps is not fetched again, so each N tile reads every expert's weight once (its visits are
@@ -108,7 +108,9 @@ _WIDEN_ROWS = 512  # K rows of an 8-bit weight tile widened at a time (a multipl
 _FP4_BYTE_ROWS = 256
 _FP4_TK_QUANTUM = 1024  # several K tiles: tk / 32 scale rows must fill whole 32-row u8 tiles
 FP4_DECODES = ("f32", "swar")  # grouped_matmul_tpu(fp4_decode=...)
-FP4_DEFAULT_DECODE = "f32"
+# swar: 1.3-1.45x faster than f32 at every gpt-oss-20b expert shape timed on a v5e (T 8-2048,
+# benchmarks/moe_gmm_tpu.py, RESULTS.md 2026-12-05 21:30), the same weights bit for bit
+FP4_DEFAULT_DECODE = "swar"
 
 
 def _largest_divisor(dim: int, cap: int, quantum: int) -> int | None:
