@@ -19,7 +19,7 @@ MTP (DeepSeek-V3's, on a dense target we implement):
 Param tree (H draft hidden, Hkv/G/D its attention, F its MLP, Vd its vocabulary):
     embed [V, H] (the target's when the checkpoint carries none); final_norm [H]; lm_head [H, Vd]
     layer: the decoder's per-layer dict (qkv [Hin, Hkv, G+2, D] with Hin = 2H for EAGLE-3, o, norms,
-           gate_up, down)
+           gate and up [H, F] each (weights.unstack_layers), down)
     eagle3: fc [A, H], hidden_norm [H], d2t [Vd] i32        mtp: enorm [H], hnorm [H], eh_proj [2H, H]
 """
 
