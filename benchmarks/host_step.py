@@ -33,6 +33,9 @@ import time
 
 import numpy as np
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import baseline_tree
+
 TINY = {
     "hidden_size": 64,
     "intermediate_size": 128,
@@ -92,36 +95,10 @@ def build_tiny(out: str) -> str:
     return out
 
 
-def import_tree(root: str):
-    """LLM and SamplingParams from the source tree at ``root`` (its folders as tpuserve.*)."""
-    import importlib
-    import importlib.util
-
-    sys.path.insert(0, root)
-    importlib.import_module("tpuserve")
-    for name in sorted(os.listdir(root)):
-        folder = os.path.join(root, name)
-        if name in ("tpuserve", "tests", "benchmarks") or not os.path.exists(
-            os.path.join(folder, "__init__.py")
-        ):
-            continue
-        spec = importlib.util.spec_from_file_location(
-            f"tpuserve.{name}", os.path.join(folder, "__init__.py"), submodule_search_locations=[folder]
-        )
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module
-        spec.loader.exec_module(module)
-    return (
-        importlib.import_module("tpuserve.server.llm").LLM,
-        importlib.import_module("tpuserve.server.sampling_params").SamplingParams,
-    )
-
-
 def child(args) -> None:
     """Serve runs: read a batch size per line from stdin, answer one JSON line per run."""
     if args.tree:
-        LLM, SamplingParams = import_tree(args.tree)
+        LLM, SamplingParams = baseline_tree.import_tree(args.tree)
     else:
         from tpuserve.server.llm import LLM
         from tpuserve.server.sampling_params import SamplingParams
@@ -254,12 +231,10 @@ def main() -> None:
         return
     if args.model is None:
         args.model = build_tiny(os.path.join(tempfile.gettempdir(), "tpuserve-host-step-tiny"))
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     children = {"this": Child("this", None, args)}
     tree = None
     if args.baseline:
-        tree = tempfile.mkdtemp(prefix="tpuserve-baseline-")
-        subprocess.run(["git", "-C", repo, "worktree", "add", "--detach", tree, args.baseline], check=True)
+        tree = baseline_tree.checkout(args.baseline)
         children[args.baseline] = Child("base", tree, args)
     try:
         for b in args.batches:
@@ -295,7 +270,7 @@ def main() -> None:
         for c in children.values():
             c.close()
         if tree is not None:
-            subprocess.run(["git", "-C", repo, "worktree", "remove", "--force", tree], check=False)
+            baseline_tree.remove(tree)
 
 
 if __name__ == "__main__":
