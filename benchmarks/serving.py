@@ -325,6 +325,19 @@ def print_table(ours: dict[int, dict], theirs: dict[int, dict] | None, markdown:
             print("  ".join(x.rjust(w) for x, w in zip(r, widths)))
 
 
+def print_pairs(title: str, ours: dict[int, dict], other: dict[int, dict]) -> None:
+    """Per level: TTFT, TPOT and tok/s of ours against another tpuserve server, with the ratios."""
+    print(f"\n{title}:")
+    for c in ours:
+        parts = []
+        for label, key, unit in (("TTFT", "ttft_median_ms", " ms"), ("TPOT", "tpot_median_ms", " ms")):
+            a, b = ours[c][key], other[c][key]
+            parts.append(f"{label} median {a:.1f} vs {b:.1f}{unit} ({a / b:.2f}x)")
+        a, b = ours[c]["output_tok_s"], other[c]["output_tok_s"]
+        parts.append(f"tok/s {a:.1f} vs {b:.1f} ({a / b:.2f}x)")
+        print(f"  c={c:>3}  " + "  ".join(parts))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
@@ -494,25 +507,10 @@ def main(argv: list[str] | None = None) -> int:
         )
     print_table(ours, theirs, args.markdown)
     if sync:
-        print("\nasync scheduling on (ours) vs off (sync):")
-        for c in ours:
-            a, b = ours[c], sync[c]
-            print(
-                f"  c={c:>3}  TPOT median {a['tpot_median_ms']:.1f} vs {b['tpot_median_ms']:.1f} ms "
-                f"({a['tpot_median_ms'] / b['tpot_median_ms']:.2f}x)  tok/s {a['output_tok_s']:.1f} vs "
-                f"{b['output_tok_s']:.1f} ({a['output_tok_s'] / b['output_tok_s']:.2f}x)"
-            )
+        print_pairs("async scheduling on (ours) vs off (sync)", ours, sync)
     base = results.get(f"tpuserve@{args.baseline}") if args.baseline else None
     if base:
-        print(f"\nours vs tpuserve@{args.baseline} (ratios ours / baseline):")
-        for c in ours:
-            a, b = ours[c], base[c]
-            print(
-                f"  c={c:>3}  TTFT median {a['ttft_median_ms']:.1f} vs {b['ttft_median_ms']:.1f} ms "
-                f"({a['ttft_median_ms'] / b['ttft_median_ms']:.2f}x)  TPOT median {a['tpot_median_ms']:.1f} vs "
-                f"{b['tpot_median_ms']:.1f} ms ({a['tpot_median_ms'] / b['tpot_median_ms']:.2f}x)  tok/s "
-                f"{a['output_tok_s']:.1f} vs {b['output_tok_s']:.1f} ({a['output_tok_s'] / b['output_tok_s']:.2f}x)"
-            )
+        print_pairs(f"ours vs tpuserve@{args.baseline} (ratios ours / baseline)", ours, base)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
