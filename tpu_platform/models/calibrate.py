@@ -28,6 +28,7 @@ from tpuserve.quant.fuse import gate_up_in_out
 from tpuserve.quant.gptq import gptq_fp4
 from tpuserve.tpu_platform.linear import linear, quant_linear_impls
 from tpuserve.tpu_platform.models.decoder import block_from_normed, embed_tokens, rms_norm
+from tpuserve.tpu_platform.models.weights import join_gate_up
 
 # Package data of quant/ (setup.py), where the quantization formats live.
 CALIBRATION_TEXT = os.path.join(os.path.dirname(quant.__file__), "data", "calibration.txt")
@@ -172,7 +173,7 @@ def quantize_layers_gptq(
     layers = (
         [{k: v[i] for k, v in params["layers"].items()} for i in range(num_layers)]
         if stacked
-        else list(params["layers"])
+        else [join_gate_up(w) for w in params["layers"]]
     )
     batch = _Batch.build(token_ids, arch)
     data = (batch.md, batch.cos, batch.sin)

@@ -26,6 +26,7 @@ from tpuserve.quant.fp8 import quantize_fp8
 from tpuserve.quant.fuse import gate_up_in_out
 from tpuserve.quant.search import quantize_mxfp4_search, quantize_nvfp4_search
 from tpuserve.tpu_platform.models.calibrate import GPTQ_METHODS, quantize_layers_gptq
+from tpuserve.tpu_platform.models.weights import join_gate_up
 
 METHODS = ("fp8", "fp8_w8a8", "fp8_block", "mxfp4", "nvfp4")
 MATMUL_KEYS = ("qkv", "o", "gate_up", "down")
@@ -126,9 +127,10 @@ def quantize_params(
     layers = params["layers"]
     if isinstance(layers, dict):  # stacked [L, ...]
         out["layers"] = convert_layer(layers, 1, calibrated)
-    else:  # unrolled: a list of per-layer dicts
+    else:  # unrolled: a list of per-layer dicts (gate_up fused again: its record is one weight)
         out["layers"] = [
-            convert_layer(layer, 0, calibrated and calibrated[i]) for i, layer in enumerate(layers)
+            convert_layer(join_gate_up(layer), 0, calibrated and calibrated[i])
+            for i, layer in enumerate(layers)
         ]
     if lm_head and "lm_head" in params:
         out["lm_head"] = convert(params["lm_head"], 0)

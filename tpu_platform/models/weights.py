@@ -616,6 +616,18 @@ def unstack_layers(params: dict) -> dict:
     return {**params, "layers": [_split_gate_up(w) for w in layers]}
 
 
+def join_gate_up(layer: dict) -> dict:
+    """``_split_gate_up`` undone: gate and up [H, F] back into one gate_up [2, H, F] (biases
+    likewise), for code that quantizes the fused weight (models/quantize.py, calibrate.py)."""
+    if "gate" not in layer:
+        return layer
+    out = {k: v for k, v in layer.items() if k not in ("gate", "up", "gate_bias", "up_bias")}
+    out["gate_up"] = jnp.stack([layer["gate"], layer["up"]])
+    if "gate_bias" in layer:
+        out["gate_up_bias"] = jnp.stack([layer["gate_bias"], layer["up_bias"]])
+    return out
+
+
 def _split_gate_up(layer: dict) -> dict:
     """A per-layer dict with a dense gate_up [2, H, F] as ``gate`` and ``up`` [H, F] (its bias
     [2, F] as ``gate_bias`` / ``up_bias``); anything else (a quantized record, a gate_up grouped
