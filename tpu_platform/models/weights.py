@@ -633,8 +633,7 @@ def _split_gate_up(layer: dict) -> dict:
     [2, F] as ``gate_bias`` / ``up_bias``); anything else (a quantized record, a gate_up grouped
     by device, a mixture-of-experts layer) unchanged."""
     wgu = layer.get("gate_up")
-    dense = isinstance(wgu, (jax.Array, np.ndarray, HostSource))
-    if not (dense and wgu.ndim == 3 and wgu.shape[0] == 2):
+    if not isinstance(wgu, (jax.Array, np.ndarray, HostSource)) or wgu.ndim != 3 or wgu.shape[0] != 2:
         return layer
 
     def half(a, j: int):
