@@ -86,6 +86,19 @@ def decode_round(engine, batch: int, prompt_len: int, new_tokens: int, rng, temp
     return dict(r, tpot_ms=statistics.median(r["tpot_ms"]))
 
 
+def device_trace(engine, batch: int, args, rng, out_dir: str) -> dict:
+    """One more decode round under the JAX profiler: how busy the device was and with what."""
+    from device_trace import report, summarize, traced  # benchmarks/device_trace.py
+
+    with traced(out_dir):
+        r = decode_round(engine, batch, args.prompt_len, args.new_tokens, rng, args.temperature)
+    s = summarize(out_dir)
+    s["round"] = {k: r[k] for k in ("engine_steps", "wall_s", "decode_step_ms")}
+    print(f"  device trace b={batch} ({r['engine_steps']} steps, {r['wall_s'] * 1e3:.0f} ms):", flush=True)
+    print("  " + report(s).replace("\n", "\n  "), flush=True)
+    return s
+
+
 def host_profile(engine, batch: int, args, rng, path: str) -> None:
     """cProfile of one decode round (what the host spends a step on), top functions by own time."""
     import cProfile
@@ -183,15 +196,21 @@ def run_model(model: str, args) -> dict:
         ]
         if args.host_profile and batch in (1, max(args.batches)):
             host_profile(engine, batch, args, rng, f"{args.host_profile}_b{batch}.txt")
+        trace = None
+        if args.device_trace and batch in (1, max(args.batches)):
+            trace = device_trace(engine, batch, args, rng, f"{args.device_trace}_b{batch}")
         tpot = statistics.median(r["tpot_ms"] for r in runs)
         tok_s = statistics.median(r["tokens"] / r["wall_s"] for r in runs)
         ctx = args.prompt_len + args.new_tokens / 2
         read = decode_read_bytes(mb, arch, batch) + batch * ctx * kv_bytes_per_token(arch, itemsize)
         roof_ms = read / hbm * 1e3
         dev_ms = empty_step_ms(runner, batch)
+        step_ms = statistics.median(r["decode_step_ms"] or float("nan") for r in runs)
         row = dict(
             batch=batch,
             tpot_ms=tpot,
+            decode_step_ms=step_ms,
+            device_trace=trace,
             tok_s=tok_s,
             roofline_ms=roof_ms,
             roofline_fraction=roof_ms / tpot,
@@ -202,7 +221,8 @@ def run_model(model: str, args) -> dict:
         res["decode"].append(row)
         print(
             f"  decode b={batch:3d}: TPOT {tpot:7.2f} ms, {tok_s:8.1f} tok/s, roofline {roof_ms:.2f} ms "
-            f"-> {roof_ms / tpot:5.1%}; empty step {dev_ms:.2f} ms (host share ~{row['host_share_est']:.0%})",
+            f"-> {roof_ms / tpot:5.1%}; decode-only step {step_ms:.2f} ms ({roof_ms / step_ms:5.1%}); "
+            f"empty step {dev_ms:.2f} ms (host share ~{row['host_share_est']:.0%})",
             flush=True,
         )
     flops_per_token = 2 * matmul_params(arch)
@@ -253,6 +273,11 @@ def main(argv=None) -> int:
     p.add_argument("--temperature", type=float, default=0.0, help="decode sampling (0: greedy)")
     p.add_argument(
         "--host-profile", default=None, help="PREFIX: cProfile a decode round at batch 1 and the largest"
+    )
+    p.add_argument(
+        "--device-trace",
+        default=None,
+        help="path prefix: a profiler trace of one more round at batch 1 and the largest batch, summarized",
     )
     p.add_argument("--prefill", default="8x1024,1x8192", help="n x length, comma-separated ('' for none)")
     p.add_argument("--hbm-gbs", type=float, default=V5E_HBM_GBS)

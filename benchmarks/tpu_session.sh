@@ -71,6 +71,14 @@ for s in $stages; do
       stage ab-256 80 python benchmarks/tpu_e2e.py --models /tmp/m/llama-1b-gqa --rounds 1 \
           --batches "" --engine-args '{"max_num_batched_tokens": 256, "max_num_seqs": 32}' \
           --out "$out/e2e_1b_t256.json" ;;
+    trace-1b)  # the 1B shape's b1 and b128 decode with a device trace of one round each: is the
+               # device busy through a b128 step (device-bound) or idle between steps (host-bound)?
+      checkpoint llama-1b-gqa
+      stage trace-1b 200 python benchmarks/tpu_e2e.py --models /tmp/m/llama-1b-gqa --rounds 1 \
+          --batches 1,128 --prefill "" --device-trace "$out/trace_1b" --out "$out/trace_1b.json"
+      # the summaries are in the JSON; keep the raw traces only while small
+      du -sm "$out"/trace_1b_b* 2>/dev/null
+      find "$out" -path "*trace_1b_b*" -name "*.xplane.pb" -size +8M -delete ;;
     e2e-135m)
       checkpoint smollm2-135m
       stage e2e-135m 140 python benchmarks/tpu_e2e.py --models /tmp/m/smollm2-135m --rounds 1 \
