@@ -121,6 +121,14 @@ def parse_args(argv=None):
     p.add_argument(
         "--sweep", action="store_true", help="only time our kernel over block sizes (no checks, no peers)"
     )
+    p.add_argument(
+        "--sweep-decode",
+        default="",
+        help="with --sweep: decode batches BxCTX (comma-separated) timed instead of the default "
+        "shapes, over --sweep-bqs x --sweep-page-sizes, each with one KV block per sequence",
+    )
+    p.add_argument("--sweep-bqs", default="1,4,8")
+    p.add_argument("--sweep-page-sizes", default="16")
     args = p.parse_args(argv)
     kv_dtypes = [x for x in args.kv_dtype.split(",") if x]
     bad = [x for x in kv_dtypes if x not in KV_DTYPES]
@@ -601,15 +609,33 @@ def timing_point(
 def sweep_block_sizes(args) -> list[dict]:
     """Our kernel (attend only, donated cache) over KV pages per block x queries per block, on a
     long decode batch and a prefill batch: where the per-generation defaults come from."""
-    ps, hq, hkv, d = args.page_size, args.num_q_heads, args.num_kv_heads, args.head_dim
-    rng = np.random.default_rng(2)
     rows = []
+    if args.sweep_decode:
+        # Short-context decode (a b128 step of 128-token prompts): one KV block per sequence, so
+        # the per-sequence cost shows, over queries per block and page sizes.
+        for ps in (int(x) for x in args.sweep_page_sizes.split(",")):
+            for spec in args.sweep_decode.split(","):
+                b, ctx = (int(x) for x in spec.split("x"))
+                shape = (
+                    f"decode b{b} ctx{ctx} ps{ps}",
+                    [(1, ctx)] * b,
+                    [int(x) for x in args.sweep_bqs.split(",")],
+                )
+                rows += _sweep(args, [shape], ps, ppbs=(-(-ctx // ps),))
+        return rows
     shapes = [
         ("decode b32 ctx16k", [(1, 16384)] * 32, (1,)),
         ("prefill 4x512 @4k", [(512, 4096)] * 4, (16, 32, 64, 128)),
     ]
     if args.smoke:
         shapes = [("decode b2 ctx128", [(1, 128)] * 2, (1,)), ("prefill 2x16", [(16, 64)] * 2, (8,))]
+    return _sweep(args, shapes, args.page_size, ppbs=(8, 16, 32, 64, 128))
+
+
+def _sweep(args, shapes, ps: int, ppbs) -> list[dict]:
+    hq, hkv, d = args.num_q_heads, args.num_kv_heads, args.head_dim
+    rng = np.random.default_rng(2)
+    rows = []
     for name, seqs, bqs in shapes:
         kv_lens, pages, cu, ns, num_pages = step_metadata(seqs, ps, len(seqs), rng)
         md = tuple(jnp.asarray(a) for a in (kv_lens, pages, cu, ns))
@@ -619,7 +645,7 @@ def sweep_block_sizes(args) -> list[dict]:
         q = jax.random.normal(jax.random.PRNGKey(1), (int(cu[-1]), hq, d), jnp.bfloat16)
         kv_bytes = int(np.sum(kv_lens)) * 2 * hkv * d * 2
         for bq in bqs:
-            for ppb in (8, 16, 32, 64, 128):
+            for ppb in ppbs:
                 fn = jax.jit(
                     lambda cache, q, *md, bq=bq, ppb=ppb: ragged_paged_attention_tpu_stacked(
                         q,
