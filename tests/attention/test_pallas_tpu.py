@@ -356,3 +356,49 @@ def test_lowers_to_mosaic_padded_cache():
         lowering_platforms=("tpu",)
     )
     assert "tpu_custom_call" in lowered.as_text()
+
+
+def pad_lanes(kv_pages, width, fill=0.0):
+    """[..., D] -> [..., width]: the compiled kernel's cache (``cache_head_dim``), zero past D."""
+    pad = [(0, 0)] * (kv_pages.ndim - 1) + [(0, width - kv_pages.shape[-1])]
+    return jnp.pad(kv_pages, pad, constant_values=fill)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name,bq,ppb", [("decode_g8", 1, 2), ("window_g8", 4, 1)])
+def test_kernel_on_lane_padded_cache(name, bq, ppb):
+    """head_dim 64 in a cache 128 wide (what ``kv_cache_shape('pallas_tpu', ...)`` allocates):
+    output == the reference on the 64-wide cache, the written rows' first 64 lanes == write_kv_ref's
+    and their padding lanes zero, untouched padding lanes keep their value."""
+    case, kwargs, dtype = cases.build(name)
+    d = case.kv_pages.shape[-1]
+    assert d == 64
+    out, kv = ragged_paged_attention_tpu(
+        case.queries,
+        case.new_kv,
+        pad_lanes(case.kv_pages, 128),
+        *case.metadata,
+        interpret=RACES,
+        num_queries_per_block=bq,
+        num_kv_pages_per_block=ppb,
+        **kwargs,
+    )
+    jax.block_until_ready((out, kv))
+    assert not races_found(), "the race detector reported a data race"
+    assert out.shape == case.queries.shape and kv.shape[-1] == 128
+    want, want_kv = cases.expected(case, **kwargs)
+    np.testing.assert_array_equal(cases.f32(kv[..., :d]), cases.f32(want_kv))
+    assert not cases.f32(kv[..., d:]).any()
+    np.testing.assert_allclose(cases.f32(out), cases.f32(want), **cases.tolerance(dtype))
+
+
+def test_compiled_kernel_cache_is_lane_padded():
+    """Only the compiled kernel's cache takes whole 128-lane rows; its interpret mode and the jnp
+    paths keep head_dim (their tests compare caches with the reference directly)."""
+    spec = KVCacheSpec(2, 9, 16, 8, 64, jnp.bfloat16)
+    assert kv_cache_shape("pallas_tpu", spec) == (2, 9, 16, 16, 128)
+    assert kv_cache_shape("pallas_tpu_interpret", spec)[-1] == 64
+    assert kv_cache_shape("reference", spec)[-1] == 64
+    # The memory plan counted the 128-lane row before the array had it: the same bytes now.
+    assert spec.page_bytes("pallas_tpu") == 2 * 16 * 16 * 128 * 2
+    assert kv_cache_shape("pallas_tpu", KVCacheSpec(2, 9, 16, 8, 128, jnp.bfloat16))[-1] == 128
