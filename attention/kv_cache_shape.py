@@ -155,20 +155,4 @@ def kv_cache_shape(impl: str, spec) -> tuple[int, int, int, int, int]:
     """
     shards = getattr(spec, "num_shards", 1)
     per_shard = combined_heads(impl, spec.num_kv_heads // shards, spec.dtype)
-    return (
-        spec.num_layers,
-        spec.num_pages,
-        spec.page_size,
-        shards * per_shard,
-        cache_head_dim(impl, spec.head_dim),
-    )
-
-
-def cache_head_dim(impl: str, head_dim: int) -> int:
-    """D of ``impl``'s cache array. The compiled TPU kernel gets head_dim padded to whole 128-lane
-    tiles (zeros past head_dim; the kernel pads queries and new K/V to it and drops the padding from
-    its output): a row already takes that much memory row-major (``device_head_dim``), and on a v5e
-    the kernel ran 4.3x slower on a 64-wide cache than on a 128-wide one holding the same bytes
-    (b128 x 1k decode, 32 q / 8 KV heads: 3.82 vs 0.88 ms). Its interpret mode (CPU tests) keeps
-    head_dim, so the reference's shapes still compare directly; the padded path is tested on its own."""
-    return device_head_dim(impl, head_dim) if impl == "pallas_tpu" else head_dim
+    return (spec.num_layers, spec.num_pages, spec.page_size, shards * per_shard, spec.head_dim)

@@ -668,8 +668,7 @@ def ragged_paged_attention_tpu_stacked(
         check_compiled_cache_dtype(kv_cache.dtype, cache_heads)
     num_slots, pages_per_seq = page_indices.shape
     if (
-        head_dim_kv < head_dim
-        or (head_dim_kv != head_dim and head_dim_kv != device_head_dim("pallas_tpu", head_dim))
+        head_dim_kv != head_dim
         or num_kv_heads < 1
         or num_combined > cache_heads
         or num_q_heads % num_kv_heads
@@ -683,14 +682,6 @@ def ragged_paged_attention_tpu_stacked(
     group = num_q_heads // num_kv_heads
     if sinks is not None:
         sinks = sink_array(sinks, num_q_heads)
-    # A cache padded to whole lane tiles (``cache_head_dim``): the kernel works at its width, the
-    # zero lanes add nothing to q.k, and the output's extra lanes (V's zeros) are dropped below.
-    lane_pad = head_dim_kv - head_dim
-    if lane_pad:
-        queries = jnp.pad(queries, ((0, 0), (0, 0), (0, lane_pad)))
-        if new_kv is not None:
-            new_kv = jnp.pad(new_kv, ((0, 0), (0, 0), (0, lane_pad)))
-        head_dim = head_dim_kv
     bq, ppb = default_block_sizes(
         page_size,
         num_tokens,
@@ -785,7 +776,7 @@ def ragged_paged_attention_tpu_stacked(
     )(*scalars, *operands)
 
     out = out.reshape(num_blocks, num_kv_heads, bq, group, head_dim).transpose(0, 2, 1, 3, 4)
-    out = out.reshape(padded, num_q_heads, head_dim)[:num_tokens, :, : head_dim - lane_pad]
+    out = out.reshape(padded, num_q_heads, head_dim)[:num_tokens]
     return out, cache_2d.reshape(kv_cache.shape)
 
 
