@@ -320,6 +320,23 @@ def test_two_hosts_each_read_their_share_of_the_weights(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_two_hosts_read_their_share_of_a_mixture_of_experts_model(tmp_path):
+    """A Qwen3-MoE checkpoint (per-expert tensors) over two hosts: each reads about half of it (its
+    devices' slices of every expert too, not the whole file as before), and greedy output is that
+    of one process."""
+    import test_qwen3_moe as qwen3_moe  # tests/tpu_platform/test_qwen3_moe.py
+
+    # Qwen3's 151,669 tokens padded so the vocabulary-parallel embedding splits over TP=4.
+    path = qwen3_moe._build(
+        str(tmp_path / "qwen3-moe"), mlp_only_layers=[], norm_topk_prob=True, layers=2, vocab_size=151680
+    )
+    two_hosts, tp4, tp1, hosts, single = _two_hosts_and_one(path)
+    _check_shares(path, hosts, single)
+    assert two_hosts == tp4 == tp1, (two_hosts, tp4, tp1)
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_killed_host_stops_the_leader_with_its_name(tmp_path):
     path = _checkpoint(tmp_path)

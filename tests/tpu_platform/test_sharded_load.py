@@ -21,6 +21,7 @@ from tiny_models import tiny_model  # tests/tpu_platform/tiny_models.py
 from tpuserve.tpu_platform.device import HostSource, read_whole
 from tpuserve.tpu_platform.loader import safetensors_raw
 from tpuserve.tpu_platform.loader.safetensors_raw import SafetensorsFiles
+from tpuserve.tpu_platform.models.arch import ModelArch
 from tpuserve.tpu_platform.models.sharding import param_partition_specs, replicate_kv_heads
 from tpuserve.tpu_platform.models.weights import build_params, unstack_layers
 
@@ -165,3 +166,119 @@ def test_place_reads_a_source_on_one_process_whole(tmp_path):
     for a, b in zip(jax.tree_util.tree_leaves(placed), jax.tree_util.tree_leaves(whole), strict=True):
         assert isinstance(a, jax.Array) and a.sharding == sharding
         _same(a, b)
+
+
+def _moe_checkpoint(tmp_path, gpt_oss: bool, stored):
+    """A tiny Qwen3-MoE (experts as per-expert tensors, its second layer dense) or gpt-oss (experts
+    fused, gate / up in alternating columns, biases and sinks) safetensors file, and its reader."""
+    cfg = dict(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=40,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_local_experts=4,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=24,
+        norm_topk_prob=True,
+        tie_word_embeddings=False,
+        architectures=["GptOssForCausalLM" if gpt_oss else "Qwen3MoeForCausalLM"],
+    )
+    if not gpt_oss:
+        cfg["mlp_only_layers"] = [1]
+    arch = ModelArch.from_hf_config(cfg)
+    moe = arch.moe
+    assert moe is not None
+    rng = np.random.RandomState(3)
+    hid, hq, hkv, d = arch.hidden_size, arch.num_heads, arch.num_kv_heads, arch.head_dim
+    e, f = moe.num_experts, moe.expert_intermediate_size
+
+    def w(*shape):
+        return rng.standard_normal(shape).astype(np.float32)
+
+    t = {"model.embed_tokens.weight": w(64, hid), "model.norm.weight": w(hid), "lm_head.weight": w(64, hid)}
+    for i in range(arch.num_layers):
+        p = f"model.layers.{i}."
+        t.update(
+            {
+                p + "self_attn.q_proj.weight": w(hq * d, hid),
+                p + "self_attn.k_proj.weight": w(hkv * d, hid),
+                p + "self_attn.v_proj.weight": w(hkv * d, hid),
+                p + "self_attn.o_proj.weight": w(hid, hq * d),
+                p + "input_layernorm.weight": w(hid),
+                p + "post_attention_layernorm.weight": w(hid),
+            }
+        )
+        if arch.qk_norm:
+            t[p + "self_attn.q_norm.weight"], t[p + "self_attn.k_norm.weight"] = w(d), w(d)
+        if arch.qkv_bias:
+            for n, rows in (("q", hq * d), ("k", hkv * d), ("v", hkv * d)):
+                t[p + f"self_attn.{n}_proj.bias"] = w(rows)
+        if arch.o_bias:
+            t[p + "self_attn.o_proj.bias"] = w(hid)
+        if arch.attention_sinks:
+            t[p + "self_attn.sinks"] = w(hq)
+        x = p + "mlp.experts."
+        if gpt_oss:
+            t.update(
+                {
+                    p + "mlp.router.weight": w(e, hid),
+                    p + "mlp.router.bias": w(e),
+                    x + "gate_up_proj": w(e, hid, 2 * f),
+                    x + "gate_up_proj_bias": w(e, 2 * f),
+                    x + "down_proj": w(e, f, hid),
+                    x + "down_proj_bias": w(e, hid),
+                }
+            )
+        elif i in moe.moe_layers:
+            t[p + "mlp.gate.weight"] = w(e, hid)
+            for j in range(e):
+                t[x + f"{j}.gate_proj.weight"] = w(f, hid)
+                t[x + f"{j}.up_proj.weight"] = w(f, hid)
+                t[x + f"{j}.down_proj.weight"] = w(hid, f)
+        else:
+            ff = arch.intermediate_size
+            t[p + "mlp.gate_proj.weight"], t[p + "mlp.up_proj.weight"] = w(ff, hid), w(ff, hid)
+            t[p + "mlp.down_proj.weight"] = w(hid, ff)
+    path = tmp_path / "model.safetensors"
+    _write_safetensors(path, {k: v.astype(stored) for k, v in t.items()})
+    return arch, SafetensorsFiles([str(path)]), sum(v.size for v in t.values()) * np.dtype(stored).itemsize
+
+
+@pytest.mark.parametrize("gpt_oss", [False, True])
+@pytest.mark.parametrize("stored,target", [(ml_dtypes.bfloat16, jnp.bfloat16), (np.float16, jnp.float32)])
+def test_moe_every_slice_equals_the_whole_build(tmp_path, gpt_oss, stored, target):
+    """Mixture-of-experts checkpoints read by slice too: the experts (per-expert tensors, or
+    gpt-oss's fused ones with gate / up de-interleaved), routers and biases equal the whole build."""
+    arch, files, _ = _moe_checkpoint(tmp_path, gpt_oss, stored)
+    whole = build_params(arch, files.get, target)
+    lazy = build_params(arch, files.view, target, sharded_reads=safetensors_raw.count)
+    _check_tree(lazy, whole, np.random.default_rng(2))
+
+
+@pytest.mark.parametrize("gpt_oss", [False, True])
+def test_expert_parallel_shards_read_their_experts_only(tmp_path, gpt_oss):
+    """Experts split on E over two devices (expert parallel): each device's slice of an expert
+    array reads that half of the experts' stored bytes, and the two halves read each byte once."""
+    arch, files, _ = _moe_checkpoint(tmp_path, gpt_oss, ml_dtypes.bfloat16)
+    read: list[int] = []
+    lazy = build_params(arch, files.view, jnp.bfloat16, sharded_reads=read.append)
+    layers = lazy["layers"] if isinstance(lazy["layers"], list) else [lazy["layers"]]
+    experts = [
+        (k, v) for layer in layers for k, v in layer.items() if k in ("experts_gate_up", "experts_down")
+    ]
+    assert experts
+    for key, src in experts:
+        e = src.shape[-3]
+        stored = int(np.prod(src.shape[-3:])) * 2  # bf16 as stored
+        lead = tuple(slice(None) for _ in src.shape[:-3])
+        halves = []
+        for k in range(2):
+            before = sum(read)
+            src.read(lead + (slice(k * e // 2, (k + 1) * e // 2),))
+            halves.append(sum(read) - before)
+        per_layer = stored * (src.shape[0] if lead else 1)
+        assert halves == [per_layer // 2, per_layer // 2], (key, halves, per_layer)

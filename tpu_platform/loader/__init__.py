@@ -164,7 +164,7 @@ def _load_hf_weights(
         get = with_dequantized_experts(get, raw)
     elif gpt_oss_mxfp4:  # the experts stay MXFP4 records; the rest is dense already
         get_linear, method = expert_records(raw), "mxfp4"
-    if view is not None and get is raw and get_linear is None and arch.moe is None:
+    if view is not None and get is raw and get_linear is None:
         params = build_params(arch, view, dtype, timings=timings, sharded_reads=count_read)
     else:
         params = build_params(arch, get, dtype, get_linear, timings=timings)

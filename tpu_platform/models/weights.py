@@ -151,16 +151,32 @@ def _stack_records(key: str, recs: list):
         ) from e
 
 
-def _expert_weights(arch: ModelArch, p: str, need, check, dtype) -> dict[str, np.ndarray]:
+def _expert_weights(arch: ModelArch, p: str, need, check, dtype, lazy: bool = False) -> dict:
     """One MoE layer's router and experts (prefix ``p`` = "model.layers.N."), in moe.py's layout:
     router [H, E], experts_gate_up [E, H, 2F] (gate columns then up), experts_down [E, F, H].
 
     The expert arrays are filled in ``dtype`` one expert at a time: they are most of a MoE model's
-    bytes, and an f32 copy of every layer's experts would double the host memory loading needs."""
+    bytes, and an f32 copy of every layer's experts would double the host memory loading needs.
+    ``lazy`` (sharded reads): ``_Assembled`` views of the per-expert tensors instead, so a host
+    copies only the experts (and columns) its devices hold."""
     moe = arch.moe
     assert moe is not None
     hid, f, e = arch.hidden_size, moe.expert_intermediate_size, moe.num_experts
     router = check(p + "mlp.gate.weight", need(p + "mlp.gate.weight"), (e, hid))
+    if lazy:
+        gu_pieces, down_pieces = [], []
+        for j in range(e):
+            x = f"{p}mlp.experts.{j}."
+            gate = check(x + "gate_proj.weight", need(x + "gate_proj.weight"), (f, hid))
+            up = check(x + "up_proj.weight", need(x + "up_proj.weight"), (f, hid))
+            gu_pieces += [((j, slice(None), slice(0, f)), gate.T), ((j, slice(None), slice(f, 2 * f)), up.T)]
+            down = check(x + "down_proj.weight", need(x + "down_proj.weight"), (hid, f))
+            down_pieces.append(((j,), down.T))
+        return {
+            "router": router.T,
+            "experts_gate_up": _Assembled((e, hid, 2 * f), tuple(gu_pieces)),
+            "experts_down": _Assembled((e, f, hid), tuple(down_pieces)),
+        }
     np_dtype = jnp.dtype(dtype)
     gate_up = np.empty((e, hid, 2 * f), np_dtype)
     down = np.empty((e, f, hid), np_dtype)
@@ -172,7 +188,9 @@ def _expert_weights(arch: ModelArch, p: str, need, check, dtype) -> dict[str, np
     return {"router": router.T, "experts_gate_up": gate_up, "experts_down": down}
 
 
-def _gpt_oss_expert_weights(arch: ModelArch, p: str, need, check, dtype, linear_rec) -> dict:
+def _gpt_oss_expert_weights(
+    arch: ModelArch, p: str, need, check, dtype, linear_rec, lazy: bool = False
+) -> dict:
     """One gpt-oss layer's router and experts in moe.py's layout, with their biases.
 
     gpt-oss stores the experts already [in, out] and fused: ``mlp.experts.gate_up_proj`` [E, H, 2F]
@@ -207,6 +225,16 @@ def _gpt_oss_expert_weights(arch: ModelArch, p: str, need, check, dtype, linear_
     if any(r is not None for r in recs):
         raise ModelConfigError(f"{x}: gate_up_proj and down_proj must be both quantized or both dense")
     gu = check(x + "gate_up_proj", need(x + "gate_up_proj"), (e, hid, 2 * f))
+    if lazy:  # strided views of the stored columns: a slice copies only the columns it covers
+        out["experts_gate_up"] = _Assembled(
+            (e, hid, 2 * f),
+            (
+                ((slice(None), slice(None), slice(0, f)), gu[..., 0::2]),
+                ((slice(None), slice(None), slice(f, 2 * f)), gu[..., 1::2]),
+            ),
+        )
+        out["experts_down"] = check(x + "down_proj", need(x + "down_proj"), (e, f, hid))
+        return out
     np_dtype = jnp.dtype(dtype)
     out["experts_gate_up"] = gu[..., gate_then_up].astype(np_dtype)
     out["experts_down"] = check(x + "down_proj", need(x + "down_proj"), (e, f, hid)).astype(np_dtype)
@@ -431,13 +459,13 @@ def build_params(
     sharded_reads: for a mesh over several processes: ``get`` returns memory-mapped views, and
     every parameter comes back a ``HostSource`` (device.py) that copies out of them only the
     slice asked for, charging the bytes it reads to ``sharded_reads``: ``device.place`` then
-    reads on each host only its devices' shards. Dense checkpoints without experts only (the
-    loader reads the others whole).
+    reads on each host only its devices' shards. Float checkpoints only, mixture-of-experts ones
+    included (the loader reads quantized records whole).
     """
     timings = StartupTimings() if timings is None else timings
     lazy = sharded_reads is not None
-    if lazy and (get_linear is not None or arch.moe is not None):
-        raise ValueError("sharded reads cover dense checkpoints without experts; read this one whole")
+    if lazy and get_linear is not None:
+        raise ValueError("sharded reads cover float checkpoints; read a quantized one whole")
     t_layers = time.perf_counter()
 
     def linear_rec(module: str, k: int, n: int, lead: tuple[int, ...] = ()):
@@ -499,10 +527,10 @@ def build_params(
         if arch.attention_sinks:
             add("sinks", check(p + "self_attn.sinks", need(p + "self_attn.sinks"), (hq,)))
         if arch.architecture == "GptOssForCausalLM":
-            for key, t in _gpt_oss_expert_weights(arch, p, need, check, dtype, linear_rec).items():
+            for key, t in _gpt_oss_expert_weights(arch, p, need, check, dtype, linear_rec, lazy).items():
                 add(key, t)
         elif arch.moe is not None and i in arch.moe.moe_layers:
-            for key, t in _expert_weights(arch, p, need, check, dtype).items():
+            for key, t in _expert_weights(arch, p, need, check, dtype, lazy).items():
                 add(key, t)
         else:
             recs = [linear_rec(p + f"mlp.{n}_proj", hid, f) for n in ("gate", "up")]
