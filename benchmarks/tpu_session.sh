@@ -186,8 +186,12 @@ for s in $stages; do
             --batches 1,8,32 --prefill "" --quantization "$q" \
             --engine-args '{"quantization_calibration": "rtn"}' --out "$out/e2e_1b_$q.json"
       done ;;
-    parts)     # where a decode step's device time goes: matmuls alone, empty steps per bucket, HLO
-      stage parts 240 python benchmarks/tpu_step_parts.py --model llama-1b --trace --out "$out/parts" ;;
+    parts)     # where a decode step's device time goes: matmuls alone, empty steps per bucket, the
+               # optimized HLO of the 1- and 128-token steps with a trace of each, ops by device time
+               # (2026-12-06: a ~45 us fusion a layer beside the four matmuls, unidentified)
+      stage parts 240 python benchmarks/tpu_step_parts.py --model llama-1b --rows 1,128 --buckets 1,8,128 \
+          --impls auto --hlo-buckets 1,128 --trace --out "$out/parts"
+      find "$out/parts" -name "*.xplane.pb" -size +8M -delete ;;
     *) echo "unknown stage $s" | tee -a "$out/session.log" ;;
   esac
 done

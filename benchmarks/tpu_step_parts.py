@@ -152,10 +152,17 @@ def runner_steps(name: str, impl: str, buckets, pages: int, hlo_buckets, out_dir
             with gzip.open(fn, "wt") as f:
                 f.write(runner.step_hlo(b))
             if trace:
-                with jax.profiler.trace(os.path.join(out_dir, f"trace_{runner.attn_impl}_t{t}")):
+                from device_trace import report, summarize, traced  # benchmarks/device_trace.py
+
+                trace_dir = os.path.join(out_dir, f"trace_{runner.attn_impl}_t{t}")
+                with traced(trace_dir):
                     for _ in range(5):
                         step()
                     jax.block_until_ready(runner.kv_cache)
+                # ops by device time, to read against the HLO above (fusion names match)
+                summary = summarize(trace_dir, top=30)
+                res.setdefault("traces", {})[t] = summary
+                print(f"trace t{t} ({runner.attn_impl}):\n{report(summary)}", flush=True)
     return res
 
 
