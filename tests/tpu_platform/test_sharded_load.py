@@ -249,7 +249,10 @@ def _moe_checkpoint(tmp_path, gpt_oss: bool, stored):
 
 
 @pytest.mark.parametrize("gpt_oss", [False, True])
-@pytest.mark.parametrize("stored,target", [(ml_dtypes.bfloat16, jnp.bfloat16), (np.float16, jnp.float32)])
+@pytest.mark.parametrize(
+    "stored,target",
+    [(ml_dtypes.bfloat16, jnp.bfloat16), (np.float16, jnp.float32), (np.float32, jnp.bfloat16)],
+)
 def test_moe_every_slice_equals_the_whole_build(tmp_path, gpt_oss, stored, target):
     """Mixture-of-experts checkpoints read by slice too: the experts (per-expert tensors, or
     gpt-oss's fused ones with gate / up de-interleaved), routers and biases equal the whole build."""
