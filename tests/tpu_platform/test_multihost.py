@@ -337,6 +337,21 @@ def test_two_hosts_read_their_share_of_a_mixture_of_experts_model(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_two_hosts_read_their_share_of_gpt_oss_mxfp4_experts(tmp_path):
+    """gpt-oss with its experts in MXFP4 as published (packed records, read as stored bytes), over
+    two hosts: each reads about half of the checkpoint, the experts' blocks and scales included,
+    and greedy output is that of one process."""
+    import test_expert_parallel as ep  # tests/tpu_platform/test_expert_parallel.py
+
+    dense, path = str(tmp_path / "gptoss"), str(tmp_path / "gptoss-mx")
+    ep._gpt_oss(dense, path)
+    two_hosts, tp4, tp1, hosts, single = _two_hosts_and_one(path)
+    _check_shares(path, hosts, single)
+    assert two_hosts == tp4 == tp1, (two_hosts, tp4, tp1)
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_killed_host_stops_the_leader_with_its_name(tmp_path):
     path = _checkpoint(tmp_path)

@@ -168,13 +168,14 @@ def test_place_reads_a_source_on_one_process_whole(tmp_path):
         _same(a, b)
 
 
-def _moe_checkpoint(tmp_path, gpt_oss: bool, stored):
+def _moe_checkpoint(tmp_path, gpt_oss: bool, stored, mxfp4: bool = False, sliding: bool = False):
     """A tiny Qwen3-MoE (experts as per-expert tensors, its second layer dense) or gpt-oss (experts
-    fused, gate / up in alternating columns, biases and sinks) safetensors file, and its reader."""
+    fused, gate / up in alternating columns, biases and sinks) safetensors file, and its reader.
+    ``mxfp4``: gpt-oss's experts as published, random u8 ``*_blocks`` / ``*_scales``."""
     cfg = dict(
         vocab_size=64,
         hidden_size=32,
-        intermediate_size=40,
+        intermediate_size=32 if mxfp4 else 40,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
@@ -182,13 +183,15 @@ def _moe_checkpoint(tmp_path, gpt_oss: bool, stored):
         num_local_experts=4,
         num_experts=4,
         num_experts_per_tok=2,
-        moe_intermediate_size=24,
+        moe_intermediate_size=32 if mxfp4 else 24,  # MXFP4 blocks of 32 along each input
         norm_topk_prob=True,
         tie_word_embeddings=False,
         architectures=["GptOssForCausalLM" if gpt_oss else "Qwen3MoeForCausalLM"],
     )
     if not gpt_oss:
         cfg["mlp_only_layers"] = [1]
+    if sliding:  # gpt-oss's alternation: layers that attend differently load as a list
+        cfg.update(sliding_window=8, layer_types=["sliding_attention", "full_attention"])
     arch = ModelArch.from_hf_config(cfg)
     moe = arch.moe
     assert moe is not None
@@ -243,9 +246,17 @@ def _moe_checkpoint(tmp_path, gpt_oss: bool, stored):
             ff = arch.intermediate_size
             t[p + "mlp.gate_proj.weight"], t[p + "mlp.up_proj.weight"] = w(ff, hid), w(ff, hid)
             t[p + "mlp.down_proj.weight"] = w(hid, ff)
+    t = {k: v.astype(stored) for k, v in t.items()}
+    if mxfp4:
+        for i in range(arch.num_layers):
+            x = f"model.layers.{i}.mlp.experts."
+            for name, n, k in (("gate_up_proj", 2 * f, hid), ("down_proj", hid, f)):
+                del t[x + name]
+                t[x + name + "_blocks"] = rng.randint(0, 256, (e, n, k // 32, 16)).astype(np.uint8)
+                t[x + name + "_scales"] = rng.randint(118, 130, (e, n, k // 32)).astype(np.uint8)
     path = tmp_path / "model.safetensors"
-    _write_safetensors(path, {k: v.astype(stored) for k, v in t.items()})
-    return arch, SafetensorsFiles([str(path)]), sum(v.size for v in t.values()) * np.dtype(stored).itemsize
+    _write_safetensors(path, t)
+    return arch, SafetensorsFiles([str(path)]), sum(v.nbytes for v in t.values())
 
 
 @pytest.mark.parametrize("gpt_oss", [False, True])
@@ -285,3 +296,29 @@ def test_expert_parallel_shards_read_their_experts_only(tmp_path, gpt_oss):
             halves.append(sum(read) - before)
         per_layer = stored * (src.shape[0] if lead else 1)
         assert halves == [per_layer // 2, per_layer // 2], (key, halves, per_layer)
+
+
+@pytest.mark.parametrize("target,sliding", [(jnp.bfloat16, False), (jnp.float32, True)])
+def test_gpt_oss_mxfp4_experts_read_by_slice(tmp_path, target, sliding):
+    """gpt-oss's published MXFP4 experts (packed records, gate / up columns reordered) read by
+    slice: every leaf equals the whole load's record, bytes as stored; a host holding half of the
+    experts (expert parallel) reads half of their blocks and scales."""
+    from tpuserve.tpu_platform.loader.gpt_oss_mxfp4 import expert_records
+
+    arch, files, _ = _moe_checkpoint(tmp_path, True, ml_dtypes.bfloat16, mxfp4=True, sliding=sliding)
+    whole = build_params(arch, files.get, target, expert_records(files.get))
+    read: list[int] = []
+    lazy = build_params(arch, files.view, target, expert_records(files.view), sharded_reads=read.append)
+    _check_tree(lazy, whole, np.random.default_rng(4))
+    _check_tree(unstack_layers(lazy), unstack_layers(whole), np.random.default_rng(5))
+    # stacked [L, ...] when every layer attends alike, else a list of layers
+    assert isinstance(lazy["layers"], list) == sliding
+    layers = lazy["layers"][0] if sliding else lazy["layers"]
+    lead = () if sliding else (slice(None),)
+    assert layers["experts_gate_up"].packed.dtype == np.uint8 == layers["experts_gate_up"].scale.dtype
+    for key in ("experts_gate_up", "experts_down"):
+        for leaf in (layers[key].packed, layers[key].scale):
+            e, stored = leaf.shape[len(lead)], int(np.prod(leaf.shape))
+            before = sum(read)
+            leaf.read((*lead, slice(0, e // 2)))
+            assert sum(read) - before == stored // 2, key

@@ -22,7 +22,12 @@ from tpuserve.tpu_platform.loader.safetensors_raw import SafetensorsFiles
 from tpuserve.tpu_platform.models.weights import _copy_into, _to_device, build_params
 from tpuserve.tpu_platform.startup_timing import StartupTimings
 
-_ST_DTYPES = {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16", np.dtype(ml_dtypes.bfloat16): "BF16"}
+_ST_DTYPES = {
+    np.dtype(np.float32): "F32",
+    np.dtype(np.float16): "F16",
+    np.dtype(ml_dtypes.bfloat16): "BF16",
+    np.dtype(np.uint8): "U8",
+}
 
 
 def _write_safetensors(path, tensors: dict[str, np.ndarray]) -> None:

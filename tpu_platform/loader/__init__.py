@@ -164,8 +164,11 @@ def _load_hf_weights(
         get = with_dequantized_experts(get, raw)
     elif gpt_oss_mxfp4:  # the experts stay MXFP4 records; the rest is dense already
         get_linear, method = expert_records(raw), "mxfp4"
-    if view is not None and get is raw and get_linear is None:
-        params = build_params(arch, view, dtype, timings=timings, sharded_reads=count_read)
+    packed_experts = gpt_oss_mxfp4 and not dequantize_experts
+    if view is not None and get is raw and (get_linear is None or packed_experts):
+        # per-slice reads; gpt-oss's packed experts through the same uncharged views
+        lazy_linear = expert_records(view) if packed_experts else None
+        params = build_params(arch, view, dtype, lazy_linear, timings=timings, sharded_reads=count_read)
     else:
         params = build_params(arch, get, dtype, get_linear, timings=timings)
     kv_scales, kv_scales_error = None, None

@@ -101,6 +101,28 @@ class _Assembled:
         return out
 
 
+@dataclasses.dataclass(frozen=True)
+class _Columns:
+    """``values[..., columns]`` left unread: a slice picks its columns out of ``values`` and copies
+    nothing else. Over a transposed view of a stored tensor (a packed expert record's leaves,
+    ``[E, K, N]`` views of ``[E, N, K]`` bytes) a column pick reads only those stored rows."""
+
+    values: np.ndarray
+    columns: np.ndarray
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (*self.values.shape[:-1], len(self.columns))
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.values.dtype
+
+    def __getitem__(self, index: tuple) -> np.ndarray:
+        index = tuple(index) + (slice(None),) * (len(self.shape) - len(index))
+        return self.values[index[:-1]][..., self.columns[index[-1]]]
+
+
 def _qkv_parts(q: np.ndarray, k: np.ndarray, v: np.ndarray, hkv: int, d: int) -> _Assembled:
     """``_group_qkv(q, k, v, hkv, d)`` for [H, *] weights, deferred (``_Assembled``)."""
     lead, g = q.shape[:-1], q.shape[-1] // (hkv * d)
@@ -216,6 +238,12 @@ def _gpt_oss_expert_weights(
     recs = [linear_rec(x + "gate_up_proj", hid, 2 * f, (e,)), linear_rec(x + "down_proj", f, hid, (e,))]
     if all(r is not None for r in recs):
         gu, down = recs
+        if lazy:  # the column order as a pick at read time: a slice reads only its columns
+            out["experts_gate_up"] = dataclasses.replace(
+                gu, packed=_Columns(gu.packed, gate_then_up), scale=_Columns(gu.scale, gate_then_up)
+            )
+            out["experts_down"] = down
+            return out
         # fancy indexing copies: the one host copy of gate_up (down stays a view until placed)
         out["experts_gate_up"] = dataclasses.replace(
             gu, packed=gu.packed[..., gate_then_up], scale=gu.scale[..., gate_then_up]
@@ -326,6 +354,8 @@ def _read_dtype(stored, dtype) -> np.dtype:
 
 
 def _part_dtype(part, dtype) -> np.dtype:
+    if dtype is None:  # a quantized record's leaf: its bytes as stored
+        return np.dtype(part.dtype)
     if isinstance(part, _Assembled):
         return np.result_type(*(_read_dtype(v.dtype, dtype) for _, v in part.pieces))
     return _read_dtype(part.dtype, dtype)
@@ -388,7 +418,8 @@ def _fill(out: np.ndarray, part, index: tuple[slice, ...], on_read: Callable[[in
 def _source(parts: list, dtype, stacked: bool, on_read: Callable[[int], None]) -> HostSource:
     """One parameter as a HostSource: ``parts`` stacked on a new [L] axis (``stacked``) or the one
     part as it is, read slice by slice with the values the whole-tensor load gives (the same
-    ``_as_read`` dtypes, the same final cast as ``_to_device``)."""
+    ``_as_read`` dtypes, the same final cast as ``_to_device``); ``dtype`` None: as stored (a
+    quantized record's leaves)."""
     shapes = {p.shape for p in parts}
     if len(shapes) > 1:
         raise ValueError(f"cannot stack layers of shapes {sorted(shapes)}")
@@ -409,9 +440,9 @@ def _source(parts: list, dtype, stacked: bool, on_read: Callable[[int], None]) -
                 list(pool.map(layer, range(len(layers))))  # list(): re-raises a task's error here
         else:
             _fill(out, parts[0], index, on_read)
-        return out if out.dtype == jnp.dtype(dtype) else jnp.asarray(out, dtype)
+        return out if dtype is None or out.dtype == jnp.dtype(dtype) else jnp.asarray(out, dtype)
 
-    return HostSource(shape, jnp.dtype(dtype), read)
+    return HostSource(shape, host_dtype if dtype is None else jnp.dtype(dtype), read)
 
 
 def _layer_sources(
@@ -422,14 +453,16 @@ def _layer_sources(
     def final(k):
         return jnp.float32 if k in keep_f32 else dtype
 
+    def source(k, parts, stacked):
+        if isinstance(parts[0], (np.ndarray, _Assembled)):
+            return _source(parts, final(k), stacked, on_read)
+        # a quantized record (gpt-oss's packed experts): a source per leaf, bytes as stored
+        return jax.tree_util.tree_map(lambda *leaves: _source(list(leaves), None, stacked, on_read), *parts)
+
     keys = {frozenset(layer) for layer in layer_tensors}
     if len(keys) > 1 or as_list:
-        return [
-            {k: _source([v], final(k), False, on_read) for k, v in layer.items()} for layer in layer_tensors
-        ]
-    return {
-        k: _source([layer[k] for layer in layer_tensors], final(k), True, on_read) for k in layer_tensors[0]
-    }
+        return [{k: source(k, [v], False) for k, v in layer.items()} for layer in layer_tensors]
+    return {k: source(k, [layer[k] for layer in layer_tensors], True) for k in layer_tensors[0]}
 
 
 def build_params(
@@ -459,13 +492,17 @@ def build_params(
     sharded_reads: for a mesh over several processes: ``get`` returns memory-mapped views, and
     every parameter comes back a ``HostSource`` (device.py) that copies out of them only the
     slice asked for, charging the bytes it reads to ``sharded_reads``: ``device.place`` then
-    reads on each host only its devices' shards. Float checkpoints only, mixture-of-experts ones
-    included (the loader reads quantized records whole).
+    reads on each host only its devices' shards. Float checkpoints, mixture-of-experts ones
+    included, and gpt-oss's published MXFP4 experts (``get_linear`` its ``expert_records`` over
+    the same views: each record leaf a source, bytes as stored); the loader reads other quantized
+    checkpoints whole.
     """
     timings = StartupTimings() if timings is None else timings
     lazy = sharded_reads is not None
-    if lazy and get_linear is not None:
-        raise ValueError("sharded reads cover float checkpoints; read a quantized one whole")
+    if lazy and get_linear is not None and arch.architecture != "GptOssForCausalLM":
+        raise ValueError(
+            "sharded reads cover float checkpoints and gpt-oss's packed experts; read this one whole"
+        )
     t_layers = time.perf_counter()
 
     def linear_rec(module: str, k: int, n: int, lead: tuple[int, ...] = ()):
