@@ -377,7 +377,9 @@ class Worker:
         arch = self.loaded_arch()
         try:
             r = check_tensor_parallel(arch, tp)
-            if r > 1 and checkpoint_method is not None:
+            # Only a quantized qkv cannot be replicated: gpt-oss's MXFP4 checkpoints quantize
+            # the experts alone, and their dense qkv replicates like any other.
+            if r > 1 and checkpoint_method is not None and _qkv_is_quantized(params):
                 raise ValueError(
                     f"tensor_parallel_size={tp}: the model's {arch.num_kv_heads} "
                     f"KV heads would need replicating, which a pre-quantized "
@@ -625,3 +627,11 @@ class Worker:
         self.runner = None
         self.draft_runner = None
         self._params = None
+
+
+def _qkv_is_quantized(params: dict[str, Any]) -> bool:
+    """Whether the layers' fused qkv is a quantized record (an array or a sharded load's source
+    has a rank; a record does not)."""
+    layers = params["layers"]
+    first = layers[0] if isinstance(layers, (list, tuple)) else layers
+    return not hasattr(first["qkv"], "ndim")

@@ -341,15 +341,14 @@ def test_two_hosts_read_their_share_of_a_mixture_of_experts_model(tmp_path):
 def test_two_hosts_read_their_share_of_gpt_oss_mxfp4_experts(tmp_path):
     """gpt-oss with its experts in MXFP4 as published (packed records, read as stored bytes), over
     two hosts: each reads about half of the checkpoint, the experts' blocks and scales included,
-    and greedy output is that of one process."""
+    and greedy output is that of one process. Its 2 KV heads are replicated over TP=4: only the
+    experts are quantized, the qkv is dense."""
     import test_gpt_oss as base  # tests/tpu_platform/test_gpt_oss.py: the tiny model and its MXFP4 copy
     from test_expert_parallel import VOCAB  # a vocabulary TP=4 splits
 
     dense, path = str(tmp_path / "gptoss"), str(tmp_path / "gptoss-mx")
     tok = base._tokenizer()
-    cfg = base._config(VOCAB, tok.eos_token_id)
-    cfg.num_key_value_heads = 4  # one a device: a pre-quantized checkpoint's KV heads are not replicated
-    base._random_model(cfg).save_pretrained(dense)
+    base._random_model(base._config(VOCAB, tok.eos_token_id)).save_pretrained(dense)
     tok.save_pretrained(dense)
     base.write_mxfp4_copy(dense, path)
     two_hosts, tp4, tp1, hosts, single = _two_hosts_and_one(path)
