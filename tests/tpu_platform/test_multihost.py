@@ -298,14 +298,20 @@ def _check_shares(path: str, hosts: list[int], single: list[int]) -> None:
     assert sum(hosts) < 1.05 * total, (hosts, total)
 
 
+def _two_hosts_equal_one_reading_half(path: str) -> None:
+    """Greedy output over two hosts equals one process's TP=4 and TP=1, and each host reads about
+    half of the checkpoint."""
+    two_hosts, tp4, tp1, hosts, single = _two_hosts_and_one(path)
+    assert two_hosts == tp4 == tp1, (two_hosts, tp4, tp1)
+    _check_shares(path, hosts, single)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
 def test_two_hosts_greedy_output_equals_one_process(tmp_path):
     """2 KV heads over TP=4: each host grows (replicates) only the KV heads its devices hold."""
     path = _checkpoint(tmp_path)
-    two_hosts, tp4, tp1, hosts, single = _two_hosts_and_one(path)
-    assert two_hosts == tp4 == tp1, (two_hosts, tp4, tp1)
-    _check_shares(path, hosts, single)
+    _two_hosts_equal_one_reading_half(path)
 
 
 @pytest.mark.slow
@@ -314,9 +320,7 @@ def test_two_hosts_each_read_their_share_of_the_weights(tmp_path):
     """4 KV heads over TP=4, one a device: each host reads from the safetensors files only the
     shards its own devices hold, and greedy output is still that of one process."""
     path = _checkpoint(tmp_path, kv_heads=4)
-    two_hosts, tp4, tp1, hosts, single = _two_hosts_and_one(path)
-    _check_shares(path, hosts, single)
-    assert two_hosts == tp4 == tp1, (two_hosts, tp4, tp1)
+    _two_hosts_equal_one_reading_half(path)
 
 
 @pytest.mark.slow
@@ -331,9 +335,7 @@ def test_two_hosts_read_their_share_of_a_mixture_of_experts_model(tmp_path):
     path = qwen3_moe._build(
         str(tmp_path / "qwen3-moe"), mlp_only_layers=[], norm_topk_prob=True, layers=2, vocab_size=151680
     )
-    two_hosts, tp4, tp1, hosts, single = _two_hosts_and_one(path)
-    _check_shares(path, hosts, single)
-    assert two_hosts == tp4 == tp1, (two_hosts, tp4, tp1)
+    _two_hosts_equal_one_reading_half(path)
 
 
 @pytest.mark.slow
@@ -351,9 +353,7 @@ def test_two_hosts_read_their_share_of_gpt_oss_mxfp4_experts(tmp_path):
     base._random_model(base._config(VOCAB, tok.eos_token_id)).save_pretrained(dense)
     tok.save_pretrained(dense)
     base.write_mxfp4_copy(dense, path)
-    two_hosts, tp4, tp1, hosts, single = _two_hosts_and_one(path)
-    _check_shares(path, hosts, single)
-    assert two_hosts == tp4 == tp1, (two_hosts, tp4, tp1)
+    _two_hosts_equal_one_reading_half(path)
 
 
 @pytest.mark.slow
