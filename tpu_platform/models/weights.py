@@ -104,8 +104,9 @@ class _Assembled:
 @dataclasses.dataclass(frozen=True)
 class _Columns:
     """``values[..., columns]`` left unread: a slice picks its columns out of ``values`` and copies
-    nothing else. Over a transposed view of a stored tensor (a packed expert record's leaves,
-    ``[E, K, N]`` views of ``[E, N, K]`` bytes) a column pick reads only those stored rows."""
+    nothing else (gpt-oss's gate / up reorder, for its dense experts and its packed records). Over
+    a transposed view of a stored tensor (a packed record's leaves, ``[E, K, N]`` views of
+    ``[E, N, K]`` bytes) a column pick reads only those stored rows."""
 
     values: np.ndarray
     columns: np.ndarray
@@ -185,15 +186,21 @@ def _expert_weights(arch: ModelArch, p: str, need, check, dtype, lazy: bool = Fa
     assert moe is not None
     hid, f, e = arch.hidden_size, moe.expert_intermediate_size, moe.num_experts
     router = check(p + "mlp.gate.weight", need(p + "mlp.gate.weight"), (e, hid))
+
+    def expert(j: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Expert j's gate and up [H, F] and down [F, H] (transposed views of what ``need`` gave)."""
+        x = f"{p}mlp.experts.{j}."
+        gate = check(x + "gate_proj.weight", need(x + "gate_proj.weight"), (f, hid))
+        up = check(x + "up_proj.weight", need(x + "up_proj.weight"), (f, hid))
+        down = check(x + "down_proj.weight", need(x + "down_proj.weight"), (hid, f))
+        return gate.T, up.T, down.T
+
     if lazy:
         gu_pieces, down_pieces = [], []
         for j in range(e):
-            x = f"{p}mlp.experts.{j}."
-            gate = check(x + "gate_proj.weight", need(x + "gate_proj.weight"), (f, hid))
-            up = check(x + "up_proj.weight", need(x + "up_proj.weight"), (f, hid))
-            gu_pieces += [((j, slice(None), slice(0, f)), gate.T), ((j, slice(None), slice(f, 2 * f)), up.T)]
-            down = check(x + "down_proj.weight", need(x + "down_proj.weight"), (hid, f))
-            down_pieces.append(((j,), down.T))
+            gate, up, down = expert(j)
+            gu_pieces += [((j, slice(None), slice(0, f)), gate), ((j, slice(None), slice(f, 2 * f)), up)]
+            down_pieces.append(((j,), down))
         return {
             "router": router.T,
             "experts_gate_up": _Assembled((e, hid, 2 * f), tuple(gu_pieces)),
@@ -201,13 +208,10 @@ def _expert_weights(arch: ModelArch, p: str, need, check, dtype, lazy: bool = Fa
         }
     np_dtype = jnp.dtype(dtype)
     gate_up = np.empty((e, hid, 2 * f), np_dtype)
-    down = np.empty((e, f, hid), np_dtype)
+    down_all = np.empty((e, f, hid), np_dtype)
     for j in range(e):
-        x = f"{p}mlp.experts.{j}."
-        gate_up[j, :, :f] = check(x + "gate_proj.weight", need(x + "gate_proj.weight"), (f, hid)).T
-        gate_up[j, :, f:] = check(x + "up_proj.weight", need(x + "up_proj.weight"), (f, hid)).T
-        down[j] = check(x + "down_proj.weight", need(x + "down_proj.weight"), (hid, f)).T
-    return {"router": router.T, "experts_gate_up": gate_up, "experts_down": down}
+        gate_up[j, :, :f], gate_up[j, :, f:], down_all[j] = expert(j)
+    return {"router": router.T, "experts_gate_up": gate_up, "experts_down": down_all}
 
 
 def _gpt_oss_expert_weights(
@@ -253,14 +257,8 @@ def _gpt_oss_expert_weights(
     if any(r is not None for r in recs):
         raise ModelConfigError(f"{x}: gate_up_proj and down_proj must be both quantized or both dense")
     gu = check(x + "gate_up_proj", need(x + "gate_up_proj"), (e, hid, 2 * f))
-    if lazy:  # strided views of the stored columns: a slice copies only the columns it covers
-        out["experts_gate_up"] = _Assembled(
-            (e, hid, 2 * f),
-            (
-                ((slice(None), slice(None), slice(0, f)), gu[..., 0::2]),
-                ((slice(None), slice(None), slice(f, 2 * f)), gu[..., 1::2]),
-            ),
-        )
+    if lazy:  # the column order as a pick at read time, as for the packed records above
+        out["experts_gate_up"] = _Columns(gu, gate_then_up)
         out["experts_down"] = check(x + "down_proj", need(x + "down_proj"), (e, f, hid))
         return out
     np_dtype = jnp.dtype(dtype)
@@ -454,7 +452,7 @@ def _layer_sources(
         return jnp.float32 if k in keep_f32 else dtype
 
     def source(k, parts, stacked):
-        if isinstance(parts[0], (np.ndarray, _Assembled)):
+        if isinstance(parts[0], (np.ndarray, _Assembled, _Columns)):
             return _source(parts, final(k), stacked, on_read)
         # a quantized record (gpt-oss's packed experts): a source per leaf, bytes as stored
         return jax.tree_util.tree_map(lambda *leaves: _source(list(leaves), None, stacked, on_read), *parts)
