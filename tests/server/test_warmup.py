@@ -85,18 +85,28 @@ def test_requests_during_warmup_use_compiled_shapes_only(random_checkpoints):
         during = generate()
         assert warmup.remaining > 0  # all of it ran while the rest of the warm-up was held back
         assert compiles_here == [], f"{len(compiles_here)} programs compiled on the stepping thread"
+        # CPU runs its layers unrolled; until those programs compile, steps run the quick scan ones
+        assert runner.scan_tier_steps > 0
     finally:
         gate.set()
     assert warmup.wait(300) and not warmup.failed
     assert runner.step_shape(3, 1) == (4, widest)  # every bucket compiled now
     # Fully warmed, every step takes its own bucket, and still compiles nothing: the forwards
     # compiled ahead of time are the programs the jitted calls find.
+    scan_steps = runner.scan_tier_steps
     after = generate()
     assert compiles_here == []
+    assert runner.scan_tier_steps == scan_steps, "a warmed engine still ran the scan tier"
+    assert not runner.holds_scan_tier, "the stacked weights outlived the warm-up"
     for d, a, p in zip(during, after, params):
         assert d.error is None and len(d.outputs[0].token_ids) == 12
         if p.temperature == 0.0:
             assert d.outputs[0].token_ids == a.outputs[0].token_ids
+        if p.logprobs:  # the scan computes the unrolled layers' values, not just the same argmax
+            for ld, la in zip(d.outputs[0].logprobs, a.outputs[0].logprobs):
+                assert {t: x.logprob for t, x in ld.items()} == pytest.approx(
+                    {t: x.logprob for t, x in la.items()}, abs=1e-5
+                )
 
 
 @pytest.mark.slow
