@@ -91,7 +91,9 @@ class Warmup:
         self.seconds: float | None = None  # wall time of the whole plan, once done
         self._bar = _progress_bar(self.total) if progress else None
         workers = workers or default_workers()
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tpuserve-compile")
+        self._pool = ThreadPoolExecutor(
+            max_workers=workers, thread_name_prefix="tpuserve-compile", initializer=_yield_to_serving
+        )
         self._futures: list[Future] = []
         # Groups with no tasks (already compiled) are ready at once.
         for g in plan.groups:
@@ -204,6 +206,21 @@ class Warmup:
             self.seconds,
             f", {len(self._failed)} failed" if self._failed else "",
         )
+
+
+# How much lower a compile thread's scheduling priority is than the serving threads' (Linux nice).
+COMPILE_NICENESS = 10
+
+
+def _yield_to_serving() -> None:
+    """Lower this compile thread's CPU priority: on a host with few cores, the background warm-up
+    must not slow the steps of the requests it serves meanwhile (XLA compiles on the calling
+    thread). Linux only: elsewhere a thread's priority is left as it is."""
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + COMPILE_NICENESS)
+    except (AttributeError, OSError):  # not Linux, or not permitted
+        pass
 
 
 def _progress_bar(total: int):
