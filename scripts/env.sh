@@ -35,8 +35,15 @@ if [ ! -f "$venv/.complete" ]; then
   done
   touch "$venv/.complete"
 fi
-# The project itself, editable and without deps (all pinned above): fast on every run.
-"$venv/bin/pip" install -q --no-deps --no-build-isolation -e "$repo" >&2 2>/dev/null \
-  || "$venv/bin/pip" install -q --no-deps -e "$repo" >&2
+# The project itself, editable and without deps (all pinned above), once per checkout and package
+# layout: a repeat would cost every start ~2 s of pip for nothing.
+layout="$( (echo "$repo"; cat "$repo/setup.py" "$repo/pyproject.toml"; cd "$repo" \
+  && find . -name __init__.py -not -path './.*' -not -path './tests/*' -not -path './build/*' | sort) | sha256sum | cut -c1-16)"
+if [ ! -f "$venv/.editable-$layout" ]; then
+  "$venv/bin/pip" install -q --no-deps --no-build-isolation -e "$repo" >&2 2>/dev/null \
+    || "$venv/bin/pip" install -q --no-deps -e "$repo" >&2
+  rm -f "$venv"/.editable-*
+  touch "$venv/.editable-$layout"
+fi
 export PATH="$venv/bin:$PATH"
 export TPUSERVE_VENV_DIR="$venv"
