@@ -2,7 +2,7 @@
 
 For timing on a machine the real weights cannot reach (the lent TPU machine takes 64 MiB of files; a
 135M-parameter checkpoint is 0.5 GiB): speed does not depend on the weights' values. Weights are
-N(0, 0.02), norm scales 1, float32 (or float16 with ``--dtype float16``).
+N(0, 0.02), norm scales 1, float32 (or ``--dtype float16 / bfloat16``).
 
     python benchmarks/random_checkpoint.py --like MODEL_DIR --shapes-only OUT_DIR   # small: no weights
     python benchmarks/random_checkpoint.py --like OUT_DIR --out RANDOM_DIR          # weights from shapes
@@ -38,6 +38,7 @@ import struct
 import sys
 import time
 
+import ml_dtypes
 import numpy as np
 
 SMALL_FILES = (
@@ -72,7 +73,11 @@ def tensor_shapes(model_dir: str) -> dict[str, list[int]]:
 
 
 # safetensors dtype names of what this script writes
-_FLOAT_NAMES = {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16"}
+_FLOAT_NAMES = {
+    np.dtype(np.float32): "F32",
+    np.dtype(np.float16): "F16",
+    np.dtype(ml_dtypes.bfloat16): "BF16",
+}
 _INT_DTYPES = {"U8": np.uint8, "I8": np.int8}
 _POOL_BYTES = 256 * 2**20 + 4099  # not a power of two: the cycle does not line up with the tensors
 _E8M0_RANGE = (118, 128)  # scale bytes: 2**-9 .. 2**0
@@ -188,8 +193,9 @@ def main(argv=None) -> int:
     p.add_argument(
         "--dtype",
         default="float32",
-        choices=("float32", "float16"),
-        help="float16 halves the file and the host memory of a big checkpoint (the engine casts on load)",
+        choices=("float32", "float16", "bfloat16"),
+        help="float16 / bfloat16 halve the file and the host memory of a big checkpoint; bfloat16 is "
+        "what real models ship (served in bf16, it loads without a cast)",
     )
     args = p.parse_args(argv)
     shapes = tensor_shapes(args.like)
@@ -206,7 +212,7 @@ def main(argv=None) -> int:
 
     t0 = time.perf_counter()
     rng = np.random.default_rng(args.seed)
-    dtype = np.dtype(args.dtype)
+    dtype = np.dtype(ml_dtypes.bfloat16 if args.dtype == "bfloat16" else args.dtype)
     total_int = sum(math.prod(shapes[n]) for n in int_dtypes)
     # sized to what is needed, up to the pool size; drawn once
     pool = _BytePool(rng.integers(0, 256, min(max(total_int, 1), _POOL_BYTES), dtype=np.uint8))

@@ -131,6 +131,20 @@ for s in $stages; do
       checkpoint llama-1b-gqa
       stage startup 300 python benchmarks/startup.py --model /tmp/m/llama-1b-gqa --what llm \
           --runs cold,warm --cache-dir /tmp/xla-startup --json "$out/startup_1b.json" ;;
+    startup-serve) # issue 35 as a server sees it, on a bf16 checkpoint (what real 1B models ship):
+               # the engine cold then warm, first answer (serving starts after the first programs)
+               # and ready (every program), with the phases; then LLM() warm (offline: all programs)
+      [ -d /tmp/m/llama-1b-bf16 ] || python benchmarks/random_checkpoint.py --dtype bfloat16 \
+          --like .tpu_carry/shapes/llama-1b-gqa --out /tmp/m/llama-1b-bf16 > /dev/null
+      stage startup-serve 300 python benchmarks/startup.py --model /tmp/m/llama-1b-bf16 --what engine \
+          --runs cold,warm --cache-dir /tmp/xla-serve --json "$out/startup_serve_1b.json"
+      stage startup-llm 100 python benchmarks/startup.py --model /tmp/m/llama-1b-bf16 --what llm \
+          --runs warm --cache-dir /tmp/xla-serve --json "$out/startup_llm_1b.json" ;;
+    rpa-1b)    # ours against RPA v3 at the 1B shape's heads (32 q / 8 KV, head_dim 64) with the
+               # engine's cache layout, decode only, short contexts (the 1B b128 step runs ~192)
+      stage rpa-1b 300 python benchmarks/attention_tpu.py --rpa-v3 require --num-q-heads 32 \
+          --num-kv-heads 8 --head-dim 64 --check-dtypes bfloat16 --check-options plain --steps decode \
+          --batches 1,32,128 --contexts 192,1024,4096 --out "$out/rpa_1b.json" ;;
     kernels-fp8) # the FP8 KV cache in the compiled kernel at the 1B shape (32 q / 8 KV heads, d 64):
                # checked on the chip (bf16 and fp8, plain and window + cap; the fp8 write byte-exact),
                # then decode / prefill / mixed timed with a bf16 and an fp8 cache side by side
