@@ -140,6 +140,11 @@ for s in $stages; do
           --runs cold,warm --cache-dir /tmp/xla-serve --json "$out/startup_serve_1b.json"
       stage startup-llm 100 python benchmarks/startup.py --model /tmp/m/llama-1b-bf16 --what llm \
           --runs warm --cache-dir /tmp/xla-serve --json "$out/startup_llm_1b.json" ;;
+    backend-init) # the engine's "devices" phase (8.6 s on 2026-12-06): jax.devices() alone, with
+               # JAX_PLATFORMS=tpu, with TPU_SKIP_MDS_QUERY=1, beside a transformers import, and
+               # with libtpu's log (stderr files under $OUT)
+      stage backend-init 120 python benchmarks/backend_init.py --runs 1 --log-dir "$out" \
+          --json "$out/backend_init.json" ;;
     rpa-1b)    # ours against RPA v3 at the 1B shape's heads (32 q / 8 KV, head_dim 64) with the
                # engine's cache layout, decode only, short contexts (the 1B b128 step runs ~192)
       stage rpa-1b 200 python benchmarks/attention_tpu.py --rpa-v3 require --num-q-heads 32 \

@@ -101,9 +101,11 @@ class LLMEngine:
         ``fill_bitmask() -> int32[ceil(V/32)]``, ``accept(token_id) -> bool``, ``is_terminated()``.
         ``replica``: which data-parallel replica (device subset) this engine runs on."""
         from tpuserve.tpu_platform.device import discover
+        from tpuserve.tpu_platform.loader import start_tokenizer_import
 
         # Where this engine's start-up time goes (logged once when it is ready: log_startup).
         self.startup_timings = timings = StartupTimings()
+        start_tokenizer_import(timings)  # beside the backend's start (seconds on a TPU host)
         with timings.phase("devices"):
             # Several hosts: join them before anything touches a device (jax.distributed).
             group = multihost.initialize(config.parallel)
