@@ -144,7 +144,14 @@ for s in $stages; do
                # JAX_PLATFORMS=tpu, with TPU_SKIP_MDS_QUERY=1, beside a transformers import, and
                # with libtpu's log (stderr files under $OUT)
       stage backend-init 120 python benchmarks/backend_init.py --runs 1 --log-dir "$out" \
+          --variants "${BACKEND_VARIANTS:-default,platforms,skip-mds,overlap,verbose}" \
           --json "$out/backend_init.json" ;;
+    startup-premap) # after startup-serve: the warm engine again with a smaller premapped host buffer
+      for size in ${PREMAP_SIZES:-268435456}; do
+        TPU_PREMAPPED_BUFFER_SIZE=$size stage "startup-premap-$size" 100 python benchmarks/startup.py \
+            --model /tmp/m/llama-1b-bf16 --what engine --runs warm --cache-dir /tmp/xla-serve \
+            --json "$out/startup_premap_$size.json"
+      done ;;
     rpa-1b)    # ours against RPA v3 at the 1B shape's heads (32 q / 8 KV, head_dim 64) with the
                # engine's cache layout, decode only, short contexts (the 1B b128 step runs ~192)
       stage rpa-1b 200 python benchmarks/attention_tpu.py --rpa-v3 require --num-q-heads 32 \

@@ -17,6 +17,7 @@ from tpuserve.tpu_platform.loader.gpt_oss_mxfp4 import (
     is_gpt_oss_mxfp4,
     with_dequantized_experts,
 )
+from tpuserve.tpu_platform.loader.hf_import import transformers_module
 from tpuserve.tpu_platform.loader.quantized import detect, read_linear
 from tpuserve.tpu_platform.loader.safetensors_raw import SafetensorsFiles
 from tpuserve.tpu_platform.loader.safetensors_raw import count as count_read
@@ -190,23 +191,21 @@ def _load_hf_weights(
 
 def start_tokenizer_import(timings: StartupTimings) -> None:
     """Import transformers (the tokenizer's library: ~4 s on a TPU host) on a daemon thread now,
-    so that it runs beside the backend's start and the tokenizer load later finds it done. Python's
-    import lock makes the later ``import`` wait for this one rather than import twice."""
+    so that it runs beside the backend's start and the tokenizer load later finds it done."""
 
     def run() -> None:
         with timings.phase("import transformers (early)", background=True):
-            import transformers  # noqa: F401
+            transformers_module()
 
     threading.Thread(target=run, name="tpuserve-import", daemon=True).start()
 
 
 def _load_tokenizer(path: str, timings: StartupTimings, background: bool = False):
     t0 = time.perf_counter()
-    from transformers import AutoTokenizer
-
+    auto_tokenizer = transformers_module().AutoTokenizer
     timings.add("import transformers", time.perf_counter() - t0, background=background)
     try:
         with timings.phase("tokenizer", background=background):
-            return AutoTokenizer.from_pretrained(path)
+            return auto_tokenizer.from_pretrained(path)
     except Exception as e:  # transformers raises many types; name the path in one clear error
         raise ModelConfigError(f"could not load a tokenizer from {path!r}: {e}") from e

@@ -409,7 +409,10 @@ def _pre_tokenizer(pre: str) -> Any:
 def _build_tokenizer(metadata: dict[str, Any], config: dict[str, Any]) -> PreTrainedTokenizerFast:
     """A byte-level BPE ``PreTrainedTokenizerFast`` from ``tokenizer.ggml.*`` metadata."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, processors
-    from transformers import PreTrainedTokenizerFast
+
+    from tpuserve.tpu_platform.loader.hf_import import transformers_module
+
+    fast_tokenizer = transformers_module().PreTrainedTokenizerFast
 
     kind = metadata.get("tokenizer.ggml.model")
     if kind != "gpt2":
@@ -455,7 +458,7 @@ def _build_tokenizer(metadata: dict[str, Any], config: dict[str, Any]) -> PreTra
         ]
     )
 
-    return PreTrainedTokenizerFast(
+    return fast_tokenizer(
         tokenizer_object=backend,
         bos_token=bos,
         eos_token=token_at("tokenizer.ggml.eos_token_id"),
