@@ -152,6 +152,14 @@ for s in $stages; do
             --model /tmp/m/llama-1b-bf16 --what engine --runs warm --cache-dir /tmp/xla-serve \
             --json "$out/startup_premap_$size.json"
       done ;;
+    premap-ab) # decode speed with libtpu's default premapped host buffer and with a 256 MiB one
+      checkpoint smollm2-135m
+      for size in default 268435456; do
+        env $( [ $size = default ] || echo TPU_PREMAPPED_BUFFER_SIZE=$size ) timeout 150 python benchmarks/tpu_e2e.py \
+            --models /tmp/m/smollm2-135m --rounds 2 --batches 1,32,128 --prefill "" \
+            --out "$out/premap_$size.json" 2>&1 | grep -v Warning > "$out/premap_$size.log"
+        echo "premap $size:"; tail -n 12 "$out/premap_$size.log"
+      done ;;
     rpa-1b)    # ours against RPA v3 at the 1B shape's heads (32 q / 8 KV, head_dim 64) with the
                # engine's cache layout, decode only, short contexts (the 1B b128 step runs ~192)
       stage rpa-1b 200 python benchmarks/attention_tpu.py --rpa-v3 require --num-q-heads 32 \

@@ -27,7 +27,21 @@ class DeviceInfo:
         return self.backend in ("tpu", "gpu")
 
 
+# libtpu pins this much host memory for host<->device copies as the backend starts. Its default
+# (4 GiB) took 5.2 of a v5e's 8.1 s backend start (no transparent hugepages there); 256 MiB starts
+# in 2.1 s and decodes as fast, at ~2.4 s more to copy a 1B model's weights in (benchmarks/RESULTS.md,
+# "Start-up on a TPU v5e", 2026-12-06).
+TPU_PREMAPPED_BUFFER_BYTES = 256 << 20
+
+
+def prepare_tpu_runtime() -> None:
+    """Settings libtpu reads when the backend starts, so set before the first device query; a
+    value already in the environment (the user's) is kept. Other backends ignore them."""
+    os.environ.setdefault("TPU_PREMAPPED_BUFFER_SIZE", str(TPU_PREMAPPED_BUFFER_BYTES))
+
+
 def discover() -> DeviceInfo:
+    prepare_tpu_runtime()  # a no-op once the backend runs: it reads them only when it starts
     devices = jax.devices()
     backend = jax.default_backend()
     memory = None
