@@ -9,7 +9,9 @@ Peers in the same run, same weights, same prompt token ids, f32 on CPU:
     from a temporary worktree in a subprocess of this interpreter.
 Prints output tokens/s for each and ratios ours / peer: median of --repeats timed runs after a warm
 run, the engines taking turns each round (all stay loaded), so load drift on a shared machine does
-not favour one of them.
+not favour one of them. Also each engine's first call as a new user meets it: the constructor's
+seconds, then the first ``generate`` of the batch and its speed against the steady one (issue 35:
+a first call at >= 80% of steady speed; vLLM compiles in its constructor, tpuserve warms up there).
 
     python benchmarks/offline_throughput.py --num-prompts 32 --max-tokens 64 \
         --vllm-python "$(bash scripts/vllm_env.sh)"
@@ -67,30 +69,41 @@ class ChildEngine:
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         self.proc.stdin.write(json.dumps(prompt_ids) + "\n")
         self.proc.stdin.flush()
-        self._read("ready")
+        ready = self._read("ready")
+        self.construct_seconds, self.first_seconds = ready["construct_seconds"], ready["first_seconds"]
 
-    def _read(self, key: str):
+    def _read(self, key: str) -> dict:
         for line in self.proc.stdout:
             if line.startswith("{"):
                 msg = json.loads(line)
                 if key in msg:
-                    return msg[key]
+                    return msg
         raise RuntimeError(f"peer exited (rc={self.proc.wait()}) before answering {key!r}")
 
     def __call__(self) -> None:
         self.proc.stdin.write("run\n")
         self.proc.stdin.flush()
-        self.last_seconds = self._read("seconds")
+        self.last_seconds = self._read("seconds")["seconds"]
 
     def close(self) -> None:
         self.proc.stdin.close()
         self.proc.wait()
 
 
-def serve_child(run) -> None:
-    """Child side of ChildEngine: warm run, then one timed run per "run" line."""
+def first_call(run, t_construct: float):
+    """``run`` after its engine's constructor (started at ``t_construct``): the first call, timed,
+    as attributes of ``run`` (construct_seconds, first_seconds); it also warms what steady runs reuse."""
+    t = time.perf_counter()
+    run.construct_seconds = t - t_construct
     run()
-    print(json.dumps({"ready": True}), flush=True)
+    run.first_seconds = time.perf_counter() - t
+    return run
+
+
+def serve_child(run) -> None:
+    """Child side of ChildEngine: the first (warm) run, then one timed run per "run" line."""
+    msg = {"ready": True, "construct_seconds": run.construct_seconds, "first_seconds": run.first_seconds}
+    print(json.dumps(msg), flush=True)
     for line in sys.stdin:
         if line.strip() == "run":
             t = time.perf_counter()
@@ -118,6 +131,7 @@ def ours(prompt_ids, max_tokens, args):
 
 
 def _tpuserve_run(LLM, SamplingParams, prompt_ids, max_tokens, args):
+    t0 = time.perf_counter()
     llm = LLM(
         args.model,
         max_model_len=args.max_model_len,
@@ -131,8 +145,7 @@ def _tpuserve_run(LLM, SamplingParams, prompt_ids, max_tokens, args):
     def run():
         llm.generate(prompts, params, use_tqdm=False)
 
-    run()  # warm: the first batch also fills allocator and caches
-    return run
+    return first_call(run, t0)
 
 
 def transformers_peer(hf_dir, prompt_ids, max_tokens, args):
@@ -140,6 +153,7 @@ def transformers_peer(hf_dir, prompt_ids, max_tokens, args):
     import transformers
 
     torch.set_num_threads(os.cpu_count() or 1)
+    t0 = time.perf_counter()
     model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     width = max(len(p) for p in prompt_ids)
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompt_ids])  # left padding
@@ -156,13 +170,13 @@ def transformers_peer(hf_dir, prompt_ids, max_tokens, args):
                 pad_token_id=0,
             )
 
-    run()
-    return run
+    return first_call(run, t0)
 
 
 def vllm_child(hf_dir, prompt_ids, max_tokens, args) -> None:
     from vllm import LLM, SamplingParams
 
+    t0 = time.perf_counter()
     llm = LLM(
         model=hf_dir,
         dtype="float32",
@@ -173,7 +187,11 @@ def vllm_child(hf_dir, prompt_ids, max_tokens, args) -> None:
     )
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     prompts = [{"prompt_token_ids": p} for p in prompt_ids]
-    serve_child(lambda: llm.generate(prompts, params, use_tqdm=False))
+
+    def run():
+        llm.generate(prompts, params, use_tqdm=False)
+
+    serve_child(first_call(run, t0))
 
 
 def baseline_child(root: str, prompt_ids, max_tokens, args) -> None:
@@ -279,14 +297,30 @@ def main() -> None:
         if tree is not None:
             baseline_tree.remove(tree)
     results = {name: total / sec for name, sec in seconds.items()}
+    first = {
+        name: {
+            "construct_s": run.construct_seconds,
+            "first_generate_s": run.first_seconds,
+            "first_vs_steady": seconds[name] / run.first_seconds,
+        }
+        for name, run in engines.items()
+    }
 
     print(f"\n{args.num_prompts} prompts x {args.max_tokens} tokens, greedy, f32, median of {args.repeats}")
     print(f"{'engine':<22}{'output tok/s':>14}{'tpuserve / it':>16}")
     for name, tps in results.items():
         print(f"{name:<22}{tps:>14.1f}{results['tpuserve'] / tps:>16.2f}")
+    print(
+        f"\nfirst call: {'engine':<22}{'constructor s':>14}{'first generate s':>18}{'first / steady speed':>22}"
+    )
+    for name, f in first.items():
+        print(
+            f"            {name:<22}{f['construct_s']:>14.1f}{f['first_generate_s']:>18.2f}"
+            f"{f['first_vs_steady']:>22.2f}"
+        )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"config": vars(args), "tokens_per_s": results}, f, indent=2)
+            json.dump({"config": vars(args), "tokens_per_s": results, "first_call": first}, f, indent=2)
 
 
 if __name__ == "__main__":
