@@ -14,9 +14,9 @@ serving shows up as a rise after warm-up. ``start_warmup()`` does the same on a 
 (tpu_platform/warmup.py) and returns once the shapes of a first short request are compiled; until
 the rest are, ``build_batch`` uses only compiled (T, pages_per_seq) pairs and
 ``max_ready_tokens`` tells the scheduler how large a step may be, so nothing compiles on the
-request path. An unrolled runner (CPU) first compiles each shape as a layer scan, which compiles
-~7x faster and computes the same values (the same layer math, looped instead of inlined); steps
-use it until the unrolled program of their shape is ready, then the stacked weights are released.
+request path. An unrolled runner (CPU) first compiles the first shapes as a layer scan, which
+compiles ~7x faster and computes the same values (the same layer math, looped instead of inlined);
+steps use it until the unrolled program of their shape is ready, then the stacked weights are released.
 
 A step runs in two dispatches that return at once (JAX dispatches asynchronously): ``forward``
 (feeds, model, logits) and ``sample`` (sampler, draft acceptance). ``fetch`` waits for the host
@@ -236,6 +236,15 @@ class ModelRunner:
         # the scheduling host warms up in the background.
         one_process = mesh is None or all(d.process_index == jax.process_index() for d in mesh.devices.flat)
         quick = self.layer_loop == LayerLoop.UNROLL and one_process and _scannable(params, arch)
+        if quick and device.memory_bytes is not None:
+            # the two copies of the layers must fit with room to spare (a big model on CPU: skip)
+            layer_bytes = sum(int(a.nbytes) for a in jax.tree.leaves(params["layers"]))
+            quick = layer_bytes <= QUICK_TIER_MEMORY_SHARE * device.memory_bytes
+            if not quick:
+                log.info(
+                    "warm-up: no scan tier (a second copy of %.1f GB of layers would not fit)",
+                    layer_bytes / 1e9,
+                )
         stacked = params if quick else None
         params = unstack_layers(params) if self.layer_loop == LayerLoop.UNROLL else params
         self._replicated = None if mesh is None else NamedSharding(mesh, P())
@@ -939,10 +948,11 @@ class ModelRunner:
         then    each T ascending, widest pages first, then the narrower page tables (which only
                 save attention work): most steps are decodes of a few sequences.
 
-        With the quick tier (an unrolled runner that can scan), each token bucket at the widest
-        pages also gets a group ``(T, pages, "scan")`` of the same forwards as a layer scan, all
-        before any unrolled forward, the first ones as the first groups: a step of that shape
-        runs as soon as either program is ready.
+        With the quick tier (an unrolled runner that can scan), the first shapes also get a group
+        ``(T, pages, "scan")`` of the same forwards as a layer scan, and those are the first groups:
+        a step of that shape runs as soon as either program is ready. Only the first shapes: the
+        scan programs are extra compiles, and the first two already serve any request (padded or
+        in chunks) until the unrolled ones come, smallest first.
 
         A forward compiles ahead of time (``lower().compile()`` on the cache's abstract shape;
         the later call finds it in jax's in-memory cache); the sampler programs run once on zero
@@ -960,6 +970,8 @@ class ModelRunner:
             return key
 
         quick = self._quick is not None
+        prompt_t = next((t for t in self.token_buckets if t >= FIRST_PROMPT_TOKENS), self.token_buckets[-1])
+        first = {(self.token_buckets[0], widest), (prompt_t, widest)}
         groups = []
         for t in self.token_buckets:
             s_slots = min(t, self.max_num_seqs)
@@ -971,7 +983,7 @@ class ModelRunner:
                 r = self._logits_slots(t, k)
                 shared.append(task(f"verify rows={r} seqs={s_slots} k={k}", self._warm_sampler, t, k))
             for p in self.page_buckets:
-                for scan in (True, False) if quick and p == widest else (False,):
+                for scan in (True, False) if quick and (t, p) in first else (False,):
                     name = "scan forward" if scan else "forward"
                     keys = [task(f"{name} t={t} p={p}", self._compile_forward, cache, t, p, 0, scan)]
                     if k and t >= 2:
@@ -979,8 +991,6 @@ class ModelRunner:
                             task(f"{name} t={t} p={p} k={k}", self._compile_forward, cache, t, p, k, scan)
                         )
                     groups.append(((t, p, "scan") if scan else (t, p), tuple(keys + shared)))
-        prompt_t = next((t for t in self.token_buckets if t >= FIRST_PROMPT_TOKENS), self.token_buckets[-1])
-        first = {(self.token_buckets[0], widest), (prompt_t, widest)}
 
         def rank(shape: tuple) -> tuple:
             t, p = shape[:2]
@@ -1156,6 +1166,11 @@ def _expand_rows(
             ids = drafts[src[r], j - 1]
             np.add.at(out.output_counts, (r[ids >= 0], ids[ids >= 0]), 1)
     return out
+
+
+# The quick tier keeps a second copy of the layers during warm-up; only when it is at most this
+# share of the host's memory.
+QUICK_TIER_MEMORY_SHARE = 0.25
 
 
 def _scannable(params: dict, arch: ModelArch) -> bool:
