@@ -109,6 +109,27 @@ def test_requests_during_warmup_use_compiled_shapes_only(random_checkpoints):
                 )
 
 
+@pytest.mark.parametrize("layer_loop", ["unroll", "scan"])
+def test_scan_tier_leads_the_plan_of_an_unrolled_runner_only(random_checkpoints, layer_loop):
+    """Unrolled (CPU): the first groups are the two first shapes as layer scans, every other shape
+    waits for its unrolled forward. Already scanned: no such tier, and nothing kept for it."""
+    llm = LLM(random_checkpoints["llama"], **ENGINE, layer_loop=layer_loop, warmup=False)
+    runner = llm.engine.runner
+    plan = runner.warmup_plan()
+    widest = runner.page_buckets[-1]
+    scan = [g.shape for g in plan.groups if len(g.shape) == 3]
+    first = [g.shape for g in plan.groups if g.first]
+    unrolled = {g.shape for g in plan.groups if len(g.shape) == 2}
+    assert unrolled == {(t, p) for t in runner.token_buckets for p in runner.page_buckets}
+    if layer_loop == "unroll":
+        assert runner.holds_scan_tier
+        assert sorted(scan) == sorted(first) == [(1, widest, "scan"), (64, widest, "scan")]
+        assert [g.shape for g in plan.groups[:2]] == first  # started before any unrolled forward
+    else:
+        assert not runner.holds_scan_tier and scan == []
+        assert sorted(first) == [(1, widest), (64, widest)]
+
+
 @pytest.mark.slow
 def test_server_killed_while_warming_up_restarts_from_the_cache(random_checkpoints, tmp_path):
     """The server listens once its first programs are compiled; killed (SIGKILL) then, the
