@@ -39,6 +39,19 @@ t2 = time.perf_counter()
 if sys.argv[1] == "overlap":
     th.join()
 t3 = time.perf_counter()
+if sys.argv[1].startswith("xfer"):
+    # host -> device copies of 1 GiB of bf16 weights: whole, then in 16 pieces of 64 MiB (a layer
+    # of the 1B shape's gate_up), each timed to completion, twice (the first also maps pages)
+    import numpy as np
+    import jax.numpy as jnp
+    host = np.ones(1 << 29, jnp.bfloat16)
+    for rep in (0, 1):
+        s = time.perf_counter()
+        jax.device_put(host).block_until_ready()
+        side[f"whole_{rep}_s"] = time.perf_counter() - s
+        s = time.perf_counter()
+        jax.block_until_ready([jax.device_put(p) for p in np.split(host, 16)])
+        side[f"pieces_{rep}_s"] = time.perf_counter() - s
 print(json.dumps({"import_jax_s": t1 - t0, "devices_s": t2 - t1, "both_done_s": t3 - t1,
                   "backend": jax.default_backend(), "n": len(devices), **side}))
 """
@@ -51,6 +64,11 @@ VARIANTS = {
     # the host buffer libtpu pins at start (4 GiB by default; its set-up took 5.2 of the 5.5 s)
     "premap-256m": {"TPU_PREMAPPED_BUFFER_SIZE": str(256 << 20)},
     "premap-1g": {"TPU_PREMAPPED_BUFFER_SIZE": str(1 << 30)},
+    # then 1 GiB host -> device, whole and in 64 MiB pieces, under each premapped buffer size
+    "xfer-default": {},
+    "xfer-256m": {"TPU_PREMAPPED_BUFFER_SIZE": str(256 << 20)},
+    "xfer-512m": {"TPU_PREMAPPED_BUFFER_SIZE": str(512 << 20)},
+    "xfer-1g": {"TPU_PREMAPPED_BUFFER_SIZE": str(1 << 30)},
     # libtpu's own log (its stderr, written to --log-dir): where inside the start the time goes
     "verbose": {
         "TPU_STDERR_LOG_LEVEL": "0",

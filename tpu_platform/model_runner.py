@@ -50,7 +50,7 @@ from tpuserve.kv_cache.layout import RESERVED_PAGE, KVCacheSpec, kv_cache_format
 from tpuserve.tpu_platform import kv_scales as ks
 from tpuserve.tpu_platform.config import EngineConfig, LayerLoop
 from tpuserve.tpu_platform.device import DeviceInfo, HostSource, place
-from tpuserve.tpu_platform.executable_cache import ExecutableCache
+from tpuserve.tpu_platform.executable_cache import CachedJit, ExecutableCache
 from tpuserve.tpu_platform.linear import quant_linear_impls
 from tpuserve.tpu_platform.mesh import MODEL_AXIS, model_axis_size
 from tpuserve.tpu_platform.models.arch import ModelArch
@@ -322,10 +322,19 @@ class ModelRunner:
         self.max_seq_slots = self.seq_buckets[-1]
         self._traces = 0
         # This engine's sampling programs and their neutral inputs, on its devices (sampler.py).
-        self.sampler = Sampler(self._replicated)
+        # With an executable cache, a restart loads them (and the step glue below) from disk.
+        self.sampler = Sampler(self._replicated, self.executable_cache)
         self.rejection_sampler = RejectionSampler(self.sampler)
-        self._last_tokens = jax.jit(self._traced_last_tokens, static_argnames=("num_slots",))
-        self._pad_tokens = jax.jit(self._traced_pad_tokens, static_argnames=("num_slots",))
+        self._last_tokens = CachedJit(
+            "last-tokens",
+            jax.jit(self._traced_last_tokens, static_argnames=("num_slots",)),
+            self.executable_cache,
+        )
+        self._pad_tokens = CachedJit(
+            "pad-tokens",
+            jax.jit(self._traced_pad_tokens, static_argnames=("num_slots",)),
+            self.executable_cache,
+        )
         pin: dict[str, Any] = {}  # jax.jit's keyword arguments
         if self.kv_format is not None:
             # In and out in the cache's format, so the donated buffer is updated in place.
@@ -1021,18 +1030,11 @@ class ModelRunner:
             quick[1][args[-1]] = self._compiled("forward-scan", self._step, (quick[0], *args[1:]))
 
     def _compiled(self, name: str, jitted, args: tuple):
-        """``jitted.lower(*args).compile()``, from the executable cache when it holds it (then
-        nothing is traced) and stored there otherwise. Static arguments are part of the key (by
-        their repr); the executable is called without them."""
+        """``jitted.lower(*args).compile()``, through the executable cache when there is one."""
         disk = self.executable_cache
         if disk is None:
             return jitted.lower(*args).compile()
-        key = disk.key(name, args)
-        program = disk.load(key)
-        if program is None:
-            program = jitted.lower(*args).compile()
-            disk.save(key, program)
-        return program
+        return disk.compiled(name, jitted, args)
 
     def _program_context(self) -> str:
         """What a forward's trace closes over besides its arguments (the executable cache's key)."""

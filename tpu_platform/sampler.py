@@ -55,6 +55,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tpuserve.tpu_platform.device import place
+from tpuserve.tpu_platform.executable_cache import CachedJit, ExecutableCache
 from tpuserve.tpu_platform.step_batch import Logprobs, SamplerOutput, SamplingBatch
 
 # Rows whose temperature is below this are greedy (float32 so host and device agree on the boundary).
@@ -449,17 +450,23 @@ class Sampler:
     extras inputs, placed where the engine's logits live (``sharding``: a mesh runner's replicated
     sharding; None: the default device). Engines in one process never share one."""
 
-    def __init__(self, sharding: Any = None):
+    def __init__(self, sharding: Any = None, disk: ExecutableCache | None = None):
+        """disk: where the stage programs are kept across restarts (executable_cache.py); None:
+        plain ``jax.jit`` (traced and lowered on every start)."""
         self.sharding = sharding
         self._traces = 0
         # Neutral extras inputs per (name, S, V), kept on device so batches that lack them send nothing.
         self._neutral_arrays: dict[tuple[str, int, int], jax.Array] = {}
         # Jitted per instance (bound methods): a trace, and so a compile count, is this sampler's own.
-        self._argmax_jit = jax.jit(self._argmax)
-        self._extras_jit = jax.jit(self._extras, static_argnames=("keep_logits",))
-        self._random_jit = jax.jit(self._random)
+        self._argmax_jit = CachedJit("sampler-argmax", jax.jit(self._argmax), disk)
+        self._extras_jit = CachedJit(
+            "sampler-extras", jax.jit(self._extras, static_argnames=("keep_logits",)), disk
+        )
+        self._random_jit = CachedJit("sampler-random", jax.jit(self._random), disk)
         # Sampled-token logprobs and prompt logprobs share it, so a row count both use compiles once.
-        self._logprobs_jit = jax.jit(self._logprobs, static_argnames=("num_top",))
+        self._logprobs_jit = CachedJit(
+            "sampler-logprobs", jax.jit(self._logprobs, static_argnames=("num_top",)), disk
+        )
 
     def compile_count(self) -> int:
         """How many times a stage program of this sampler was traced: each once per static flag and

@@ -47,15 +47,20 @@ def _start(model: str, cache_dir: str) -> dict:
 def test_a_restart_loads_the_forwards_instead_of_tracing_them(random_checkpoints, tmp_path):
     model, cache_dir = random_checkpoints["llama"], str(tmp_path / "xla")
     first = _start(model, cache_dir)
-    assert first["hits"] == 0 and first["misses"] == first["forwards"] > 0
     files = os.listdir(os.path.join(cache_dir, "tpuserve-executables"))
-    assert len([f for f in files if f.endswith(".exe")]) == first["forwards"]
+    stored = [f for f in files if f.endswith(".exe")]
+    # the forwards, and the programs around them: the sampler's stages and the step glue
+    kinds = {f.rsplit("-", 1)[0] for f in stored}
+    assert {"forward", "sampler-extras", "sampler-random", "sampler-logprobs", "pad-tokens"} <= kinds, kinds
+    assert len([f for f in stored if f.startswith("forward-")]) == first["forwards"] > 0
+    assert first["hits"] == 0 and first["misses"] == len(stored)
 
     again = _start(model, cache_dir)
-    assert again["hits"] == again["forwards"] == first["forwards"] and again["misses"] == 0
+    assert again["hits"] == len(stored) and again["forwards"] == first["forwards"] and again["misses"] == 0
     assert again["tokens"] == first["tokens"]
-    # every forward was traced the first time and none on the restart; nothing after warm-up
-    assert again["traces_at_warmup"] == first["traces_at_warmup"] - first["forwards"]
+    # every stored program was traced the first time and none on the restart (what is left is the
+    # prompt-logprobs head, compiled apart); nothing after warm-up
+    assert again["traces_at_warmup"] == first["traces_at_warmup"] - len(stored)
     assert (
         first["traces_after"] == first["traces_at_warmup"]
         and again["traces_after"] == again["traces_at_warmup"]
@@ -124,3 +129,46 @@ def test_load_and_save_round_trip_and_misses(tmp_path):
         fh.write(b"not an executable")
     bad = ExecutableCache(str(tmp_path / "exe"), "ctx")
     assert bad.load(key) is None and bad.misses == 1
+
+
+CACHED_JIT = """
+import json, sys, jax, jax.numpy as jnp, numpy as np
+from tpuserve.tpu_platform.executable_cache import CachedJit, ExecutableCache
+traces = []
+def body(x, a, *, scale):
+    traces.append(scale)
+    return x * scale + a["b"]
+disk = None if sys.argv[2] == "none" else ExecutableCache(sys.argv[1], "ctx")
+f = CachedJit("f", jax.jit(body, static_argnames=("scale",)), disk)
+x, a = jnp.arange(4.0), {"b": np.ones(4, np.float32)}
+out = [f(x, a, scale=2).tolist(), f(x, a, scale=2).tolist(), f(x, a, scale=3).tolist(),
+       f(jnp.arange(6.0), {"b": np.ones(6, np.float32)}, scale=2).tolist()]
+print("RESULT", json.dumps(dict(out=out, traces=traces, hits=disk and disk.hits, misses=disk and disk.misses)))
+"""
+
+
+def test_cached_jit_loads_each_signature_from_disk_on_a_restart(tmp_path):
+    def run(disk):
+        out = subprocess.run(
+            [sys.executable, "-c", CACHED_JIT, str(tmp_path / "exe"), disk],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=dict(os.environ, JAX_PLATFORMS="cpu"),
+        )
+        assert out.returncode == 0, out.stderr[-3000:]
+        return json.loads(out.stdout.split("RESULT ")[1])
+
+    want = [
+        [1.0, 3.0, 5.0, 7.0],
+        [1.0, 3.0, 5.0, 7.0],
+        [1.0, 4.0, 7.0, 10.0],
+        [1.0, 3.0, 5.0, 7.0, 9.0, 11.0],
+    ]
+    first = run("disk")
+    # one program per signature (static value, shapes): the repeated call reuses the first
+    assert first["out"] == want and first["traces"] == [2, 3, 2] and first["misses"] == 3
+    again = run("disk")  # a restart: every program from disk, nothing traced
+    assert again["out"] == want and again["traces"] == [] and again["hits"] == 3 and again["misses"] == 0
+    plain = run("none")  # no disk: the jitted function itself
+    assert plain["out"] == want and plain["traces"] == [2, 3, 2] and plain["hits"] is None
