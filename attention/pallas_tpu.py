@@ -230,6 +230,7 @@ def _kernel(
     v_scale: float | None,
     packed_loads: bool,
     byte_values=None,
+    single_item: bool = False,
 ):
     del kv_in_hbm  # same buffer as kv_hbm; every read and write goes through the output ref
     blk = pl.program_id(0)
@@ -384,6 +385,80 @@ def _kernel(
                 preferred_element_type=jnp.float32,
             )
             m_ref[h] = m_new
+
+    # ---- decode fast path: one token per grid step, its sequence's pages in one KV block ----
+    def attend_single(s, slot):
+        """This step's token (block ``blk``) over its sequence's whole KV block, softmax computed
+        at once in registers: no running max / sum / accumulator kept in VMEM between items."""
+        kv_len = kv_lens_ref[s]
+        pos = kv_len - cu_q_lens_ref[s + 1] + blk  # the token's position in its sequence
+        kv_pos = lax.broadcasted_iota(jnp.int32, (1, kv_block), 1)
+        mask = kv_pos <= pos  # causal; pos < kv_len, so only written rows
+        if sliding_window is not None:
+            mask &= kv_pos > pos - sliding_window
+        v_ok = lax.broadcasted_iota(jnp.int32, (kv_block, 1), 0) < kv_len
+        score_scale = sm_scale * (1.0 if k_scale is None else k_scale)
+        words = {}
+        for h in range(num_kv_heads):
+            q = q_ref[0, h]  # [G, D]
+            k, v = _load_kv_head(kv_buf.at[slot], h, kv_block, cache_heads, packed_loads, byte_values, words)
+            k, v = k.astype(q.dtype), v.astype(q.dtype)
+            v = jnp.where(v_ok, v, jnp.zeros_like(v))  # stale / NaN rows past kv_len
+            precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+            scores = (
+                lax.dot_general(
+                    q, k, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
+                )
+                * score_scale
+            )
+            if soft_cap is not None:
+                scores = soft_cap * jnp.tanh(scores / soft_cap)
+            scores = jnp.where(mask, scores, mask_value)
+            p = jnp.where(mask, jnp.exp(scores - jnp.max(scores, axis=1, keepdims=True)), 0.0)
+            out = lax.dot_general(
+                p.astype(v.dtype),
+                v,
+                (((1,), (0,)), ((), ())),
+                precision=precision,
+                preferred_element_type=jnp.float32,
+            )
+            out = out / jnp.sum(p, axis=1, keepdims=True)  # >= 1: the row's max key counts exp(0)
+            if v_scale is not None:
+                out = out * v_scale
+            o_ref[0, h] = out.astype(o_ref.dtype)
+
+    if single_item:
+        # bq == 1 and no sequence has more pages than a KV block: grid step ``blk`` is exactly one
+        # item, (the sequence of token blk, KV block 0). Each step starts the next step's pages
+        # into the other slot before waiting for its own, as the general path's last item does.
+        @pl.when(blk == 0)
+        def _prologue_single():
+            if new_kv_hbm is not None:
+                write_new_kv()
+
+            @pl.when(total > 0)
+            def _():
+                start_fetch(first_seq_ref[0], 0, 0)
+                next_slot_ref[0] = 0
+
+        @pl.when(blk < total)
+        def _work_single():
+            s = first_seq_ref[blk]
+            slot = next_slot_ref[0]
+
+            @pl.when(blk + 1 < total)
+            def _():
+                start_fetch(first_seq_ref[blk + 1], 0, 1 - slot)
+
+            next_slot_ref[0] = 1 - slot
+            wait_fetch(s, 0, slot)
+            attend_single(s, slot)
+
+        @pl.when(blk >= total)
+        def _padding_single():
+            o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
+
+        return
 
     # ---- the step ----
     @pl.when(blk == 0)
@@ -736,6 +811,7 @@ def ragged_paged_attention_tpu_stacked(
         v_scale=v_scale,
         packed_loads=interpret is None,
         byte_values=byte_values,
+        single_item=bq == 1 and ppb >= pages_per_seq and sinks is None,
     )
     if sinks is None or new_kv is None:
         kernel = functools.partial(_without_optional_inputs, kernel, sinks is not None, new_kv is not None)
@@ -769,7 +845,11 @@ def ragged_paged_attention_tpu_stacked(
         ],
         input_output_aliases={len(scalars) + len(operands) - 1: 1},
         compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("arbitrary",), vmem_limit_bytes=vmem_limit_bytes
+            dimension_semantics=("arbitrary",),
+            vmem_limit_bytes=vmem_limit_bytes,
+            # Every page DMA would be bounds-checked at run time (a decode step issues one per page
+            # of every sequence); the page indices are the engine's own, checked when allocated.
+            disable_bounds_checks=True,
         ),
         interpret=interpret if interpret is not None else False,
         name=f"ragged_paged_attention_bq{bq}_p{ppb}",

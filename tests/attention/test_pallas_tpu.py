@@ -66,6 +66,26 @@ def test_kernel_matches_reference_and_oracle(name):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    "name",
+    [
+        "decode_g8",
+        "window_g8",
+        "soft_cap_g1",
+        "fp8_scales_g3",
+        pytest.param("bf16_g3_d128", marks=pytest.mark.slow),
+    ],
+)
+def test_single_item_decode_path(name):
+    """bq = 1 with a KV block as wide as the page table: each grid step is one item (its token's
+    sequence, KV block 0) and takes the softmax at once, for decodes and any other batch."""
+    case, kwargs, dtype = cases.build(name)
+    run_and_check(
+        case, kwargs, dtype, num_queries_per_block=1, num_kv_pages_per_block=cases.SHAPES["pages_per_seq"]
+    )
+
+
+@pytest.mark.timeout(300)
 def test_decode_path_on_a_mixed_batch():
     """bq = 1 (one token per grid step) is correct for any batch, not only decodes."""
     case, kwargs, dtype = cases.build("window_g8", seed=3)
@@ -149,8 +169,10 @@ def test_default_block_sizes_per_generation():
         (64, jnp.bfloat16, {}),
         (32, jnp.bfloat16, {}),  # tokens <= slots: the decode path (one token per grid step)
         (64, jnp.float32, dict(k_scale=0.5, v_scale=2.0, soft_cap=30.0, sliding_window=128)),
+        # every sequence's pages in one KV block: the single-item decode path
+        (32, jnp.bfloat16, dict(num_kv_pages_per_block=64, sliding_window=128)),
     ],
-    ids=["mixed_bf16", "decode_bf16", "f32_scales_window_cap"],
+    ids=["mixed_bf16", "decode_bf16", "f32_scales_window_cap", "decode_bf16_one_block"],
 )
 def test_lowers_to_mosaic(num_tokens, kv_dtype, options):
     """The kernel lowers to Mosaic for TPU (cross-platform, no TPU needed), at a Llama-8B-like
