@@ -87,6 +87,10 @@ than v5e are reasoned from VMEM and MXU sizes, not measured. Those token counts 
 16 combined heads x 128 lanes; wider rows (many KV heads; head_dim 64 also takes 128 lanes in
 VMEM) get fewer tokens, so the two KV buffers stay within 8 MiB (``_KV_BUFFER_BYTES``).
 
+Decode fast path (``single_item_decode``, off by default until measured on a chip): with bq = 1
+and a KV block as wide as the page table, every grid step is exactly one item, so the softmax is
+taken at once in registers (no running max / sum / accumulator in VMEM, no item loop).
+
 Decode path: when the step has no more tokens than sequence slots (a decode or near-decode batch)
 the default is bq = 1, so each grid step is one sequence with exactly G MXU rows instead of bq*G
 mostly-masked ones, and the cross-step prefetch keeps the KV stream continuous - the classic
@@ -392,7 +396,7 @@ def _kernel(
         at once in registers: no running max / sum / accumulator kept in VMEM between items."""
         kv_len = kv_lens_ref[s]
         pos = kv_len - cu_q_lens_ref[s + 1] + blk  # the token's position in its sequence
-        kv_pos = lax.broadcasted_iota(jnp.int32, (1, kv_block), 1)
+        kv_pos = lax.broadcasted_iota(jnp.int32, (rows, kv_block), 1)  # full shape: no i1 broadcast
         mask = kv_pos <= pos  # causal; pos < kv_len, so only written rows
         if sliding_window is not None:
             mask &= kv_pos > pos - sliding_window
@@ -682,6 +686,7 @@ def _first_seq_per_block(cu_q_lens, num_blocks: int, bq: int):
         "num_kv_heads",
         "kv_dtype",
         "interpret",
+        "single_item_decode",
     ),
 )
 def ragged_paged_attention_tpu_stacked(
@@ -707,6 +712,7 @@ def ragged_paged_attention_tpu_stacked(
     kv_dtype=None,
     interpret=None,
     sinks=None,
+    single_item_decode: bool = False,
 ):
     """Ragged paged attention on layer ``layer`` of a stacked cache, updated in place.
 
@@ -726,6 +732,10 @@ def ragged_paged_attention_tpu_stacked(
     reference: each row's softmax starts from its head's sink. They travel in SMEM: Hq scalars
     cost nothing there, where a VMEM block holding a sink per softmax row ([Hkv, bq*G, 1], a
     lane-padded 128 wide like m and l) would take up to MiBs of the scoped VMEM.
+    ``single_item_decode``: when a step takes the decode path (bq = 1) and every sequence's pages
+    fit one KV block (no sinks), run each grid step as its one item with the softmax taken at once
+    (``attend_single``). Off by default until it has been compiled and timed on a TPU: it passes
+    interpret mode and lowers to Mosaic, but Mosaic's own passes have not seen it yet.
     """
     if mask_value is None:
         mask_value = DEFAULT_MASK_VALUE
@@ -794,6 +804,7 @@ def ragged_paged_attention_tpu_stacked(
     )
     q_spec = pl.BlockSpec((1, num_kv_heads, bq * group, head_dim), lambda i, *_: (i, 0, 0, 0))
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
+    single_item = single_item_decode and bq == 1 and ppb >= pages_per_seq and sinks is None
     kernel = functools.partial(
         _kernel,
         bq=bq,
@@ -811,7 +822,7 @@ def ragged_paged_attention_tpu_stacked(
         v_scale=v_scale,
         packed_loads=interpret is None,
         byte_values=byte_values,
-        single_item=bq == 1 and ppb >= pages_per_seq and sinks is None,
+        single_item=single_item,
     )
     if sinks is None or new_kv is None:
         kernel = functools.partial(_without_optional_inputs, kernel, sinks is not None, new_kv is not None)
@@ -852,7 +863,7 @@ def ragged_paged_attention_tpu_stacked(
             disable_bounds_checks=True,
         ),
         interpret=interpret if interpret is not None else False,
-        name=f"ragged_paged_attention_bq{bq}_p{ppb}",
+        name=f"ragged_paged_attention_bq{bq}_p{ppb}{'_one_item' if single_item else ''}",
     )(*scalars, *operands)
 
     out = out.reshape(num_blocks, num_kv_heads, bq, group, head_dim).transpose(0, 2, 1, 3, 4)
@@ -893,6 +904,7 @@ def ragged_paged_attention_tpu(
     kv_dtype=None,
     interpret=None,
     sinks=None,
+    single_item_decode: bool = False,
 ):
     """Single-layer form: kv_pages [P, page_size, C, D]. Returns (out [T, Hq, D], kv_pages).
 
@@ -920,5 +932,6 @@ def ragged_paged_attention_tpu(
         kv_dtype=kv_dtype,
         interpret=interpret,
         sinks=sinks,
+        single_item_decode=single_item_decode,
     )
     return out, kv_cache[0]

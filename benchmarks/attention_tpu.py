@@ -114,6 +114,12 @@ def parse_args(argv=None):
     )
     p.add_argument("--checks-only", action="store_true")
     p.add_argument(
+        "--no-one-item",
+        dest="one_item",
+        action="store_false",
+        help="do not also time the one-item decode path (single_item_decode) on decode steps",
+    )
+    p.add_argument(
         "--steps",
         default="decode,prefill,mixed",
         help="which timed steps, comma-separated (decode: --batches x --contexts); one chip call "
@@ -218,7 +224,18 @@ CHECK_OPTIONS = {
     "plain": dict(),
     "window_cap": dict(sliding_window=64, soft_cap=30.0),
     "sinks": dict(sliding_window=64, sinks=True),
+    # the one-item decode path (attention/pallas_tpu.py, single_item_decode): one token a grid
+    # step, a KV block as wide as the page table; ours only (the keys in OURS_ONLY)
+    "one_item": dict(single_item_decode=True, num_queries_per_block=1, num_kv_pages_per_block=1 << 16),
+    "one_item_window_cap": dict(
+        single_item_decode=True,
+        num_queries_per_block=1,
+        num_kv_pages_per_block=1 << 16,
+        sliding_window=64,
+        soft_cap=30.0,
+    ),
 }
+OURS_ONLY = ("single_item_decode", "num_queries_per_block", "num_kv_pages_per_block")
 
 
 def load_rpa_v3(args):
@@ -280,6 +297,7 @@ def check_against_oracle(args, rpa_v3=None) -> list[dict]:
                 cache_dtype = jnp.dtype(jnp.uint8 if fp8 else dtype)
                 for opt in options:
                     kw = dict(sm_scale=d**-0.5, **opt)
+                    ours_kw = {k: kw.pop(k) for k in OURS_ONLY if k in kw}
                     if kw.pop("sinks", False):
                         kw["sinks"] = (rng.standard_normal(hq) * 2.0).astype(np.float32)
                     slots = len(seqs) + 1
@@ -342,6 +360,7 @@ def check_against_oracle(args, rpa_v3=None) -> list[dict]:
                             *md,
                             interpret=interpret_params(),
                             **kw,
+                            **ours_kw,
                             **fp8_kw,
                         )
                         jax.block_until_ready(out)
@@ -532,6 +551,37 @@ def timing_point(
     )
     t_ours, cache = time_donating(attend, cache, q, *md, iters=args.iters)
     out_ours, cache = attend(cache, q, *md)
+    one_item = {}
+    if args.one_item and t <= slots:  # a decode step: also the one-item path, checked against ours
+        attend_one = jax.jit(
+            lambda cache, q, *md: ragged_paged_attention_tpu_stacked(
+                q,
+                None,
+                cache,
+                jnp.int32(0),
+                *md,
+                num_kv_heads=hkv,
+                interpret=interp,
+                single_item_decode=True,
+                **kw,
+            ),
+            donate_argnums=(0,),
+            out_shardings=pinned,
+        )
+        try:
+            t_one, cache = time_donating(attend_one, cache, q, *md, iters=args.iters)
+            out_one, cache = attend_one(cache, q, *md)
+            diff = float(jnp.max(jnp.abs(out_one.astype(jnp.float32) - out_ours.astype(jnp.float32))))
+            one_item = dict(
+                ours_one_item_us=t_one * 1e6, one_item_speedup=t_ours / t_one, one_item_max_abs_diff=diff
+            )
+            print(
+                f"     {'':24s} one-item path {t_one * 1e6:9.1f} us ({t_ours / t_one:5.2f}x ours), max |diff| {diff:.1e}",
+                flush=True,
+            )
+        except Exception as e:  # a Mosaic error: recorded, the other columns still measured
+            one_item = dict(one_item_error=f"{type(e).__name__}: {str(e)[:2000]}")
+            print(f"  one-item path failed on {name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
     t_peer = peer_err = peer_blocks = None
     if on_tpu() and c == 2 * hkv and not fp8:
         # jax's kernel reads the cache only (no alias, no copy). Its default blocks overflow v5e's
@@ -597,6 +647,7 @@ def timing_point(
         tflops=flops / t_ours / 1e12,
         jax_vs_ours_max_abs_diff=peer_err,
         head_dim=d,
+        **one_item,
         **rpa,
     )
     print(

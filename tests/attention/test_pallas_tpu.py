@@ -80,8 +80,9 @@ def test_single_item_decode_path(name):
     """bq = 1 with a KV block as wide as the page table: each grid step is one item (its token's
     sequence, KV block 0) and takes the softmax at once, for decodes and any other batch."""
     case, kwargs, dtype = cases.build(name)
+    pps = cases.SHAPES["pages_per_seq"]
     run_and_check(
-        case, kwargs, dtype, num_queries_per_block=1, num_kv_pages_per_block=cases.SHAPES["pages_per_seq"]
+        case, kwargs, dtype, num_queries_per_block=1, num_kv_pages_per_block=pps, single_item_decode=True
     )
 
 
@@ -170,7 +171,7 @@ def test_default_block_sizes_per_generation():
         (32, jnp.bfloat16, {}),  # tokens <= slots: the decode path (one token per grid step)
         (64, jnp.float32, dict(k_scale=0.5, v_scale=2.0, soft_cap=30.0, sliding_window=128)),
         # every sequence's pages in one KV block: the single-item decode path
-        (32, jnp.bfloat16, dict(num_kv_pages_per_block=64, sliding_window=128)),
+        (32, jnp.bfloat16, dict(num_kv_pages_per_block=64, sliding_window=128, single_item_decode=True)),
     ],
     ids=["mixed_bf16", "decode_bf16", "f32_scales_window_cap", "decode_bf16_one_block"],
 )
@@ -193,6 +194,8 @@ def test_lowers_to_mosaic(num_tokens, kv_dtype, options):
         lowering_platforms=("tpu",)
     )
     assert "tpu_custom_call" in lowered.as_text()
+    # the kernel is named after its path: the one-item decode path only where asked and possible
+    assert ("_one_item" in lowered.as_text()) == bool(options.get("single_item_decode"))
 
 
 def test_compiled_kernel_refuses_a_cache_it_cannot_read_naming_the_dtype():
