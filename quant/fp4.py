@@ -219,19 +219,20 @@ def quantize_mxfp4(w, *, num_lead: int = 0) -> Mxfp4Weight:
     return Mxfp4Weight(pack_codes(codes), byte[..., 0, :], out)
 
 
-def mxfp4_from_checkpoint(packed, scale, *, out_shape=None) -> Mxfp4Weight:
+def mxfp4_from_checkpoint(packed, scale, *, out_shape=None, xp=jnp) -> Mxfp4Weight:
     """From ``[*E, out, in/2]`` u8 codes and ``[*E, out, in/32]`` u8 e8m0 scales (HF layout).
 
     This is compressed-tensors ``mxfp4-pack-quantized`` (``weight_packed``/``weight_scale``) and,
     after ``blocks.reshape(*E, out, in/2)``, gpt-oss' ``*_blocks``/``*_scales``.
+    xp: ``jnp``, or ``np`` for views of the stored tensors, unread (``fp8_from_checkpoint``).
     """
-    packed = jnp.asarray(packed, jnp.uint8)
-    scale = jnp.asarray(scale, jnp.uint8)
+    packed = xp.asarray(packed, xp.uint8)
+    scale = xp.asarray(scale, xp.uint8)
     n = packed.shape[-2]
     if scale.shape[-2:] != (n, packed.shape[-1] * 2 // MXFP4_BLOCK):
         raise ValueError(f"MXFP4 scale shape {scale.shape} does not fit packed {packed.shape}")
     return Mxfp4Weight(
-        jnp.swapaxes(packed, -1, -2), jnp.swapaxes(scale, -1, -2), tuple(out_shape) if out_shape else (n,)
+        xp.swapaxes(packed, -1, -2), xp.swapaxes(scale, -1, -2), tuple(out_shape) if out_shape else (n,)
     )
 
 
@@ -293,25 +294,26 @@ def quantize_nvfp4(w, *, num_lead: int = 0) -> Nvfp4Weight:
 
 
 def nvfp4_from_checkpoint(
-    packed, scale, global_scale, *, global_divides: bool, out_shape=None
+    packed, scale, global_scale, *, global_divides: bool, out_shape=None, xp=jnp
 ) -> Nvfp4Weight:
     """From HF-layout tensors: packed u8 ``[out, in/2]``, scale e4m3 ``[out, in/16]``, global f32.
 
     ModelOpt: ``weight``, ``weight_scale``, ``weight_scale_2`` -> ``global_divides=False``.
     compressed-tensors ``nvfp4-pack-quantized``: ``weight_packed``, ``weight_scale``,
     ``weight_global_scale`` -> ``global_divides=True``.
+    xp: ``jnp``, or ``np`` for views of the stored tensors, unread (``fp8_from_checkpoint``).
     """
-    packed = jnp.asarray(packed, jnp.uint8)
-    scale = jnp.asarray(scale)
+    packed = xp.asarray(packed, xp.uint8)
+    scale = xp.asarray(scale)
     if scale.dtype != jnp.float8_e4m3fn:
         raise ValueError(f"NVFP4 block scales must be float8_e4m3fn, got {scale.dtype}")
     n = packed.shape[-2]
     if scale.shape[-2:] != (n, packed.shape[-1] * 2 // NVFP4_BLOCK):
         raise ValueError(f"NVFP4 scale shape {scale.shape} does not fit packed {packed.shape}")
-    g = jnp.asarray(global_scale, jnp.float32).reshape(*packed.shape[:-2], 1, 1)
+    g = xp.asarray(global_scale, xp.float32).reshape(*packed.shape[:-2], 1, 1)
     return Nvfp4Weight(
-        jnp.swapaxes(packed, -1, -2),
-        jnp.swapaxes(scale, -1, -2),
+        xp.swapaxes(packed, -1, -2),
+        xp.swapaxes(scale, -1, -2),
         g,
         tuple(out_shape) if out_shape else (n,),
         global_divides,

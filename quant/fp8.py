@@ -136,7 +136,7 @@ def quantize_fp8(
 
 
 def fp8_from_checkpoint(
-    weight, scale, *, block_size=None, out_shape=None, act_quant: bool = False
+    weight, scale, *, block_size=None, out_shape=None, act_quant: bool = False, xp=jnp
 ) -> Fp8Weight:
     """Build a record from checkpoint tensors in HF's ``[out, in]`` layout.
 
@@ -144,12 +144,14 @@ def fp8_from_checkpoint(
     ceil(in/bi)]`` with ``block_size = [bo, bi]``, or compressed-tensors ``weight_scale``: ``[out, 1]``
     (per channel), ``[1]`` / scalar (per tensor) or ``[ceil(out/bo), ceil(in/bi)]`` (block).
     Arrays may be numpy (ml_dtypes) or jax. The transpose to ``[in, out]`` happens here, once.
+    xp: ``jnp`` (the record's arrays on the device) or ``np`` (numpy; the weight stays a transposed
+    view of ``weight``, unread: the loader's per-slice reads, weights._fused_lazy).
     """
-    weight = jnp.asarray(weight)
+    weight = xp.asarray(weight)
     if weight.dtype != jnp.float8_e4m3fn:
         raise ValueError(f"FP8 checkpoint weight must be float8_e4m3fn, got {weight.dtype}")
     n, k = weight.shape
-    scale = jnp.asarray(scale, jnp.float32)
+    scale = xp.asarray(scale, xp.float32)
     if block_size is not None:
         bo, bi = (int(b) for b in block_size)
         want = (math.ceil(n / bo), math.ceil(k / bi))

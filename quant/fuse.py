@@ -17,12 +17,29 @@ All functions take and return 2-D records (no leading layer axes): ``[K, N]`` da
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
 
 from tpuserve.quant.fp4 import Mxfp4Weight, Nvfp4Weight
 from tpuserve.quant.fp8 import Fp8Weight, scale_columns
+
+
+@dataclasses.dataclass(frozen=True)
+class ArrayOps:
+    """How ``concat_out`` / ``take_out`` build a fused record's arrays: jnp by default; the loader's
+    per-slice reads pass lazy ones (tpu_platform/models/weights.py) that read nothing yet."""
+
+    concat: Callable[[list], Any]  # arrays [..., N_i] -> [..., sum N_i]
+    take: Callable[[Any, np.ndarray], Any]  # (array [..., N], int columns [M]) -> [..., M]
+
+
+JNP_OPS = ArrayOps(
+    concat=lambda xs: jnp.concatenate(xs, axis=-1),
+    take=lambda a, index: jnp.take(a, jnp.asarray(index, jnp.int32), axis=-1),
+)
 
 
 def gate_up_in_out(w, stacked: bool):
@@ -51,7 +68,7 @@ def _data_fields(w) -> tuple[str, ...]:
     return ("packed", "scale", "global_scale")
 
 
-def concat_out(ws: list, out_shape: tuple[int, ...] | None = None):
+def concat_out(ws: list, out_shape: tuple[int, ...] | None = None, ops: ArrayOps = JNP_OPS):
     """Records ``[K, N_i]`` of one type and K -> one record ``[K, sum N_i]`` (columns in order).
 
     out_shape: the fused record's output axes (default: flat ``(sum N_i,)``).
@@ -68,14 +85,14 @@ def concat_out(ws: list, out_shape: tuple[int, ...] | None = None):
         if len({w.block[0] for w in ws}) != 1 or len({w.act_quant for w in ws}) != 1:
             raise ValueError("cannot fuse FP8 records with different K blocks or activation schemes")
         return Fp8Weight(
-            jnp.concatenate([w.qweight for w in ws], axis=-1),
-            jnp.concatenate([w.scale for w in ws], axis=-1),
+            ops.concat([w.qweight for w in ws]),
+            ops.concat([w.scale for w in ws]),
             (first.block[0], 1),
             out_shape,
             first.act_quant,
         )
-    packed = jnp.concatenate([w.packed for w in ws], axis=-1)
-    scale = jnp.concatenate([w.scale for w in ws], axis=-1)
+    packed = ops.concat([w.packed for w in ws])
+    scale = ops.concat([w.scale for w in ws])
     if isinstance(first, Mxfp4Weight):
         if len({w.rotated for w in ws}) != 1:
             raise ValueError("cannot fuse rotated and plain MXFP4 records")
@@ -86,18 +103,21 @@ def concat_out(ws: list, out_shape: tuple[int, ...] | None = None):
     if all(g.size == 1 for g in gs) and len({g.reshape(()).item() for g in gs}) == 1:
         g = first.global_scale
     else:  # keep each tensor's own number (exact), one per column
-        g = jnp.concatenate(
-            [jnp.broadcast_to(w.global_scale.reshape(1, -1), (1, w.out_features)) for w in ws], axis=-1
+        g = ops.concat(
+            [
+                np.broadcast_to(np.asarray(w.global_scale, np.float32).reshape(1, -1), (1, w.out_features))
+                for w in ws
+            ]
         )
     return Nvfp4Weight(packed, scale, g, out_shape, first.global_divides)
 
 
-def take_out(w, index, out_shape: tuple[int, ...]):
+def take_out(w, index, out_shape: tuple[int, ...], ops: ArrayOps = JNP_OPS):
     """Columns of ``w`` reordered by ``index`` (int ``[N]``), with output axes ``out_shape``."""
     w = columnwise(w)
-    index = jnp.asarray(index, jnp.int32)
+    index = np.asarray(index, np.int32)
     fields = {}
     for name in _data_fields(w):
         a = getattr(w, name)
-        fields[name] = a if a.shape[-1] == 1 else jnp.take(a, index, axis=-1)
+        fields[name] = a if a.shape[-1] == 1 else ops.take(a, index)
     return dataclasses.replace(w, out_shape=tuple(out_shape), **fields)

@@ -107,6 +107,29 @@ class HostSource:
         """Layer ``i`` of a stacked [L, ...] source (``models/weights.unstack_layers``)."""
         return HostSource(self.shape[1:], self.dtype, lambda index: self.read((slice(i, i + 1), *index))[0])
 
+    def columns(self, columns: np.ndarray) -> HostSource:
+        """``self[..., columns]`` (int [M]), still read slice by slice: a slice of the result reads
+        each contiguous run of the columns it covers from this source, nothing else."""
+        columns = np.asarray(columns, np.int64)
+
+        def read(index):
+            index = tuple(index) + (slice(None),) * (len(self.shape) - len(index))
+            start, stop, _ = index[-1].indices(len(columns))
+            cols = columns[start:stop]
+            if len(cols) == 0:
+                return np.empty(
+                    (*(len(range(*s.indices(n))) for s, n in zip(index[:-1], self.shape)), 0), self.dtype
+                )
+            # runs of consecutive source columns: one read each
+            breaks = np.flatnonzero(np.diff(cols) != 1) + 1
+            parts = [
+                np.asarray(self.read((*index[:-1], slice(int(run[0]), int(run[-1]) + 1))))
+                for run in np.split(cols, breaks)
+            ]
+            return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=-1)
+
+        return HostSource((*self.shape[:-1], len(columns)), self.dtype, read)
+
     def __repr__(self) -> str:
         return f"HostSource({self.shape}, {self.dtype})"
 

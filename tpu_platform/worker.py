@@ -52,6 +52,7 @@ from tpuserve.tpu_platform.models.sharding import (
     check_expert_parallel,
     check_tensor_parallel,
     group_gate_up_by_device,
+    group_gate_up_records_by_device,
     replicate_kv_heads,
 )
 from tpuserve.tpu_platform.startup_timing import StartupTimings
@@ -398,6 +399,11 @@ class Worker:
             params, self.arch = replicate_kv_heads(params, arch, tp)  # a sharded load's too
         if checkpoint_method is None and self.config.quantization.method is not None:
             params = group_gate_up_by_device(read_whole(params), tp)  # so its quantized record splits by F
+        elif checkpoint_method is not None and tp > 1:
+            try:  # a pre-quantized gate_up: its columns reordered so that it splits by F too
+                params = group_gate_up_records_by_device(params, tp)
+            except ValueError as e:
+                raise ConfigError(f"tensor_parallel_size={tp}: {e}") from e
         return params
 
     def _quantize(self, params: dict[str, Any], checkpoint_method: str | None) -> dict[str, Any]:

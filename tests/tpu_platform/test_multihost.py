@@ -357,6 +357,35 @@ def test_two_hosts_read_their_share_of_gpt_oss_mxfp4_experts(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_two_hosts_read_their_share_of_a_prequantized_fp8_checkpoint(tmp_path):
+    """A pre-quantized FP8 checkpoint (transformers' own FP8 writer: e4m3 weights, 128 x 128 block
+    scales) over two hosts: each reads about half of it (its devices' slices of every quantized
+    linear, gate_up's columns grouped by device so that it splits too), and greedy output is
+    that of one process's TP=4 and TP=1. 4 KV heads over TP=4: a quantized qkv is not replicated."""
+    import sys
+
+    from conftest import build_random_checkpoint
+
+    sys.path.insert(0, os.path.join(HERE, "..", "quant"))  # tests/quant/ckpt_writers.py
+    try:
+        import ckpt_writers
+    finally:
+        sys.path.pop(0)
+    # every projection's dims divide the 128 x 128 blocks, and o / down's K blocks split over 4
+    dense = build_random_checkpoint(
+        "llama",
+        str(tmp_path / "llama"),
+        hidden_size=128,
+        intermediate_size=512,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=64,
+    )
+    _two_hosts_equal_one_reading_half(ckpt_writers.write_hf_fp8(dense, str(tmp_path / "llama-fp8")))
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_killed_host_stops_the_leader_with_its_name(tmp_path):
     path = _checkpoint(tmp_path)

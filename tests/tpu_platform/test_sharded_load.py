@@ -322,3 +322,117 @@ def test_gpt_oss_mxfp4_experts_read_by_slice(tmp_path, target, sliding):
             before = sum(read)
             leaf.read((*lead, slice(0, e // 2)))
             assert sum(read) - before == stored // 2, key
+
+
+_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
+_LINEARS += ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+
+
+def _prequantized_checkpoint(tmp_path, fmt: str):
+    """A tiny Llama whose seven linears per layer are stored pre-quantized, random codes and
+    scales (loading is what is tested, not numerics): ``fp8-block`` (HF ``weight_scale_inv`` per
+    8 x 8 block), ``fp8-channel`` (``weight_scale`` [out, 1]), ``nvfp4`` (ModelOpt: u8 ``weight``,
+    e4m3 ``weight_scale``, a different ``weight_scale_2`` per tensor) or ``mxfp4``
+    (compressed-tensors: ``weight_packed``, e8m0 ``weight_scale``). Returns (arch, reader, its
+    CheckpointQuant, the stored bytes)."""
+    from tpuserve.tpu_platform.loader.quantized import CheckpointQuant
+
+    arch, tensors, _ = tiny_model("llama", heads=8, kv_heads=4, head_dim=8, ffn=128)
+    rng = np.random.RandomState(11)
+    for i in range(arch.num_layers):
+        for m in _LINEARS:
+            name = f"model.layers.{i}.{m}"
+            n, k = tensors.pop(name + ".weight").shape
+            if fmt.startswith("fp8"):
+                tensors[name + ".weight"] = rng.standard_normal((n, k)).astype(ml_dtypes.float8_e4m3fn)
+                if fmt == "fp8-block":
+                    tensors[name + ".weight_scale_inv"] = rng.uniform(0.5, 2, (-(-n // 8), -(-k // 8)))
+                else:
+                    tensors[name + ".weight_scale"] = rng.uniform(0.5, 2, (n, 1))
+            elif fmt == "nvfp4":
+                tensors[name + ".weight"] = rng.randint(0, 256, (n, k // 2)).astype(np.uint8)
+                scale = rng.uniform(0.1, 4, (n, k // 16)).astype(ml_dtypes.float8_e4m3fn)
+                tensors[name + ".weight_scale"] = scale
+                tensors[name + ".weight_scale_2"] = np.asarray(rng.uniform(0.5, 2), np.float32)
+            else:
+                tensors[name + ".weight_packed"] = rng.randint(0, 256, (n, k // 2)).astype(np.uint8)
+                tensors[name + ".weight_scale"] = rng.randint(118, 130, (n, k // 32)).astype(np.uint8)
+    tensors = {k: v.astype(np.float32) if v.dtype == np.float64 else v for k, v in tensors.items()}
+    path = tmp_path / "model.safetensors"
+    _write_safetensors(path, tensors)
+    quant = {
+        "fp8-block": CheckpointQuant("fp8", "fp8", (8, 8)),
+        "fp8-channel": CheckpointQuant("fp8", "fp8"),
+        "nvfp4": CheckpointQuant("nvfp4", "modelopt"),
+        "mxfp4": CheckpointQuant("mxfp4", "compressed-tensors"),
+    }[fmt]
+    return arch, SafetensorsFiles([str(path)]), quant, sum(v.nbytes for v in tensors.values())
+
+
+@pytest.mark.parametrize("fmt", ["fp8-block", "fp8-channel", "nvfp4", "mxfp4"])
+def test_prequantized_records_read_by_slice(tmp_path, fmt):
+    """A pre-quantized checkpoint's records (fused q|k|v regrouped by KV head, fused gate|up, and
+    the single linears) read by slice equal the whole load's records leaf by leaf, bytes as
+    stored, stacked and per layer."""
+    from tpuserve.tpu_platform.loader.quantized import read_linear
+
+    arch, files, quant, _ = _prequantized_checkpoint(tmp_path, fmt)
+    whole = build_params(arch, files.get, jnp.float32, lambda m: read_linear(quant, m, files.get))
+    read: list[int] = []
+    lazy = build_params(
+        arch,
+        files.view,
+        jnp.float32,
+        lambda m: read_linear(quant, m, files.view, lazy=True),
+        sharded_reads=read.append,
+    )
+    assert type(lazy["layers"]["qkv"]) is type(whole["layers"]["qkv"])
+    assert lazy["layers"]["qkv"].out_shape == whole["layers"]["qkv"].out_shape
+    assert sum(read) == 0  # nothing read until asked
+    _check_tree(lazy, whole, np.random.default_rng(6))
+    _check_tree(unstack_layers(lazy), unstack_layers(whole), np.random.default_rng(7))
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "fp8-channel", "fp8-block"])
+def test_prequantized_shards_read_their_share(tmp_path, fmt):
+    """TP=2 as the engine lays a pre-quantized model out (gate_up's columns grouped by device,
+    sharding.group_gate_up_records_by_device) and splits it by the sharding specs: the grouped
+    record equals the whole load's grouped the same way; each shard of a split leaf reads exactly
+    half of what the whole leaf reads (only its stored rows); all leaves read whole read the
+    checkpoint about once (scales widened per column at load aside); one host (a shard of every
+    split leaf, the replicated ones whole) about half."""
+    from tpuserve.tpu_platform.loader.quantized import read_linear
+    from tpuserve.tpu_platform.models.sharding import group_gate_up_records_by_device
+
+    arch, files, quant, total = _prequantized_checkpoint(tmp_path, fmt)
+    whole = build_params(arch, files.get, jnp.float32, lambda m: read_linear(quant, m, files.get))
+    read: list[int] = []
+    lazy = build_params(
+        arch,
+        files.view,
+        jnp.float32,
+        lambda m: read_linear(quant, m, files.view, lazy=True),
+        sharded_reads=read.append,
+    )
+    lazy, whole = group_gate_up_records_by_device(lazy, 2), group_gate_up_records_by_device(whole, 2)
+    assert lazy["layers"]["gate_up"].out_shape == (2, 2, arch.intermediate_size // 2)
+    _check_tree(lazy, whole, np.random.default_rng(8))
+    read.clear()
+    specs = param_partition_specs(lazy, "model")
+    everything = one_host = 0
+    for src, spec in zip(jax.tree_util.tree_leaves(lazy), jax.tree_util.tree_leaves(specs), strict=True):
+        before = sum(read)
+        src.whole()
+        whole_bytes = sum(read) - before
+        everything += whole_bytes
+        shards, split = _model_axis_shards(spec, src.shape, 2)
+        for k, index in enumerate(shards):
+            before = sum(read)
+            src.read(index)
+            got = sum(read) - before
+            assert got == (whole_bytes // 2 if split else whole_bytes), (src, spec)
+            one_host += got if k == 0 else 0
+    # FP8 8x8 block scales widen 8x per column at load (f32 beside 1-byte codes): ~1.5x
+    widened = 1.6 if fmt == "fp8-block" else 1.05
+    assert total * 0.99 < everything < total * widened, (everything, total)
+    assert 0.45 * everything < one_host < 0.55 * everything, (one_host, everything)

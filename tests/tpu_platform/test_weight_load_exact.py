@@ -27,6 +27,7 @@ _ST_DTYPES = {
     np.dtype(np.float16): "F16",
     np.dtype(ml_dtypes.bfloat16): "BF16",
     np.dtype(np.uint8): "U8",
+    np.dtype(ml_dtypes.float8_e4m3fn): "F8_E4M3",
 }
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import glob
 import json
 import os
@@ -70,11 +71,12 @@ def load_model(
 ) -> LoadedModel:
     """timings: where the phases of loading are recorded (the engine's start-up record); None: a
     record of its own, dropped.
-    shard_reads: the weights go to a mesh over several processes: a dense safetensors checkpoint
-    without experts then comes back as ``device.HostSource`` leaves, which ``device.place`` reads
-    slice by slice, so that each host reads from the files only its own devices' shards (and the
-    replicated tensors). Pre-quantized, mixture-of-experts and GGUF checkpoints load whole, as
-    without it.
+    shard_reads: the weights go to a mesh over several processes: a safetensors checkpoint (float,
+    mixture-of-experts, gpt-oss's packed MXFP4 experts, or pre-quantized FP8 / MXFP4 / NVFP4) then
+    comes back as ``device.HostSource`` leaves, which ``device.place`` reads slice by slice, so
+    that each host reads from the files only its own devices' shards (and the replicated
+    tensors). GGUF files, gpt-oss experts dequantized at load and online quantization read
+    every tensor whole, as without it.
     dequantize_experts: read gpt-oss's published MXFP4 experts as dense arrays in ``dtype``
     instead of packed records (loader/gpt_oss_mxfp4.py says why both exist); other checkpoints
     ignore it."""
@@ -125,7 +127,15 @@ def _load_hf_dir(
         tok_future = pool.submit(_load_tokenizer, tokenizer or path, timings, True)
         try:
             loaded = _load_hf_weights(
-                path, cfg, arch, raw, dtype, timings, dequantize_experts, reader.view if shard_reads else None
+                path,
+                cfg,
+                arch,
+                raw,
+                dtype,
+                timings,
+                dequantize_experts,
+                reader.view if shard_reads else None,
+                probe=reader.view,
             )
         except BaseException:
             tok_future.cancel()
@@ -144,10 +154,12 @@ def _load_hf_weights(
     timings: StartupTimings,
     dequantize_experts: bool,
     view=None,
+    probe=None,
 ) -> LoadedModel:
     """The weights of a Hugging Face directory (its tokenizer is the caller's: None here).
     view: the reader's uncharged ``view`` when the load may hand out per-slice sources
-    (``load_model``'s shard_reads); None reads every tensor whole."""
+    (``load_model``'s shard_reads); None reads every tensor whole. probe: an uncharged getter for
+    looking at a tensor without reading it (its dtype); None: ``raw``."""
     # Tensors in their stored dtype, memory-mapped: build_params decides what to upcast, and a
     # tensor it keeps as stored is read once, by the copy that places it (no f32 copy first).
     get = raw
@@ -160,16 +172,22 @@ def _load_hf_weights(
             f"{path!r}: a pre-quantized ({quant.method}) mixture-of-experts checkpoint "
             f"({arch.architecture}) is not supported; use a dense (bf16/f32) checkpoint"
         )
-    get_linear = None if quant is None else (lambda module: read_linear(quant, module, raw))
+    # a module's dtype is looked at through the uncharged view: only what is read counts
+    get_linear = None if quant is None else functools.partial(_record, quant, raw, probe or raw)
     method = None if quant is None else quant.method
     if gpt_oss_mxfp4 and dequantize_experts:  # blocks/scales decode to the dense names
         get = with_dequantized_experts(get, raw)
     elif gpt_oss_mxfp4:  # the experts stay MXFP4 records; the rest is dense already
         get_linear, method = expert_records(raw), "mxfp4"
     packed_experts = gpt_oss_mxfp4 and not dequantize_experts
-    if view is not None and get is raw and (get_linear is None or packed_experts):
-        # per-slice reads; gpt-oss's packed experts through the same uncharged views
-        lazy_linear = expert_records(view) if packed_experts else None
+    if view is not None and get is raw:
+        # per-slice reads; quantized records (gpt-oss's packed experts, a pre-quantized dense
+        # checkpoint's linears) as unread views of the same uncharged tensors
+        lazy_linear = None
+        if packed_experts:
+            lazy_linear = expert_records(view)
+        elif quant is not None:
+            lazy_linear = functools.partial(_lazy_record, quant, view)
         params = build_params(arch, view, dtype, lazy_linear, timings=timings, sharded_reads=count_read)
     else:
         params = build_params(arch, get, dtype, get_linear, timings=timings)
@@ -187,6 +205,14 @@ def _load_hf_weights(
         kv_scales=kv_scales,
         kv_scales_error=kv_scales_error,
     )
+
+
+def _record(quant, raw, probe, module: str):
+    return read_linear(quant, module, raw, probe=probe)
+
+
+def _lazy_record(quant, view, module: str):
+    return read_linear(quant, module, view, lazy=True)
 
 
 def start_tokenizer_import(timings: StartupTimings) -> None:

@@ -14,6 +14,8 @@ Formats (facts file, section 1; every scale multiplies whatever its name says):
 * ModelOpt (``quant_method: modelopt`` or ``hf_quant_config.json``), NVFP4: ``X.weight`` u8
   packed, ``X.weight_scale`` e4m3, ``X.weight_scale_2`` f32 that *multiplies* (amax/2688);
   FP8: ``X.weight`` e4m3 + ``X.weight_scale`` per tensor.
+* gpt-oss's own ``quant_method: mxfp4`` (experts only, ``*_blocks`` / ``*_scales``): ``detect``
+  names it for the plugins' config-time checks; the loader reads it with gpt_oss_mxfp4.py.
 
 Which Linears are quantized is read off the tensors themselves (a module left dense by the
 checkpoint's ``ignore`` / ``exclude_modules`` simply has a float ``X.weight``), so the ignore
@@ -29,13 +31,17 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import jax.numpy as jnp
 import numpy as np
 
 from tpuserve.quant.fp4 import Mxfp4Weight, Nvfp4Weight, mxfp4_from_checkpoint, nvfp4_from_checkpoint
 from tpuserve.quant.fp8 import Fp8Weight, fp8_from_checkpoint
+from tpuserve.tpu_platform.loader.gpt_oss_mxfp4 import is_gpt_oss_mxfp4
 from tpuserve.tpu_platform.models.arch import ModelConfigError
 
 PRODUCERS = ("fp8", "compressed-tensors", "modelopt")
+# CheckpointQuant.producer of gpt-oss's own MXFP4 experts (quant_method "mxfp4").
+GPT_OSS_PRODUCER = "gpt-oss"
 _CT_FORMATS = {
     "float-quantized": "fp8",
     "naive-quantized": "fp8",
@@ -49,7 +55,8 @@ class CheckpointQuant:
     """What a checkpoint's ``quantization_config`` says.
 
     method: the weight format family, as ``--quantization`` names it ("fp8", "mxfp4", "nvfp4").
-    producer: "fp8" (HF / DeepSeek), "compressed-tensors" or "modelopt".
+    producer: "fp8" (HF / DeepSeek), "compressed-tensors", "modelopt" or "gpt-oss" (its MXFP4
+      experts, which the loader reads through gpt_oss_mxfp4.py, not ``read_linear``).
     block_size: FP8 2-D scale block ``(out, in)`` (HF ``weight_block_size``, compressed-tensors
       ``block_structure``), None for per-tensor / per-channel scales.
     """
@@ -118,7 +125,19 @@ def detect(config: dict, path: str) -> CheckpointQuant | None:
         if algo in ("NVFP4", "FP8"):
             return CheckpointQuant(algo.lower(), "modelopt")
         raise ModelConfigError(f"ModelOpt quant_algo {algo!r} is not supported (NVFP4, FP8)")
-    raise ModelConfigError(f"checkpoint quant_method {kind!r} is not supported; supported: {PRODUCERS}")
+    if kind == "mxfp4":
+        # gpt-oss's published format: only its experts, as *_blocks / *_scales (gpt_oss_mxfp4.py,
+        # which the loader reads itself). The method names no layout of its own beyond that model.
+        if is_gpt_oss_mxfp4(config):
+            return CheckpointQuant("mxfp4", GPT_OSS_PRODUCER)
+        archs = config.get("architectures") or []
+        raise ModelConfigError(
+            f"checkpoint quant_method 'mxfp4' is gpt-oss's format (its experts as *_blocks / "
+            f"*_scales) and is read for GptOssForCausalLM only, not for {archs or 'an unnamed architecture'}"
+        )
+    raise ModelConfigError(
+        f"checkpoint quant_method {kind!r} is not supported; supported: {PRODUCERS} and 'mxfp4' (gpt-oss)"
+    )
 
 
 def _as_e4m3(a: np.ndarray) -> np.ndarray:
@@ -144,29 +163,51 @@ def _required(raw: Callable[[str], np.ndarray | None], name: str) -> np.ndarray:
     return a
 
 
+def _quantized_weight(q: CheckpointQuant, module: str, probe: Callable[[str], np.ndarray | None]) -> bool:
+    """Whether ``module`` is stored quantized: FP4 ``weight_packed``, or a ``.weight`` of fp8 codes,
+    of u8 in an FP8 checkpoint (e4m3 stored as bytes), or of u8 with ModelOpt's ``weight_scale_2``
+    (NVFP4's packed pairs). Anything else is a dense module (the checkpoint's ignore list)."""
+    if probe(module + ".weight_packed") is not None:
+        return True
+    weight = probe(module + ".weight")
+    if weight is None:
+        return False
+    if weight.dtype == np.uint8:
+        return q.method == "fp8" or probe(module + ".weight_scale_2") is not None
+    return _is_float8(weight)
+
+
 def read_linear(
-    q: CheckpointQuant, module: str, raw: Callable[[str], np.ndarray | None]
+    q: CheckpointQuant,
+    module: str,
+    raw: Callable[[str], np.ndarray | None],
+    lazy: bool = False,
+    probe: Callable[[str], np.ndarray | None] | None = None,
 ) -> Fp8Weight | Mxfp4Weight | Nvfp4Weight | None:
     """The quantized record for Linear ``module`` (e.g. ``model.layers.0.mlp.down_proj``), or None
     when the checkpoint keeps that module dense. ``raw(name)`` returns a tensor in its stored dtype
-    (fp8 as ml_dtypes) or None. Records are 2-D ``[in, out]`` (quant/ layout), output axes flat."""
+    (fp8 as ml_dtypes) or None. Records are 2-D ``[in, out]`` (quant/ layout), output axes flat.
+    lazy: the record's arrays are numpy, the data transposed views of the stored tensors, unread
+    (per-slice reads on several hosts: weights.build_params's ``sharded_reads``).
+    probe: like ``raw`` but not counted as a read (``SafetensorsFiles.view``): what looks at a
+    tensor's dtype to tell a dense module (e.g. an unquantized LM head) from a quantized one."""
+    xp = np if lazy else jnp
+    probe = raw if probe is None else probe
+    if not _quantized_weight(q, module, probe):
+        return None
     packed = raw(module + ".weight_packed")
     if packed is not None:  # compressed-tensors FP4
         fp4_scale = _required(raw, module + ".weight_scale")
         gs = raw(module + ".weight_global_scale")
         if gs is not None:
-            return nvfp4_from_checkpoint(packed, _as_e4m3(fp4_scale), gs, global_divides=True)
-        return mxfp4_from_checkpoint(packed, fp4_scale)
-    weight = raw(module + ".weight")
-    if weight is None:
-        return None
+            return nvfp4_from_checkpoint(packed, _as_e4m3(fp4_scale), gs, global_divides=True, xp=xp)
+        return mxfp4_from_checkpoint(packed, fp4_scale, xp=xp)
+    weight = _required(raw, module + ".weight")
     scale_2 = raw(module + ".weight_scale_2") if weight.dtype == np.uint8 else None
     if scale_2 is not None:  # ModelOpt NVFP4
         return nvfp4_from_checkpoint(
-            weight, _as_e4m3(_required(raw, module + ".weight_scale")), scale_2, global_divides=False
+            weight, _as_e4m3(_required(raw, module + ".weight_scale")), scale_2, global_divides=False, xp=xp
         )
-    if not _is_float8(weight) and not (q.method == "fp8" and weight.dtype == np.uint8):
-        return None  # a dense module (the checkpoint's ignore list); u8 in an FP8 checkpoint is e4m3
     scale = raw(module + ".weight_scale_inv")
     if scale is None:
         scale = raw(module + ".weight_scale")
@@ -175,4 +216,4 @@ def read_linear(
     scale = np.asarray(scale).astype(np.float32)  # e8m0 (UE8M0 scale_inv) decodes exactly
     n, k = weight.shape
     per_block = q.block_size is not None and scale.size > 1 and scale.shape != (n, 1)
-    return fp8_from_checkpoint(_as_e4m3(weight), scale, block_size=q.block_size if per_block else None)
+    return fp8_from_checkpoint(_as_e4m3(weight), scale, block_size=q.block_size if per_block else None, xp=xp)

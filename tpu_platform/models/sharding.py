@@ -19,10 +19,12 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from tpuserve.quant import fuse
 from tpuserve.quant.fuse import gate_up_in_out
-from tpuserve.tpu_platform.device import HostSource
+from tpuserve.tpu_platform.device import HostSource, read_whole
 from tpuserve.tpu_platform.models.moe import EXPERT_ARRAYS
 
 # Per-layer weight -> (rank without the [L] axis, spec factory of the mesh axis name).
@@ -54,7 +56,8 @@ _TOP_SPECS = {
 # an even split of N is a split by KV head), "in" the rows (o, down: the contracted axis, as dense).
 # gate_up's N is [2, F] flattened with the 2 outermost, so no single-axis split of N is a split by F:
 # such records stay replicated (correct, just not memory-sharded). Quantized after
-# ``group_gate_up_by_device`` its N is [TP, 2, F/TP]: an even split of N is then a split by F.
+# ``group_gate_up_by_device`` (or, pre-quantized, reordered by ``group_gate_up_records_by_device``)
+# its N is [TP, 2, F/TP]: an even split of N is then a split by F.
 _RECORD_SPLIT = {"qkv": "out", "o": "in", "down": "in", "lm_head": "out", "gate_up": "out"}
 
 
@@ -214,6 +217,45 @@ def group_gate_up_by_device(params: dict, tp: int) -> dict:
         return x.reshape(*lead, two, tp, f // tp).swapaxes(-3, -2)
 
     return _map_weight_and_bias(params, "gate_up", group)
+
+
+def group_gate_up_records_by_device(params: dict, tp: int) -> dict:
+    """A pre-quantized checkpoint's gate_up records (N = [2, F] flattened, ``_RECORD_SPLIT``)
+    with their columns reordered to [TP, 2, F/TP], as ``group_gate_up_by_device`` gives an
+    online-quantized one: the record then splits by F over the TP devices instead of being held
+    whole on each. Only a permutation of columns (each scale is per column after fusing), so the
+    values are the checkpoint's; a sharded load's leaves stay unread (``HostSource.columns``).
+    Its bias, if any, is grouped the same way; a dense gate_up is left as it is."""
+    import dataclasses
+
+    import jax.numpy as jnp
+
+    def take(a, columns):
+        if isinstance(a, HostSource):
+            return a.columns(columns)
+        return jnp.take(a, jnp.asarray(columns, jnp.int32), axis=-1)
+
+    ops = fuse.ArrayOps(concat=lambda xs: None, take=take)  # take_out never concatenates
+
+    def layer(w):
+        rec = w.get("gate_up")
+        if not dataclasses.is_dataclass(rec) or len(rec.out_shape) != 2:
+            return w
+        f = rec.out_shape[1]
+        if f % tp:
+            raise ValueError(f"intermediate_size={f} does not split over {tp} devices")
+        # new column (t, g, j) is old column g*F + t*F/TP + j
+        columns = np.arange(2 * f).reshape(2, tp, f // tp).transpose(1, 0, 2).reshape(-1)
+        w = dict(w, gate_up=fuse.take_out(rec, columns, (tp, 2, f // tp), ops=ops))
+        bias = w.get("gate_up_bias")
+        if bias is not None:  # [.., 2, F], small: read whole
+            bias = read_whole(bias)
+            w["gate_up_bias"] = bias.reshape(*bias.shape[:-2], 2, tp, f // tp).swapaxes(-3, -2)
+        return w
+
+    layers = params["layers"]
+    layers = type(layers)(layer(w) for w in layers) if isinstance(layers, (list, tuple)) else layer(layers)
+    return dict(params, layers=layers)
 
 
 def replicate_kv_heads(params: dict, arch, tp: int):

@@ -121,7 +121,58 @@ class _Columns:
 
     def __getitem__(self, index: tuple) -> np.ndarray:
         index = tuple(index) + (slice(None),) * (len(self.shape) - len(index))
-        return self.values[index[:-1]][..., self.columns[index[-1]]]
+        return self.values[(*index[:-1], self.columns[index[-1]])]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Concat:
+    """``np.concatenate(parts, axis=-1)`` left unread: an index (slices, the last axis a slice or
+    an int array of columns) reads from each part only its columns that are asked for. A
+    pre-quantized checkpoint's fused q|k|v and gate|up records are these (``_fused_lazy``)."""
+
+    parts: tuple
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (*self.parts[0].shape[:-1], sum(p.shape[-1] for p in self.parts))
+
+    @property
+    def dtype(self) -> np.dtype:
+        return np.result_type(*(p.dtype for p in self.parts))
+
+    def __getitem__(self, index: tuple) -> np.ndarray:
+        index = tuple(index) + (slice(None),) * (len(self.shape) - len(index))
+        lead, cols = index[:-1], np.arange(self.shape[-1])[index[-1]]
+        lead_shape = np.broadcast_to(np.empty((), np.int8), self.shape[:-1])[lead].shape  # no copy
+        out = np.empty((*lead_shape, len(cols)), self.dtype)
+        start = 0
+        for part in self.parts:
+            stop = start + part.shape[-1]
+            mine = (cols >= start) & (cols < stop)
+            if mine.any():
+                out[..., mine] = part[(*lead, cols[mine] - start)]
+            start = stop
+        return out
+
+
+# fuse.concat_out / take_out building lazy arrays: nothing is read until a slice is asked for
+_LAZY_FUSE = fuse.ArrayOps(concat=lambda xs: _Concat(tuple(xs)), take=lambda a, index: _Columns(a, index))
+
+
+def _fused_lazy(recs: list, columns: np.ndarray | None, out_shape: tuple[int, ...]):
+    """``fuse.take_out(fuse.concat_out(recs), columns, out_shape)`` (``columns`` None: only the
+    concatenation, with output axes ``out_shape``) over records of unread views
+    (``read_linear(lazy=True)``): each data leaf becomes a ``_Columns`` pick out of a ``_Concat``,
+    so a column slice of the fused weight reads only the stored rows it needs. An FP8 block scale
+    widened per column (``fuse.columnwise``) is computed here, whole: it is small."""
+
+    def host(rec):
+        return jax.tree_util.tree_map(lambda a: np.asarray(a) if isinstance(a, jax.Array) else a, rec)
+
+    recs = [host(fuse.columnwise(w)) for w in recs]
+    if columns is None:
+        return fuse.concat_out(recs, out_shape, ops=_LAZY_FUSE)
+    return fuse.take_out(fuse.concat_out(recs, ops=_LAZY_FUSE), columns, out_shape, ops=_LAZY_FUSE)
 
 
 def _qkv_parts(q: np.ndarray, k: np.ndarray, v: np.ndarray, hkv: int, d: int) -> _Assembled:
@@ -491,16 +542,13 @@ def build_params(
     every parameter comes back a ``HostSource`` (device.py) that copies out of them only the
     slice asked for, charging the bytes it reads to ``sharded_reads``: ``device.place`` then
     reads on each host only its devices' shards. Float checkpoints, mixture-of-experts ones
-    included, and gpt-oss's published MXFP4 experts (``get_linear`` its ``expert_records`` over
-    the same views: each record leaf a source, bytes as stored); the loader reads other quantized
-    checkpoints whole.
+    included, gpt-oss's published MXFP4 experts (``get_linear`` its ``expert_records`` over the
+    same views: each record leaf a source, bytes as stored) and pre-quantized dense checkpoints
+    (``get_linear`` gives records of unread views, ``read_linear(lazy=True)``; fused q|k|v and
+    gate|up through ``_fused_lazy``).
     """
     timings = StartupTimings() if timings is None else timings
     lazy = sharded_reads is not None
-    if lazy and get_linear is not None and arch.architecture != "GptOssForCausalLM":
-        raise ValueError(
-            "sharded reads cover float checkpoints and gpt-oss's packed experts; read this one whole"
-        )
     t_layers = time.perf_counter()
 
     def linear_rec(module: str, k: int, n: int, lead: tuple[int, ...] = ()):
@@ -533,7 +581,11 @@ def build_params(
             for n, rows in (("q", hq * d), ("k", hkv * d), ("v", hkv * d))
         ]
         if all(r is not None for r in recs):
-            add("qkv", fuse.take_out(fuse.concat_out(recs), _qkv_index(hq, hkv, d), (hkv, hq // hkv + 2, d)))
+            columns, grouped = _qkv_index(hq, hkv, d), (hkv, hq // hkv + 2, d)
+            if lazy:
+                add("qkv", _fused_lazy(recs, columns, grouped))
+            else:
+                add("qkv", fuse.take_out(fuse.concat_out(recs), columns, grouped))
         elif any(r is not None for r in recs):
             raise ModelConfigError(f"{p}self_attn: q/k/v must be all quantized or all dense")
         else:
@@ -570,7 +622,8 @@ def build_params(
         else:
             recs = [linear_rec(p + f"mlp.{n}_proj", hid, f) for n in ("gate", "up")]
             if all(r is not None for r in recs):
-                add("gate_up", fuse.concat_out(recs, (2, f)))  # [gate | up] columns = [2, F]
+                # [gate | up] columns = [2, F]
+                add("gate_up", _fused_lazy(recs, None, (2, f)) if lazy else fuse.concat_out(recs, (2, f)))
             elif any(r is not None for r in recs):
                 raise ModelConfigError(f"{p}mlp: gate/up must be all quantized or all dense")
             else:
