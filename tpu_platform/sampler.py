@@ -505,16 +505,16 @@ class Sampler:
     def _prepare(
         self, batch: SamplingBatch, num_rows: int, vocab: int, max_logprobs: int
     ) -> tuple[_Variant, dict[str, Any], dict[str, Any], int]:
-        """``_prepare`` with this sampler's neutral arrays. On a mesh the host extras go to the
-        same placement as the neutral ones: a program's cache key includes where its inputs
-        sit, so a batch mixing them differently from warm-up's would compile again."""
+        """``_prepare`` with this sampler's neutral arrays. The host extras go to the same
+        placement as the neutral ones: a program's cache key includes where its inputs sit, so a
+        batch mixing them differently from warm-up's would compile again (on a mesh under
+        ``jax.jit``; with an executable cache, on one device too: executable_cache.CachedJit)."""
         variant, random_args, extras_args, columns = _prepare(
             batch, num_rows, vocab, max_logprobs, self._neutral
         )
-        if self.sharding is not None:
-            extras_args = {
-                k: place(v, self.sharding) if isinstance(v, np.ndarray) else v for k, v in extras_args.items()
-            }
+        extras_args = {
+            k: place(v, self.sharding) if isinstance(v, np.ndarray) else v for k, v in extras_args.items()
+        }
         return variant, random_args, extras_args, columns
 
     def sample_async(

@@ -23,13 +23,22 @@ llm = LLM(model=sys.argv[1], compilation_cache_dir=sys.argv[2], executable_cache
           max_num_batched_tokens=32, layer_loop="scan")
 runner = llm.engine.runner
 after_warmup = runner.compile_count
+cached = [runner._pad_tokens, runner._last_tokens, runner.sampler._argmax_jit, runner.sampler._extras_jit,
+          runner.sampler._random_jit, runner.sampler._logprobs_jit]
+programs_at_warmup = sum(len(c._programs) for c in cached)
 outs = llm.generate(["The capital of France is", "1, 2, 3,"],
                     SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+# every sampler stage through the stored programs: random draws, penalties, logprobs
+drawn = llm.generate(["The capital of France is"],
+                     SamplingParams(temperature=0.8, seed=7, max_tokens=8, ignore_eos=True, logprobs=2,
+                                    repetition_penalty=1.2), use_tqdm=False)[0].outputs[0]
 cache = runner.executable_cache
 print("RESULT", json.dumps(dict(
     hits=cache.hits, misses=cache.misses, forwards=len(runner._forward_programs),
     traces_at_warmup=after_warmup, traces_after=runner.compile_count,
-    tokens=[list(o.outputs[0].token_ids) for o in outs])))
+    programs_at_warmup=programs_at_warmup, programs_after=sum(len(c._programs) for c in cached),
+    tokens=[list(o.outputs[0].token_ids) for o in outs], drawn=list(drawn.token_ids),
+    logprobs=[sorted((int(t), round(float(lp.logprob), 5)) for t, lp in step.items()) for step in drawn.logprobs])))
 """
 
 
@@ -58,6 +67,11 @@ def test_a_restart_loads_the_forwards_instead_of_tracing_them(random_checkpoints
     again = _start(model, cache_dir)
     assert again["hits"] == len(stored) and again["forwards"] == first["forwards"] and again["misses"] == 0
     assert again["tokens"] == first["tokens"]
+    assert again["drawn"] == first["drawn"] and again["logprobs"] == first["logprobs"]
+    # no stored program is built on a request's path (a signature warm-up did not cover would be
+    # lowered and compiled there without a new trace): none after warm-up, in either run
+    for run in (first, again):
+        assert run["programs_after"] == run["programs_at_warmup"] > 0, run
     # every stored program was traced the first time and none on the restart (what is left is the
     # prompt-logprobs head, compiled apart); nothing after warm-up
     assert again["traces_at_warmup"] == first["traces_at_warmup"] - len(stored)
