@@ -343,6 +343,37 @@ def _kernel(
 
         lax.fori_loop(0, jnp.minimum(total, _MAX_WRITES_IN_FLIGHT), drain, 0)
 
+    # ---- one KV head over the block in ``slot``: its masked scores and its V ----
+    score_scale = sm_scale * (1.0 if k_scale is None else k_scale)
+
+    def head_scores(h, slot, mask, v_ok, words):
+        """(scores [rows, kv_block] f32 with masked entries at ``mask_value``, V [kv_block, D] in
+        the query dtype with rows past kv_len zeroed, the matmul precision) of KV head ``h``."""
+        q = q_ref[0, h]  # [rows, D]
+        k, v = _load_kv_head(kv_buf.at[slot], h, kv_block, cache_heads, packed_loads, byte_values, words)
+        k, v = k.astype(q.dtype), v.astype(q.dtype)
+        v = jnp.where(v_ok, v, jnp.zeros_like(v))  # stale / NaN rows past kv_len
+        precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+        scores = (
+            lax.dot_general(
+                q, k, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
+            )
+            * score_scale
+        )
+        if soft_cap is not None:
+            scores = soft_cap * jnp.tanh(scores / soft_cap)
+        return jnp.where(mask, scores, mask_value), v, precision
+
+    def weighted_values(p, v, precision):
+        """p [rows, kv_block] @ V -> [rows, D] f32."""
+        return lax.dot_general(
+            p.astype(v.dtype),
+            v,
+            (((1,), (0,)), ((), ())),
+            precision=precision,
+            preferred_element_type=jnp.float32,
+        )
+
     # ---- attention of this block's rows of sequence s over one KV block ----
     def attend(s, kvb, slot):
         q_start = cu_q_lens_ref[s] - blk * bq  # sequence's token range, relative to the block
@@ -359,35 +390,15 @@ def _kernel(
             mask &= row < (dist + sliding_window) * group
         v_ok = (kvb * kv_block + lax.broadcasted_iota(jnp.int32, (kv_block, 1), 0)) < kv_len
 
-        score_scale = sm_scale * (1.0 if k_scale is None else k_scale)
         words = {}  # 1-byte cache: one word load serves heads 2w and 2w + 1
         for h in range(num_kv_heads):
-            q = q_ref[0, h]  # [rows, D]
-            k, v = _load_kv_head(kv_buf.at[slot], h, kv_block, cache_heads, packed_loads, byte_values, words)
-            k, v = k.astype(q.dtype), v.astype(q.dtype)
-            v = jnp.where(v_ok, v, jnp.zeros_like(v))  # stale / NaN rows past kv_len
-            precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
-            scores = (
-                lax.dot_general(
-                    q, k, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
-                )
-                * score_scale
-            )
-            if soft_cap is not None:
-                scores = soft_cap * jnp.tanh(scores / soft_cap)
-            scores = jnp.where(mask, scores, mask_value)
+            scores, v, precision = head_scores(h, slot, mask, v_ok, words)
             m_prev = m_ref[h]
             m_new = jnp.maximum(m_prev, jnp.max(scores, axis=1, keepdims=True))
             p = jnp.where(mask, jnp.exp(scores - m_new), 0.0)
             alpha = jnp.exp(m_prev - m_new)
             l_ref[h] = alpha * l_ref[h] + jnp.sum(p, axis=1, keepdims=True)
-            acc_ref[h] = alpha * acc_ref[h] + lax.dot_general(
-                p.astype(v.dtype),
-                v,
-                (((1,), (0,)), ((), ())),
-                precision=precision,
-                preferred_element_type=jnp.float32,
-            )
+            acc_ref[h] = alpha * acc_ref[h] + weighted_values(p, v, precision)
             m_ref[h] = m_new
 
     # ---- decode fast path: one token per grid step, its sequence's pages in one KV block ----
@@ -401,32 +412,13 @@ def _kernel(
         if sliding_window is not None:
             mask &= kv_pos > pos - sliding_window
         v_ok = lax.broadcasted_iota(jnp.int32, (kv_block, 1), 0) < kv_len
-        score_scale = sm_scale * (1.0 if k_scale is None else k_scale)
         words = {}
         for h in range(num_kv_heads):
-            q = q_ref[0, h]  # [G, D]
-            k, v = _load_kv_head(kv_buf.at[slot], h, kv_block, cache_heads, packed_loads, byte_values, words)
-            k, v = k.astype(q.dtype), v.astype(q.dtype)
-            v = jnp.where(v_ok, v, jnp.zeros_like(v))  # stale / NaN rows past kv_len
-            precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
-            scores = (
-                lax.dot_general(
-                    q, k, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
-                )
-                * score_scale
-            )
-            if soft_cap is not None:
-                scores = soft_cap * jnp.tanh(scores / soft_cap)
-            scores = jnp.where(mask, scores, mask_value)
+            scores, v, precision = head_scores(h, slot, mask, v_ok, words)
             p = jnp.where(mask, jnp.exp(scores - jnp.max(scores, axis=1, keepdims=True)), 0.0)
-            out = lax.dot_general(
-                p.astype(v.dtype),
-                v,
-                (((1,), (0,)), ((), ())),
-                precision=precision,
-                preferred_element_type=jnp.float32,
-            )
-            out = out / jnp.sum(p, axis=1, keepdims=True)  # >= 1: the row's max key counts exp(0)
+            out = weighted_values(p, v, precision) / jnp.sum(
+                p, axis=1, keepdims=True
+            )  # >= 1: the max counts exp(0)
             if v_scale is not None:
                 out = out * v_scale
             o_ref[0, h] = out.astype(o_ref.dtype)
