@@ -122,22 +122,27 @@ print("KEY", key)
 """
 
 
+def _fresh_process(script: str, *args: str) -> str:
+    """``script``'s stdout, run in a new Python process on the CPU backend."""
+    out = subprocess.run(
+        [sys.executable, "-c", script, *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, JAX_PLATFORMS="cpu"),
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout
+
+
 def test_load_and_save_round_trip_and_misses(tmp_path):
     # Saved in one fresh process and loaded in another, as a restart does: XLA:CPU failed to run
     # programs serialized or deserialized in a process that had compiled or cached others ("Function
     # ... not found"), which is why the cache is off on CPU by default (tpu_platform/config.py).
-    def run(phase):
-        out = subprocess.run(
-            [sys.executable, "-c", ROUND_TRIP, str(tmp_path / "exe"), phase],
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert out.returncode == 0, out.stderr[-3000:]
-        return out.stdout
-
-    saved = run("save")
-    assert "RESULT [1.0, 3.0, 5.0, 7.0, 9.0, 11.0]" in run("load")
+    saved = _fresh_process(ROUND_TRIP, str(tmp_path / "exe"), "save")
+    assert "RESULT [1.0, 3.0, 5.0, 7.0, 9.0, 11.0]" in _fresh_process(
+        ROUND_TRIP, str(tmp_path / "exe"), "load"
+    )
     key = saved.split("KEY ")[1].split()[0]
     with open(os.path.join(str(tmp_path / "exe"), key + ".exe"), "wb") as fh:
         fh.write(b"not an executable")
@@ -163,15 +168,7 @@ print("RESULT", json.dumps(dict(out=out, traces=traces, hits=disk and disk.hits,
 
 def test_cached_jit_loads_each_signature_from_disk_on_a_restart(tmp_path):
     def run(disk):
-        out = subprocess.run(
-            [sys.executable, "-c", CACHED_JIT, str(tmp_path / "exe"), disk],
-            capture_output=True,
-            text=True,
-            timeout=300,
-            env=dict(os.environ, JAX_PLATFORMS="cpu"),
-        )
-        assert out.returncode == 0, out.stderr[-3000:]
-        return json.loads(out.stdout.split("RESULT ")[1])
+        return json.loads(_fresh_process(CACHED_JIT, str(tmp_path / "exe"), disk).split("RESULT ")[1])
 
     want = [
         [1.0, 3.0, 5.0, 7.0],

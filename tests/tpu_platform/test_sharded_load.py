@@ -369,14 +369,12 @@ def _prequantized_checkpoint(tmp_path, fmt: str):
     return arch, SafetensorsFiles([str(path)]), quant, sum(v.nbytes for v in tensors.values())
 
 
-@pytest.mark.parametrize("fmt", ["fp8-block", "fp8-channel", "nvfp4", "mxfp4"])
-def test_prequantized_records_read_by_slice(tmp_path, fmt):
-    """A pre-quantized checkpoint's records (fused q|k|v regrouped by KV head, fused gate|up, and
-    the single linears) read by slice equal the whole load's records leaf by leaf, bytes as
-    stored, stacked and per layer."""
+def _prequantized_builds(tmp_path, fmt: str):
+    """(arch, the whole load's params, the per-slice load's (nothing read yet), the list its reads
+    are charged to, the stored bytes) of ``_prequantized_checkpoint(fmt)``."""
     from tpuserve.tpu_platform.loader.quantized import read_linear
 
-    arch, files, quant, _ = _prequantized_checkpoint(tmp_path, fmt)
+    arch, files, quant, total = _prequantized_checkpoint(tmp_path, fmt)
     whole = build_params(arch, files.get, jnp.float32, lambda m: read_linear(quant, m, files.get))
     read: list[int] = []
     lazy = build_params(
@@ -386,6 +384,15 @@ def test_prequantized_records_read_by_slice(tmp_path, fmt):
         lambda m: read_linear(quant, m, files.view, lazy=True),
         sharded_reads=read.append,
     )
+    return arch, whole, lazy, read, total
+
+
+@pytest.mark.parametrize("fmt", ["fp8-block", "fp8-channel", "nvfp4", "mxfp4"])
+def test_prequantized_records_read_by_slice(tmp_path, fmt):
+    """A pre-quantized checkpoint's records (fused q|k|v regrouped by KV head, fused gate|up, and
+    the single linears) read by slice equal the whole load's records leaf by leaf, bytes as
+    stored, stacked and per layer."""
+    arch, whole, lazy, read, _ = _prequantized_builds(tmp_path, fmt)
     assert type(lazy["layers"]["qkv"]) is type(whole["layers"]["qkv"])
     assert lazy["layers"]["qkv"].out_shape == whole["layers"]["qkv"].out_shape
     assert sum(read) == 0  # nothing read until asked
@@ -401,19 +408,9 @@ def test_prequantized_shards_read_their_share(tmp_path, fmt):
     half of what the whole leaf reads (only its stored rows); all leaves read whole read the
     checkpoint about once (scales widened per column at load aside); one host (a shard of every
     split leaf, the replicated ones whole) about half."""
-    from tpuserve.tpu_platform.loader.quantized import read_linear
     from tpuserve.tpu_platform.models.sharding import group_gate_up_records_by_device
 
-    arch, files, quant, total = _prequantized_checkpoint(tmp_path, fmt)
-    whole = build_params(arch, files.get, jnp.float32, lambda m: read_linear(quant, m, files.get))
-    read: list[int] = []
-    lazy = build_params(
-        arch,
-        files.view,
-        jnp.float32,
-        lambda m: read_linear(quant, m, files.view, lazy=True),
-        sharded_reads=read.append,
-    )
+    arch, whole, lazy, read, total = _prequantized_builds(tmp_path, fmt)
     lazy, whole = group_gate_up_records_by_device(lazy, 2), group_gate_up_records_by_device(whole, 2)
     assert lazy["layers"]["gate_up"].out_shape == (2, 2, arch.intermediate_size // 2)
     _check_tree(lazy, whole, np.random.default_rng(8))
