@@ -152,7 +152,7 @@ def _slice_key(index) -> tuple:
     return tuple((s.start, s.stop, s.step) if isinstance(s, slice) else s for s in index)
 
 
-def place(x, sharding):
+def place(x: Any, sharding: Any) -> Any:
     """``jax.device_put(x, sharding)`` of a host value. On a mesh over several processes each
     builds its own shards from its copy of ``x`` (every host holds the same value: the same
     weights, the same step inputs from the leader), instead of device_put's cross-host equality
@@ -176,5 +176,9 @@ def place(x, sharding):
         return jax.make_array_from_callback(x.shape, sharding, shard)
     if sharding is None or sharding.is_fully_addressable:
         return jax.device_put(x, sharding)
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        # already a global array (weights placed and quantized on the devices): every process
+        # reshards it alike, or keeps it where it is
+        return x if x.sharding.is_equivalent_to(sharding, x.ndim) else jax.device_put(x, sharding)
     host = np.asarray(x)
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])

@@ -25,6 +25,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
 
 from tpuserve.attention.kv_cache_shape import min_page_size
 from tpuserve.kv_cache.layout import KVCacheSpec
@@ -38,11 +39,18 @@ from tpuserve.tpu_platform.config import (
     SpecMethod,
     SpeculativeConfig,
 )
-from tpuserve.tpu_platform.device import discover, enable_compilation_cache, read_whole, resolve_dtype
+from tpuserve.tpu_platform.device import (
+    HostSource,
+    discover,
+    enable_compilation_cache,
+    place,
+    read_whole,
+    resolve_dtype,
+)
 from tpuserve.tpu_platform.draft_runner import DraftRunner
 from tpuserve.tpu_platform.loader import load_model
 from tpuserve.tpu_platform.loader.draft_head import load_draft
-from tpuserve.tpu_platform.mesh import mesh_devices, plan_devices, replica_mesh
+from tpuserve.tpu_platform.mesh import MODEL_AXIS, mesh_devices, model_axis_size, plan_devices, replica_mesh
 from tpuserve.tpu_platform.model_runner import ModelRunner
 from tpuserve.tpu_platform.models import calibrate
 from tpuserve.tpu_platform.models.arch import ModelArch, ModelConfigError
@@ -53,6 +61,7 @@ from tpuserve.tpu_platform.models.sharding import (
     check_tensor_parallel,
     group_gate_up_by_device,
     group_gate_up_records_by_device,
+    param_partition_specs,
     replicate_kv_heads,
 )
 from tpuserve.tpu_platform.startup_timing import StartupTimings
@@ -398,6 +407,8 @@ class Worker:
             )
             params, self.arch = replicate_kv_heads(params, arch, tp)  # a sharded load's too
         if checkpoint_method is None and self.config.quantization.method is not None:
+            if self._quantizes_on_devices(params):
+                params = self._placed(params)  # each host reads its shards; grouped and quantized there
             params = group_gate_up_by_device(read_whole(params), tp)  # so its quantized record splits by F
         elif checkpoint_method is not None and tp > 1:
             try:  # a pre-quantized gate_up: its columns reordered so that it splits by F too
@@ -405,6 +416,33 @@ class Worker:
             except ValueError as e:
                 raise ConfigError(f"tensor_parallel_size={tp}: {e}") from e
         return params
+
+    def _calibration(self, method: str) -> tuple[ModelArch, Any] | None:
+        """GPTQ's ``(arch, token_ids)`` when ``method`` is quantized by calibration, else None."""
+        if method in calibrate.GPTQ_METHODS and self.config.quantization.calibration == QuantCalibration.GPTQ:
+            return (self.loaded_arch(), calibrate.calibration_token_ids(self.tokenizer))
+        return None
+
+    def _quantizes_on_devices(self, params: dict[str, Any]) -> bool:
+        """Whether an online quantization runs on the devices, over weights placed by shard: a
+        sharded load (weights still ``HostSource``s) quantized round-to-nearest, which is per
+        weight and needs nothing but the weight (XLA combines a row-split weight's column maxima).
+        GPTQ calibrates on whole layers: a sharded load reads them whole instead."""
+        method = self.config.quantization.method
+        sources = any(isinstance(x, HostSource) for x in jax.tree_util.tree_leaves(params))
+        return method is not None and sources and self.mesh is not None and self._calibration(method) is None
+
+    def _placed(self, params: dict[str, Any]) -> dict[str, Any]:
+        """The dense weights on the mesh as the runner shards them (models/sharding.py); a source
+        is read here, by shard."""
+        assert self.mesh is not None
+        mesh = self.mesh
+        ep = bool(self.config.parallel.enable_expert_parallel) and model_axis_size(mesh) > 1
+        specs = param_partition_specs(params, MODEL_AXIS, expert_parallel=ep)
+        placed: dict[str, Any] = jax.tree_util.tree_map(
+            lambda a, s: place(a, NamedSharding(mesh, s)), params, specs
+        )
+        return placed
 
     def _quantize(self, params: dict[str, Any], checkpoint_method: str | None) -> dict[str, Any]:
         """The quantization step of loading: route ``linear`` for quantized records, and quantize an
@@ -432,10 +470,9 @@ class Worker:
             return params
         self.quantization = method
         t0 = time.perf_counter()
-        calibration = None
-        if method in calibrate.GPTQ_METHODS and self.config.quantization.calibration == QuantCalibration.GPTQ:
-            calibration = (self.loaded_arch(), calibrate.calibration_token_ids(self.tokenizer))
-        # quantizing needs whole weights: a sharded load reads them whole here
+        calibration = self._calibration(method)
+        # GPTQ needs whole layers: a sharded load still holding sources reads them whole here (its
+        # round-to-nearest weights were placed by shard already, _shard_heads)
         params, report = quantize_params(read_whole(params), method, calibration=calibration)
         self.quant_report = report
         log.info(

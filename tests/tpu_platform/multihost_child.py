@@ -26,6 +26,8 @@ def config(checkpoint: str, tp: int, port: str | None = None, rank: int = 0):
     hosts = (
         {} if port is None else dict(distributed_coordinator=f"127.0.0.1:{port}", num_hosts=2, host_rank=rank)
     )
+    if os.environ.get("MULTIHOST_QUANTIZATION"):  # online quantization (test_multihost sets it)
+        hosts["quantization"] = os.environ["MULTIHOST_QUANTIZATION"]
     return EngineConfig.from_kwargs(
         model=checkpoint,
         tensor_parallel_size=tp,

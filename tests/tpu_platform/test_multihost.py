@@ -386,6 +386,17 @@ def test_two_hosts_read_their_share_of_a_prequantized_fp8_checkpoint(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_two_hosts_quantize_online_by_shard(tmp_path, monkeypatch):
+    """``--quantization fp8`` (round-to-nearest, per output channel) over two hosts: each reads
+    half of the float checkpoint and quantizes its devices' shards where they are (a row-split
+    weight's column maxima combined across hosts by XLA), instead of reading it all; greedy
+    output equals one process's TP=4 and TP=1 quantizing whole weights."""
+    monkeypatch.setenv("MULTIHOST_QUANTIZATION", "fp8")
+    _two_hosts_equal_one_reading_half(_checkpoint(tmp_path, kv_heads=4))
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_killed_host_stops_the_leader_with_its_name(tmp_path):
     path = _checkpoint(tmp_path)

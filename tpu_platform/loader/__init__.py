@@ -8,6 +8,7 @@ import json
 import os
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -173,7 +174,9 @@ def _load_hf_weights(
             f"({arch.architecture}) is not supported; use a dense (bf16/f32) checkpoint"
         )
     # a module's dtype is looked at through the uncharged view: only what is read counts
-    get_linear = None if quant is None else functools.partial(_record, quant, raw, probe or raw)
+    get_linear: Callable[[str], Any] | None = None
+    if quant is not None:
+        get_linear = functools.partial(_record, quant, raw, probe or raw)
     method = None if quant is None else quant.method
     if gpt_oss_mxfp4 and dequantize_experts:  # blocks/scales decode to the dense names
         get = with_dequantized_experts(get, raw)
@@ -183,7 +186,7 @@ def _load_hf_weights(
     if view is not None and get is raw:
         # per-slice reads; quantized records (gpt-oss's packed experts, a pre-quantized dense
         # checkpoint's linears) as unread views of the same uncharged tensors
-        lazy_linear = None
+        lazy_linear: Callable[[str], Any] | None = None
         if packed_experts:
             lazy_linear = expert_records(view)
         elif quant is not None:
