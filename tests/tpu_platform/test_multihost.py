@@ -316,11 +316,14 @@ def test_two_hosts_greedy_output_equals_one_process(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
-def test_two_hosts_each_read_their_share_of_the_weights(tmp_path):
-    """4 KV heads over TP=4, one a device: each host reads from the safetensors files only the
-    shards its own devices hold, and greedy output is still that of one process."""
-    path = _checkpoint(tmp_path, kv_heads=4)
-    _two_hosts_equal_one_reading_half(path)
+def test_two_hosts_read_their_share_and_quantize_it_online(tmp_path, monkeypatch):
+    """4 KV heads over TP=4, one a device, and ``--quantization fp8`` (round-to-nearest, per output
+    channel): each host reads from the safetensors files only the shards its own devices hold and
+    quantizes them where they are (a row-split weight's column maxima combined across hosts by
+    XLA), instead of reading the whole checkpoint to quantize it; greedy output equals one
+    process's TP=4 and TP=1 quantizing whole weights. (The float path's shares: the test above.)"""
+    monkeypatch.setenv("MULTIHOST_QUANTIZATION", "fp8")
+    _two_hosts_equal_one_reading_half(_checkpoint(tmp_path, kv_heads=4))
 
 
 @pytest.mark.slow
@@ -383,17 +386,6 @@ def test_two_hosts_read_their_share_of_a_prequantized_fp8_checkpoint(tmp_path):
         head_dim=64,
     )
     _two_hosts_equal_one_reading_half(ckpt_writers.write_hf_fp8(dense, str(tmp_path / "llama-fp8")))
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(1500)
-def test_two_hosts_quantize_online_by_shard(tmp_path, monkeypatch):
-    """``--quantization fp8`` (round-to-nearest, per output channel) over two hosts: each reads
-    half of the float checkpoint and quantizes its devices' shards where they are (a row-split
-    weight's column maxima combined across hosts by XLA), instead of reading it all; greedy
-    output equals one process's TP=4 and TP=1 quantizing whole weights."""
-    monkeypatch.setenv("MULTIHOST_QUANTIZATION", "fp8")
-    _two_hosts_equal_one_reading_half(_checkpoint(tmp_path, kv_heads=4))
 
 
 @pytest.mark.slow
