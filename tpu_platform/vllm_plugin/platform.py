@@ -43,6 +43,7 @@ from tpuserve.tpu_platform.vllm_plugin.quantization import (
     refuse_method,
     register_quant_configs,
     unsupported_kv_cache,
+    unsupported_moe_quantization,
     unsupported_quantization,
 )
 from tpuserve.tpu_platform.vllm_plugin.sampling import unsupported_features
@@ -431,7 +432,7 @@ def _unsupported_architecture(m: Any) -> list[str]:
     """Ask our own model table whether it implements this checkpoint (no weights, no JAX)."""
     hf = m.hf_config.to_dict() if hasattr(m.hf_config, "to_dict") else dict(m.hf_config)
     try:
-        ModelArch.from_hf_config(hf)
+        arch = ModelArch.from_hf_config(hf)
     except ModelConfigError as e:
         return [f"this model ({e})"]
     if not os.path.exists(os.path.expanduser(str(m.model))):
@@ -439,4 +440,4 @@ def _unsupported_architecture(m: Any) -> list[str]:
             f"model {m.model!r}: the tpuserve platform loads local paths only "
             "(a Hugging Face directory or a .gguf file)"
         ]
-    return []
+    return unsupported_moe_quantization(arch, m)

@@ -13,6 +13,8 @@ from typing import Any
 import torch
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
 
+from tpuserve.tpu_platform.vllm_plugin.quantization import GPT_OSS_MXFP4_METHODS
+
 
 class TpuserveQuantConfig(QuantizationConfig):
     """vLLM's quantization config object for the methods our runtime serves: a marker.
@@ -52,6 +54,11 @@ class TpuserveQuantConfig(QuantizationConfig):
         qm = config.get("quant_method")
         if qm is None:  # a whole config.json (dense checkpoint, online method)
             return cls(None)
+        if str(qm).lower() in GPT_OSS_MXFP4_METHODS:
+            # gpt-oss's own format: only the architecture, which this dict does not name, tells
+            # it from an unreadable one; the platform checks the whole config.json
+            # (quantization.unsupported_quantization) before the engine starts.
+            return cls(str(qm).lower())
         # A checkpoint's quantization_config: refuse here, early and by name, a format the
         # loader would refuse at load (ModelConfigError is a ValueError). Imported here: the loader
         # package imports JAX, which a dense checkpoint's front-end process never needs.

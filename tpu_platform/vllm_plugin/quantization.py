@@ -40,9 +40,15 @@ from tpuserve.tpu_platform.models.arch import ModelConfigError
 
 # vLLM's names for what our loader reads off a pre-quantized checkpoint (loader/quantized.py):
 # quant_method "fp8" (HF / DeepSeek block or per-tensor), "compressed-tensors" (FP8, NVFP4, MXFP4
-# packs), ModelOpt ("modelopt"; vLLM renames NVFP4 ones "modelopt_fp4"). Which *formats* within
-# these are readable is the loader's call (``detect``), asked at config time.
-CHECKPOINT_METHODS = ("fp8", "compressed-tensors", "modelopt", "modelopt_fp4")
+# packs), ModelOpt ("modelopt"; vLLM renames NVFP4 ones "modelopt_fp4"), gpt-oss's MXFP4 experts
+# ("mxfp4", renamed "gpt_oss_mxfp4" by vLLM). Which *formats* within these are readable is the
+# loader's call (``detect``), asked at config time.
+CHECKPOINT_METHODS = ("fp8", "compressed-tensors", "modelopt", "modelopt_fp4", "gpt_oss_mxfp4")
+# gpt-oss's own MXFP4 experts: quant_method "mxfp4" in its config.json, which vLLM renames
+# "gpt_oss_mxfp4" for that architecture (its model-specific config hook). Neither name says which
+# architecture carries it, so TpuserveQuantConfig accepts them and the platform's check, which
+# reads the whole config.json (``unsupported_quantization``), asks the loader about the model.
+GPT_OSS_MXFP4_METHODS = ("mxfp4", "gpt_oss_mxfp4")
 # Every --quantization / model_config.quantization name the platform accepts.
 SERVED_METHODS = tuple(dict.fromkeys((*QUANTIZATION_METHODS, *CHECKPOINT_METHODS)))
 KV_CACHE_DTYPES = ("auto", *FP8_KV_CACHE_DTYPES)
@@ -75,7 +81,7 @@ def refuse_method(quant: str) -> None:
             f"quantization {quant!r} is not supported on the tpuserve platform; it serves "
             f"{', '.join(QUANTIZATION_METHODS)} (an unquantized checkpoint, quantized at load) and "
             f"pre-quantized checkpoints in the fp8, compressed-tensors (FP8, NVFP4, MXFP4) and "
-            f"ModelOpt (FP8, NVFP4) formats"
+            f"ModelOpt (FP8, NVFP4) formats, and gpt-oss's published MXFP4 experts"
         )
 
 
@@ -103,6 +109,25 @@ def unsupported_quantization(model_config: Any) -> list[str]:
             f"quantizes online with {', '.join(QUANTIZATION_METHODS)})"
         ]
     return []
+
+
+def unsupported_moe_quantization(arch: Any, model_config: Any) -> list[str]:
+    """Reasons a mixture-of-experts model cannot take this ``--quantization``: its experts run in
+    the checkpoint's own form (dense, or gpt-oss's published MXFP4), never quantized at load (the
+    worker would refuse it at load; this says so before the engine starts)."""
+    if arch.moe is None:
+        return []
+    try:
+        method = engine_quantization(model_config.model, model_config.quantization)
+    except ModelConfigError:
+        return []  # the checkpoint's format is refused by unsupported_quantization already
+    if method is None:
+        return []
+    return [
+        f"quantization={method!r} with a mixture-of-experts model ({arch.architecture}): its "
+        f"experts are served as the checkpoint stores them (dense, or gpt-oss's own MXFP4), "
+        f"not quantized at load; drop --quantization"
+    ]
 
 
 def unsupported_kv_cache(cfg: Any) -> list[str]:

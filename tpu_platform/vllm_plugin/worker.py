@@ -190,8 +190,11 @@ class TpuserveWorker(WorkerBase):
         vLLM's page (per layer) = 2 * block_size * num_kv_heads * head_size * itemsize, which is our
         interleaved page [page_size, 2*Hkv, D]; where the attention backend pads the combined-head
         axis (TPU sublane tiles), ``page_size_padded`` tells vLLM the real per-layer bytes so its
-        block count matches what we allocate. A sliding-window model is described as full
-        attention with the window recorded, so vLLM keeps every page and our attention applies it.
+        block count matches what we allocate. A sliding-window layer is described as full
+        attention with its window recorded (vLLM's form for a model served without its hybrid KV
+        manager, which this platform declines): vLLM keeps every page of every layer, all layers
+        share one block table, and our attention applies each layer's window. gpt-oss alternates
+        windowed and full layers, so the window is read per layer (``ModelArch.layer_window``).
         """
         a = self._loaded_arch()
         w = self._device_worker()
@@ -201,30 +204,32 @@ class TpuserveWorker(WorkerBase):
         dtype, mode = spec_dtype_and_mode(
             self.cache_config.cache_dtype, self.model_config.dtype, w.kv_cache_dtype.itemsize
         )
-        spec = FullAttentionSpec(
-            block_size=self.cache_config.block_size,
-            num_kv_heads=a.num_kv_heads,
-            head_size=a.head_dim,
-            dtype=dtype,
-            kv_quant_mode=mode,
-            sliding_window=a.sliding_window,
-        )
-        if spec.page_size_bytes != plain:
-            raise RuntimeError(
-                f"vLLM's KV page ({spec.page_size_bytes} B per layer, {dtype}) differs "
-                f"from the worker's ({plain} B, {w.kv_cache_dtype.name})"
-            )
-        if padded != plain:
-            spec = FullAttentionSpec(
-                block_size=spec.block_size,
+
+        def spec(window: int | None, page_size_padded: int | None) -> FullAttentionSpec:
+            return FullAttentionSpec(
+                block_size=self.cache_config.block_size,
                 num_kv_heads=a.num_kv_heads,
                 head_size=a.head_dim,
                 dtype=dtype,
                 kv_quant_mode=mode,
-                sliding_window=a.sliding_window,
-                page_size_padded=padded,
+                sliding_window=window,
+                page_size_padded=page_size_padded,
             )
-        return {f"model.layers.{i}.self_attn.attn": spec for i in range(a.num_layers)}
+
+        unpadded = spec(None, None).page_size_bytes
+        if unpadded != plain:
+            raise RuntimeError(
+                f"vLLM's KV page ({unpadded} B per layer, {dtype}) differs "
+                f"from the worker's ({plain} B, {w.kv_cache_dtype.name})"
+            )
+        pad = padded if padded != plain else None
+        windows = [a.layer_window(i) for i in range(a.num_layers)]
+        if any(windows):
+            log.info(
+                "KV cache spec: sliding windows by layer %s (vLLM keeps every page; the model applies them)",
+                windows,
+            )
+        return {f"model.layers.{i}.self_attn.attn": spec(win, pad) for i, win in enumerate(windows)}
 
     def get_supported_kv_cache_layouts(self) -> list[str]:
         # Our cache is [L, pages, page_size, 2*Hkv (K,V interleaved), D]: blocks, then tokens, then
