@@ -14,13 +14,19 @@ hook body first asks which platform SGLang resolved.
     it is active, platform.py serves the flag.)
   * ``ModelConfig._verify_quantization`` (AROUND): SGLang's check asks its torch quantization
     registry; ours asks our loader and keeps only what tpuserve serves (quantization.py).
+  * ``arg_groups.model_hook.handle_model_specific_adjustments`` (AROUND): gpt-oss's adjustments
+    assert one of SGLang's torch attention kernels and force bfloat16 on its MXFP4 checkpoints for
+    SGLang's Triton kernels; ours run in JAX, so our backend and dtype stay
+    (model_specific_adjustments).
   * ``--quantization`` choices: "nvfp4" is added through SGLang's extension point for out-of-tree
     platforms (``add_quantization_method_choices``) when our platform is active.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 
 from tpuserve.tpu_platform.sglang_plugin.activation import PLUGIN_NAME
 from tpuserve.tpu_platform.sglang_plugin.quantization import ONLINE_METHODS, verify_model_config_quantization
@@ -34,6 +40,18 @@ SCHEDULER_INIT_WORKER = "sglang.srt.managers.scheduler.Scheduler.init_tp_model_w
 RESOLUTION_PIPELINE = "sglang.srt.arg_groups.pipeline.run_resolution_pipeline"
 VALIDATE_REQUEST = "sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request"
 VERIFY_QUANTIZATION = "sglang.srt.configs.model_config.ModelConfig._verify_quantization"
+MODEL_ADJUSTMENTS = "sglang.srt.arg_groups.model_hook.handle_model_specific_adjustments"
+
+# Architectures whose model-specific adjustments assert one of SGLang's own torch attention
+# kernels (gpt-oss: sliding windows and sinks), and a kernel name from SGLang's list that stands in
+# for ours while that check runs. Our attention (windows and sinks included) runs in JAX.
+_ATTENTION_CHECKED_ARCHS = ("GptOssForCausalLM",)
+_STAND_IN_ATTENTION = "triton"
+_ATTENTION_FIELDS = ("attention_backend", "prefill_attention_backend", "decode_attention_backend")
+# What those adjustments may decide for SGLang's own kernels that is ours to decide: the attention
+# backend names above and the model dtype (gpt-oss's MXFP4 checkpoints get bfloat16 "for mxfp4
+# triton kernels"; our executor runs the MXFP4 experts in whatever dtype --dtype resolves to).
+_OUR_FIELDS = (*_ATTENTION_FIELDS, "dtype")
 
 # Request features our worker does not serve yet; refused at admission (HTTP 400), not mid-batch.
 _UNSUPPORTED_SAMPLING_KEYS = ("json_schema", "regex", "ebnf", "structural_tag", "logit_bias")
@@ -131,6 +149,55 @@ def verify_quantization(original, model_config, *args, **kwargs):
     return None
 
 
+def model_specific_adjustments(original, server_args, *args, **kwargs):
+    """AROUND hook on SGLang's per-architecture argument adjustments.
+
+    For gpt-oss SGLang asserts that the attention backend is one of its torch kernels that
+    implement sliding windows and attention sinks, and gives an MXFP4 checkpoint bfloat16 for its
+    Triton MXFP4 kernels. On our platform attention runs in our JAX model (windows and sinks
+    included) under the backend name the platform declares, and the experts' MXFP4 records run in
+    the dtype --dtype resolves to (f32 on a CPU host). So while SGLang's adjustments run, a kernel
+    name from its list stands in (declared through SGLang's own resolution record), and after them
+    our attention backend and the dtype as it was are declared back. Everything else the
+    adjustments decide for the model is kept."""
+    if not our_platform_active() or _architecture(server_args) not in _ATTENTION_CHECKED_ARCHS:
+        return original(server_args, *args, **kwargs)
+    from sglang.srt.arg_groups.overrides import declare_resolution, resolving_view
+
+    view = resolving_view(server_args)
+    ours = {name: getattr(view, name) for name in _OUR_FIELDS}
+    source = "tpuserve: the model runs in JAX"
+    declare_resolution(
+        server_args,
+        source,
+        attention_backend=_STAND_IN_ATTENTION,
+        prefill_attention_backend=None,
+        decode_attention_backend=None,
+    )
+    try:
+        return original(server_args, *args, **kwargs)
+    finally:
+        if view.dtype != ours["dtype"]:
+            log.info(
+                "tpuserve: keeping --dtype %s (SGLang's %s for this model is for its own kernels)",
+                ours["dtype"],
+                view.dtype,
+            )
+        declare_resolution(server_args, source, **ours)
+
+
+def _architecture(server_args) -> str | None:
+    """The checkpoint's first architecture, read off its config.json (None when there is none)."""
+    from sglang.srt.arg_groups.overrides import resolving_view
+
+    path = os.path.join(os.path.expanduser(str(resolving_view(server_args).model_path or "")), "config.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        archs = json.load(f).get("architectures") or [None]
+    return archs[0]
+
+
 def add_quantization_choices() -> None:
     """Let argparse accept every ``--quantization`` method we serve (SGLang lacks "nvfp4")."""
     if not our_platform_active():
@@ -147,4 +214,5 @@ def register_all() -> None:
     HookRegistry.register(RESOLUTION_PIPELINE, explain_device_tpu, HookType.BEFORE)
     HookRegistry.register(VALIDATE_REQUEST, refuse_unsupported_request, HookType.BEFORE)
     HookRegistry.register(VERIFY_QUANTIZATION, verify_quantization, HookType.AROUND)
+    HookRegistry.register(MODEL_ADJUSTMENTS, model_specific_adjustments, HookType.AROUND)
     add_quantization_choices()

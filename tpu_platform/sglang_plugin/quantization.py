@@ -19,9 +19,11 @@ built. What SGLang 0.5.23 does with the two flags, and where this module steps i
 
 Served (``tpu_platform/config.py``, ``tpu_platform/worker.py``): ``--quantization fp8 | mxfp4 |
 nvfp4`` quantizes an unquantized checkpoint once at load (W8A16 per-channel e4m3; e2m1 in 32-blocks
-with e8m0 scales; e2m1 in 16-blocks with e4m3 scales and an f32 global). A pre-quantized checkpoint
-in a format the loader reads (fp8 / DeepSeek block, compressed-tensors FP8 / NVFP4 / MXFP4, ModelOpt
-FP8 / NVFP4) is served as it is; the flag may be unset, our method name, or SGLang's name for the
+with e8m0 scales; e2m1 in 16-blocks with e4m3 scales and an f32 global), except on a
+mixture-of-experts model, whose experts run as the checkpoint stores them (refused naming the flag
+and the architecture). A pre-quantized checkpoint in a format the loader reads (fp8 / DeepSeek
+block, compressed-tensors FP8 / NVFP4 / MXFP4, ModelOpt FP8 / NVFP4, gpt-oss's published MXFP4
+experts) is served as it is; the flag may be unset, our method name, or SGLang's name for the
 format. Anything else (awq, gptq, w8a8_int8, ...) is refused naming the flag and the value.
 
 No SGLang import at module level: platform.py and the hooks import this in every SGLang process.
@@ -29,11 +31,13 @@ No SGLang import at module level: platform.py and the hooks import this in every
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 
 from tpuserve.tpu_platform.checkpoint_probe import checkpoint_quant
 from tpuserve.tpu_platform.config import QUANTIZATION_METHODS
-from tpuserve.tpu_platform.models.arch import ModelConfigError
+from tpuserve.tpu_platform.models.arch import ModelArch, ModelConfigError
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +54,7 @@ CHECKPOINT_FORMATS = (
     "fp8 (HF / DeepSeek block or per-tensor)",
     "compressed-tensors (FP8, NVFP4, MXFP4)",
     "ModelOpt (FP8, NVFP4)",
+    "gpt-oss's published MXFP4 experts",
 )
 # --kv-cache-dtype values served, in SGLang's spelling; our EngineConfig takes them as they are.
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
@@ -78,6 +83,13 @@ def resolve_quantization(flag: str | None, model_path: str | None) -> str | None
             f"SGLang platform cannot load ({e}); {supported_quantization_text()}"
         ) from e
     if ckpt is None:
+        if flag is not None and flag in ONLINE_METHODS and (moe := _moe_architecture(model_path)):
+            raise ValueError(
+                f"--quantization {flag} with a mixture-of-experts model ({moe}) is not supported "
+                f"by the tpuserve SGLang platform: its experts are served as the checkpoint "
+                f"stores them (dense, or gpt-oss's own MXFP4), not quantized at load; drop "
+                f"--quantization"
+            )
         if flag is None or flag in ONLINE_METHODS:
             return flag
         raise ValueError(
@@ -95,6 +107,22 @@ def resolve_quantization(flag: str | None, model_path: str | None) -> str | None
         f"is pre-quantized as {ckpt.method} ({ckpt.producer} format) and is served as "
         f"it is: leave --quantization unset or pass one of {sorted(names)}"
     )
+
+
+def _moe_architecture(model_path: str | None) -> str | None:
+    """The architecture of the checkpoint at ``model_path`` when it is a mixture-of-experts model
+    (read off its config.json, no weights); None otherwise, or when the loader will name what is
+    wrong with it."""
+    cfg_path = os.path.join(os.path.expanduser(str(model_path or "")), "config.json")
+    if not model_path or not os.path.isfile(cfg_path):
+        return None
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    try:
+        arch = ModelArch.from_hf_config(cfg)
+    except ModelConfigError:
+        return None
+    return arch.architecture if arch.moe is not None else None
 
 
 def engine_kv_cache_dtype(value: str | None) -> str:

@@ -1,0 +1,162 @@
+"""Mixture-of-experts models through SGLang with the tpuserve platform.
+
+The main suite's tiny MoE checkpoints (tests/vllm_plugin/moe_checkpoints.py builds them with
+tests/tpu_platform's builders): Qwen3-MoE, gpt-oss with f32 experts, gpt-oss with its experts as the
+published MXFP4 blocks/scales (with the default model's tokenizer: this venv has not the main
+suite's tokenizer packages). All three go through SGLang's argument resolution as its launcher
+runs it (plugins, parse, resolve, ModelConfig), in one child process: accepted with our attention
+backend, the checkpoint's own format, and our dtype. One real ``python -m sglang.launch_server``
+serves the MXFP4 gpt-oss (its sliding-window and full layers, attention sinks, MXFP4 experts, all
+in our JAX executor), and its greedy tokens must equal our standalone engine's on the same
+prompt ids, a prompt past SGLang's prefill chunk and a second request hitting SGLang's radix cache
+included.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from conftest import launch_sglang
+
+pytestmark = [
+    pytest.mark.skipif(
+        importlib.util.find_spec("sglang") is None,
+        reason='sglang is not installed here; run with "$(bash scripts/sglang_env.sh)"',
+    ),
+    pytest.mark.slow,
+    pytest.mark.timeout(900),
+]
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+MAX_NEW = 12
+CHUNK = 16  # SGLang's --chunked-prefill-size here: the long prompt below spans several chunks
+PREFIX = (
+    "Background notes. The museum opens at nine in the morning and closes at six in the "
+    "evening. Tickets cost twelve euros for adults and six for children. The east wing holds "
+    "paintings from the seventeenth century. "
+)
+PROMPTS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Hello",
+    PREFIX + "Question: When does the museum open?\nAnswer:",
+    PREFIX + "Question: What is in the east wing?\nAnswer:",
+]
+
+
+def _moe_checkpoints():
+    """tests/vllm_plugin/moe_checkpoints.py (one builder for both plugin suites), by path."""
+    name = "tpuserve_tests_moe_checkpoints"
+    if name not in sys.modules:
+        path = os.path.join(os.path.dirname(HERE), "vllm_plugin", "moe_checkpoints.py")
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        sys.modules[name] = module
+    return sys.modules[name]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    # the default model's tokenizer: this venv lacks the main suite's tokenizer packages
+    return _moe_checkpoints().build_all(str(tmp_path_factory.mktemp("sglang-moe")), tokenizer="default")
+
+
+# SGLang's argument resolution as its launcher runs it (tests/sglang_plugin/test_quantization.py).
+_RESOLVE = textwrap.dedent("""
+    import json, sys
+    from sglang.srt.plugins import load_plugins
+    load_plugins()
+    from sglang.srt.arg_groups.overrides import resolving_view
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.server_args import prepare_server_args
+
+    for model, extra in json.loads(sys.argv[1]):
+        try:
+            sa = prepare_server_args(["--model-path", model, *extra])
+            sa.resolve_once()
+            v = resolving_view(sa)
+            mc = ModelConfig.from_server_args(sa)
+            res = {"quantization": mc.quantization, "attention_backend": v.attention_backend,
+                   "dtype": v.dtype, "architecture": mc.hf_config.architectures[0]}
+        except SystemExit as e:
+            res = {"error": f"argparse exit {e.code}"}
+        except Exception as e:
+            res = {"error": f"{type(e).__name__}: {e}"}
+        print("RESULT" + json.dumps(res), flush=True)
+""")
+
+
+def test_moe_models_resolve_on_our_platform(checkpoints):
+    cases = {
+        "qwen3_moe": (checkpoints["qwen3_moe"], []),
+        "gpt_oss": (checkpoints["gpt_oss"], []),
+        "gpt_oss_mxfp4": (checkpoints["gpt_oss_mxfp4"], []),
+        "gpt_oss_mxfp4_flag": (checkpoints["gpt_oss_mxfp4"], ["--quantization", "mxfp4"]),
+        "qwen3_moe_fp8": (checkpoints["qwen3_moe"], ["--quantization", "fp8"]),
+    }
+    env = dict(os.environ, SGLANG_PLATFORM="tpuserve")
+    env.setdefault("JAX_PLATFORMS", "cpu")
+    proc = subprocess.run(
+        [sys.executable, "-c", _RESOLVE, json.dumps(list(cases.values()))],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = [json.loads(ln[len("RESULT") :]) for ln in proc.stdout.splitlines() if ln.startswith("RESULT")]
+    assert len(lines) == len(cases), proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = dict(zip(cases, lines))
+    for name, quant in (("qwen3_moe", None), ("gpt_oss", None), ("gpt_oss_mxfp4", "mxfp4")):
+        r = res[name]
+        assert "error" not in r, (name, r)
+        assert r["attention_backend"] == "tpuserve" and r["quantization"] == quant, (name, r)
+        assert r["dtype"] == "auto", (name, r)  # ours to resolve (f32 on CPU), not a kernel's bf16
+    assert res["gpt_oss_mxfp4_flag"]["quantization"] == "mxfp4", res["gpt_oss_mxfp4_flag"]
+    err = res["qwen3_moe_fp8"]["error"]
+    assert "--quantization fp8 with a mixture-of-experts model (Qwen3MoeForCausalLM)" in err, err
+
+
+def _reference(path: str, prompt_ids: list[list[int]]) -> list[list[int]]:
+    from tpuserve.server.llm import LLM
+    from tpuserve.server.sampling_params import SamplingParams
+
+    llm = LLM(path, dtype="float32", warmup=False, max_num_batched_tokens=CHUNK)
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompt_ids],
+        SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True),
+        use_tqdm=False,
+    )
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def test_gpt_oss_mxfp4_served_greedy_equals_standalone(checkpoints, tmp_path):
+    import requests
+
+    path = checkpoints["gpt_oss_mxfp4"]
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    prompt_ids = [tok.encode(p) for p in PROMPTS]
+    assert len(prompt_ids[2]) > 2 * CHUNK
+    with launch_sglang(path, str(tmp_path / "server.log"), "--chunked-prefill-size", str(CHUNK)) as server:
+        got = []
+        for ids in prompt_ids:  # one at a time: the last one finds the previous one's prefix cached
+            body = {
+                "input_ids": ids,
+                "sampling_params": {"temperature": 0, "max_new_tokens": MAX_NEW, "ignore_eos": True},
+            }
+            r = requests.post(server.url + "/generate", json=body, timeout=300)
+            r.raise_for_status()
+            got.append(r.json())
+        log = server.log()
+    assert "weights=mxfp4" in log, log[-4000:]  # our executor kept the experts as MXFP4 records
+    assert got[-1]["meta_info"]["cached_tokens"] >= 2 * 16, got[-1]["meta_info"]  # radix cache hit
+    ref = _reference(path, prompt_ids)
+    assert [g["output_ids"] for g in got] == ref
