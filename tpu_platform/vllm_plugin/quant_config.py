@@ -13,7 +13,12 @@ from typing import Any
 import torch
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
 
-from tpuserve.tpu_platform.vllm_plugin.quantization import GPT_OSS_MXFP4_METHODS
+# gpt-oss's own MXFP4 experts: quant_method "mxfp4" in its config.json, which vLLM renames
+# "gpt_oss_mxfp4" for that architecture (its model-specific config hook). Neither name says which
+# architecture carries it, so TpuserveQuantConfig accepts them and the platform's check, which
+# reads the whole config.json (quantization.unsupported_quantization), asks the loader about the
+# model. (Here, not in quantization.py, which imports this module: no import cycle.)
+GPT_OSS_MXFP4_METHODS = ("mxfp4", "gpt_oss_mxfp4")
 
 
 class TpuserveQuantConfig(QuantizationConfig):

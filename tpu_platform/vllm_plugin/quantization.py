@@ -44,11 +44,6 @@ from tpuserve.tpu_platform.models.arch import ModelConfigError
 # ("mxfp4", renamed "gpt_oss_mxfp4" by vLLM). Which *formats* within these are readable is the
 # loader's call (``detect``), asked at config time.
 CHECKPOINT_METHODS = ("fp8", "compressed-tensors", "modelopt", "modelopt_fp4", "gpt_oss_mxfp4")
-# gpt-oss's own MXFP4 experts: quant_method "mxfp4" in its config.json, which vLLM renames
-# "gpt_oss_mxfp4" for that architecture (its model-specific config hook). Neither name says which
-# architecture carries it, so TpuserveQuantConfig accepts them and the platform's check, which
-# reads the whole config.json (``unsupported_quantization``), asks the loader about the model.
-GPT_OSS_MXFP4_METHODS = ("mxfp4", "gpt_oss_mxfp4")
 # Every --quantization / model_config.quantization name the platform accepts.
 SERVED_METHODS = tuple(dict.fromkeys((*QUANTIZATION_METHODS, *CHECKPOINT_METHODS)))
 KV_CACHE_DTYPES = ("auto", *FP8_KV_CACHE_DTYPES)
