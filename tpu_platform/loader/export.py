@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import numpy as np
 
@@ -19,25 +20,50 @@ def export_hf_dir(gguf_path: str, out_dir: str, dtype: str = "float32") -> str:
 
     from tpuserve.tpu_platform.loader.gguf_loader import load_gguf
 
-    marker = os.path.join(out_dir, ".exported-from")
-    if os.path.exists(marker):
-        with open(marker) as f:
-            if f.read() == os.path.abspath(gguf_path):
-                return out_dir
+    source = os.path.abspath(gguf_path)
+    if _exported_from(out_dir) == source:
+        return out_dir
     ckpt = load_gguf(gguf_path)
-    os.makedirs(out_dir, exist_ok=True)
+    # Written aside and published by one rename: processes that export at once (test workers, the
+    # plugin suites side by side) then see either no directory or a whole one, never a half-written
+    # safetensors file.
+    tmp = f"{out_dir}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
     config = dict(ckpt.config)
     config["torch_dtype"] = dtype
-    with open(os.path.join(out_dir, "config.json"), "w") as f:
+    with open(os.path.join(tmp, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
     tensors = {k: np.ascontiguousarray(v, dtype=np.dtype(dtype)) for k, v in ckpt.tensors.items()}
-    save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
-    ckpt.tokenizer.save_pretrained(out_dir)
-    with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
+    save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+    ckpt.tokenizer.save_pretrained(tmp)
+    with open(os.path.join(tmp, "generation_config.json"), "w") as f:
         json.dump({"bos_token_id": config.get("bos_token_id"), "eos_token_id": config.get("eos_token_id")}, f)
-    with open(marker, "w") as f:
-        f.write(os.path.abspath(gguf_path))
+    with open(os.path.join(tmp, _MARKER), "w") as f:
+        f.write(source)
+    if _exported_from(out_dir) == source:  # another process published it meanwhile
+        shutil.rmtree(tmp, ignore_errors=True)
+        return out_dir
+    shutil.rmtree(out_dir, ignore_errors=True)  # another source's export, or a partial one
+    try:
+        os.rename(tmp, out_dir)
+    except OSError:  # another process published between the check and the rename
+        shutil.rmtree(tmp, ignore_errors=True)
+        if _exported_from(out_dir) != source:
+            raise
     return out_dir
+
+
+_MARKER = ".exported-from"
+
+
+def _exported_from(out_dir: str) -> str | None:
+    """The GGUF path a complete export in ``out_dir`` was made from, or None if there is none."""
+    try:
+        with open(os.path.join(out_dir, _MARKER)) as f:
+            return f.read()
+    except OSError:
+        return None
 
 
 def default_model_hf_dir() -> str:
