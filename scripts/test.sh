@@ -31,7 +31,12 @@ run python scripts/lint_imports.py --no-logo
 # not yet clean; the script says why it lays the package out first).
 run python scripts/typecheck.py
 
-run python -m pytest tests --ignore=tests/vllm_plugin --ignore=tests/sglang_plugin "$@"
+# Two workers, one test file each at a time (module fixtures such as a server are built once), in
+# the order tests/conftest.py sets (files with slow tests first, so the workers end together rather
+# than one running a ten-minute file alone at the end). Most of a test's time is one thread (XLA
+# compiles, server start-ups, Python), so on CI's two cores this takes ~2/3 of one worker's time.
+run python -m pytest tests --ignore=tests/vllm_plugin --ignore=tests/sglang_plugin \
+  -n "${TPUSERVE_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder "$@"
 
 # The two plugin suites run side by side: most of their time is single-threaded (XLA compiles,
 # server start-ups), so on CI's two cores the pair takes ~2/3 of their sum. Venvs are built first,

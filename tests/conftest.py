@@ -103,3 +103,13 @@ def random_checkpoints(tmp_path_factory):
     for arch in ("llama", "qwen2", "qwen3"):
         out[arch] = build_random_checkpoint(arch, str(tmp_path_factory.mktemp(f"ckpt-{arch}")))
     return out
+
+
+def pytest_collection_modifyitems(config, items):
+    """Files holding a slow test run first, the rest after, each group in its usual order.
+
+    scripts/test.sh runs this suite on two pytest-xdist workers a file at a time in this order:
+    with the long files (two-host runs, the quality sweep) dealt out first, the workers finish
+    together instead of one running a ten-minute file alone at the end."""
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow_files)  # stable: order within a group kept
