@@ -126,7 +126,9 @@ class LLMEngine:
         self.arch, self.tokenizer = self.worker.loaded_arch(), self.worker.tokenizer
         self.model_source, self.max_model_len = self.worker.model_source, self.worker.loaded_model_len()
         # The other hosts replay each device call of this engine (multihost.py), in its order.
-        self.hosts: multihost.Leader | None = None if group is None else multihost.Leader(group)
+        self.hosts: multihost.Leader | None = (
+            None if group is None else multihost.Leader(group, replica=replica)
+        )
         self._tell_hosts(multihost.PlanMemory())
         num_pages = self.worker.num_pages()
         self._tell_hosts(multihost.InitKVCache(num_pages))

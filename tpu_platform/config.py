@@ -234,7 +234,8 @@ class ParallelConfig:
 
     ``--distributed-coordinator HOST:PORT --num-hosts H --host-rank R``: this process is host R of
     an engine over H processes joined by ``jax.distributed`` (the coordinator is host 0's address);
-    tensor parallelism then spans every host's devices. All three unset on a TPU pod slice whose
+    tensor parallelism then spans every host's devices, and with ``--data-parallel-size M`` each of
+    the M replicas does (TP/H devices of each host; host 0 schedules them all). All three unset on a TPU pod slice whose
     environment names several workers (``TPU_WORKER_HOSTNAMES``): ``jax.distributed.initialize()``
     finds them itself.
 
@@ -288,12 +289,6 @@ class ParallelConfig:
                 "tensor_parallel_size",
                 tp,
                 f"must be a multiple of num_hosts={self.num_hosts}: tensor parallelism spans every host",
-            )
-            _need(
-                self.data_parallel_size == 1,
-                "data_parallel_size",
-                self.data_parallel_size,
-                "must be 1 on several hosts (one engine spans them all)",
             )
 
     @property

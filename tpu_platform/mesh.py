@@ -4,6 +4,7 @@
 [M, N] grid. Each data-parallel replica is one engine over one row of it: a (1, N) mesh whose
 "model" axis splits weights and KV heads (tensor parallel, ``models/sharding.py``), while the
 replicas never talk to each other (``server/data_parallel.py`` routes requests between them).
+Over several hosts (``multihost.py``) every replica's TP group spans all of them (``mesh_devices``).
 
 Axes are ``Auto`` (GSPMD picks the collectives for the sharded matmuls): ``jax.make_mesh`` defaults
 to Explicit axes in jax 0.10, under which a row-parallel matmul is a sharding type error.
@@ -79,19 +80,27 @@ def model_axis_size(mesh) -> int:
     return 1 if mesh is None else int(mesh.shape[MODEL_AXIS])
 
 
-def mesh_devices(tensor_parallel_size: int, num_hosts: int) -> list:
-    """The devices of a TP group spanning every host: the first TP/H local devices of each
-    process, host by host (neighbours on one host stay neighbours on the "model" axis)."""
+def mesh_devices(tensor_parallel_size: int, num_hosts: int, data_parallel_size: int = 1) -> list:
+    """The devices of TP groups spanning every host, replica by replica: replica r takes local
+    devices [r*TP/H, (r+1)*TP/H) of each process, host by host (neighbours on one host stay
+    neighbours on the "model" axis). ``plan_devices`` then cuts the list into replicas of TP."""
     import jax
 
     per_host = tensor_parallel_size // num_hosts
-    out = []
+    need = per_host * data_parallel_size
+    local = []
     for p in range(num_hosts):
-        local = sorted((d for d in jax.devices() if d.process_index == p), key=lambda d: d.id)
-        if len(local) < per_host:
+        mine = sorted((d for d in jax.devices() if d.process_index == p), key=lambda d: d.id)
+        if len(mine) < need:
+            dp = f" x data_parallel_size={data_parallel_size}" if data_parallel_size > 1 else ""
             raise ConfigError(
-                f"tensor_parallel_size={tensor_parallel_size} over {num_hosts} hosts needs "
-                f"{per_host} devices on each; host {p} has {len(local)}"
+                f"tensor_parallel_size={tensor_parallel_size}{dp} over {num_hosts} hosts needs "
+                f"{need} devices on each; host {p} has {len(mine)}"
             )
-        out.extend(local[:per_host])
-    return out
+        local.append(mine)
+    return [
+        d
+        for r in range(data_parallel_size)
+        for mine in local
+        for d in mine[r * per_host : (r + 1) * per_host]
+    ]

@@ -19,7 +19,11 @@ array:
 
 Messages travel through the coordinator's key-value store (``StepChannel``): the leader writes
 message ``seq`` under its own key, followers read the keys in order, so a lost or reordered
-message is a clear error, not a silent divergence. Only the leader reads tokens back (a
+message is a clear error, not a silent divergence. With ``--data-parallel-size M`` each replica is
+an engine of its own whose TP group spans every host (``mesh.mesh_devices``): host 0 runs M
+engines, each with its own channel (``replica`` in the keys), and every follower runs M Workers,
+one replaying each channel on a thread of its own (replicas share no device, so their programs
+need no order between them). Only the leader reads tokens back (a
 follower's step results stay on its devices until the next step replaces them).
 
 A host that dies: every follower bumps a heartbeat counter in the same store; the leader's
@@ -180,6 +184,12 @@ def initialize(parallel: ParallelConfig) -> HostGroup | None:
     return group
 
 
+def _channel_prefix(replica: int) -> str:
+    """Where one replica's messages and set-up acks live in the store (replica 0: the keys a
+    single-replica engine has always used)."""
+    return _PREFIX if replica == 0 else _PREFIX + f"r{replica}/"
+
+
 def _client() -> Any:
     from jax._src import distributed
 
@@ -194,11 +204,14 @@ def _client() -> Any:
 
 class StepChannel:
     """Messages from the leader to every follower through the coordinator's key-value store, in
-    sequence order. The leader ``send``s; a follower ``recv``s the next one."""
+    sequence order, for one data-parallel ``replica``. The leader ``send``s; a follower ``recv``s
+    the next one."""
 
-    def __init__(self, group: HostGroup, client: Any = None):
+    def __init__(self, group: HostGroup, client: Any = None, replica: int = 0):
         self.group = group
         self.client = client if client is not None else _client()
+        self.replica = replica
+        self.prefix = _channel_prefix(replica)
         self._seq = 0  # last sent (leader) / received (follower)
 
     def send(self, op: Op) -> int:
@@ -214,14 +227,14 @@ class StepChannel:
         return self._seq, pickle.dumps(Message(self._seq, op))
 
     def publish(self, seq: int, raw: bytes) -> None:
-        self.client.key_value_set_bytes(_PREFIX + f"msg/{seq}", raw)
+        self.client.key_value_set_bytes(self.prefix + f"msg/{seq}", raw)
         old = seq - _KEEP_MESSAGES
         if old > 0:
-            self.client.key_value_delete(_PREFIX + f"msg/{old}")
+            self.client.key_value_delete(self.prefix + f"msg/{old}")
 
     def recv(self, timeout_s: float) -> Message | None:
         """The next message, or None when none came within ``timeout_s``."""
-        key = _PREFIX + f"msg/{self._seq + 1}"
+        key = self.prefix + f"msg/{self._seq + 1}"
         try:
             raw = self.client.blocking_key_value_get_bytes(key, int(timeout_s * 1000))
         except Exception as e:
@@ -231,9 +244,15 @@ class StepChannel:
         msg = pickle.loads(raw)
         if not isinstance(msg, Message) or msg.seq != self._seq + 1:
             got = getattr(msg, "seq", type(msg).__name__)
-            raise ProtocolError(f"host {self.group.rank}: expected message {self._seq + 1}, got {got}")
+            raise ProtocolError(
+                f"host {self.group.rank}{_of_replica(self.replica)}: expected message {self._seq + 1}, got {got}"
+            )
         self._seq = msg.seq
         return msg
+
+
+def _of_replica(replica: int) -> str:
+    return f", replica {replica}" if replica else ""
 
 
 def _first_line(e: BaseException) -> str:
@@ -366,16 +385,21 @@ class Leader:
     (~0.6 ms on localhost, benchmarks/multihost_channel.py) that the engine's step need not wait
     for; the followers wait for it instead, as they wait for the step's collectives anyway."""
 
-    def __init__(self, group: HostGroup, *, dead_after_s: float = DEAD_AFTER_S, client: Any = None):
+    def __init__(
+        self, group: HostGroup, *, dead_after_s: float = DEAD_AFTER_S, client: Any = None, replica: int = 0
+    ):
+        """replica: which data-parallel replica's engine this is (its own channel)."""
         self.group = group
-        self.channel = StepChannel(group, client=client)
+        self.channel = StepChannel(group, client=client, replica=replica)
         # No heartbeat of its own: the coordinator lives in this process, so followers see it go.
         self.watchdog = Watchdog(group, dead_after_s=dead_after_s, client=self.channel.client)
         self.closed = False
         self._unacked: list[int] = []  # set-up messages the followers have not confirmed yet
         self._outbox: queue.Queue[tuple[int, bytes] | None] = queue.Queue()
         self._send_error: BaseException | None = None
-        self._sender = threading.Thread(target=self._send_loop, name="multihost-sender", daemon=True)
+        self._sender = threading.Thread(
+            target=self._send_loop, name=f"multihost-sender-{replica}", daemon=True
+        )
         self._sender.start()
 
     def send(self, op: Op) -> int:
@@ -403,7 +427,7 @@ class Leader:
         client = self.channel.client
         for seq in self._unacked:
             for rank in range(1, self.group.num_hosts):
-                key = _PREFIX + f"ack/{rank}/{seq}"
+                key = self.channel.prefix + f"ack/{rank}/{seq}"
                 while True:
                     self.check()
                     try:
@@ -457,11 +481,11 @@ def _exit_on_store_loss(group: HostGroup) -> Callable[[BaseException], None]:
 class Follower:
     """Replays the leader's messages on this host's Worker (``run`` until Shutdown)."""
 
-    def __init__(self, worker: Worker, group: HostGroup, *, poll_s: float = HEARTBEAT_S):
+    def __init__(self, worker: Worker, group: HostGroup, *, poll_s: float = HEARTBEAT_S, replica: int = 0):
         self.worker = worker
         self.group = group
         self.poll_s = poll_s
-        self.channel = StepChannel(group)
+        self.channel = StepChannel(group, replica=replica)
         self.runner: ModelRunner | None = None
         self.last: PendingStep | None = None  # the latest step (the next one may feed from it)
         self.last_seq = -1
@@ -496,7 +520,7 @@ class Follower:
 
     def _ack(self, seq: int) -> None:
         """Tell the leader a set-up call is done here (``Leader.await_setup``)."""
-        self.channel.client.key_value_set(_PREFIX + f"ack/{self.group.rank}/{seq}", "1")
+        self.channel.client.key_value_set(self.channel.prefix + f"ack/{self.group.rank}/{seq}", "1")
 
     def _step(self, seq: int, op: RunStep) -> None:
         import jax
@@ -520,9 +544,9 @@ class Follower:
 
 
 def run_follower(config: EngineConfig) -> str:
-    """A follower host's whole life: join the hosts, load this host's copy of the model, replay the
-    leader's device calls until it shuts down. Returns the leader's reason; raises ``HostLost``
-    when the leader is gone."""
+    """A follower host's whole life: join the hosts, load this host's copy of the model (one per
+    data-parallel replica), replay the leader's device calls until it shuts down. Returns the
+    leader's reason; raises ``HostLost`` when the leader is gone."""
     from tpuserve.tpu_platform.device import discover
     from tpuserve.tpu_platform.worker import Worker
 
@@ -533,12 +557,33 @@ def run_follower(config: EngineConfig) -> str:
     config = config.for_backend(backend)
     # Beating before the load: the leader's watchdog counts from when its own load ended.
     heartbeat = Heartbeat(group, _exit_on_store_loss(group))
-    worker = Worker(config)
-    worker.load()
-    follower = Follower(worker, group)
+    results: queue.Queue[tuple[int, str | BaseException]] = queue.Queue()
+
+    def follow(follower: Follower) -> None:
+        try:
+            results.put((follower.channel.replica, follower.run()))
+        except BaseException as e:  # handed to the main thread, which raises it
+            results.put((follower.channel.replica, e))
+
+    followers = []
     try:
-        reason = follower.run()
+        # Replica by replica, as host 0 builds its engines: each replica's set-up messages are
+        # served while the next one loads.
+        for replica in range(config.parallel.data_parallel_size):
+            worker = Worker(config, replica)
+            worker.load()
+            follower = Follower(worker, group, replica=replica)
+            threading.Thread(
+                target=follow, args=(follower,), name=f"multihost-follower-{replica}", daemon=True
+            ).start()
+            followers.append(follower)
+        reasons: dict[int, str] = {}
+        while len(reasons) < len(followers):
+            replica, got = results.get()
+            if isinstance(got, BaseException):  # one replica broke: this host cannot go on
+                raise got
+            reasons[replica] = got
     finally:
         heartbeat.stop()
-    log.info("host %d: %d steps; leader: %s", group.rank, follower.steps, reason)
-    return reason
+    log.info("host %d: %d steps; leader: %s", group.rank, sum(f.steps for f in followers), reasons[0])
+    return reasons[0]

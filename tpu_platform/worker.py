@@ -219,9 +219,11 @@ class Worker:
         # No mesh on a single device: the one-device engine stays exactly what it was.
         self.mesh = None
         if par.tensor_parallel_size * par.data_parallel_size > 1:
-            # Several processes (multihost.py): the TP group takes devices of every host.
+            # Several processes (multihost.py): each replica's TP group takes devices of every host.
             hosts = jax.process_count()
-            devices = None if hosts == 1 else mesh_devices(par.tensor_parallel_size, hosts)
+            devices = (
+                None if hosts == 1 else mesh_devices(par.tensor_parallel_size, hosts, par.data_parallel_size)
+            )
             plan = plan_devices(par.tensor_parallel_size, par.data_parallel_size, devices)
             self.mesh = replica_mesh(plan, replica)
         self.compilation_cache_dir = enable_compilation_cache(config.compilation.compilation_cache_dir)

@@ -110,6 +110,56 @@ def test_leader_sends_in_order_off_the_caller_thread_and_waits_for_setup():
     assert follower.recv(1.0).op == multihost.Shutdown("done")
 
 
+def test_each_replica_has_a_channel_of_its_own():
+    """Data parallel over hosts: replica r's messages and acks live under their own keys, so each
+    follower thread reads only its replica's calls (replica 0 keeps a single engine's keys)."""
+    store = FakeStore()
+    leaders = [multihost.Leader(multihost.HostGroup(2, 0), client=store, replica=r) for r in (0, 1)]
+    try:
+        leaders[1].send(multihost.Warmup())
+        leaders[0].send(multihost.InitKVCache(7))
+        leaders[1].send(multihost.InitKVCache(9))
+        ones = multihost.StepChannel(multihost.HostGroup(2, 1), client=store, replica=1)
+        zeros = multihost.StepChannel(multihost.HostGroup(2, 1), client=store, replica=0)
+        got1 = [ones.recv(5.0), ones.recv(5.0)]
+        got0 = zeros.recv(5.0)
+        assert [m.op for m in got1 if m] == [multihost.Warmup(), multihost.InitKVCache(9)]
+        assert got0 is not None and got0.op == multihost.InitKVCache(7) and got0.seq == 1
+        assert zeros.recv(0.2) is None  # replica 1's second message is not replica 0's
+        assert "tpuserve/mh/msg/1" in store.data and "tpuserve/mh/r1/msg/2" in store.data
+        # Set-up acks per replica: replica 1's leader waits for its own keys only.
+        store.key_value_set("tpuserve/mh/r1/ack/1/1", "1")
+        store.key_value_set("tpuserve/mh/r1/ack/1/2", "1")
+        leaders[1].await_setup()
+    finally:
+        for leader in leaders:
+            leader.shutdown()
+
+
+def test_mesh_devices_give_each_replica_devices_of_every_host(monkeypatch):
+    import jax
+
+    from tpuserve.tpu_platform.mesh import mesh_devices, plan_devices
+
+    class Dev:
+        def __init__(self, i, p):
+            self.id, self.process_index, self.platform = i, p, "cpu"
+
+        def __repr__(self):
+            return f"d{self.id}@{self.process_index}"
+
+    devices = [Dev(i, i // 4) for i in range(8)]  # 2 hosts x 4 devices
+    monkeypatch.setattr(jax, "devices", lambda: devices)
+    plan = plan_devices(4, 2, mesh_devices(4, 2, data_parallel_size=2))
+    assert [[repr(d) for d in row] for row in plan.rows] == [
+        ["d0@0", "d1@0", "d4@1", "d5@1"],
+        ["d2@0", "d3@0", "d6@1", "d7@1"],
+    ]
+    assert [repr(d) for d in mesh_devices(2, 2)] == ["d0@0", "d4@1"]  # one replica: as before
+    with pytest.raises(ConfigError, match="data_parallel_size=3 over 2 hosts needs 6 devices on each"):
+        mesh_devices(4, 2, data_parallel_size=3)
+
+
 def test_channel_drops_old_messages():
     store = FakeStore()
     leader = multihost.StepChannel(multihost.HostGroup(2, 0), client=store)
@@ -203,16 +253,16 @@ def test_config_names_the_flags():
         tensor_parallel_size=4, distributed_coordinator="10.0.0.1:1234", num_hosts=2, host_rank=1
     )
     assert ok.parallel.multi_host
+    dp = EngineConfig.from_kwargs(
+        tensor_parallel_size=2, data_parallel_size=2, distributed_coordinator="h:1", num_hosts=2
+    )
+    assert dp.parallel.data_parallel_size == 2  # each replica's TP group spans both hosts
     for kwargs, match in (
         (dict(num_hosts=2, tensor_parallel_size=2), "num_hosts=2 needs --distributed-coordinator"),
         (dict(distributed_coordinator="h:1", num_hosts=2, host_rank=2, tensor_parallel_size=2), "host_rank"),
         (dict(distributed_coordinator="nohost", num_hosts=2, tensor_parallel_size=2), "HOST:PORT"),
         (dict(distributed_coordinator="h:1", num_hosts=2, tensor_parallel_size=3), "multiple of num_hosts"),
         (dict(distributed_coordinator="h:1"), "must be > 1"),
-        (
-            dict(distributed_coordinator="h:1", num_hosts=2, tensor_parallel_size=2, data_parallel_size=2),
-            "data_parallel_size",
-        ),
     ):
         with pytest.raises(ConfigError, match=match):
             EngineConfig.from_kwargs(**kwargs)
@@ -426,15 +476,19 @@ def test_killed_host_stops_the_leader_with_its_name(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_http_to_host_zero_of_a_two_host_server(tmp_path):
-    """`tpuserve serve` on both hosts: host 0 answers HTTP, host 1 follows and returns once
-    host 0 stops."""
+def test_http_to_host_zero_of_a_two_host_server_with_two_replicas(tmp_path):
+    """`tpuserve serve` on both hosts with --data-parallel-size 2 --tensor-parallel-size 2: host 0
+    answers HTTP and routes to both replicas, each a TP group over one device of each host (host 1
+    replays both); the replicas answer alike, and host 1 returns once host 0 stops."""
     from tpuserve.server.launcher import ServerProcess, tpuserve_argv
 
     path = _checkpoint(tmp_path)
     coord, port = f"127.0.0.1:{free_port()}", free_port()
-    flags = ["--tensor-parallel-size", "4", "--max-model-len", "128", "--max-num-batched-tokens", "64"]
-    flags += ["--max-num-seqs", "4", "--distributed-coordinator", coord, "--num-hosts", "2"]
+    flags = ["--tensor-parallel-size", "2", "--data-parallel-size", "2", "--max-model-len", "128"]
+    flags += ["--max-num-batched-tokens", "64", "--max-num-seqs", "4"]
+    # No warm-up: each replica compiles only the shapes the two requests use (the warm-up message
+    # is replayed in the offline two-host tests above); warming both replicas took minutes here.
+    flags += ["--distributed-coordinator", coord, "--num-hosts", "2", "--no-warmup"]
     env = dict(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
     follower = subprocess.Popen(
         tpuserve_argv("serve", path, *flags, "--host-rank", "1", "--port", str(free_port())),
@@ -446,8 +500,8 @@ def test_http_to_host_zero_of_a_two_host_server(tmp_path):
     server = ServerProcess(
         tpuserve_argv("serve", path, *flags, "--host-rank", "0", "--port", str(port)), port, env=env
     )
-    try:
-        server.start()
+
+    def complete() -> str:
         body = json.dumps(
             {"model": path, "prompt": "The capital of France is", "max_tokens": 12, "temperature": 0}
         )
@@ -457,6 +511,21 @@ def test_http_to_host_zero_of_a_two_host_server(tmp_path):
         with urllib.request.urlopen(req, timeout=300) as r:
             out = json.loads(r.read())
         assert out["usage"]["completion_tokens"] == 12 and out["choices"][0]["text"], out
+        return out["choices"][0]["text"]
+
+    try:
+        server.start()
+        # Nothing cached to prefer (the prompt fills no page): the router takes turns.
+        texts = [complete(), complete()]
+        with urllib.request.urlopen(server.base_url + "/metrics", timeout=60) as r:
+            metrics = r.read().decode()
+        routed = sorted(
+            line
+            for line in metrics.splitlines()
+            if line.startswith("tpuserve:data_parallel_requests_routed_total{")
+        )
+        assert len(routed) == 2 and all(line.endswith(" 1.0") for line in routed), routed
+        assert texts[0] == texts[1], texts  # replica 0 and replica 1, greedy
         assert server.stop() == 0, server.log_tail()
         fout = _finish(follower, 120)
         assert follower.returncode == 0 and "done (leader shut down)" in fout, fout[-6000:]
