@@ -79,13 +79,13 @@ def _upper_cholesky_of_inverse(h: np.ndarray) -> np.ndarray:
 class _BlockScaler:
     """Per-block step sizes ``[N]`` for one format, chosen from the block's current rows."""
 
-    def __init__(self, fmt: str, w: np.ndarray):
+    def __init__(self, fmt: str, w: np.ndarray, amax: float | None = None):
         self.fmt = fmt
         if fmt == "mxfp4":
             self.block, self.global_scale = MXFP4_BLOCK, None
         elif fmt == "nvfp4":
             self.block = NVFP4_BLOCK
-            amax = float(np.max(np.abs(w)))
+            amax = float(np.max(np.abs(w))) if amax is None else float(amax)
             # ModelOpt convention (global multiplies): the largest block scale lands on e4m3's max.
             self.global_scale = np.float32(amax / (E4M3_MAX * E2M1_MAX)) if amax > 0 else np.float32(1)
         else:
@@ -136,6 +136,7 @@ def gptq_fp4(
     damp: float = 0.1,
     lazy_rows: int = 128,
     act_order: bool = False,
+    amax: float | None = None,
 ):
     """GPTQ of one weight ``w [K, N]`` (``x @ w``) given ``hessian [K, K] = X^T X``.
 
@@ -145,10 +146,14 @@ def gptq_fp4(
     act_order: round rows in decreasing ``diag(H)`` (the most-used inputs first, while the most
     rows are left to absorb their error); block scales are then chosen up front from the
     unmodified weights ("static groups"), since a block's rows are no longer visited together.
+
+    Each column is quantized on its own but for NVFP4's global scale, taken from the weight's
+    largest magnitude: ``amax`` gives the whole weight's when ``w`` is a block of its columns (a
+    device's shard), and the block then gets exactly the whole weight's codes and scales.
     """
     w = np.array(w, np.float64)
     k, n = w.shape
-    scaler = _BlockScaler(fmt, w)
+    scaler = _BlockScaler(fmt, w, amax)
     b = scaler.block
     if k % b or lazy_rows % b:
         raise ValueError(f"{fmt}: K={k} and lazy_rows={lazy_rows} must be multiples of {b}")

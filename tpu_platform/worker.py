@@ -426,13 +426,13 @@ class Worker:
         return None
 
     def _quantizes_on_devices(self, params: dict[str, Any]) -> bool:
-        """Whether an online quantization runs on the devices, over weights placed by shard: a
-        sharded load (weights still ``HostSource``s) quantized round-to-nearest, which is per
-        weight and needs nothing but the weight (XLA combines a row-split weight's column maxima).
-        GPTQ calibrates on whole layers: a sharded load reads them whole instead."""
+        """Whether an online quantization runs over weights placed by shard: a sharded load
+        (weights still ``HostSource``s). Round-to-nearest is per weight and runs on the devices
+        (XLA combines a row-split weight's column maxima); GPTQ runs its layer passes sharded and
+        quantizes each device's columns on the host that holds it (``models/calibrate.py``)."""
         method = self.config.quantization.method
         sources = any(isinstance(x, HostSource) for x in jax.tree_util.tree_leaves(params))
-        return method is not None and sources and self.mesh is not None and self._calibration(method) is None
+        return method is not None and sources and self.mesh is not None
 
     def _placed(self, params: dict[str, Any]) -> dict[str, Any]:
         """The dense weights on the mesh as the runner shards them (models/sharding.py); a source
@@ -473,8 +473,8 @@ class Worker:
         self.quantization = method
         t0 = time.perf_counter()
         calibration = self._calibration(method)
-        # GPTQ needs whole layers: a sharded load still holding sources reads them whole here (its
-        # round-to-nearest weights were placed by shard already, _shard_heads)
+        # A sharded load's weights were placed by shard already (_shard_heads): both recipes
+        # quantize them where they are
         params, report = quantize_params(read_whole(params), method, calibration=calibration)
         self.quant_report = report
         log.info(

@@ -174,3 +174,64 @@ def test_float64_rotation_matches_the_runtime_one():
     np.testing.assert_allclose(
         _rotate_rows(a), np.asarray(fp4.hadamard_blocks(jnp.asarray(a, jnp.float32), axis=-2)), atol=1e-5
     )
+
+
+@pytest.mark.parametrize("fmt, act_order", [("mxfp4", True), ("nvfp4", False)])
+def test_a_block_of_columns_gets_the_whole_weights_codes(fmt, act_order):
+    """What quantizing by device shard rests on: GPTQ rounds every column on its own given H, so
+    a block of columns (with the whole weight's largest magnitude, NVFP4's global scale) gets
+    exactly the codes and scales the whole weight's GPTQ gives those columns."""
+    from tpuserve.quant.gptq import gptq_fp4
+
+    w = _weights(128, 96)
+    x = np.random.default_rng(1).standard_normal((400, 128)) @ np.random.default_rng(2).standard_normal(
+        (128, 128)
+    )
+    h = x.T @ x
+    codes, scales, g = gptq_fp4(w, h, fmt, act_order=act_order)
+    amax = float(np.max(np.abs(w)))
+    for lo in range(0, 96, 24):
+        c, s, gb = gptq_fp4(w[:, lo : lo + 24], h, fmt, act_order=act_order, amax=amax)
+        assert np.array_equal(c, codes[:, lo : lo + 24])
+        assert np.array_equal(
+            np.asarray(s).view(np.uint8), np.asarray(scales)[:, lo : lo + 24].view(np.uint8)
+        )
+        assert gb == g
+    if fmt == "nvfp4":  # without the whole weight's amax a block picks its own global scale
+        lo = 0 if np.argmax(np.max(np.abs(w), axis=0)) >= 24 else 24  # a block without the max
+        assert gptq_fp4(w[:, lo : lo + 24], h, fmt)[2] != g
+
+
+# A weight placed over 4 fake devices, split by rows or by columns as the runner splits
+# row- and column-parallel weights: gptq_record quantizes it by device column blocks.
+_BY_DEVICE = """
+import numpy as np, jax
+from jax.sharding import NamedSharding, PartitionSpec as P
+from tpuserve.tpu_platform.mesh import build_mesh
+from tpuserve.tpu_platform.models.calibrate import gptq_record
+rng = np.random.default_rng(0)
+w = (rng.standard_normal((128, 2, 48)) * 0.05).astype(np.float32)
+x = rng.standard_normal((300, 128)) @ rng.standard_normal((128, 128))
+h = x.T @ x
+mesh = build_mesh(4)
+for fmt, rotate in (("mxfp4", True), ("mxfp4", False), ("nvfp4", False)):
+    whole = gptq_record(w, h, fmt, rotate=rotate)
+    for spec in (P("model", None, None), P(None, None, "model")):
+        rec = gptq_record(jax.device_put(w, NamedSharding(mesh, spec)), h, fmt, rotate=rotate)
+        assert rec.packed.sharding.mesh.shape["model"] == 4, rec.packed.sharding
+        for a, b in zip(jax.tree_util.tree_leaves(rec), jax.tree_util.tree_leaves(whole)):
+            assert np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8)), (fmt, spec)
+        assert rec.out_shape == whole.out_shape == (2, 48), (rec.out_shape, whole.out_shape)
+print("OK")
+"""
+
+
+def test_a_weight_on_a_mesh_is_quantized_by_device_columns_like_the_whole(tmp_path):
+    script = tmp_path / "by_device.py"
+    script.write_text(_BY_DEVICE)
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "tpu_platform"))
+    try:
+        from fake_devices import run_with_devices  # tests/tpu_platform/fake_devices.py
+    finally:
+        sys.path.pop(0)
+    assert run_with_devices(str(script), devices=4, timeout=300).strip().endswith("OK")

@@ -271,13 +271,13 @@ def test_config_names_the_flags():
 # ---- two real processes ----
 
 
-def _checkpoint(tmp_path, kv_heads: int = 2) -> str:
+def _checkpoint(tmp_path, kv_heads: int = 2, **overrides) -> str:
     from conftest import build_random_checkpoint
 
     # 8 query / 2 KV heads: split over TP=4 (KV heads replicated twice); Llama-3's vocabulary
     # splits over 4.
     return build_random_checkpoint(
-        "llama", str(tmp_path / "llama"), num_attention_heads=8, num_key_value_heads=kv_heads
+        "llama", str(tmp_path / "llama"), num_attention_heads=8, num_key_value_heads=kv_heads, **overrides
     )
 
 
@@ -358,9 +358,15 @@ def _two_hosts_equal_one_reading_half(path: str) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
-def test_two_hosts_greedy_output_equals_one_process(tmp_path):
-    """2 KV heads over TP=4: each host grows (replicates) only the KV heads its devices hold."""
-    path = _checkpoint(tmp_path)
+def test_two_hosts_read_their_share_and_calibrate_it_by_gptq(tmp_path, monkeypatch):
+    """2 KV heads over TP=4 (each host grows, replicates, only the KV heads its devices hold) and
+    ``--quantization mxfp4``, calibrated by GPTQ (the default): the layer passes run sharded over
+    both hosts and each host quantizes its own devices' columns (models/calibrate.py), so each
+    reads only its shards; greedy output equals one process's TP=4 and TP=1, which quantizes
+    whole weights. Wider than the other tests' model: a row-split MXFP4 weight's 32-row scale
+    blocks must split over 4 devices."""
+    monkeypatch.setenv("MULTIHOST_QUANTIZATION", "mxfp4")
+    path = _checkpoint(tmp_path, hidden_size=256, intermediate_size=512)
     _two_hosts_equal_one_reading_half(path)
 
 
@@ -371,7 +377,7 @@ def test_two_hosts_read_their_share_and_quantize_it_online(tmp_path, monkeypatch
     channel): each host reads from the safetensors files only the shards its own devices hold and
     quantizes them where they are (a row-split weight's column maxima combined across hosts by
     XLA), instead of reading the whole checkpoint to quantize it; greedy output equals one
-    process's TP=4 and TP=1 quantizing whole weights. (The float path's shares: the test above.)"""
+    process's TP=4 and TP=1 quantizing whole weights. (GPTQ's calibration: the test above.)"""
     monkeypatch.setenv("MULTIHOST_QUANTIZATION", "fp8")
     _two_hosts_equal_one_reading_half(_checkpoint(tmp_path, kv_heads=4))
 

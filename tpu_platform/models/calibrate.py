@@ -6,6 +6,12 @@ weights by GPTQ records (``quant/gptq.py``); run the layer again with the record
 layer's input. Later layers are thus calibrated on the inputs the quantized model will really feed
 them, so their corrections absorb part of the earlier layers' error.
 
+Weights placed over a mesh (a tensor-parallel load, one host or several) stay there: the layer
+passes run sharded, the Hessians come back replicated, and each device's block of a weight's
+columns is quantized by the host that holds the device (GPTQ quantizes every column on its own
+given ``H``; NVFP4's global scale is taken over the whole weight first), so no host reads or
+holds a whole weight and the records equal a whole-weight GPTQ's.
+
 The calibration text ships with the package (``quant/data/calibration.txt``: a mix of prose,
 dialogue, a recipe, a letter, a little code), and is not the text the quality tests measure.
 """
@@ -14,11 +20,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from tpuserve import quant
 from tpuserve.attention.dispatch import AttentionParams
@@ -26,7 +35,9 @@ from tpuserve.attention.metadata import AttentionMetadata
 from tpuserve.quant.fp4 import MXFP4_BLOCK, Mxfp4Weight, Nvfp4Weight, hadamard32, pack_codes
 from tpuserve.quant.fuse import gate_up_in_out
 from tpuserve.quant.gptq import gptq_fp4
+from tpuserve.tpu_platform.device import place
 from tpuserve.tpu_platform.linear import linear, quant_linear_impls
+from tpuserve.tpu_platform.mesh import MODEL_AXIS
 from tpuserve.tpu_platform.models.decoder import block_from_normed, embed_tokens, rms_norm
 from tpuserve.tpu_platform.models.weights import join_gate_up
 
@@ -129,24 +140,74 @@ def _rotate_rows(a: np.ndarray) -> np.ndarray:
     return np.einsum("ij,bjn->bin", hadamard32(), a.reshape(k // MXFP4_BLOCK, MXFP4_BLOCK, n)).reshape(k, n)
 
 
+def _rotated_hessian(hessian: np.ndarray) -> np.ndarray:
+    return _rotate_rows(_rotate_rows(np.asarray(hessian, np.float64)).T).T  # R H R
+
+
 def gptq_record(w, hessian: np.ndarray, method: str, *, rotate: bool = False):
     """One 2-D-contracted weight ``[K, *out]`` -> an FP4 record, by GPTQ over ``hessian [K, K]``.
 
     rotate (MXFP4 only): quantize ``R W`` against ``R H R`` (the inputs ``x R`` the rotated record
-    will meet; ``Mxfp4Weight.rotated``)."""
+    will meet; ``Mxfp4Weight.rotated``). A weight on a mesh of several devices is quantized by
+    device column blocks (``_gptq_by_device``)."""
+    if rotate and method != "mxfp4":
+        raise ValueError(f"rotation is for MXFP4 records, not {method!r}")
+    if _mesh_of(w) is not None:
+        return _gptq_by_device(w, hessian, method, rotate)
     w = np.asarray(w, np.float32)
     out = tuple(w.shape[1:])
     w2 = w.reshape(w.shape[0], -1)
     if rotate:
-        if method != "mxfp4":
-            raise ValueError(f"rotation is for MXFP4 records, not {method!r}")
         w2 = _rotate_rows(np.asarray(w2, np.float64))
-        hessian = _rotate_rows(_rotate_rows(np.asarray(hessian, np.float64)).T).T  # R H R
+        hessian = _rotated_hessian(hessian)
     codes, scales, g = gptq_fp4(w2, hessian, method, damp=DAMP[method], act_order=ACT_ORDER[method])
     packed = pack_codes(jnp.asarray(codes))
     if method == "mxfp4":
         return Mxfp4Weight(packed, jnp.asarray(scales), out, rotate)
     return Nvfp4Weight(packed, jnp.asarray(scales), jnp.full((1, 1), g, jnp.float32), out, False)
+
+
+def _mesh_of(x):
+    """The mesh ``x`` is placed over when it spans several devices on the model axis, else None."""
+    sharding = getattr(x, "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is None or MODEL_AXIS not in mesh.shape or mesh.shape[MODEL_AXIS] < 2:
+        return None
+    return mesh
+
+
+def _gptq_by_device(w: jax.Array, hessian: np.ndarray, method: str, rotate: bool):
+    """``gptq_record`` of a weight placed over a mesh: resharded to blocks of its ``[K, N]``
+    columns along the model axis, each block quantized by the host holding its device, the codes
+    and scales assembled as arrays of the same column sharding (the runner reshards them to its
+    own layout when it places the records)."""
+    mesh = _mesh_of(w)
+    k, out = w.shape[0], tuple(w.shape[1:])
+    n = math.prod(out)
+    if n % mesh.shape[MODEL_AXIS]:
+        raise ValueError(f"GPTQ by device: {n} columns do not split over {mesh.shape[MODEL_AXIS]} devices")
+    by_columns = NamedSharding(mesh, P(None, MODEL_AXIS))
+    replicated = NamedSharding(mesh, P())
+    w2 = jax.jit(lambda a: a.reshape(k, n).astype(jnp.float32), out_shardings=by_columns)(w)
+    amax = None
+    if method == "nvfp4":  # the global scale is the whole weight's
+        amax = float(jax.jit(lambda a: jnp.max(jnp.abs(a)), out_shardings=replicated)(w2))
+    if rotate:
+        hessian = _rotated_hessian(hessian)
+    codes, scales, g = [], [], None
+    for shard in w2.addressable_shards:
+        block = np.asarray(shard.data, np.float32)
+        if rotate:
+            block = _rotate_rows(np.asarray(block, np.float64))
+        c, s, g = gptq_fp4(block, hessian, method, damp=DAMP[method], act_order=ACT_ORDER[method], amax=amax)
+        codes.append(jax.device_put(c, shard.device))
+        scales.append(jax.device_put(np.asarray(s), shard.device))
+    codes_all = jax.make_array_from_single_device_arrays((k, n), by_columns, codes)
+    scales_all = jax.make_array_from_single_device_arrays((scales[0].shape[0], n), by_columns, scales)
+    packed = jax.jit(pack_codes, out_shardings=by_columns)(codes_all)  # pairs along K: no exchange
+    if method == "mxfp4":
+        return Mxfp4Weight(packed, scales_all, out, rotate)
+    return Nvfp4Weight(packed, scales_all, place(np.full((1, 1), g, np.float32), replicated), out, False)
 
 
 def quantize_layers_gptq(
@@ -176,8 +237,20 @@ def quantize_layers_gptq(
         else [join_gate_up(w) for w in params["layers"]]
     )
     batch = _Batch.build(token_ids, arch)
-    data = (batch.md, batch.cos, batch.sin)
+    mesh = next((m for m in map(_mesh_of, jax.tree_util.tree_leaves(layers[0])) if m is not None), None)
     hessians = jax.jit(functools.partial(_layer_hessians, arch, tuple(keys)))
+    if mesh is not None:
+        # Weights over a mesh (perhaps of several hosts): the batch joins them there, and the
+        # Hessians come back whole on every host, for each to quantize its devices' columns.
+        replicated = NamedSharding(mesh, P())
+
+        def put(x):
+            return place(np.asarray(x), replicated)
+
+        md = jax.tree_util.tree_map(put, batch.md)
+        batch = _Batch(put(batch.token_ids), put(batch.cos), put(batch.sin), md)
+        hessians = jax.jit(functools.partial(_layer_hessians, arch, tuple(keys)), out_shardings=replicated)
+    data = (batch.md, batch.cos, batch.sin)
     run = jax.jit(functools.partial(_run_layer, arch))
     h = embed_tokens(params["embed"], batch.token_ids).astype(jnp.float32)
     done = []
