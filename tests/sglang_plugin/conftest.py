@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import textwrap
 import time
 
 import pytest
@@ -57,6 +59,52 @@ def hf_dir() -> str:
     from tpuserve.tpu_platform.loader.export import default_model_hf_dir
 
     return default_model_hf_dir()
+
+
+# SGLang's argument resolution as its launcher runs it (plugins, parse, resolve, ModelConfig), for a
+# list of (model, extra args) cases in one child process: what each resolved to, or its error.
+_RESOLVE = textwrap.dedent("""
+    import json, sys
+    from sglang.srt.plugins import load_plugins
+    load_plugins()
+    from sglang.srt.arg_groups.overrides import resolving_view
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.server_args import prepare_server_args
+
+    for model, extra in json.loads(sys.argv[1]):
+        try:
+            sa = prepare_server_args(["--model-path", model, *extra])
+            sa.resolve_once()
+            v = resolving_view(sa)
+            mc = ModelConfig.from_server_args(sa)
+            res = {"quantization": mc.quantization, "flag": v.quantization,
+                   "kv_cache_dtype": v.kv_cache_dtype, "attention_backend": v.attention_backend,
+                   "dtype": v.dtype, "architecture": mc.hf_config.architectures[0]}
+        except SystemExit as e:
+            res = {"error": f"argparse exit {e.code}"}
+        except Exception as e:
+            res = {"error": f"{type(e).__name__}: {e}"}
+        print("RESULT" + json.dumps(res), flush=True)
+""")
+
+
+def resolve_server_args(cases: dict[str, tuple[str, list[str]]]) -> dict[str, dict]:
+    """{name: (model path, extra launcher args)} -> {name: the resolved quantization, flag,
+    kv_cache_dtype, attention_backend, dtype and architecture, or {"error": ...}}, resolved with
+    our platform (SGLANG_PLATFORM=tpuserve) in one fresh process."""
+    env = dict(os.environ, SGLANG_PLATFORM="tpuserve")
+    env.setdefault("JAX_PLATFORMS", "cpu")
+    proc = subprocess.run(
+        [sys.executable, "-c", _RESOLVE, json.dumps(list(cases.values()))],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = [json.loads(ln[len("RESULT") :]) for ln in proc.stdout.splitlines() if ln.startswith("RESULT")]
+    assert len(lines) == len(cases), proc.stdout[-3000:] + proc.stderr[-3000:]
+    return dict(zip(cases, lines))
 
 
 class Server:

@@ -5,24 +5,21 @@ tests/tpu_platform's builders): Qwen3-MoE, gpt-oss with f32 experts, gpt-oss wit
 published MXFP4 blocks/scales (with the default model's tokenizer: this venv has not the main
 suite's tokenizer packages). All three go through SGLang's argument resolution as its launcher
 runs it (plugins, parse, resolve, ModelConfig), in one child process: accepted with our attention
-backend, the checkpoint's own format, and our dtype. One real ``python -m sglang.launch_server``
-serves the MXFP4 gpt-oss (its sliding-window and full layers, attention sinks, MXFP4 experts, all
-in our JAX executor), and its greedy tokens must equal our standalone engine's on the same
-prompt ids, a prompt past SGLang's prefill chunk and a second request hitting SGLang's radix cache
-included.
+backend, the checkpoint's own format, and our dtype. A real ``python -m sglang.launch_server``
+serves each of the three (gpt-oss's sliding-window and full layers, attention sinks, MXFP4 or f32
+experts; Qwen3-MoE's routed experts; all in our JAX executor), and its greedy tokens must equal
+our standalone engine's on the same prompt ids, a prompt past SGLang's prefill chunk and a second
+request hitting SGLang's radix cache included.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
-import subprocess
 import sys
-import textwrap
 
 import pytest
-from conftest import launch_sglang
+from conftest import launch_sglang, resolve_server_args
 
 pytestmark = [
     pytest.mark.skipif(
@@ -67,31 +64,6 @@ def checkpoints(tmp_path_factory):
     return _moe_checkpoints().build_all(str(tmp_path_factory.mktemp("sglang-moe")), tokenizer="default")
 
 
-# SGLang's argument resolution as its launcher runs it (tests/sglang_plugin/test_quantization.py).
-_RESOLVE = textwrap.dedent("""
-    import json, sys
-    from sglang.srt.plugins import load_plugins
-    load_plugins()
-    from sglang.srt.arg_groups.overrides import resolving_view
-    from sglang.srt.configs.model_config import ModelConfig
-    from sglang.srt.server_args import prepare_server_args
-
-    for model, extra in json.loads(sys.argv[1]):
-        try:
-            sa = prepare_server_args(["--model-path", model, *extra])
-            sa.resolve_once()
-            v = resolving_view(sa)
-            mc = ModelConfig.from_server_args(sa)
-            res = {"quantization": mc.quantization, "attention_backend": v.attention_backend,
-                   "dtype": v.dtype, "architecture": mc.hf_config.architectures[0]}
-        except SystemExit as e:
-            res = {"error": f"argparse exit {e.code}"}
-        except Exception as e:
-            res = {"error": f"{type(e).__name__}: {e}"}
-        print("RESULT" + json.dumps(res), flush=True)
-""")
-
-
 def test_moe_models_resolve_on_our_platform(checkpoints):
     cases = {
         "qwen3_moe": (checkpoints["qwen3_moe"], []),
@@ -100,19 +72,7 @@ def test_moe_models_resolve_on_our_platform(checkpoints):
         "gpt_oss_mxfp4_flag": (checkpoints["gpt_oss_mxfp4"], ["--quantization", "mxfp4"]),
         "qwen3_moe_fp8": (checkpoints["qwen3_moe"], ["--quantization", "fp8"]),
     }
-    env = dict(os.environ, SGLANG_PLATFORM="tpuserve")
-    env.setdefault("JAX_PLATFORMS", "cpu")
-    proc = subprocess.run(
-        [sys.executable, "-c", _RESOLVE, json.dumps(list(cases.values()))],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    lines = [json.loads(ln[len("RESULT") :]) for ln in proc.stdout.splitlines() if ln.startswith("RESULT")]
-    assert len(lines) == len(cases), proc.stdout[-3000:] + proc.stderr[-3000:]
-    res = dict(zip(cases, lines))
+    res = resolve_server_args(cases)
     for name, quant in (("qwen3_moe", None), ("gpt_oss", None), ("gpt_oss_mxfp4", "mxfp4")):
         r = res[name]
         assert "error" not in r, (name, r)
@@ -136,10 +96,11 @@ def _reference(path: str, prompt_ids: list[list[int]]) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
-def test_gpt_oss_mxfp4_served_greedy_equals_standalone(checkpoints, tmp_path):
+@pytest.mark.parametrize("kind", ["gpt_oss_mxfp4", "gpt_oss", "qwen3_moe"])
+def test_moe_served_greedy_equals_standalone(kind, checkpoints, tmp_path):
     import requests
 
-    path = checkpoints["gpt_oss_mxfp4"]
+    path = checkpoints[kind]
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(path)
@@ -156,7 +117,8 @@ def test_gpt_oss_mxfp4_served_greedy_equals_standalone(checkpoints, tmp_path):
             r.raise_for_status()
             got.append(r.json())
         log = server.log()
-    assert "weights=mxfp4" in log, log[-4000:]  # our executor kept the experts as MXFP4 records
+    # our executor kept gpt-oss's published experts as MXFP4 records, and the float ones as floats
+    assert f"weights={'mxfp4' if kind == 'gpt_oss_mxfp4' else 'dense'}," in log, log[-4000:]
     assert got[-1]["meta_info"]["cached_tokens"] >= 2 * 16, got[-1]["meta_info"]  # radix cache hit
     ref = _reference(path, prompt_ids)
     assert [g["output_ids"] for g in got] == ref

@@ -21,10 +21,9 @@ import re
 import socket
 import subprocess
 import sys
-import textwrap
 
 import pytest
-from conftest import launch_sglang
+from conftest import launch_sglang, resolve_server_args
 
 pytestmark = [
     pytest.mark.skipif(
@@ -184,30 +183,6 @@ def test_unsupported_quantization_refused_at_launch(hf_dir):
     assert "Uvicorn running" not in out and "tpuserve JAX executor ready" not in out
 
 
-# SGLang's argument resolution as its launcher runs it (plugins, parse, resolve, ModelConfig).
-_RESOLVE = textwrap.dedent("""
-    import json, sys
-    from sglang.srt.plugins import load_plugins
-    load_plugins()
-    from sglang.srt.arg_groups.overrides import resolving_view
-    from sglang.srt.configs.model_config import ModelConfig
-    from sglang.srt.server_args import prepare_server_args
-
-    for model, extra in json.loads(sys.argv[1]):
-        try:
-            sa = prepare_server_args(["--model-path", model, *extra])
-            sa.resolve_once()
-            v = resolving_view(sa)
-            res = {"quantization": ModelConfig.from_server_args(sa).quantization,
-                   "flag": v.quantization, "kv_cache_dtype": v.kv_cache_dtype}
-        except SystemExit as e:
-            res = {"error": f"argparse exit {e.code}"}
-        except Exception as e:
-            res = {"error": f"{type(e).__name__}: {e}"}
-        print("RESULT" + json.dumps(res), flush=True)
-""")
-
-
 def _checkpoint_with(hf_dir: str, dest: str, quant_config: dict) -> str:
     """``hf_dir`` with a ``quantization_config`` in its config.json (other files linked)."""
     os.makedirs(dest)
@@ -269,17 +244,7 @@ def test_methods_and_kv_dtypes_at_resolution(hf_dir, tmp_path):
         "ct_nvfp4_sglang_name": (ct_nvfp4, ["--quantization", "compressed-tensors"]),
         "awq_ckpt": (awq, []),
     }
-    proc = subprocess.run(
-        [sys.executable, "-c", _RESOLVE, json.dumps(list(cases.values()))],
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    lines = [json.loads(ln[len("RESULT") :]) for ln in proc.stdout.splitlines() if ln.startswith("RESULT")]
-    assert len(lines) == len(cases), proc.stdout[-3000:] + proc.stderr[-3000:]
-    res = dict(zip(cases, lines))
+    res = resolve_server_args(cases)
     # Online methods our worker serves: SGLang's model config carries them (mxfp4 is "Unknown" to
     # SGLang's own check on a CPU host; nvfp4 is not one of its argparse choices without us).
     assert res["mxfp4"]["quantization"] == "mxfp4", res["mxfp4"]

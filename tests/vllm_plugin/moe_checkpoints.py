@@ -23,8 +23,9 @@ TPU_PLATFORM_TESTS = os.path.join(TESTS, "tpu_platform")
 KINDS = ("qwen3_moe", "gpt_oss", "gpt_oss_mxfp4")
 
 
-def _root_conftest():
-    """tests/conftest.py as a module of its own name (a plugin suite's conftest is "conftest")."""
+def root_conftest():
+    """tests/conftest.py as a module of its own name (a plugin suite's conftest is "conftest").
+    The vLLM suite's helpers re-export it (vllm_helpers.py)."""
     name = "tpuserve_tests_root_conftest"
     if name not in sys.modules:
         spec = importlib.util.spec_from_file_location(name, os.path.join(TESTS, "conftest.py"))
@@ -55,7 +56,7 @@ def _main_suite_imports(tokenizer: str = "qwen3"):
     saved = sys.modules.get("conftest")
     added = [p for p in (TESTS, TPU_PLATFORM_TESTS) if p not in sys.path]
     sys.path[:0] = added
-    sys.modules["conftest"] = _root_conftest() if tokenizer == "qwen3" else _default_model_tokenizers()
+    sys.modules["conftest"] = root_conftest() if tokenizer == "qwen3" else _default_model_tokenizers()
     try:
         yield
     finally:

@@ -21,7 +21,7 @@ import pytest
 
 pytest.importorskip("vllm")  # runs in the vLLM venv; test_vllm_venv_suite.py runs it from the main one
 
-from vllm_helpers import PROMPTS, child_env, run_driver
+from vllm_helpers import PROMPTS, child_env, resolve_engine_configs, run_driver
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
@@ -200,22 +200,7 @@ def test_config_time_acceptance_and_refusals_by_name(qwen3_dir, tmp_path):
         (ct_int4, {}),
         (awq, {}),
     ]
-    code = f"""
-from vllm.engine.arg_utils import EngineArgs
-for model, kw in {cases!r}:
-    try:
-        cfg = EngineArgs(model=model, dtype="float32", max_model_len=128, **kw).create_engine_config()
-        print("ACCEPTED", cfg.model_config.quantization, type(cfg.quant_config).__name__,
-              cfg.cache_config.cache_dtype)
-    except Exception as e:
-        print("REFUSED", str(e).replace(chr(10), " ")[:600])
-"""
-    proc = subprocess.run(
-        [sys.executable, "-c", code], env=child_env(plugin=True), capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(("ACCEPTED", "REFUSED"))]
-    assert len(lines) == len(cases), proc.stdout + proc.stderr[-3000:]
+    lines = resolve_engine_configs(cases)
     (fp8, mxfp4, nvfp4, awq_flag, gptq, kv_fp8, kv_e4m3, kv_e5m2, kv_pd, ct, hf, hf_flag, int4, awq_ckpt) = (
         lines
     )

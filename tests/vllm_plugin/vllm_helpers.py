@@ -11,6 +11,8 @@ import os
 import subprocess
 import sys
 
+from moe_checkpoints import root_conftest  # noqa: F401  (tests/conftest.py as a module; re-exported)
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 TESTS = os.path.dirname(HERE)
 DRIVER = os.path.join(HERE, "vllm_driver.py")
@@ -69,17 +71,26 @@ def run_driver(spec: dict, workdir: str, plugin: bool = True, timeout: float = 9
     return result
 
 
-def root_conftest():
-    """tests/conftest.py as a module (the name "conftest" is ambiguous with this file beside it)."""
-    import importlib.util
-
-    name = "tpuserve_tests_root_conftest"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, os.path.join(TESTS, "conftest.py"))
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        sys.modules[name] = module
-    return sys.modules[name]
+def resolve_engine_configs(cases: list[tuple[str, dict]]) -> list[str]:
+    """vLLM's engine config for each ``(model, EngineArgs keywords)`` with our plugin, in one child
+    process: "ACCEPTED <quantization> <quant config class> <cache dtype>" or "REFUSED <error>"."""
+    code = f"""
+from vllm.engine.arg_utils import EngineArgs
+for model, kw in {cases!r}:
+    try:
+        cfg = EngineArgs(model=model, dtype="float32", max_model_len=128, **kw).create_engine_config()
+        print("ACCEPTED", cfg.model_config.quantization, type(cfg.quant_config).__name__,
+              cfg.cache_config.cache_dtype)
+    except Exception as e:
+        print("REFUSED", str(e).replace(chr(10), " ")[:600])
+"""
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=child_env(plugin=True), capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(("ACCEPTED", "REFUSED"))]
+    assert len(lines) == len(cases), proc.stdout + proc.stderr[-3000:]
+    return lines
 
 
 def hf_greedy(model, ids: list[int], n: int) -> list[int]:
