@@ -152,19 +152,29 @@ def gptq_record(w, hessian: np.ndarray, method: str, *, rotate: bool = False):
     device column blocks (``_gptq_by_device``)."""
     if rotate and method != "mxfp4":
         raise ValueError(f"rotation is for MXFP4 records, not {method!r}")
+    if rotate:
+        hessian = _rotated_hessian(hessian)
     if _mesh_of(w) is not None:
         return _gptq_by_device(w, hessian, method, rotate)
     w = np.asarray(w, np.float32)
     out = tuple(w.shape[1:])
-    w2 = w.reshape(w.shape[0], -1)
+    codes, scales, g = _gptq_columns(w.reshape(w.shape[0], -1), hessian, method, rotate)
+    g_arr = None if g is None else jnp.full((1, 1), g, jnp.float32)
+    return _record(method, pack_codes(jnp.asarray(codes)), jnp.asarray(scales), g_arr, out, rotate)
+
+
+def _gptq_columns(w2, hessian: np.ndarray, method: str, rotate: bool, amax: float | None = None):
+    """GPTQ of columns ``w2 [K, n]`` (all of a weight's, or a block of them with the whole
+    weight's ``amax``) -> (codes, scales, global scale); ``hessian`` is rotated already."""
     if rotate:
         w2 = _rotate_rows(np.asarray(w2, np.float64))
-        hessian = _rotated_hessian(hessian)
-    codes, scales, g = gptq_fp4(w2, hessian, method, damp=DAMP[method], act_order=ACT_ORDER[method])
-    packed = pack_codes(jnp.asarray(codes))
+    return gptq_fp4(w2, hessian, method, damp=DAMP[method], act_order=ACT_ORDER[method], amax=amax)
+
+
+def _record(method: str, packed, scales, g, out: tuple, rotate: bool):
     if method == "mxfp4":
-        return Mxfp4Weight(packed, jnp.asarray(scales), out, rotate)
-    return Nvfp4Weight(packed, jnp.asarray(scales), jnp.full((1, 1), g, jnp.float32), out, False)
+        return Mxfp4Weight(packed, scales, out, rotate)
+    return Nvfp4Weight(packed, scales, g, out, False)
 
 
 def _mesh_of(x):
@@ -177,10 +187,10 @@ def _mesh_of(x):
 
 
 def _gptq_by_device(w: jax.Array, hessian: np.ndarray, method: str, rotate: bool):
-    """``gptq_record`` of a weight placed over a mesh: resharded to blocks of its ``[K, N]``
-    columns along the model axis, each block quantized by the host holding its device, the codes
-    and scales assembled as arrays of the same column sharding (the runner reshards them to its
-    own layout when it places the records)."""
+    """``gptq_record`` of a weight placed over a mesh (``hessian`` rotated already): resharded to
+    blocks of its ``[K, N]`` columns along the model axis, each block quantized by the host holding
+    its device, the codes and scales assembled as arrays of the same column sharding (the runner
+    reshards them to its own layout when it places the records)."""
     mesh = _mesh_of(w)
     k, out = w.shape[0], tuple(w.shape[1:])
     n = math.prod(out)
@@ -192,22 +202,16 @@ def _gptq_by_device(w: jax.Array, hessian: np.ndarray, method: str, rotate: bool
     amax = None
     if method == "nvfp4":  # the global scale is the whole weight's
         amax = float(jax.jit(lambda a: jnp.max(jnp.abs(a)), out_shardings=replicated)(w2))
-    if rotate:
-        hessian = _rotated_hessian(hessian)
     codes, scales, g = [], [], None
     for shard in w2.addressable_shards:
-        block = np.asarray(shard.data, np.float32)
-        if rotate:
-            block = _rotate_rows(np.asarray(block, np.float64))
-        c, s, g = gptq_fp4(block, hessian, method, damp=DAMP[method], act_order=ACT_ORDER[method], amax=amax)
+        c, s, g = _gptq_columns(np.asarray(shard.data, np.float32), hessian, method, rotate, amax)
         codes.append(jax.device_put(c, shard.device))
         scales.append(jax.device_put(np.asarray(s), shard.device))
     codes_all = jax.make_array_from_single_device_arrays((k, n), by_columns, codes)
     scales_all = jax.make_array_from_single_device_arrays((scales[0].shape[0], n), by_columns, scales)
     packed = jax.jit(pack_codes, out_shardings=by_columns)(codes_all)  # pairs along K: no exchange
-    if method == "mxfp4":
-        return Mxfp4Weight(packed, scales_all, out, rotate)
-    return Nvfp4Weight(packed, scales_all, place(np.full((1, 1), g, np.float32), replicated), out, False)
+    g_all = None if g is None else place(np.full((1, 1), g, np.float32), replicated)
+    return _record(method, packed, scales_all, g_all, out, rotate)
 
 
 def quantize_layers_gptq(
