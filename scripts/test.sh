@@ -34,7 +34,7 @@ run python scripts/typecheck.py
 # Two workers, one test file each at a time (module fixtures such as a server are built once), in
 # the order tests/conftest.py sets (files with slow tests first, so the workers end together rather
 # than one running a ten-minute file alone at the end). Most of a test's time is one thread (XLA
-# compiles, server start-ups, Python), so on CI's two cores this takes ~2/3 of one worker's time.
+# compiles, server start-ups, Python): on two cores 47 min instead of 68 on one worker (RESULTS.md).
 run python -m pytest tests --ignore=tests/vllm_plugin --ignore=tests/sglang_plugin \
   -n "${TPUSERVE_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder "$@"
 
