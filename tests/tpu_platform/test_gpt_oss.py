@@ -375,6 +375,57 @@ def test_ngram_speculative_decoding_and_prefix_cache_keep_greedy_tokens(checkpoi
 
 
 @pytest.mark.timeout(600)
+def test_host_tier_brings_back_evicted_pages_across_the_sliding_layers(checkpoints):
+    """Prompts sharing a long prefix, pushed out of a 9-page device pool by others and sent again:
+    the prefix pages come back from the host tier (every layer's slice of a page, the 4-token
+    sliding layers' as well as the full ones') and the greedy tokens are those of an engine
+    without any cache, with the n-gram drafter on."""
+    from tpuserve.server.llm import LLM
+    from tpuserve.server.sampling_params import SamplingParams
+
+    engine = dict(max_model_len=128, max_num_batched_tokens=16, max_num_seqs=2, block_size=16, warmup=False)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    rng = np.random.default_rng(1)
+    prefix = [int(t) for t in rng.integers(100, 3000, 64)]  # 4 full pages
+    motif = [int(t) for t in rng.integers(100, 3000, 5)]
+    # 80 tokens: 64 come from the cache, and the first computed position's 4-token window reads the
+    # last 3 tokens of reloaded page 3 in the sliding layers. The repeats give the drafter matches.
+    shared = [prefix + motif * 3 + [int(t)] for t in (7, 11)]
+    flood = [[int(t) for t in rng.integers(100, 3000, 100)] for _ in range(3)]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    rounds = [shared, flood, shared]  # one request at a time, so each round sees the one before
+
+    def run(llm):
+        return [
+            o.outputs[0].token_ids
+            for prompts in rounds
+            for p in prompts
+            for o in llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)
+        ]
+
+    want = run(LLM(checkpoints["dense"], enable_prefix_caching=False, num_gpu_blocks=64, **engine))
+    # 8 usable pages: one 100-token flood prompt takes 7, so the shared prefix leaves the device.
+    llm = LLM(
+        checkpoints["dense"],
+        num_gpu_blocks=9,
+        kv_offloading_size=64 * 16 * LAYERS * 4 * 16 * 4 / 2**30,  # 64 pages: [L, 16, 2x2 heads, 16] f32
+        speculative_config=spec,
+        **engine,
+    )
+    e = llm.engine
+    assert run(llm) == want
+    assert e.host_tier.num_slots == 64
+    # The first shared prompt of the last round reloads the 4 prefix pages (the second then finds
+    # them on the device).
+    assert e.stats.host_cache_hits >= 64 and e.host_tier.stats.loaded_pages >= 4, (
+        e.stats.host_cache_hits,
+        e.host_tier.stats,
+    )
+    assert e.stats.spec_num_draft_tokens > 0
+    assert e.pool.num_free == e.pool.num_usable
+
+
+@pytest.mark.timeout(600)
 def test_full_attention_only_layers_run_scanned_and_match_transformers(tmp_path):
     """With every layer full attention the layers share one body: stacked and scanned (sinks and
     expert biases through ``lax.scan``), still transformers' logits."""
