@@ -304,3 +304,32 @@ def test_async_scheduling_survives_preemption(random_checkpoints):
         assert llm.engine.pool.num_free == 12
     assert outs[True] == outs[False]
     assert all(len(t) == 40 for t in outs[True])
+
+
+def test_generation_config_eos_list_ends_generation(llm, random_checkpoints, tmp_path):
+    """A checkpoint's generation_config.json eos_token_id list ends generation as config.json's
+    eos does (gpt-oss stops on <|call|> this way, Llama 3 instructs on <|eot_id|>). The stop
+    token is whatever this random model greedily says third, so the run must end right there."""
+    import json
+    import os
+    import shutil
+
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    said = llm.generate(["Hello there"], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    stop = said[2]
+    assert stop not in said[:2]
+    path = str(tmp_path / "ckpt")
+    shutil.copytree(random_checkpoints["qwen3"], path)
+    with open(os.path.join(path, "generation_config.json"), "w") as f:
+        json.dump({"eos_token_id": [llm.get_tokenizer().eos_token_id, stop]}, f)
+    other = LLM(
+        path, max_model_len=256, max_num_batched_tokens=64, max_num_seqs=8, num_gpu_blocks=80, warmup=False
+    )
+    out = other.generate(["Hello there"], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[
+        0
+    ].outputs[0]
+    assert out.token_ids == said[:3] and out.finish_reason == "stop"
+    with open(os.path.join(path, "generation_config.json"), "w") as f:
+        f.write("{not json")
+    with pytest.raises(Exception, match="generation_config.json: not valid JSON"):
+        LLM(path, max_model_len=256, warmup=False)

@@ -116,7 +116,15 @@ def _load_hf_dir(
     with timings.phase("config"):
         with open(cfg_file) as f:
             cfg = json.load(f)
-        arch = ModelArch.from_hf_config(cfg)
+        gen_file = os.path.join(path, "generation_config.json")
+        generation = None
+        if os.path.isfile(gen_file):
+            try:
+                with open(gen_file) as f:
+                    generation = json.load(f)
+            except ValueError as e:
+                raise ModelConfigError(f"{gen_file}: not valid JSON ({e})") from e
+        arch = ModelArch.from_hf_config(cfg, generation)
         files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
         if not files:
             raise ModelConfigError(f"{path!r} has no *.safetensors weight files")

@@ -138,7 +138,10 @@ class ModelArch:
     attention_sinks: bool = False  # a learned per-head logit in each softmax denominator (gpt-oss)
 
     @classmethod
-    def from_hf_config(cls, cfg: dict) -> ModelArch:
+    def from_hf_config(cls, cfg: dict, generation_config: dict | None = None) -> ModelArch:
+        """``generation_config``: the checkpoint's generation_config.json, whose eos_token_id
+        list ends generation too (as in vLLM): gpt-oss stops on <|call|> as well as <|return|>,
+        Llama 3 instructs on <|eot_id|>."""
         archs = cfg.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED), None)
         moe_arch = next((a for a in archs if a in UNSUPPORTED_MOE), None)
@@ -182,8 +185,12 @@ class ModelArch:
                 )
             if kind == "default":
                 rope_scaling = None
-        eos = cfg.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
+        eos_ids: tuple[int, ...] = ()
+        for source in (cfg, generation_config or {}):
+            eos = source.get("eos_token_id")
+            for e in eos if isinstance(eos, (list, tuple)) else ([eos] if eos is not None else []):
+                if int(e) not in eos_ids:
+                    eos_ids += (int(e),)
         sliding = (
             cfg.get("sliding_window") if cfg.get("use_sliding_window", arch == "MistralForCausalLM") else None
         )
