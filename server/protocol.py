@@ -235,6 +235,10 @@ class ChatMessage(Request):
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None
     tool_call_id: str | None = None
+    # An assistant turn's reasoning, for templates that show it (gpt-oss's analysis channel);
+    # vLLM's name and SGLang's (and vLLM's former) name.
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
 
 class FunctionDefinition(Request):
@@ -273,6 +277,10 @@ class ChatCompletionRequest(SamplingFields):
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     echo: bool = False
+    # Passed to the chat template (gpt-oss's "Reasoning: ..." line; "none" also sets Qwen3's
+    # enable_thinking=False), as vLLM does. include_reasoning=false leaves the reasoning out.
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
+    include_reasoning: bool = True
 
 
 class ToolCallFunction(Response):
@@ -290,6 +298,9 @@ class ChatResponseMessage(Response):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     tool_calls: list[ToolCallOut] = Field(default_factory=list)
+    # A reasoning model's reasoning (gpt-oss's analysis channel), under vLLM's name and SGLang's.
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
 
 class TopLogprob(Response):
@@ -343,6 +354,8 @@ class DeltaMessage(Response):
     role: Literal["assistant"] | None = None
     content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
 
 class ChatStreamChoice(Response):

@@ -8,6 +8,7 @@ import uuid
 from collections.abc import AsyncIterator
 
 from tpuserve.server.api_errors import APIError, bad_request
+from tpuserve.server.harmony import HarmonyDelta, HarmonyParser, HarmonyTokens, parse_harmony
 from tpuserve.server.outputs import RequestOutput
 from tpuserve.server.protocol import (
     ChatChoice,
@@ -78,7 +79,12 @@ def _message_dict(i: int, m: ChatMessage) -> dict:
                 )
             texts.append(part.text)
         content = "\n".join(texts)
-    d: dict = {"role": "system" if m.role == "developer" else m.role, "content": content or ""}
+    d: dict = {"role": m.role, "content": content or ""}
+    reasoning = m.reasoning if m.reasoning is not None else m.reasoning_content
+    if reasoning is not None and m.role == "assistant":
+        # gpt-oss's template reads an assistant turn's reasoning as "thinking", Qwen3's and
+        # DeepSeek's as "reasoning_content".
+        d["thinking"] = d["reasoning_content"] = reasoning
     if m.name is not None:
         d["name"] = m.name
     if m.tool_calls:
@@ -143,6 +149,15 @@ def _maybe_json(text: str):
 class ChatHandler:
     def __init__(self, ctx: ServingContext):
         self.ctx = ctx
+        self._harmony: HarmonyTokens | None | bool = False  # False: not looked up yet
+
+    @property
+    def harmony(self) -> HarmonyTokens | None:
+        """The harmony special tokens when the model answers in harmony messages (gpt-oss)."""
+        if self._harmony is False:
+            tok = self.ctx.tokenizer
+            self._harmony = HarmonyTokens.of(tok) if tok is not None else None
+        return self._harmony  # type: ignore[return-value]
 
     async def prompt_ids(
         self, conversation: list[dict], tools: list[dict] | None, req: ChatCompletionRequest
@@ -177,9 +192,15 @@ class ChatHandler:
             tools = None
         if "tool_calls" not in template:
             conversation = [_inline_tool_calls(m) for m in conversation]
+        if "developer" not in template:
+            # Templates without a developer role take its instructions as the system message.
+            conversation = [dict(m, role="system") if m["role"] == "developer" else m for m in conversation]
         kwargs = {
             k: v for k, v in (req.chat_template_kwargs or {}).items() if k not in _RESERVED_TEMPLATE_KWARGS
         }
+        if req.reasoning_effort is not None:
+            kwargs.setdefault("reasoning_effort", req.reasoning_effort)
+            kwargs.setdefault("enable_thinking", req.reasoning_effort != "none")
         try:
             text = tok.apply_chat_template(
                 conversation,
@@ -289,6 +310,15 @@ class ChatHandler:
         return out
 
     @staticmethod
+    def _harmony_out(delta: HarmonyDelta, parse_tools: bool) -> HarmonyDelta:
+        """Without tools in the request a call the model made anyway is not a tool call: its
+        arguments stay in the content, as the text of a model without a tool parser would."""
+        if parse_tools or not delta.calls:
+            return delta
+        text = "".join(c.arguments for c in delta.calls)
+        return HarmonyDelta(reasoning=delta.reasoning, content=delta.content + text)
+
+    @staticmethod
     def _tool_calls_out(calls: list[ToolCall]) -> list[ToolCallOut]:
         return [
             ToolCallOut(id=c.id, function=ToolCallFunction(name=c.name, arguments=c.arguments)) for c in calls
@@ -301,7 +331,16 @@ class ChatHandler:
             raise APIError(out.error_status, f"request failed: {out.error}")
         choices = []
         for c in out.outputs:
-            content, calls = parse_tool_calls(c.text) if parse_tools else (c.text, [])
+            reasoning = None
+            if self.harmony is not None:
+                parsed = self._harmony_out(
+                    parse_harmony(self.ctx.tokenizer, self.harmony, c.token_ids), parse_tools
+                )
+                content, calls, reasoning = parsed.content or None, parsed.calls, parsed.reasoning or None
+                if not req.include_reasoning:
+                    reasoning = None
+            else:
+                content, calls = parse_tool_calls(c.text) if parse_tools else (c.text, [])
             finish = "tool_calls" if calls else c.finish_reason
             lps = None
             if req.logprobs:
@@ -313,7 +352,12 @@ class ChatHandler:
             choices.append(
                 ChatChoice(
                     index=c.index,
-                    message=ChatResponseMessage(content=content, tool_calls=self._tool_calls_out(calls)),
+                    message=ChatResponseMessage(
+                        content=content,
+                        tool_calls=self._tool_calls_out(calls),
+                        reasoning=reasoning,
+                        reasoning_content=reasoning,
+                    ),
                     logprobs=lps,
                     finish_reason=finish,
                     stop_reason=c.stop_reason,
@@ -344,7 +388,12 @@ class ChatHandler:
         sent_chars = [0] * n
         sent_tokens = [0] * n
         done = [False] * n
-        parsers = [StreamingToolParser() if parse_tools else None for _ in range(n)]
+        harmony = self.harmony
+        parsers = [StreamingToolParser() if parse_tools and harmony is None else None for _ in range(n)]
+        readers = [
+            HarmonyParser(self.ctx.tokenizer, harmony) if harmony is not None else None for _ in range(n)
+        ]
+        stream_calls = [0] * n  # tool calls sent so far, per choice: the next call's index
         final: RequestOutput | None = None
 
         def chunk(choice: ChatStreamChoice) -> str:
@@ -373,9 +422,10 @@ class ChatHandler:
                 )
                 new_ids = c.token_ids[sent_tokens[idx] : visible]
                 positions = (c.logprobs or [])[sent_tokens[idx] : visible]
+                generated = c.token_ids[sent_tokens[idx] :]
                 sent_chars[idx], sent_tokens[idx] = len(c.text), len(c.token_ids)
-                content, calls = delta_text, []
-                parser = parsers[idx]
+                content, calls, reasoning = delta_text, [], ""
+                parser, reader = parsers[idx], readers[idx]
                 if parser is not None:
                     td = parser.feed(delta_text)
                     content, calls = td.content, list(td.calls or [])
@@ -383,22 +433,32 @@ class ChatHandler:
                         tail = parser.flush()
                         content += tail.content
                         calls += tail.calls or []
+                elif reader is not None:
+                    hd = reader.feed(generated)
+                    if c.finish_reason is not None:
+                        hd.extend(reader.flush())
+                    hd = self._harmony_out(hd, parse_tools)
+                    content, calls = hd.content, hd.calls
+                    reasoning = hd.reasoning if req.include_reasoning else ""
+                first_call = stream_calls[idx]
+                stream_calls[idx] += len(calls)
                 finish = c.finish_reason
                 if finish is not None:
                     done[idx] = True
-                    if parser is not None and parser.calls:
+                    if stream_calls[idx]:
                         finish = "tool_calls"
                 lps = None
                 if req.logprobs and new_ids:
                     lps = ChatLogprobs(content=self._logprobs(new_ids, positions, req.top_logprobs or 0))
-                if not (content or calls or lps or finish):
+                if not (content or calls or reasoning or lps or finish):
                     continue
-                delta = DeltaMessage(content=content or None)
-                if calls and parser is not None:  # (calls come only from a parser)
-                    first = len(parser.calls) - len(calls)
+                delta = DeltaMessage(
+                    content=content or None, reasoning=reasoning or None, reasoning_content=reasoning or None
+                )
+                if calls:
                     delta.tool_calls = [
                         DeltaToolCall(
-                            index=first + k,
+                            index=first_call + k,
                             id=call.id,
                             type="function",
                             function=DeltaFunctionCall(name=call.name, arguments=call.arguments),

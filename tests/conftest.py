@@ -22,7 +22,7 @@ def _package_file(package: str, *parts: str) -> str:
 
 
 def real_tokenizer(kind: str):
-    """A real tokenizer: 'qwen3' (Qwen3's tokenizer.json + chat template) or 'llama3'."""
+    """A real tokenizer: 'qwen3' (Qwen3's tokenizer.json + chat template), 'llama3' or 'gpt_oss'."""
     from transformers import PreTrainedTokenizerFast
 
     if kind == "qwen3":
@@ -42,7 +42,66 @@ def real_tokenizer(kind: str):
             tokenizer_file=path, bos_token="<|begin_of_text|>", eos_token="<|end_of_text|>"
         )
         return tok
+    if kind == "gpt_oss":
+        return harmony_tokenizer()
     raise ValueError(kind)
+
+
+def o200k_vocab_file() -> str:
+    """OpenAI's o200k_base BPE ranks as tiktoken files them (gpt-oss's vocabulary), from the
+    tml-renderers package; tiktoken checks its published sha256 when it loads it."""
+    return _package_file("tml_renderers", "data", "o200k_base.tiktoken")
+
+
+def harmony_encoding():
+    """openai_harmony's gpt-oss encoding (the oracle for the harmony format), read offline."""
+    openai_harmony = pytest.importorskip("openai_harmony")
+    os.environ["TIKTOKEN_ENCODINGS_BASE"] = os.path.dirname(o200k_vocab_file())
+    return openai_harmony.load_harmony_encoding(openai_harmony.HarmonyEncodingName.HARMONY_GPT_OSS)
+
+
+def harmony_tokenizer():
+    """gpt-oss's tokenizer (o200k_base + the harmony special tokens, 201088 ids) as a transformers
+    fast tokenizer, with tests/server/data/harmony_chat_template.jinja as its chat template.
+
+    Built with transformers' tiktoken converter; the special tokens' ids and texts come from
+    openai_harmony, and the encoding must give openai_harmony's ids (test_harmony.py checks)."""
+    import hashlib
+    import shutil
+    import tempfile
+
+    tiktoken = pytest.importorskip("tiktoken")
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    vocab = o200k_vocab_file()
+    # tiktoken looks its files up in a cache keyed by the download address: seed it, no network.
+    cache = tempfile.mkdtemp(prefix="tiktoken-cache-")
+    url = "https://openaipublic.blob.core.windows.net/encodings/o200k_base.tiktoken"
+    shutil.copy(vocab, os.path.join(cache, hashlib.sha1(url.encode()).hexdigest()))
+    previous = os.environ.get("TIKTOKEN_CACHE_DIR")
+    os.environ["TIKTOKEN_CACHE_DIR"] = cache
+    try:
+        pattern = tiktoken.get_encoding("o200k_base")._pat_str
+    finally:
+        if previous is None:
+            os.environ.pop("TIKTOKEN_CACHE_DIR", None)
+        else:
+            os.environ["TIKTOKEN_CACHE_DIR"] = previous
+        shutil.rmtree(cache, ignore_errors=True)
+    enc = harmony_encoding()
+    first, vocab_size = 199998, 201088  # the harmony special tokens fill the ids past o200k's merges
+    specials = {enc.decode([i]): i for i in range(first, vocab_size)}
+    backend = TikTokenConverter(vocab_file=vocab, pattern=pattern, extra_special_tokens=specials).converted()
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token="<|startoftext|>",
+        eos_token="<|return|>",
+        pad_token="<|endoftext|>",
+    )
+    with open(os.path.join(os.path.dirname(__file__), "server", "data", "harmony_chat_template.jinja")) as f:
+        tok.chat_template = f.read()
+    return tok
 
 
 ARCH_TOKENIZER = {"llama": "llama3", "qwen2": "qwen3", "qwen3": "qwen3"}
