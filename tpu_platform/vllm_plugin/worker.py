@@ -267,6 +267,15 @@ class TpuserveWorker(WorkerBase):
             "" if scales is None else f" (k_scale {scales[0]:.6g}, v_scale {scales[1]:.6g})",
             runner.layer_loop,
         )
+        moe = self._loaded_arch().moe
+        if runner.expert_parallel and moe is not None:  # the runner's own line is not in vLLM's log
+            ep = w.tensor_parallel_size  # the experts split over the mesh's model axis (EP = TP)
+            log.info(
+                "expert parallel: %d experts over %d devices, %d each",
+                moe.num_experts,
+                ep,
+                moe.num_experts // ep,
+            )
         if self.connector is not None:
             self.connector.register_runner(runner)
         self.table = RequestTable(block_size, self._loaded_arch().vocab_size, seed=w.config.model.seed)
