@@ -95,3 +95,12 @@ def build_all(root: str, tokenizer: str = "qwen3") -> dict[str, str]:
         tok.save_pretrained(out["gpt_oss"])
         gpt_oss.write_mxfp4_copy(out["gpt_oss"], out["gpt_oss_mxfp4"])
     return out
+
+
+def build_qwen3_moe_tp(path: str, vocab_size: int = 151680) -> str:
+    """The Qwen3-MoE of ``build_all`` (same seed and shapes) with its vocabulary padded so that
+    tensor-parallel devices split it (Qwen3's tokenizer has 151669 ids; 151680 = 2**7 * 1185)."""
+    with _main_suite_imports():
+        return _module("test_qwen3_moe")._build(
+            path, mlp_only_layers=[], norm_topk_prob=False, layers=2, vocab_size=vocab_size
+        )

@@ -50,8 +50,9 @@ class VllmServer:
     def log(self, tail: int = 6000) -> str:
         return self.log_path.read_text()[-tail:]
 
-    def counters(self) -> dict[str, float]:
-        """vLLM's Prometheus counters and gauges, summed over labels (``name`` -> value)."""
+    def counters(self, labels: tuple[str, ...] = ()) -> dict[str, float]:
+        """vLLM's Prometheus counters and gauges, summed over labels (``name`` -> value). A sample
+        carrying one of ``labels`` (e.g. ``'source="host"'``) also counts under ``name{label}``."""
         import httpx
 
         out: dict[str, float] = {}
@@ -60,7 +61,9 @@ class VllmServer:
                 continue
             name, value = line.rsplit(" ", 1)
             key = name.split("{")[0]
-            out[key] = out.get(key, 0.0) + float(value)
+            keys = [key] + [f"{key}{{{label}}}" for label in labels if label in name]
+            for k in keys:
+                out[k] = out.get(k, 0.0) + float(value)
         return out
 
     @classmethod
