@@ -6,9 +6,10 @@ this project:
   1% of the unquantized model, NVFP4 within 10%, MXFP4 within 12% (the issue asked 10%; the recipe
   measures +10.3% on CI's CPU, see the numbers below and benchmarks/RESULTS.md);
 * that text plus ``data/prose_more.txt`` (~7.5k tokens in five prompts of whole paragraphs), for the
-  comparisons between recipes: on 1.6k tokens the standard error of a perplexity ratio is ~1%, as
-  large as the gaps compared, while the longer text holds them steady to a few tenths of a percent.
-  There NVFP4 must be no worse than MXFP4 and GPTQ must beat round-to-nearest.
+  close comparison between recipes: on 1.6k tokens the standard error of a perplexity ratio is ~1%,
+  as large as the gap compared, while the longer text holds it steady to a few tenths of a percent.
+  There NVFP4 must be no worse than MXFP4. GPTQ must beat round-to-nearest on prose.txt, where it
+  leads by 12 (NVFP4) and 39 (MXFP4) percentage points of perplexity.
 The greedy continuation of "The capital of France is" still starts with " Paris"; weight bytes of
 the quantized linear weights FP8 <= 0.52x and FP4 <= 0.30x of bf16.
 
@@ -36,6 +37,10 @@ TEXT = os.path.join(os.path.dirname(__file__), "data", "prose.txt")
 MORE_TEXT = os.path.join(os.path.dirname(__file__), "data", "prose_more.txt")
 METHODS = (None, "fp8", "mxfp4", "nvfp4")
 RTN = ("mxfp4", "nvfp4")  # also loaded with quantization_calibration="rtn", keyed "<method>:rtn"
+# Read on both texts: the two recipes whose close gap (NVFP4 vs MXFP4) needs the long text. The other
+# engines read prose.txt alone: their budgets were set on it, and round-to-nearest trails GPTQ there by
+# 12 (NVFP4) and 39 (MXFP4) percentage points, against the +-2% any CPU moved GPTQ (saves ~4 engines' long reads).
+BOTH_TEXTS = ("mxfp4", "nvfp4")
 # One 2048-token step takes a whole prompt: fewer shapes to compile than chunked prefill. Layers in
 # a scan: the CPU default unrolls all 30, and each of the six engines then compiled its programs
 # for ~70 s apiece instead of ~10 s (quality does not depend on how the layers loop).
@@ -91,7 +96,7 @@ def results():
             **ENGINE,
             warmup=False,
         )
-        nlls = prompt_nlls(llm, prompts)
+        nlls = prompt_nlls(llm, prompts if key in BOTH_TEXTS else prompts[:1])
         ppl, ppl_all = perplexity(nlls[:1]), perplexity(nlls)
         ans = (
             llm.generate(
@@ -123,7 +128,7 @@ def results():
 @pytest.mark.timeout(1800)
 def test_texts_are_long_enough(results):
     assert 1000 <= results[None]["tokens"] <= 2048  # one prompt, one step
-    assert results[None]["tokens_all"] >= 6000
+    assert all(results[m]["tokens_all"] >= 6000 for m in BOTH_TEXTS)
 
 
 # Measured (CPU, f32 activations, CI's CPU class), prose.txt / both texts: base 19.33 / 27.79; FP8
@@ -145,7 +150,7 @@ def test_perplexity_within_budget(results, method, budget):
 @pytest.mark.timeout(1800)
 @pytest.mark.parametrize("method", RTN)
 def test_gptq_beats_round_to_nearest(results, method):
-    gptq, rtn = results[method]["ppl_all"], results[f"{method}:rtn"]["ppl_all"]
+    gptq, rtn = results[method]["ppl"], results[f"{method}:rtn"]["ppl"]
     assert gptq < rtn, (gptq, rtn)
 
 
