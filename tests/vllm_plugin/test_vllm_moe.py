@@ -72,15 +72,29 @@ def _serve_args(path: str, pages: int = PAGES) -> list[str]:
     return args
 
 
-def _complete_ids(srv, prompt_ids: list[int]) -> tuple[list[int], int]:
-    """Greedy tokens for a token-id prompt, and the prompt tokens vLLM reports as cached."""
-    r = srv.client.completions.create(
+def _complete(srv, prompt: str | list[int]):
+    """vLLM's greedy completion of a text or token-id prompt, with its token ids."""
+    return srv.client.completions.create(
         model="m",
-        prompt=prompt_ids,
+        prompt=prompt,
         max_tokens=MAX_TOKENS,
         temperature=0,
         extra_body={"ignore_eos": True, "return_token_ids": True},
     )
+
+
+def _complete_texts(srv, prompts: list[str]) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, greedy tokens) per prompt, one request after the other."""
+    out = []
+    for prompt in prompts:
+        extra = _complete(srv, prompt).choices[0].model_extra
+        out.append((extra["prompt_token_ids"], extra["token_ids"]))
+    return out
+
+
+def _complete_ids(srv, prompt_ids: list[int]) -> tuple[list[int], int]:
+    """Greedy tokens for a token-id prompt, and the prompt tokens vLLM reports as cached."""
+    r = _complete(srv, prompt_ids)
     details = r.usage.prompt_tokens_details
     return r.choices[0].model_extra["token_ids"], (details.cached_tokens or 0) if details else 0
 
@@ -125,17 +139,7 @@ def test_offline_greedy_equals_our_engine(kind, checkpoints, tmp_path):
 def test_serve_gpt_oss_mxfp4_greedy_equals_our_engine(checkpoints, tmp_path):
     path = checkpoints["gpt_oss_mxfp4"]
     with vllm_servers([(_serve_args(path), tmp_path / "serve.log", None)]) as (srv,):
-        got = []
-        for prompt in [*PROMPTS, *SHARED]:  # one at a time: the last one hits the prefix cache
-            r = srv.client.completions.create(
-                model="m",
-                prompt=prompt,
-                max_tokens=MAX_TOKENS,
-                temperature=0,
-                extra_body={"ignore_eos": True, "return_token_ids": True},
-            )
-            extra = r.choices[0].model_extra
-            got.append((extra["prompt_token_ids"], extra["token_ids"]))
+        got = _complete_texts(srv, [*PROMPTS, *SHARED])  # in turn: the last one hits the prefix cache
         counters = srv.counters()
         log = srv.log(tail=200_000)
     # vLLM took the checkpoint's MXFP4 name and our worker kept its experts as MXFP4 records.
@@ -202,17 +206,7 @@ def test_serve_qwen3_moe_expert_parallel_over_two_devices(tmp_path):
     path = build_qwen3_moe_tp(str(tmp_path / "qwen3_moe_tp"))
     args = [*_serve_args(path), "--tensor-parallel-size", "2", "--enable-expert-parallel"]
     with vllm_servers([(args, tmp_path / "serve.log", fake_devices_env(2))]) as (srv,):
-        got = []
-        for prompt in PROMPTS[:3]:
-            r = srv.client.completions.create(
-                model="m",
-                prompt=prompt,
-                max_tokens=MAX_TOKENS,
-                temperature=0,
-                extra_body={"ignore_eos": True, "return_token_ids": True},
-            )
-            extra = r.choices[0].model_extra
-            got.append((extra["prompt_token_ids"], extra["token_ids"]))
+        got = _complete_texts(srv, PROMPTS[:3])
         log = srv.log(tail=200_000)
     assert "tensor parallel 2 over mesh {'data': 1, 'model': 2}" in log, log[-4000:]
     assert "expert parallel: 8 experts over 2 devices, 4 each" in log, log[-4000:]
