@@ -104,6 +104,41 @@ def harmony_tokenizer():
     return tok
 
 
+def build_harmony_gpt_oss(path: str, tok=None) -> str:
+    """A tiny random gpt-oss with gpt-oss's tokenizer and chat template (``harmony_tokenizer``) and
+    a generation_config whose eos list, as published, holds <|return|>, <|endoftext|> and <|call|>."""
+    import json
+
+    import torch
+    import transformers
+
+    tok = tok if tok is not None else harmony_tokenizer()
+    cfg = transformers.GptOssConfig(
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"],
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        eos_token_id=tok.convert_tokens_to_ids("<|return|>"),
+        pad_token_id=tok.convert_tokens_to_ids("<|endoftext|>"),
+    )
+    torch.manual_seed(0)
+    transformers.GptOssForCausalLM(cfg).to(torch.float32).save_pretrained(path, safe_serialization=True)
+    tok.save_pretrained(path)
+    stops = tok.convert_tokens_to_ids(["<|return|>", "<|endoftext|>", "<|call|>"])
+    with open(os.path.join(path, "generation_config.json"), "w") as f:
+        json.dump({"bos_token_id": 199998, "eos_token_id": stops, "pad_token_id": 199999}, f)
+    return path
+
+
 ARCH_TOKENIZER = {"llama": "llama3", "qwen2": "qwen3", "qwen3": "qwen3"}
 
 

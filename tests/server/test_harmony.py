@@ -16,7 +16,7 @@ import json
 from types import SimpleNamespace
 
 import pytest
-from conftest import harmony_encoding, harmony_tokenizer
+from conftest import build_harmony_gpt_oss, harmony_encoding, harmony_tokenizer
 
 oh = pytest.importorskip("openai_harmony")
 
@@ -389,35 +389,7 @@ def test_cut_short_and_non_harmony_output_lose_no_text(tok, enc):
 
 @pytest.fixture(scope="module")
 def gpt_oss_dir(tmp_path_factory, tok):
-    """A tiny random gpt-oss with gpt-oss's tokenizer, chat template and generation_config (whose
-    eos list, as published, holds <|return|>, <|endoftext|> and <|call|>)."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    path = str(tmp_path_factory.mktemp("gpt-oss-harmony"))
-    cfg = transformers.GptOssConfig(
-        vocab_size=len(tok),
-        hidden_size=32,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        sliding_window=8,
-        layer_types=["sliding_attention", "full_attention"],
-        max_position_embeddings=4096,
-        tie_word_embeddings=False,
-        eos_token_id=tok.convert_tokens_to_ids("<|return|>"),
-        pad_token_id=tok.convert_tokens_to_ids("<|endoftext|>"),
-    )
-    torch.manual_seed(0)
-    transformers.GptOssForCausalLM(cfg).to(torch.float32).save_pretrained(path, safe_serialization=True)
-    tok.save_pretrained(path)
-    stops = tok.convert_tokens_to_ids(["<|return|>", "<|endoftext|>", "<|call|>"])
-    with open(f"{path}/generation_config.json", "w") as f:
-        json.dump({"bos_token_id": 199998, "eos_token_id": stops, "pad_token_id": 199999}, f)
-    return path
+    return build_harmony_gpt_oss(str(tmp_path_factory.mktemp("gpt-oss-harmony")), tok)
 
 
 @pytest.mark.slow

@@ -9,7 +9,8 @@ backend, the checkpoint's own format, and our dtype. A real ``python -m sglang.l
 serves each of the three (gpt-oss's sliding-window and full layers, attention sinks, MXFP4 or f32
 experts; Qwen3-MoE's routed experts; all in our JAX executor), and its greedy tokens must equal
 our standalone engine's on the same prompt ids, a prompt past SGLang's prefill chunk and a second
-request hitting SGLang's radix cache included.
+request hitting SGLang's radix cache included. SGLang's chat endpoint renders a gpt-oss conversation
+through the checkpoint's (harmony) chat template as openai_harmony does.
 """
 
 from __future__ import annotations
@@ -122,3 +123,49 @@ def test_moe_served_greedy_equals_standalone(kind, checkpoints, tmp_path):
     assert got[-1]["meta_info"]["cached_tokens"] >= 2 * 16, got[-1]["meta_info"]  # radix cache hit
     ref = _reference(path, prompt_ids)
     assert [g["output_ids"] for g in got] == ref
+
+
+def test_gpt_oss_chat_renders_through_the_checkpoints_template(tmp_path):
+    """SGLang's chat endpoint on a gpt-oss checkpoint with gpt-oss's tokenizer and a harmony chat
+    template (tests/conftest.py's): the prompt SGLang renders through the tokenizer's template is
+    the one openai_harmony renders (reasoning_effort included), its gpt-oss reasoning parser takes
+    the output, and the tokens are our engine's greedy tokens for that prompt."""
+    import requests
+
+    oh = pytest.importorskip("openai_harmony")
+    root = _moe_checkpoints().root_conftest()
+    path = root.build_harmony_gpt_oss(str(tmp_path / "gpt_oss_harmony"))
+    effort = oh.ReasoningEffort.HIGH
+    want = root.harmony_encoding().render_conversation_for_completion(
+        oh.Conversation.from_messages(
+            [
+                oh.Message.from_role_and_content(
+                    oh.Role.SYSTEM, oh.SystemContent.new().with_reasoning_effort(effort)
+                ),
+                oh.Message.from_role_and_content(
+                    oh.Role.DEVELOPER, oh.DeveloperContent.new().with_instructions("Answer briefly.")
+                ),
+                oh.Message.from_role_and_content(oh.Role.USER, "What is 2+2?"),
+            ]
+        ),
+        oh.Role.ASSISTANT,
+    )
+    body = {
+        "model": path,
+        "messages": [
+            {"role": "developer", "content": "Answer briefly."},
+            {"role": "user", "content": "What is 2+2?"},
+        ],
+        "reasoning_effort": "high",
+        "temperature": 0,
+        "max_tokens": MAX_NEW,
+        "ignore_eos": True,
+        "return_prompt_token_ids": True,
+        "return_token_ids": True,
+    }
+    with launch_sglang(path, str(tmp_path / "server.log"), "--reasoning-parser", "gpt-oss") as server:
+        r = requests.post(server.url + "/v1/chat/completions", json=body, timeout=300)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+    assert choice["prompt_token_ids"] == want
+    assert choice["response_token_ids"] == _reference(path, [want])[0]
