@@ -117,7 +117,8 @@ class HarmonyParser:
                     self._saw_marker = tid == self._t.start
                 else:
                     self._body.append(tid)
-                    self._emit(out, self._body_detok().add_tokens([tid]))
+                    if self._current is not None and self._current.function is None:
+                        self._emit(out, self._body_detok().add_tokens([tid]))  # a call comes whole
             elif tid == self._t.message:
                 self._current = self._parse_header()
                 self._header, self._in_body, self._body = [], True, []
@@ -164,9 +165,9 @@ class HarmonyParser:
         return _Header(channel=channel, recipient=recipient.group(1) if recipient else None)
 
     def _emit(self, out: HarmonyDelta, text: str) -> None:
-        """Stream a body's text, unless the message is a tool call (whole at its end)."""
+        """A body's text so far: reasoning on the analysis channel, else content."""
         h = self._current
-        if not text or h is None or h.function is not None:
+        if not text or h is None:
             return
         if h.channel == "analysis":
             out.reasoning += text
