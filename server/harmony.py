@@ -103,7 +103,7 @@ class HarmonyParser:
         self._header: list[int] = []  # ids since the last <|start|> (or the output's start)
         self._saw_marker = False  # a <|channel|> / <|constrain|> / <|start|> in this header
         self._current: _Header | None = None
-        self._body: list[int] = []
+        self._body: list[int] = []  # a tool call's argument ids
         self._detok: IncrementalDetokenizer | None = None
         self.calls: list[ToolCall] = []
 
@@ -116,9 +116,10 @@ class HarmonyParser:
                     out.extend(self._end_message())
                     self._saw_marker = tid == self._t.start
                 else:
-                    self._body.append(tid)
                     if self._current is not None and self._current.function is None:
-                        self._emit(out, self._body_detok().add_tokens([tid]))  # a call comes whole
+                        self._emit(out, self._body_detok().add_tokens([tid]))
+                    else:
+                        self._body.append(tid)  # a call's arguments: decoded whole at its end
             elif tid == self._t.message:
                 self._current = self._parse_header()
                 self._header, self._in_body, self._body = [], True, []
