@@ -4,9 +4,10 @@ for ``benchmarks/random_checkpoint.py --like``: openai/gpt-oss-20b's published c
 attention sinks, YaRN x32) with its experts as the published MXFP4 ``*_blocks`` / ``*_scales`` (u8),
 the rest bf16 in the real checkpoint (the random one writes them in --dtype).
 
-The vocabulary is the tokenizer directory's (the default model's 49152, not the published 201088:
-one small tokenizer serves every shape dir, as in moe_shape.py), which shrinks the embedding and
-LM head (2 x 201088 x 2880 bf16 = 2.3 GB published) and nothing else; ``--layers`` keeps the first
+The vocabulary is the published 201088 (``--vocab``): the embedding and LM head are 2 x 201088 x
+2880 bf16 = 2.3 GB, a sixth of the model, so a smaller one would flatter both the fit and the
+decode roofline. The tokenizer is the small one every shape dir shares (moe_shape.py); a random
+model's ids past its 49152 decode to nothing, which a timing run does not read. ``--layers`` keeps the first
 N layers (the published 24 by default), so a fewer-layer variant fits a short device call.
 Tensor names are the ones transformers saves (from a tiny model of the same config), with each
 expert projection's dense name replaced by its ``_blocks`` and ``_scales``.
@@ -156,10 +157,11 @@ def main() -> None:
     ap.add_argument("tokenizer_dir", help="an HF directory with config.json and tokenizer files")
     ap.add_argument("out")
     ap.add_argument("--layers", type=int, default=24)
+    ap.add_argument("--vocab", type=int, default=201088, help="0: the tokenizer directory's")
     args = ap.parse_args()
 
     base = json.load(open(os.path.join(args.tokenizer_dir, "config.json")))
-    vocab = int(base["vocab_size"])
+    vocab = args.vocab or int(base["vocab_size"])
     shapes, dtypes = shapes_and_dtypes(dense_names(args.layers), vocab)
     os.makedirs(args.out, exist_ok=True)
     config = published_config(vocab, args.layers, base.get("bos_token_id"), base.get("eos_token_id"))
