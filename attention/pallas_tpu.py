@@ -121,11 +121,6 @@ from tpuserve.attention.reference import sink_array
 
 DEFAULT_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
-# Decode steps split each KV block's compute into pieces of this many tokens and skip those past
-# the sequence's length: the 1B model's b128 step spent 58% of its time in this kernel computing
-# over 1024-token blocks for sequences of ~192 tokens (benchmarks/RESULTS.md, 2026-12-06).
-DECODE_COMPUTE_TOKENS = 128
-
 # Outstanding KV-write DMAs on one semaphore; bounded so a long prefill never floods the DMA queue.
 _MAX_WRITES_IN_FLIGHT = 8
 
@@ -240,7 +235,6 @@ def _kernel(
     packed_loads: bool,
     byte_values=None,
     single_item: bool = False,
-    compute_tokens: int | None = None,
 ):
     del kv_in_hbm  # same buffer as kv_hbm; every read and write goes through the output ref
     blk = pl.program_id(0)
@@ -352,15 +346,11 @@ def _kernel(
     # ---- one KV head over the block in ``slot``: its masked scores and its V ----
     score_scale = sm_scale * (1.0 if k_scale is None else k_scale)
 
-    def head_scores(h, slot, mask, v_ok, words, start=0, size=None):
-        """(scores [rows, size] f32 with masked entries at ``mask_value``, V [size, D] in the query
-        dtype with rows past kv_len zeroed, the matmul precision) of KV head ``h`` over tokens
-        ``start .. start + size - 1`` of the block (static; the whole block by default)."""
+    def head_scores(h, slot, mask, v_ok, words):
+        """(scores [rows, kv_block] f32 with masked entries at ``mask_value``, V [kv_block, D] in
+        the query dtype with rows past kv_len zeroed, the matmul precision) of KV head ``h``."""
         q = q_ref[0, h]  # [rows, D]
-        size = kv_block if size is None else size
-        k, v = _load_kv_head(
-            kv_buf.at[slot], h, size, cache_heads, packed_loads, byte_values, words, start=start
-        )
+        k, v = _load_kv_head(kv_buf.at[slot], h, kv_block, cache_heads, packed_loads, byte_values, words)
         k, v = k.astype(q.dtype), v.astype(q.dtype)
         v = jnp.where(v_ok, v, jnp.zeros_like(v))  # stale / NaN rows past kv_len
         precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
@@ -385,8 +375,6 @@ def _kernel(
         )
 
     # ---- attention of this block's rows of sequence s over one KV block ----
-    chunk = kv_block if compute_tokens is None else min(compute_tokens, kv_block)
-
     def attend(s, kvb, slot):
         q_start = cu_q_lens_ref[s] - blk * bq  # sequence's token range, relative to the block
         q_end = cu_q_lens_ref[s + 1] - blk * bq
@@ -394,40 +382,24 @@ def _kernel(
         # Block-relative token t_local has position base + t_local; row = t_local * G + g.
         base = kv_len - cu_q_lens_ref[s + 1] + blk * bq
         row = lax.broadcasted_iota(jnp.int32, (rows, 1), 0)
-        # The block's tokens any of these rows can see: from the window's start for the first row
-        # to the last row's own position (causal), within kv_len. Compute runs over ``chunk``-token
-        # pieces of the block and skips those outside, so a short sequence in a wide decode block
-        # costs its own tokens, not the block's (the pages past kv_len are not even fetched).
-        block_start = kvb * kv_block
-        seen_end = jnp.minimum(kv_len, base + jnp.minimum(q_end, bq)) - block_start
-        seen_start = jnp.int32(0)
+        kv_pos = kvb * kv_block + lax.broadcasted_iota(jnp.int32, (1, kv_block), 1)
+        dist = kv_pos - base  # kv position relative to the block's first token position
+        # t_local >= x  <=>  row >= x * G: masks from integer products only.
+        mask = (row >= q_start * group) & (row < q_end * group) & (row >= dist * group)
         if sliding_window is not None:
-            seen_start = base + jnp.maximum(q_start, 0) - sliding_window + 1 - block_start
+            mask &= row < (dist + sliding_window) * group
+        v_ok = (kvb * kv_block + lax.broadcasted_iota(jnp.int32, (kv_block, 1), 0)) < kv_len
 
-        for start in range(0, kv_block, chunk):  # static offsets: strided loads need them
-            size = min(chunk, kv_block - start)
-
-            @pl.when(jnp.logical_and(start < seen_end, start + size > seen_start))
-            def _chunk(start=start, size=size):
-                kv_pos = block_start + start + lax.broadcasted_iota(jnp.int32, (1, size), 1)
-                dist = kv_pos - base  # kv position relative to the block's first token position
-                # t_local >= x  <=>  row >= x * G: masks from integer products only.
-                mask = (row >= q_start * group) & (row < q_end * group) & (row >= dist * group)
-                if sliding_window is not None:
-                    mask &= row < (dist + sliding_window) * group
-                v_pos = block_start + start + lax.broadcasted_iota(jnp.int32, (size, 1), 0)
-                v_ok = v_pos < kv_len
-
-                words = {}  # 1-byte cache: one word load serves heads 2w and 2w + 1
-                for h in range(num_kv_heads):
-                    scores, v, precision = head_scores(h, slot, mask, v_ok, words, start, size)
-                    m_prev = m_ref[h]
-                    m_new = jnp.maximum(m_prev, jnp.max(scores, axis=1, keepdims=True))
-                    p = jnp.where(mask, jnp.exp(scores - m_new), 0.0)
-                    alpha = jnp.exp(m_prev - m_new)
-                    l_ref[h] = alpha * l_ref[h] + jnp.sum(p, axis=1, keepdims=True)
-                    acc_ref[h] = alpha * acc_ref[h] + weighted_values(p, v, precision)
-                    m_ref[h] = m_new
+        words = {}  # 1-byte cache: one word load serves heads 2w and 2w + 1
+        for h in range(num_kv_heads):
+            scores, v, precision = head_scores(h, slot, mask, v_ok, words)
+            m_prev = m_ref[h]
+            m_new = jnp.maximum(m_prev, jnp.max(scores, axis=1, keepdims=True))
+            p = jnp.where(mask, jnp.exp(scores - m_new), 0.0)
+            alpha = jnp.exp(m_prev - m_new)
+            l_ref[h] = alpha * l_ref[h] + jnp.sum(p, axis=1, keepdims=True)
+            acc_ref[h] = alpha * acc_ref[h] + weighted_values(p, v, precision)
+            m_ref[h] = m_new
 
     # ---- decode fast path: one token per grid step, its sequence's pages in one KV block ----
     def attend_single(s, slot):
@@ -557,17 +529,9 @@ def _kernel(
 
 
 def _load_kv_head(
-    buf,
-    h: int,
-    kv_block: int,
-    cache_heads: int,
-    packed_loads: bool,
-    byte_values=None,
-    words=None,
-    start: int = 0,
+    buf, h: int, kv_block: int, cache_heads: int, packed_loads: bool, byte_values=None, words=None
 ):
-    """K and V ``[kv_block, D]`` of KV head ``h`` for the buffer's tokens ``start ..
-    start + kv_block - 1`` (static) from one block buffer ``[tokens*C, D]``.
+    """K and V ``[kv_block, D]`` of KV head ``h`` from one block buffer ``[kv_block*C, D]``.
 
     Sublane-strided loads pick one combined head out of every token's C rows; padding heads
     (>= 2*Hkv) are fetched with their page but never loaded from the buffer. Mosaic strides 32-bit
@@ -586,25 +550,24 @@ def _load_kv_head(
         words = {} if words is None else words
         if h // 2 not in words:
             words.clear()  # the previous pair's word is done with: keep one live
-            words[h // 2] = _packed_byte_rows(buf, h // 2, kv_block, cache_heads, packed_loads, start)
+            words[h // 2] = _packed_byte_rows(buf, h // 2, kv_block, cache_heads, packed_loads)
         word = words[h // 2]
         low = 16 * (h % 2)  # K_h is byte 2h mod 4 of its word, V_h the byte above it
         k = _fp8_to_f32(lax.shift_right_logical(word, low) & 0xFF, byte_values)
         v = _fp8_to_f32(lax.shift_right_logical(word, low + 8) & 0xFF, byte_values)
         return k, v
     if jnp.dtype(buf.dtype).itemsize == 4 or not packed_loads:
-        k = buf[pl.ds(start * cache_heads + 2 * h, kv_block, stride=cache_heads), :]
-        v = buf[pl.ds(start * cache_heads + 2 * h + 1, kv_block, stride=cache_heads), :]
+        k = buf[pl.ds(2 * h, kv_block, stride=cache_heads), :]
+        v = buf[pl.ds(2 * h + 1, kv_block, stride=cache_heads), :]
         return k, v
     # bf16: check_compiled_cache_dtype refused every other width before tracing.
-    half = cache_heads // 2
-    packed = buf.bitcast(jnp.uint32)[pl.ds(start * half + h, kv_block, stride=half), :]
+    packed = buf.bitcast(jnp.uint32)[pl.ds(h, kv_block, stride=cache_heads // 2), :]
     k = pltpu.bitcast(packed << 16, jnp.float32)
     v = pltpu.bitcast(packed & jnp.uint32(0xFFFF0000), jnp.float32)
     return k, v
 
 
-def _packed_byte_rows(buf, w: int, kv_block: int, cache_heads: int, packed_loads: bool, start: int = 0):
+def _packed_byte_rows(buf, w: int, kv_block: int, cache_heads: int, packed_loads: bool):
     """int32 ``[kv_block, D]``: word ``w`` of every token's C byte rows, i.e. combined heads
     ``4w .. 4w+3`` of a 1-byte buffer packed four to a 32-bit word, head ``4w + j`` in byte j (bits
     8j .. 8j+7: the lowest row in the low byte, as a TPU packs 8-bit rows into a 32-bit sublane
@@ -613,15 +576,14 @@ def _packed_byte_rows(buf, w: int, kv_block: int, cache_heads: int, packed_loads
     byte-row loads, so the byte extraction and decoding after it run there too; only the packing
     order itself is the chip's (checked on one by benchmarks/attention_tpu.py)."""
     if packed_loads:
-        quarter = cache_heads // 4
-        word = buf.bitcast(jnp.uint32)[pl.ds(start * quarter + w, kv_block, stride=quarter), :]
+        word = buf.bitcast(jnp.uint32)[pl.ds(w, kv_block, stride=cache_heads // 4), :]
         return lax.bitcast_convert_type(word, jnp.int32)
     word = None
     for j in range(4):
         c = 4 * w + j
         if c >= cache_heads:  # an unpadded cache whose C is not a multiple of 4
             break
-        row = buf[pl.ds(start * cache_heads + c, kv_block, stride=cache_heads), :]
+        row = buf[pl.ds(c, kv_block, stride=cache_heads), :]
         if row.dtype != jnp.uint8:
             row = lax.bitcast_convert_type(row, jnp.uint8)
         part = row.astype(jnp.int32) << (8 * j)
@@ -717,7 +679,6 @@ def _first_seq_per_block(cu_q_lens, num_blocks: int, bq: int):
         "kv_dtype",
         "interpret",
         "single_item_decode",
-        "kv_compute_tokens",
     ),
 )
 def ragged_paged_attention_tpu_stacked(
@@ -744,7 +705,6 @@ def ragged_paged_attention_tpu_stacked(
     interpret=None,
     sinks=None,
     single_item_decode: bool = False,
-    kv_compute_tokens: int | None = None,
 ):
     """Ragged paged attention on layer ``layer`` of a stacked cache, updated in place.
 
@@ -768,9 +728,6 @@ def ragged_paged_attention_tpu_stacked(
     fit one KV block (no sinks), run each grid step as its one item with the softmax taken at once
     (``attend_single``). Off by default until it has been compiled and timed on a TPU: it passes
     interpret mode and lowers to Mosaic, but Mosaic's own passes have not seen it yet.
-    ``kv_compute_tokens``: the pieces (in tokens) a KV block's compute is split into, those no row
-    of the item can see skipped; None: ``DECODE_COMPUTE_TOKENS`` on the decode path (bq = 1, where
-    a 1024-token block mostly holds a short sequence's unfetched pages), the whole block otherwise.
     """
     if mask_value is None:
         mask_value = DEFAULT_MASK_VALUE
@@ -840,11 +797,6 @@ def ragged_paged_attention_tpu_stacked(
     q_spec = pl.BlockSpec((1, num_kv_heads, bq * group, head_dim), lambda i, *_: (i, 0, 0, 0))
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     single_item = single_item_decode and bq == 1 and ppb >= pages_per_seq and sinks is None
-    if kv_compute_tokens is None and bq == 1:
-        kv_compute_tokens = DECODE_COMPUTE_TOKENS
-    compute_tokens = None
-    if kv_compute_tokens is not None and kv_compute_tokens < ppb * page_size:
-        compute_tokens = kv_compute_tokens
     kernel = functools.partial(
         _kernel,
         bq=bq,
@@ -863,7 +815,6 @@ def ragged_paged_attention_tpu_stacked(
         packed_loads=interpret is None,
         byte_values=byte_values,
         single_item=single_item,
-        compute_tokens=compute_tokens,
     )
     if sinks is None or new_kv is None:
         kernel = functools.partial(_without_optional_inputs, kernel, sinks is not None, new_kv is not None)
@@ -904,11 +855,7 @@ def ragged_paged_attention_tpu_stacked(
             disable_bounds_checks=True,
         ),
         interpret=interpret if interpret is not None else False,
-        name=(
-            f"ragged_paged_attention_bq{bq}_p{ppb}"
-            f"{f'_c{compute_tokens}' if compute_tokens and not single_item else ''}"
-            f"{'_one_item' if single_item else ''}"
-        ),
+        name=f"ragged_paged_attention_bq{bq}_p{ppb}{'_one_item' if single_item else ''}",
     )(*scalars, *operands)
 
     out = out.reshape(num_blocks, num_kv_heads, bq, group, head_dim).transpose(0, 2, 1, 3, 4)
@@ -950,7 +897,6 @@ def ragged_paged_attention_tpu(
     interpret=None,
     sinks=None,
     single_item_decode: bool = False,
-    kv_compute_tokens: int | None = None,
 ):
     """Single-layer form: kv_pages [P, page_size, C, D]. Returns (out [T, Hq, D], kv_pages).
 
@@ -979,6 +925,5 @@ def ragged_paged_attention_tpu(
         interpret=interpret,
         sinks=sinks,
         single_item_decode=single_item_decode,
-        kv_compute_tokens=kv_compute_tokens,
     )
     return out, kv_cache[0]

@@ -117,8 +117,7 @@ def parse_args(argv=None):
         "--no-one-item",
         dest="one_item",
         action="store_false",
-        help="do not also time the one-item decode path (single_item_decode) and the whole-block "
-        "compute (kv_compute_tokens past the block) on decode steps",
+        help="do not also time the one-item decode path (single_item_decode) on decode steps",
     )
     p.add_argument(
         "--steps",
@@ -553,33 +552,36 @@ def timing_point(
     t_ours, cache = time_donating(attend, cache, q, *md, iters=args.iters)
     out_ours, cache = attend(cache, q, *md)
     one_item = {}
-    # decode steps: ours on its other paths too, each checked against the default one (the one-item
-    # path; the whole KV block computed at once, as before 128-token pieces were the decode default)
-    alternatives = {"one_item": dict(single_item_decode=True), "whole_block": dict(kv_compute_tokens=1 << 30)}
-    for alt, alt_kw in alternatives.items() if args.one_item and t <= slots else ():
-        attend_alt = jax.jit(
-            lambda cache, q, *md, alt_kw=alt_kw: ragged_paged_attention_tpu_stacked(
-                q, None, cache, jnp.int32(0), *md, num_kv_heads=hkv, interpret=interp, **alt_kw, **kw
+    if args.one_item and t <= slots:  # a decode step: also the one-item path, checked against ours
+        attend_one = jax.jit(
+            lambda cache, q, *md: ragged_paged_attention_tpu_stacked(
+                q,
+                None,
+                cache,
+                jnp.int32(0),
+                *md,
+                num_kv_heads=hkv,
+                interpret=interp,
+                single_item_decode=True,
+                **kw,
             ),
             donate_argnums=(0,),
             out_shardings=pinned,
         )
         try:
-            t_alt, cache = time_donating(attend_alt, cache, q, *md, iters=args.iters)
-            out_alt, cache = attend_alt(cache, q, *md)
-            diff = float(jnp.max(jnp.abs(out_alt.astype(jnp.float32) - out_ours.astype(jnp.float32))))
-            one_item |= {
-                f"ours_{alt}_us": t_alt * 1e6,
-                f"{alt}_speedup": t_ours / t_alt,
-                f"{alt}_max_abs_diff": diff,
-            }
+            t_one, cache = time_donating(attend_one, cache, q, *md, iters=args.iters)
+            out_one, cache = attend_one(cache, q, *md)
+            diff = float(jnp.max(jnp.abs(out_one.astype(jnp.float32) - out_ours.astype(jnp.float32))))
+            one_item = dict(
+                ours_one_item_us=t_one * 1e6, one_item_speedup=t_ours / t_one, one_item_max_abs_diff=diff
+            )
             print(
-                f"     {'':24s} {alt} path {t_alt * 1e6:9.1f} us ({t_ours / t_alt:5.2f}x ours), max |diff| {diff:.1e}",
+                f"     {'':24s} one-item path {t_one * 1e6:9.1f} us ({t_ours / t_one:5.2f}x ours), max |diff| {diff:.1e}",
                 flush=True,
             )
         except Exception as e:  # a Mosaic error: recorded, the other columns still measured
-            one_item[f"{alt}_error"] = f"{type(e).__name__}: {str(e)[:2000]}"
-            print(f"  {alt} path failed on {name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+            one_item = dict(one_item_error=f"{type(e).__name__}: {str(e)[:2000]}")
+            print(f"  one-item path failed on {name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
     t_peer = peer_err = peer_blocks = None
     if on_tpu() and c == 2 * hkv and not fp8:
         # jax's kernel reads the cache only (no alias, no copy). Its default blocks overflow v5e's
