@@ -96,8 +96,11 @@ def check_shards(r: ModelRunner, ep: bool) -> None:
 
 def check_collectives(r: ModelRunner, ep: bool) -> str:
     """The step's collectives: a layer's all-reduce after o and, under EP, its experts' psum;
-    one for the embedding; one all-gather, the logits. No weight is ever gathered."""
-    batch = r.build_batch([ScheduledSeq(prompts(r.arch.vocab_size)[0], 0, [1, 2], SamplingRow())])
+    one for the embedding; one all-gather, the logits. No weight is ever gathered. The step read is
+    two_steps' prefill, whose program is compiled already."""
+    ps = prompts(r.arch.vocab_size)
+    pages = [[1 + 2 * i, 2 + 2 * i] for i in range(len(ps))]
+    batch = r.build_batch([ScheduledSeq(p, 0, pg, SamplingRow()) for p, pg in zip(ps, pages)])
     ops = collectives(r.step_hlo(batch))
     t, h, rows = len(batch.token_ids), r.arch.hidden_size, len(batch.logits_indices)
     reduces = [c for c in ops if c.op == "all-reduce"]

@@ -42,12 +42,14 @@ def _qwen3_moe(path: str) -> str:
 
 
 def _gpt_oss(dense: str, mx: str) -> None:
-    """test_gpt_oss.py's tiny random gpt-oss (sinks, biases, clamped SwiGLU, alternating
-    sliding-window layers), at a TP-divisible vocabulary; and its MXFP4 copy."""
+    """test_gpt_oss.py's tiny random gpt-oss (sinks, biases, clamped SwiGLU, a sliding-window
+    layer then a full-attention one), at a TP-divisible vocabulary; and its MXFP4 copy. Two layers,
+    not test_gpt_oss.py's four: each layer kind once is what the split is checked on, and every
+    8-device program compiles each layer unrolled."""
     import test_gpt_oss as base
 
     tok = base._tokenizer()
-    base._random_model(base._config(VOCAB, tok.eos_token_id)).save_pretrained(dense)
+    base._random_model(base._config(VOCAB, tok.eos_token_id, layers=2)).save_pretrained(dense)
     tok.save_pretrained(dense)
     base.write_mxfp4_copy(dense, mx)
 

@@ -35,19 +35,20 @@ LAYERS = 4
 EXPERTS, FFN, HIDDEN = 8, 64, 64
 
 
-def _config(vocab: int, eos: int) -> transformers.GptOssConfig:
+def _config(vocab: int, eos: int, layers: int = LAYERS) -> transformers.GptOssConfig:
+    """layers: even (sliding-window and full attention alternate)."""
     return transformers.GptOssConfig(
         vocab_size=vocab,
         hidden_size=HIDDEN,
         intermediate_size=FFN,
-        num_hidden_layers=LAYERS,
+        num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=16,
         num_local_experts=EXPERTS,
         num_experts_per_tok=2,
         sliding_window=4,
-        layer_types=["sliding_attention", "full_attention"] * (LAYERS // 2),
+        layer_types=["sliding_attention", "full_attention"] * (layers // 2),
         max_position_embeddings=512,
         rope_parameters={
             "rope_type": "yarn",

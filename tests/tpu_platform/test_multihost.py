@@ -409,7 +409,8 @@ def test_two_hosts_read_their_share_of_gpt_oss_mxfp4_experts(tmp_path):
 
     dense, path = str(tmp_path / "gptoss"), str(tmp_path / "gptoss-mx")
     tok = base._tokenizer()
-    base._random_model(base._config(VOCAB, tok.eos_token_id)).save_pretrained(dense)
+    # two layers (a sliding-window one, a full-attention one): four processes compile them unrolled
+    base._random_model(base._config(VOCAB, tok.eos_token_id, layers=2)).save_pretrained(dense)
     tok.save_pretrained(dense)
     base.write_mxfp4_copy(dense, path)
     _two_hosts_equal_one_reading_half(path)
