@@ -76,7 +76,9 @@ def main() -> None:
     if mode == "single":
         engine = LLMEngine(config(sys.argv[3], int(sys.argv[2])))
         print_read()
-        engine.warmup(progress=False)
+        # No warm-up: this process is the oracle the two hosts are compared with, and without a
+        # warm-up every step shape is allowed and compiled as it is first met (the same programs,
+        # so the same tokens); the leader's warm-up, replayed by the follower, is what is tested.
         max_tokens = int(sys.argv[4]) if len(sys.argv) > 4 else 12
         print("TOKENS", json.dumps(generate(engine, max_tokens)), flush=True)
         return
