@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from tpuserve.quant import fp4
+from tpuserve.quant import gptq as gptq_module
 from tpuserve.quant.gptq import damped_cholesky_inverse, e2m1_round
 from tpuserve.quant.search import quantize_mxfp4_search, quantize_nvfp4_search
 from tpuserve.tpu_platform.models.calibrate import gptq_record
@@ -41,6 +42,16 @@ def test_e2m1_round_is_nearest_and_saturates():
     codes, deq = e2m1_round(x, step)
     np.testing.assert_array_equal(deq, [0, 0.5, -0.5, 1.5, 3, 3, 6, 6, -6])
     np.testing.assert_array_equal(np.asarray(fp4.e2m1_lut_decode(jnp.asarray(codes))), deq)
+    # A block of rows (past _SEARCH_MAX elements: counted by comparisons, not searched) rounds
+    # alike, ties at the decision points (down) and NaN (to the top code) included.
+    mids = gptq_module._E2M1_MID
+    row = np.concatenate([x, mids, -mids, np.nextafter(mids, 9), [0.0, -0.0, np.inf, np.nan]])
+    block = np.tile(row, (gptq_module._SEARCH_MAX // len(row) + 1, 1))
+    got_codes, got_deq = e2m1_round(block, 1.0)
+    want_codes, want_deq = e2m1_round(row, 1.0)
+    assert block.size > gptq_module._SEARCH_MAX and got_codes.dtype == np.uint8
+    np.testing.assert_array_equal(got_codes, np.broadcast_to(want_codes, block.shape))
+    np.testing.assert_array_equal(got_deq, np.broadcast_to(want_deq, block.shape))
 
 
 def test_dead_inputs_are_tolerated():
