@@ -29,6 +29,7 @@ import json
 import statistics
 import sys
 import time
+import traceback
 
 import jax
 import numpy as np
@@ -298,7 +299,10 @@ def main(argv=None) -> int:
             out["models"].append(run_model(model, args))
         except Exception as e:
             print(f"{model}: FAILED {e!r}"[:2000], flush=True)
-            out["models"].append(dict(model=model, error=repr(e)[:4000]))
+            traceback.print_exc()  # where it failed (start-up phase, which program) is the next step
+            out["models"].append(
+                dict(model=model, error=repr(e)[:4000], traceback=traceback.format_exc()[-8000:])
+            )
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(out, f, indent=1)

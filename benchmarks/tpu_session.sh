@@ -126,7 +126,7 @@ for s in $stages; do
       # no warm-up (as e2e-8b-fp8): the untimed round compiles only what the timed one runs; batch 1
       # only by default (what the issue asks; its 24 unrolled layers compile slowly), GPTOSS_BATCHES=1,8,32
       # GPTOSS_PREFILL=1x1024 for more
-      stage e2e-gptoss "${GPTOSS_LIMIT_S:-420}" python benchmarks/tpu_e2e.py --models "/tmp/m/$gpt_oss" \
+      JAX_LOG_COMPILES=${GPTOSS_LOG_COMPILES:-0} stage e2e-gptoss "${GPTOSS_LIMIT_S:-420}" python benchmarks/tpu_e2e.py --models "/tmp/m/$gpt_oss" \
           --rounds 1 --batches "${GPTOSS_BATCHES:-1}" --prefill "${GPTOSS_PREFILL:-}" --engine-args '{"warmup": false}' \
           --out "$out/e2e_$gpt_oss.json" ;;
     startup)   # where the 1B shape's start-up goes: LLM() cold (empty compilation cache), then warm;
