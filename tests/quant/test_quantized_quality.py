@@ -98,13 +98,15 @@ def results():
         )
         nlls = prompt_nlls(llm, prompts if key in BOTH_TEXTS else prompts[:1])
         ppl, ppl_all = perplexity(nlls[:1]), perplexity(nlls)
-        ans = (
-            llm.generate(
-                ["The capital of France is"], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False
-            )[0]
-            .outputs[0]
-            .text
-        )
+        ans = None  # only METHODS' engines are asked (test_still_answers_paris): a decode compile less
+        if key in METHODS:
+            ans = (
+                llm.generate(
+                    ["The capital of France is"], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False
+                )[0]
+                .outputs[0]
+                .text
+            )
         res[key] = dict(
             ppl=ppl,
             ppl_all=ppl_all,
