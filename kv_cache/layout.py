@@ -58,14 +58,34 @@ def stage_for(kv, host_array):
     return jax.device_put(host_array, kv.sharding) if kv.committed else jax.device_put(host_array)
 
 
+def tpu_row_major_format(dtype, sharding, ndim: int):
+    """The ``jax.experimental.layout.Format`` of a row-major ``ndim``-d array of ``dtype`` in TPU
+    memory, over ``sharding``."""
+    from jax.experimental.layout import Format, Layout
+
+    return Format(Layout(major_to_minor=tuple(range(ndim)), tiling=tpu_tiling(dtype)), sharding)
+
+
 def kv_cache_format(impl: str, dtype, sharding, ndim: int = 5):
     """The ``jax.experimental.layout.Format`` a cache of ``impl`` must live in, or None where the
     compiler's own choice serves (every implementation but the compiled TPU kernel)."""
     if impl != "pallas_tpu":
         return None
-    from jax.experimental.layout import Format, Layout
+    return tpu_row_major_format(dtype, sharding, ndim)
 
-    return Format(Layout(major_to_minor=tuple(range(ndim)), tiling=tpu_tiling(dtype)), sharding)
+
+def gathered_table_format(impl: str, table):
+    """The format an embedding table gathered by row every step is re-placed in, or None to leave
+    it where it is. XLA:TPU lays a ``[V, H]`` table out V-minor when H is no multiple of 128 lanes
+    and V is (less padding): gpt-oss's [201088, 2880] came so, and every step copied the whole
+    table (1.08 GiB) row-major before its gather. Only where the cache is pinned too (``impl`` the
+    compiled TPU kernel): a committed table makes the step's outputs committed, which an
+    uncommitted cache must not become (``stage_for``)."""
+    if impl != "pallas_tpu" or not isinstance(table, jax.Array):
+        return None
+    fmt = tpu_row_major_format(table.dtype, table.sharding, table.ndim)
+    placed = getattr(table, "format", None)  # jax.Array.format (not in its type stubs)
+    return None if placed is not None and placed.layout == fmt.layout else fmt
 
 
 def cache_out_format(kv):

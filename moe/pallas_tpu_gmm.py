@@ -61,8 +61,9 @@ interleaves rows. Per chunk of 256 byte rows (512 K values) the nibbles are deco
 integer ops and a bitcast (``codecs.e2m1_bits_decode``: no gathers, no fp4 dtype in VMEM), times
 their block's scale (``e8m0_bits_decode``, each scale row broadcast over the 16 byte rows it
 covers), cast to ``lhs.dtype`` (exact: an e2m1 value times a power of two has 2 significant bits)
-and fed to two half-K dots accumulating in f32. Packed bytes and scales travel as int8 (a free
-bitcast outside) so the kernel widens them with a sign extension and masks, not an unsigned one.
+and fed to two half-K dots accumulating in f32. Packed bytes and scales reach the kernel as the
+u8 arrays the record holds: a ``bitcast_convert_type`` to int8 outside it was not free on a v5e
+(XLA:TPU wrote a copy of every layer's experts each step: 9.5 GB for gpt-oss-20b).
 HBM moves ``K * N * (1/2 + 1/32)`` bytes per expert, 0.27x of bf16. ``tk`` must be K itself or a
 multiple of 1024 (its 32 scale rows are then one u8 sublane tile; K itself covers gpt-oss's 2880,
 90 blocks), and K a multiple of 32. ``fp4_decode="swar"`` decodes the same weights bit for bit
@@ -200,7 +201,7 @@ def _mxfp4_dot(lhs_even_ref, lhs_odd_ref, packed_ref, scale_ref, acc):
     """``acc [tm, tn]`` f32 plus the K tile's product with the MXFP4 tile (see the docstring).
 
     ``lhs_even_ref`` / ``lhs_odd_ref`` ``[tm, tk/2]`` (K columns 0, 2, .. and 1, 3, ..),
-    ``packed_ref`` int8 ``[tk/2, tn]`` (the u8 bytes), ``scale_ref`` int8 ``[tk/32, tn]`` (e8m0).
+    ``packed_ref`` u8 ``[tk/2, tn]``, ``scale_ref`` u8 ``[tk/32, tn]`` (e8m0).
     """
     rows, tn = packed_ref.shape
     per_scale = MXFP4_BLOCK // 2  # byte rows under one scale row
@@ -209,7 +210,7 @@ def _mxfp4_dot(lhs_even_ref, lhs_odd_ref, packed_ref, scale_ref, acc):
     scales = e8m0_bits_decode(scale_ref[...].astype(jnp.int32) & 255)  # [tk/32, tn]
     for lo in range(0, rows, _FP4_BYTE_ROWS):
         hi = min(lo + _FP4_BYTE_ROWS, rows)
-        b = packed_ref[lo:hi, :].astype(jnp.int32)  # sign-extended; the masks take the nibbles
+        b = packed_ref[lo:hi, :].astype(jnp.int32)
         s = scales[lo // per_scale : hi // per_scale]
         s = jnp.broadcast_to(s[:, None, :], (s.shape[0], per_scale, tn)).reshape(hi - lo, tn)
         w_even = (e2m1_bits_decode(b & 15) * s).astype(dtype)
@@ -433,16 +434,16 @@ def grouped_matmul_tpu(
         ]
         operands = [
             swar_x_order(lhs),
-            lax.bitcast_convert_type(rhs.packed, jnp.int8),
-            lax.bitcast_convert_type(rhs.scale, jnp.int8),
+            rhs.packed,
+            rhs.scale,
         ]
         w_bytes = 0.5 + 1 / MXFP4_BLOCK
         # per chunk of byte rows: int32 words and ~8 word-sized temporaries (a byte each per byte
         # row), four bf16 outputs of half the rows (a byte each)
         temp_bytes = _FP4_BYTE_ROWS * tn * 12
     elif isinstance(rhs, Mxfp4Weight):  # fp4
-        # even / odd K columns of lhs (one pass over [M, K], fused by XLA); packed bytes and scales
-        # as int8, a free bitcast, so the kernel sign-extends them (see the module docstring)
+        # even / odd K columns of lhs (one pass over [M, K], fused by XLA); the u8 bytes and scales
+        # as they are (see the module docstring)
         halves = lhs.reshape(m, k // 2, 2)
         in_specs = [
             pl.BlockSpec((tm, tk // 2), lhs_map),
@@ -453,8 +454,8 @@ def grouped_matmul_tpu(
         operands = [
             halves[..., 0],
             halves[..., 1],
-            lax.bitcast_convert_type(rhs.packed, jnp.int8),
-            lax.bitcast_convert_type(rhs.scale, jnp.int8),
+            rhs.packed,
+            rhs.scale,
         ]
         w_bytes = 0.5 + 1 / MXFP4_BLOCK
         # per chunk: int32 bytes, f32 codes / scales / products, two weights in lhs.dtype

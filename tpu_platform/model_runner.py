@@ -46,7 +46,7 @@ from jax.sharding import PartitionSpec as P
 from tpuserve.attention.kv_cache_shape import kv_storage_dtype
 from tpuserve.attention.metadata import AttentionMetadata
 from tpuserve.attention.names import AttentionImpl
-from tpuserve.kv_cache.layout import RESERVED_PAGE, KVCacheSpec, kv_cache_format
+from tpuserve.kv_cache.layout import RESERVED_PAGE, KVCacheSpec, gathered_table_format, kv_cache_format
 from tpuserve.tpu_platform import kv_scales as ks
 from tpuserve.tpu_platform.config import EngineConfig, LayerLoop
 from tpuserve.tpu_platform.device import DeviceInfo, HostSource, place
@@ -266,6 +266,11 @@ class ModelRunner:
             if stacked is not None:
                 specs = param_partition_specs(stacked, MODEL_AXIS, expert_parallel=self.expert_parallel)
                 stacked = jax.tree.map(lambda a, s: place(a, NamedSharding(mesh, s)), stacked, specs)
+        table_format = gathered_table_format(config.compilation.attention_impl, params["embed"])
+        if table_format is not None:  # one re-placed table, shared by both trees
+            embed = jax.device_put(params["embed"], table_format)
+            params = {**params, "embed": embed}
+            stacked = None if stacked is None else {**stacked, "embed": embed}
         self.params = params
         # (stacked weights, their compiled scan forwards by step layout) while an unrolled runner's
         # background warm-up runs; one attribute, so a step reads both or neither.
@@ -383,16 +388,22 @@ class ModelRunner:
 
     def step_memory(self) -> dict[str, int]:
         """Device bytes the largest programs of a step need besides weights and cache, from XLA's
-        ``memory_analysis()`` of the compiled programs (compiled here on abstract inputs; the
-        persistent compilation cache hands them to warm-up). Needs no cache allocated.
+        ``memory_analysis()`` of the compiled programs (compiled here on abstract inputs, the cache
+        a two-page stand-in). Needs no cache allocated.
 
         Returns {"forward": temporaries + non-cache outputs of the widest forward (largest token
         and page buckets, drafted when speculating), "prompt_logits": the same for the LM head
         over every row of the widest step}."""
         t, p = self.token_buckets[-1], self.page_buckets[-1]
         batch = self._empty_batch(t, p, self.num_speculative_tokens if t >= 2 else 0)
-        spec = self._cache_spec(p + 1)
-        cache = jax.ShapeDtypeStruct(spec.shape_for(self.attn_impl), spec.dtype, sharding=self._kv_sharding)
+        # The step updates the cache in place (donated, aliased), so its temporaries do not grow
+        # with the cache's pages and two serve. A cache of p + 1 pages put gpt-oss-20b's whole
+        # 131k-token cache (12 GiB) into this compile beside 12.8 GiB of weights: over a v5e's
+        # HBM, which XLA:TPU refuses at compile time. The cache's own format, as allocated.
+        spec = self._cache_spec(RESERVED_PAGE + 2)
+        cache = jax.ShapeDtypeStruct(
+            spec.shape_for(self.attn_impl), spec.dtype, sharding=self.kv_format or self._kv_sharding
+        )
         args = self.step_args(batch, kv_cache=cache)
         fwd = self._compiled("forward", self._step, args)
         hidden = jax.ShapeDtypeStruct((t, self.arch.hidden_size), self.dtype, sharding=self._replicated)

@@ -25,8 +25,9 @@ from jax.experimental.layout import Format, Layout
 from tiny_models import tiny_model
 
 from tpuserve.kv_cache.host_tier import HostPagePool
-from tpuserve.kv_cache.layout import cache_out_format, kv_cache_format
+from tpuserve.kv_cache.layout import cache_out_format, gathered_table_format, kv_cache_format
 from tpuserve.kv_cache.transfer.device_pages import DevicePageMover, moves_bits, page_gather, page_scatter
+from tpuserve.tpu_platform import model_runner
 from tpuserve.tpu_platform.config import ConfigError, EngineConfig
 from tpuserve.tpu_platform.device import DeviceInfo
 from tpuserve.tpu_platform.model_runner import ModelRunner
@@ -65,6 +66,58 @@ def test_kv_cache_format_is_row_major_for_the_compiled_tpu_kernel_only():
     assert kv_cache_format("pallas_tpu", jnp.float32, cpu).layout.tiling == ((8, 128),)
     for impl in ("reference", "blocked", "pallas_gpu", "pallas_tpu_interpret"):
         assert kv_cache_format(impl, jnp.bfloat16, cpu) is None
+
+
+def test_gathered_table_is_placed_row_major_for_the_compiled_tpu_kernel_only():
+    """XLA:TPU laid gpt-oss's [201088, 2880] embedding out V-minor (2880 is no lane multiple) and
+    every step copied it whole before the row gather; with the TPU kernel it is re-placed
+    row-major. A table already in that format, a quantized record, or another impl: left alone."""
+    table = jnp.zeros((512, 72), jnp.bfloat16)
+    fmt = gathered_table_format("pallas_tpu", table)
+    assert fmt.layout.major_to_minor == (0, 1) and fmt.layout.tiling == ((8, 128), (2, 1))
+    assert fmt.sharding == table.sharding
+    for impl in ("reference", "blocked", "pallas_gpu", "pallas_tpu_interpret"):
+        assert gathered_table_format(impl, table) is None
+    assert gathered_table_format("pallas_tpu", {"packed": table}) is None
+    placed = jax.device_put(table, Format(Layout(major_to_minor=(1, 0)), table.sharding))
+    assert gathered_table_format("pallas_tpu", placed).layout == fmt.layout
+
+
+def test_runner_re_places_the_embedding_once_for_both_layer_trees(monkeypatch):
+    """The runner hands the re-placed table to the unrolled layers and to the quick tier's stacked
+    tree alike (one array, not two copies). The format here is a CPU column-major one standing in
+    for the TPU row-major format, which a CPU device cannot hold."""
+    col_major = []
+
+    def fake(impl, table):
+        col_major.append(impl)
+        return Format(Layout(major_to_minor=(1, 0)), table.sharding)
+
+    monkeypatch.setattr(model_runner, "gathered_table_format", fake)
+    r = _runner("blocked", "unroll")
+    assert col_major == ["blocked"]
+    embed = r.params["embed"]
+    assert embed.format.layout.major_to_minor == (1, 0)
+    assert r._quick is not None and r._quick[0]["embed"] is embed
+
+
+def test_step_memory_compiles_against_a_two_page_cache(monkeypatch):
+    """The profile forward's cache is a two-page stand-in whatever max_model_len is: at p + 1
+    pages gpt-oss-20b's 131k-token cache (12 GiB) went into the compile beside its 12.8 GiB of
+    weights, and XLA:TPU refused it as over HBM."""
+    r = _runner("blocked", "unroll", device=DeviceInfo("cpu", 1, "cpu", None))
+    assert r.page_buckets[-1] > 2
+    seen = {}
+    real = r._compiled
+
+    def spy(name, jitted, args):
+        seen[name] = args
+        return real(name, jitted, args)
+
+    monkeypatch.setattr(r, "_compiled", spy)
+    assert r.step_memory()["forward"] > 0
+    cache = seen["forward"][1]
+    assert cache.shape == r._cache_spec(2).shape_for("blocked") and cache.shape[1] == 2
 
 
 @pytest.mark.parametrize("loop", ["scan", "unroll"])
