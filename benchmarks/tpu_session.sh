@@ -125,9 +125,12 @@ for s in $stages; do
           --like ".tpu_carry/shapes/$gpt_oss" --out "/tmp/m/$gpt_oss" 2>&1 | tee "$out/checkpoint_$gpt_oss.log"
       # no warm-up (as e2e-8b-fp8): the untimed round compiles only what the timed one runs; batch 1
       # only by default (what the issue asks; its 24 unrolled layers compile slowly), GPTOSS_BATCHES=1,8,32
-      # GPTOSS_PREFILL=1x1024 for more
+      # GPTOSS_PREFILL=1x512 for more. 12.8 GiB of weights leave ~1.3 GiB of a v5e's 15.75 for the
+      # cache and the step: the flags a 16 GB user passes (the default 131k max_model_len alone
+      # needs more cache than that: the engine refuses it by name)
       JAX_LOG_COMPILES=${GPTOSS_LOG_COMPILES:-0} stage e2e-gptoss "${GPTOSS_LIMIT_S:-420}" python benchmarks/tpu_e2e.py --models "/tmp/m/$gpt_oss" \
-          --rounds 1 --batches "${GPTOSS_BATCHES:-1}" --prefill "${GPTOSS_PREFILL:-}" --engine-args '{"warmup": false}' \
+          --rounds 1 --batches "${GPTOSS_BATCHES:-1}" --prefill "${GPTOSS_PREFILL:-}" --util 0.95 \
+          --engine-args '{"warmup": false, "max_num_seqs": 32, "max_num_batched_tokens": 512, "max_model_len": 8192}' \
           --out "$out/e2e_$gpt_oss.json" ;;
     startup)   # where the 1B shape's start-up goes: LLM() cold (empty compilation cache), then warm;
                # each run's start-up phases (read, transforms, stack, to device, tokenizer, memory
