@@ -228,6 +228,28 @@ for s in $stages; do
             --batches 1,8,32 --prefill "" --quantization "$q" \
             --engine-args '{"quantization_calibration": "rtn"}' --out "$out/e2e_1b_$q.json"
       done ;;
+    copies)    # weight copies the compiled steps make (benchmarks/hlo_param_copies.py over XLA's dump),
+               # the 1B shape at b1 per weight format (COPIES_METHODS, "bf16" = none) and gpt-oss's
+               # 2-layer shape (gpt-oss-20b-2l, made as the header says): 2026-12-06 gpt-oss's
+               # dump showed its MXFP4 scales laid {2,0,1} by XLA and sliced into S(1) every step
+      checkpoint llama-1b-gqa
+      for q in ${COPIES_METHODS:-bf16 fp8 mxfp4 nvfp4}; do
+        qarg=(); [ "$q" != bf16 ] && qarg=(--quantization "$q")
+        rm -rf "/tmp/xdump-$q"
+        XLA_FLAGS="--xla_dump_to=/tmp/xdump-$q --xla_dump_hlo_module_re=.*_step.*" stage "copies-$q" 150 \
+            python benchmarks/tpu_e2e.py --models /tmp/m/llama-1b-gqa --rounds 1 --batches 1 --prefill "" \
+            "${qarg[@]}" --engine-args '{"quantization_calibration": "rtn", "warmup": false}' --out "$out/copies_$q.json"
+        python benchmarks/hlo_param_copies.py "/tmp/xdump-$q" | tee "$out/copies_$q.txt" | head -n 12
+      done
+      if [ -d .tpu_carry/shapes/gpt-oss-20b-2l ]; then
+        [ -d /tmp/m/gpt-oss-20b-2l ] || python benchmarks/random_checkpoint.py --dtype float16 \
+            --like .tpu_carry/shapes/gpt-oss-20b-2l --out /tmp/m/gpt-oss-20b-2l > /dev/null
+        rm -rf /tmp/xdump-gptoss
+        XLA_FLAGS="--xla_dump_to=/tmp/xdump-gptoss --xla_dump_hlo_module_re=.*_step.*" stage copies-gptoss 150 \
+            python benchmarks/tpu_e2e.py --models /tmp/m/gpt-oss-20b-2l --rounds 1 --batches 1 --prefill "" \
+            --engine-args '{"warmup": false}' --out "$out/copies_gptoss.json"
+        python benchmarks/hlo_param_copies.py /tmp/xdump-gptoss | tee "$out/copies_gptoss.txt" | head -n 12
+      fi ;;
     parts)     # where a decode step's device time goes: matmuls alone, empty steps per bucket, the
                # optimized HLO of the 1- and 128-token steps with a trace of each, ops by device time
                # (2026-12-06: a ~45 us fusion a layer beside the four matmuls, unidentified)
