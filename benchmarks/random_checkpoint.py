@@ -24,6 +24,9 @@ FP8 checkpoint with per-output-channel scales (what the loader reads without qua
 lets an 8B shape fit one 16 GB v5e: its bf16 weights alone would fill it). The e4m3 bytes are drawn
 directly (exponents 6..7, i.e. magnitudes 0.5..1.9 times a 0.02 channel scale), so an 8B shape's
 7 GB of weights take seconds, not the minutes a float RNG and a quantizer would.
+``--quantize mxfp4`` writes them as compressed-tensors ``mxfp4-pack-quantized`` instead
+(``weight_packed`` u8 ``[out, in/2]`` from the byte pool, ``weight_scale`` e8m0 ``[out, in/32]``
+from the scale pool): the 8B shape's MXFP4 weights (3.7 GB) without a quantizer on the chip's host.
 """
 
 from __future__ import annotations
@@ -126,18 +129,25 @@ def random_fp8_codes(rng, shape) -> np.ndarray:
     return (raw & 0x8F) | 0x30  # s 0110|0111 mmm: |value| in [2**-1, 2**0 * 1.875]
 
 
-def mark_compressed_tensors_fp8(out_dir: str) -> None:
-    """Add compressed-tensors' FP8 per-channel ``quantization_config`` to ``config.json``."""
+MXFP4_BLOCK = 32  # K elements under one e8m0 scale
+
+
+def mark_compressed_tensors(out_dir: str, method: str) -> None:
+    """Add compressed-tensors' ``quantization_config`` to ``config.json``: FP8 per channel
+    (``float-quantized``) or MXFP4 (``mxfp4-pack-quantized``, groups of 32)."""
     path = os.path.join(out_dir, "config.json")
     with open(path) as f:
         cfg = json.load(f)
-    weights = {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True, "dynamic": False}
+    if method == "fp8":
+        fmt = "float-quantized"
+        weights = {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True, "dynamic": False}
+    else:
+        fmt = "mxfp4-pack-quantized"
+        weights = {"num_bits": 4, "type": "float", "strategy": "group", "group_size": MXFP4_BLOCK}
     cfg["quantization_config"] = {
         "quant_method": "compressed-tensors",
-        "format": "float-quantized",
-        "config_groups": {
-            "group_0": {"targets": ["Linear"], "weights": weights, "format": "float-quantized"}
-        },
+        "format": fmt,
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "format": fmt}},
         "ignore": ["lm_head"],
     }
     with open(path, "w") as f:
@@ -188,7 +198,7 @@ def main(argv=None) -> int:
     g.add_argument("--out", metavar="DIR", help="write the random-weight checkpoint here")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
-        "--quantize", choices=("fp8",), default=None, help="write the layers' Linears pre-quantized"
+        "--quantize", choices=("fp8", "mxfp4"), default=None, help="write the layers' Linears pre-quantized"
     )
     p.add_argument(
         "--dtype",
@@ -213,12 +223,6 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     rng = np.random.default_rng(args.seed)
     dtype = np.dtype(ml_dtypes.bfloat16 if args.dtype == "bfloat16" else args.dtype)
-    total_int = sum(math.prod(shapes[n]) for n in int_dtypes)
-    # sized to what is needed, up to the pool size; drawn once
-    pool = _BytePool(rng.integers(0, 256, min(max(total_int, 1), _POOL_BYTES), dtype=np.uint8))
-    scale_pool = _BytePool(
-        rng.integers(*_E8M0_RANGE, min(max(total_int // 16, 1), _POOL_BYTES // 16), dtype=np.uint8)
-    )
 
     def fill(name: str, shape: list[int], kind: str):
         if kind == "F8_E4M3":
@@ -226,7 +230,8 @@ def main(argv=None) -> int:
         elif kind == "F32" and name in fp8_scales:
             yield np.full(shape, 0.02, np.float32)
         elif kind in _INT_DTYPES:
-            yield from (scale_pool if name.endswith("_scales") else pool).take(math.prod(shape))
+            scales = name.endswith(("_scales", ".weight_scale"))
+            yield from (scale_pool if scales else pool).take(math.prod(shape))
         elif name.endswith("norm.weight") or len(shape) == 1 and "norm" in name:
             yield np.ones(shape, dtype)
         elif name.endswith(".bias"):
@@ -241,11 +246,24 @@ def main(argv=None) -> int:
             specs[name] = (shape, "F8_E4M3")
             specs[name + "_scale"] = ([shape[0], 1], "F32")
             fp8_scales.add(name + "_scale")
+        elif args.quantize == "mxfp4" and is_layer_linear(name, shape):
+            out_f, in_f = shape
+            if in_f % MXFP4_BLOCK:
+                raise SystemExit(f"{name}: {in_f} inputs, not a multiple of MXFP4's {MXFP4_BLOCK}")
+            stem = name[: -len("weight")]
+            specs[stem + "weight_packed"] = ([out_f, in_f // 2], "U8")
+            specs[stem + "weight_scale"] = ([out_f, in_f // MXFP4_BLOCK], "U8")
         else:
             specs[name] = (shape, int_dtypes.get(name, _FLOAT_NAMES[dtype]))
+    total_int = sum(math.prod(shape) for shape, kind in specs.values() if kind in _INT_DTYPES)
+    # sized to what is needed, up to the pool size; drawn once
+    pool = _BytePool(rng.integers(0, 256, min(max(total_int, 1), _POOL_BYTES), dtype=np.uint8))
+    scale_pool = _BytePool(
+        rng.integers(*_E8M0_RANGE, min(max(total_int // 16, 1), _POOL_BYTES // 16), dtype=np.uint8)
+    )
     copy_small_files(args.like, args.out)
-    if args.quantize == "fp8":
-        mark_compressed_tensors_fp8(args.out)
+    if args.quantize:
+        mark_compressed_tensors(args.out, args.quantize)
     path = os.path.join(args.out, "model.safetensors")
     write_safetensors(path, specs, fill)
     print(

@@ -220,6 +220,13 @@ for s in $stages; do
       # compiles would take most of a call)
       stage e2e-8b-fp8 "${E2E8B_LIMIT_S:-330}" python benchmarks/tpu_e2e.py --models /tmp/m/llama-8b-fp8 \
           --rounds 1 --batches 1,8 --prefill "" --engine-args '{"warmup": false}' --out "$out/e2e_8b_fp8.json" ;;
+    e2e-8b-mxfp4) # the Llama-8B shape as a pre-quantized MXFP4 checkpoint (compressed-tensors
+               # mxfp4-pack-quantized, random bytes): issue 30's "MXFP4 at >= 50% of the roofline of
+               # its quantized bytes" at batch 1
+      [ -d /tmp/m/llama-8b-mxfp4 ] || python benchmarks/random_checkpoint.py --quantize mxfp4 --dtype float16 \
+          --like .tpu_carry/shapes/llama-8b-gqa --out /tmp/m/llama-8b-mxfp4 > /dev/null
+      stage e2e-8b-mxfp4 "${E2E8B_LIMIT_S:-330}" python benchmarks/tpu_e2e.py --models /tmp/m/llama-8b-mxfp4 \
+          --rounds 1 --batches 1,8 --prefill "" --engine-args '{"warmup": false}' --out "$out/e2e_8b_mxfp4.json" ;;
     e2e-quant) # the 1B shape through LLM(...) with each online quantization, round-to-nearest (GPTQ's
                # calibration costs start-up, not step time), decode only
       checkpoint llama-1b-gqa
