@@ -91,7 +91,8 @@ class Nvfp4Weight(_PackedFp4):
     """NVFP4 weight ``[*L, K, *out_shape]``.
 
     packed: u8 ``[*L, K/2, N]``.
-    scale: float8_e4m3fn ``[*L, K/16, N]`` block scales.
+    scale: float8_e4m3fn ``[*L, K/16, N]`` block scales, or u8 holding the same bytes (how a TPU
+      engine keeps them: ``scales_as_bytes``); read values with ``nv_scale_values``.
     global_scale: f32 ``[*L, 1, 1]``, kept exactly as the producer wrote it; or ``[*L, 1, N]``
       when tensors with different globals were fused along N (``quant/fuse.py``: q|k|v, gate|up).
     global_divides: static. The two checkpoint families invert the global scale:
@@ -255,6 +256,28 @@ def mxfp4_from_gguf(raw: np.ndarray, shape: tuple[int, int], *, out_shape=None) 
 # NVFP4.
 
 
+def nv_scale_values(scale: jax.Array) -> jax.Array:
+    """NVFP4 block scales as f32, from float8_e4m3fn values or their u8 bytes."""
+    if scale.dtype == jnp.uint8:
+        scale = jax.lax.bitcast_convert_type(scale, jnp.float8_e4m3fn)
+    return scale.astype(jnp.float32)
+
+
+def scales_as_bytes(tree):
+    """``tree`` with every ``Nvfp4Weight``'s e4m3 scales held as their u8 bytes, once.
+
+    For the TPU kernels, which read scale bytes: a ``bitcast_convert_type`` inside the step is a
+    copy on XLA:TPU (the 1B shape's NVFP4 step wrote 58 MiB of scale copies a step, all layers'
+    stacked scales). Other records and leaves are returned as they are."""
+
+    def one(w):
+        if isinstance(w, Nvfp4Weight) and w.scale.dtype != jnp.uint8:
+            return dataclasses.replace(w, scale=jax.lax.bitcast_convert_type(w.scale, jnp.uint8))
+        return w
+
+    return jax.tree.map(one, tree, is_leaf=lambda a: isinstance(a, Nvfp4Weight))
+
+
 def dequantize_nvfp4(w: Nvfp4Weight, dtype=jnp.float32) -> jax.Array:
     """Reference dequant -> ``[*L, K, *out_shape]``: ``e2m1 * (f32(scale) op global)``.
 
@@ -262,7 +285,7 @@ def dequantize_nvfp4(w: Nvfp4Weight, dtype=jnp.float32) -> jax.Array:
     (``* weight_scale_2`` for ModelOpt/torchao, ``/ weight_global_scale`` for compressed-tensors);
     that order is what makes it bit-exact with each (the facts file, section 1.4).
     """
-    s = w.scale.astype(jnp.float32)
+    s = nv_scale_values(w.scale)
     g = w.global_scale.astype(jnp.float32)
     block_factor = exact_div(s, g) if w.global_divides else s * g
     vals = e2m1_lut_decode(unpack_codes(w.packed))

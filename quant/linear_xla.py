@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from tpuserve.quant.codecs import e8m0_decode, exact_div
-from tpuserve.quant.fp4 import Mxfp4Weight, Nvfp4Weight
+from tpuserve.quant.fp4 import Mxfp4Weight, Nvfp4Weight, nv_scale_values
 from tpuserve.quant.fp8 import Fp8Weight, dequantize_fp8, quantize_per_token, scale_columns
 
 
@@ -56,7 +56,7 @@ def fp4_block_factor(w) -> jax.Array:
     """f32 ``[K/block, N]``: the full multiplier of each block (e8m0 value, or e4m3 x global)."""
     if isinstance(w, Mxfp4Weight):
         return e8m0_decode(w.scale)
-    s = w.scale.astype(jnp.float32)
+    s = nv_scale_values(w.scale)
     g = w.global_scale.astype(jnp.float32)  # [1, 1], or [1, N] for fused tensors
     # the producer's own operation (see Nvfp4Weight): exact, and cheap at K/16 x N elements
     return exact_div(s, g) if w.global_divides else s * g

@@ -47,6 +47,7 @@ from tpuserve.attention.kv_cache_shape import kv_storage_dtype
 from tpuserve.attention.metadata import AttentionMetadata
 from tpuserve.attention.names import AttentionImpl
 from tpuserve.kv_cache.layout import RESERVED_PAGE, KVCacheSpec, gathered_table_format, kv_cache_format
+from tpuserve.quant.fp4 import scales_as_bytes
 from tpuserve.tpu_platform import kv_scales as ks
 from tpuserve.tpu_platform.config import EngineConfig, LayerLoop
 from tpuserve.tpu_platform.device import DeviceInfo, HostSource, place
@@ -266,6 +267,9 @@ class ModelRunner:
             if stacked is not None:
                 specs = param_partition_specs(stacked, MODEL_AXIS, expert_parallel=self.expert_parallel)
                 stacked = jax.tree.map(lambda a, s: place(a, NamedSharding(mesh, s)), stacked, specs)
+        if device.backend == "tpu":  # the Pallas kernels read NVFP4 scales as bytes: convert once
+            params = scales_as_bytes(params)
+            stacked = None if stacked is None else scales_as_bytes(stacked)
         table_format = gathered_table_format(config.compilation.attention_impl, params["embed"])
         if table_format is not None:  # one re-placed table, shared by both trees
             embed = jax.device_put(params["embed"], table_format)

@@ -285,3 +285,47 @@ def test_fp8_kernel_asks_mosaic_for_more_scoped_vmem():
     text = jax.export.export(fn, platforms=["tpu"])(x, rec, jax.ShapeDtypeStruct((), jnp.int32)).mlir_module()
     assert _FP8_VMEM_LIMIT > 16 * 1024 * 1024
     assert f"\\22size\\22: {_FP8_VMEM_LIMIT}" in text
+
+
+def _ops_on(closed, avals) -> list[str]:
+    """Primitives outside Pallas kernels that take an operand of one of ``avals`` ((shape, dtype))."""
+    names = []
+    for e in closed.jaxpr.eqns:
+        if e.primitive.name == "pallas_call":
+            continue
+        if any((getattr(v.aval, "shape", None), getattr(v.aval, "dtype", None)) in avals for v in e.invars):
+            names.append(e.primitive.name)
+    return names
+
+
+@pytest.mark.timeout(300)
+def test_nvfp4_scale_bytes_reach_the_kernel_untouched():
+    """A TPU engine holds NVFP4 scales as their u8 bytes (fp4.scales_as_bytes): the kernel takes
+    them as they are, with the same result as the float8 record. With float8 scales the bitcast
+    to bytes outside the kernel was a copy on XLA:TPU every step (the 1B shape wrote 58 MiB of
+    scale copies a step: benchmarks/hlo_param_copies.py on the chip's dump, 2026-12-07)."""
+    x, w = data(4, 256, 128, seed=3)
+    rec = fp4.quantize_nvfp4(w)
+    as_bytes = fp4.scales_as_bytes({"w": rec})["w"]
+    assert rec.scale.dtype == jnp.float8_e4m3fn and as_bytes.scale.dtype == jnp.uint8
+    assert fp4.scales_as_bytes({"w": as_bytes})["w"].scale is as_bytes.scale  # once only
+    np.testing.assert_array_equal(fp4.dequantize_nvfp4(as_bytes), fp4.dequantize_nvfp4(rec))
+    y = fp4_matmul_tpu(x, as_bytes, block_k=128, interpret=RACES)
+    check(y, fp4_matmul_ref(x, rec))
+
+    layers = 3
+    stack = jax.tree.map(lambda a: jax.ShapeDtypeStruct((layers, *a.shape), a.dtype), as_bytes)
+    scale = (stack.scale.shape, stack.scale.dtype)
+    fn = lambda x, w, layer: fp4_matmul_tpu(x, w, layer=layer)  # noqa: E731
+    closed = jax.make_jaxpr(fn)(
+        jax.ShapeDtypeStruct((1, 256), jnp.bfloat16), stack, jax.ShapeDtypeStruct((), jnp.int32)
+    )
+    assert _ops_on(closed, {scale}) == []
+    kernel = next(e for e in closed.jaxpr.eqns if e.primitive.name == "pallas_call")
+    assert scale in {(v.aval.shape, v.aval.dtype) for v in kernel.invars}
+    # the float8 record (what CPU engines keep) still goes through the bitcast: the test can tell
+    f8 = jax.tree.map(lambda a: jax.ShapeDtypeStruct((layers, *a.shape), a.dtype), rec)
+    closed = jax.make_jaxpr(fn)(
+        jax.ShapeDtypeStruct((1, 256), jnp.bfloat16), f8, jax.ShapeDtypeStruct((), jnp.int32)
+    )
+    assert _ops_on(closed, {(f8.scale.shape, f8.scale.dtype)}) == ["bitcast_convert_type"]
