@@ -72,6 +72,7 @@ from tpuserve.quant.fp8 import Fp8Weight, dequantize_fp8, quantize_per_token, sc
 _MAX_TK = 2048  # K rows per tile (fp8: 2 MiB of weight per 1024-lane tile)
 _MAX_TN = 512
 _MAX_TM = 256
+_U8_TILE_ROWS = 32  # sublanes of an 8-bit VMEM tile: dynamic u8 row slices must start at multiples
 
 
 def _round_up(a: int, b: int) -> int:
@@ -369,6 +370,26 @@ FP4_DECODES = ("f32", "int", "swar", "swar_bcast")
 FP4_DEFAULT_DECODE = "swar"  # what decode=None means: the fastest on a v5e (module docstring)
 
 
+def fp4_k_tile(k: int, blk: int, swar: bool, block_k: int | None = None, compiled: bool = True) -> int:
+    """The FP4 kernels' K tile (``block_k``, or the default for K) for scale block ``blk``.
+
+    SWAR: x's four column groups take tk/4 lanes a tile, so tk a multiple of 512 keeps them whole.
+    The full-K scale block is sliced at kk * tk/blk rows, and Mosaic must prove a dynamic u8 slice
+    aligned to its 32-row tile: with several K tiles, tk/blk a multiple of 32 (on a v5e the 8B
+    shape's down projection, K 14336, took tk 3584 = 112 scale rows and did not compile).
+    Interpret mode has no such rule (tests take small tiles to cover several K tiles)."""
+    quantum = math.lcm(512 if swar else 256, _U8_TILE_ROWS * blk)
+    tk = block_k or (k if k <= 2 * _MAX_TK else _pick_tile(k, 2 * _MAX_TK, quantum))
+    if k % tk or tk % blk or tk % 8:
+        raise ValueError(f"block_k={tk} must divide K={k} and be a multiple of {blk}")
+    if compiled and tk < k and (tk // blk) % _U8_TILE_ROWS:
+        raise ValueError(
+            f"block_k={tk}: with several K tiles a compiled kernel needs block_k / {blk} (scale rows "
+            f"a tile) to be a multiple of {_U8_TILE_ROWS}, the u8 sublane tile"
+        )
+    return tk
+
+
 def fp4_matmul_tpu(
     x: jax.Array,
     w: Mxfp4Weight | Nvfp4Weight,
@@ -405,10 +426,7 @@ def fp4_matmul_tpu(
     swar = decode.startswith("swar")
     out_dtype = out_dtype or x.dtype
     blk = w.block
-    # SWAR: x's four column groups take tk/4 lanes a tile, so tk a multiple of 512 keeps them whole
-    tk = block_k or (k if k <= 2 * _MAX_TK else _pick_tile(k, 2 * _MAX_TK, 512 if swar else 256))
-    if k % tk or tk % blk or tk % 8:
-        raise ValueError(f"block_k={tk} must divide K={k} and be a multiple of {blk}")
+    tk = fp4_k_tile(k, blk, swar, block_k, compiled=not interpret)
     if isinstance(w, Mxfp4Weight):
         kind, sbytes = "mx", w.scale
     else:

@@ -329,3 +329,22 @@ def test_nvfp4_scale_bytes_reach_the_kernel_untouched():
         jax.ShapeDtypeStruct((1, 256), jnp.bfloat16), f8, jax.ShapeDtypeStruct((), jnp.int32)
     )
     assert _ops_on(closed, {(f8.scale.shape, f8.scale.dtype)}) == ["bitcast_convert_type"]
+
+
+@pytest.mark.parametrize("decode", FP4_DECODES)
+@pytest.mark.parametrize("blk", [32, 16])  # MXFP4, NVFP4
+def test_fp4_k_tiles_slice_scales_at_whole_u8_tiles(blk, decode):
+    """Every K tile the kernels pick for the 1B / 8B / gpt-oss matmuls starts its scale rows at a
+    multiple of the u8 tile (32 rows) or takes all of K: a v5e's Mosaic refused the 8B down
+    projection's 3584-wide tile (112 scale rows, E2003 unprovable alignment). Interpret mode and
+    jax.export never run that check, so it is asserted on the tile itself."""
+    from tpuserve.quant.pallas_tpu_matmul import fp4_k_tile
+
+    swar = decode.startswith("swar")
+    for k in (2048, 8192, 4096, 14336, 2880, 28672, 5760):
+        tk = fp4_k_tile(k, blk, swar)
+        assert k % tk == 0
+        assert tk == k or (tk // blk) % 32 == 0, (k, tk)
+    with pytest.raises(ValueError, match="multiple of 32, the u8 sublane tile"):
+        fp4_k_tile(14336, blk, swar, block_k=3584 if blk == 32 else 1792)
+    assert fp4_k_tile(256, blk, swar, block_k=128, compiled=False) == 128  # interpret: any tile
