@@ -134,6 +134,15 @@ def parse_args(argv=None):
         help="with --sweep: decode batches BxCTX (comma-separated) timed instead of the default "
         "shapes, over --sweep-bqs x --sweep-page-sizes, each with one KV block per sequence",
     )
+    p.add_argument(
+        "--sweep-prefill",
+        default="",
+        help="with --sweep: prefill chunks QxCTX (comma-separated; Q new tokens of one sequence whose "
+        "context ends at CTX, e.g. 1024x8192, the last chunk of an 8k prompt) timed over "
+        "--sweep-prefill-bqs x --sweep-prefill-ppbs instead of the default shapes",
+    )
+    p.add_argument("--sweep-prefill-bqs", default="32,64,128,256")
+    p.add_argument("--sweep-prefill-ppbs", default="16,32,64")
     p.add_argument("--sweep-bqs", default="1,4,8")
     p.add_argument("--sweep-page-sizes", default="16")
     args = p.parse_args(argv)
@@ -690,6 +699,15 @@ def sweep_block_sizes(args) -> list[dict]:
                 )
                 rows += _sweep(args, [shape], ps, ppbs=(-(-ctx // ps),))
         return rows
+    if args.sweep_prefill:
+        # Chunked prefill of one long prompt (the 1 x 8192 MFU point): each chunk's queries over the
+        # whole causal context, per queries per block x KV pages per block.
+        for spec in args.sweep_prefill.split(","):
+            q, ctx = (int(x) for x in spec.split("x"))
+            shape = (f"prefill {q}@{ctx}", [(q, ctx)], [int(x) for x in args.sweep_prefill_bqs.split(",")])
+            ppbs = tuple(int(x) for x in args.sweep_prefill_ppbs.split(","))
+            rows += _sweep(args, [shape], args.page_size, ppbs=ppbs)
+        return rows
     shapes = [
         ("decode b32 ctx16k", [(1, 16384)] * 32, (1,)),
         ("prefill 4x512 @4k", [(512, 4096)] * 4, (16, 32, 64, 128)),
@@ -712,6 +730,9 @@ def _sweep(args, shapes, ps: int, ppbs) -> list[dict]:
         cache, pinned = engine_layout(cache)
         q = jax.random.normal(jax.random.PRNGKey(1), (int(cu[-1]), hq, d), jnp.bfloat16)
         kv_bytes = int(np.sum(kv_lens)) * 2 * hkv * d * 2
+        # QK^T and PV over the keys each query token sees (causal: token i of a q-token chunk ending
+        # at kv sees kv - q + i + 1 keys)
+        flops = 4 * hq * d * sum(q_len * kv - q_len * (q_len - 1) // 2 for q_len, kv in seqs)
         for bq in bqs:
             for ppb in ppbs:
                 fn = jax.jit(
@@ -738,11 +759,18 @@ def _sweep(args, shapes, ps: int, ppbs) -> list[dict]:
                     )
                     continue
                 rows.append(
-                    dict(name=name, bq=bq, pages_per_block=ppb, us=t * 1e6, kv_gbps=kv_bytes / t / 1e9)
+                    dict(
+                        name=name,
+                        bq=bq,
+                        pages_per_block=ppb,
+                        us=t * 1e6,
+                        kv_gbps=kv_bytes / t / 1e9,
+                        tflops=flops / t / 1e12,
+                    )
                 )
                 print(
                     f"sweep {name:20s} bq{bq:4d} ppb{ppb:4d}: {t * 1e6:9.1f} us, "
-                    f"KV {kv_bytes / t / 1e9:7.1f} GB/s",
+                    f"KV {kv_bytes / t / 1e9:7.1f} GB/s, {flops / t / 1e12:6.2f} TFLOP/s",
                     flush=True,
                 )
         del cache

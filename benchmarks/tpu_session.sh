@@ -257,6 +257,12 @@ for s in $stages; do
             --engine-args '{"warmup": false}' --out "$out/copies_gptoss.json"
         python benchmarks/hlo_param_copies.py /tmp/xdump-gptoss | tee "$out/copies_gptoss.txt" | head -n 12
       fi ;;
+    prefill-sweep) # block sizes for chunked prefill of one long prompt at the 1B heads (32 q / 8 KV,
+               # d 64): 1 x 8192 sat at 44.7-45.6% MFU (2026-12-06/07) against 66% for 8 x 1024;
+               # the defaults (64 queries x 512 tokens) came from a 4 x 512 @ 4k sweep at d 128
+      stage prefill-sweep "${PSWEEP_LIMIT_S:-240}" python benchmarks/attention_tpu.py --sweep --num-q-heads 32 \
+          --num-kv-heads 8 --head-dim 64 --sweep-prefill 1024x2048,1024x8192 --sweep-prefill-bqs 64,128,256 \
+          --sweep-prefill-ppbs 32,64,128 --out "$out/prefill_sweep.json" ;;
     parts)     # where a decode step's device time goes: matmuls alone, empty steps per bucket, the
                # optimized HLO of the 1- and 128-token steps with a trace of each, ops by device time
                # (2026-12-06: a ~45 us fusion a layer beside the four matmuls, unidentified)
