@@ -329,27 +329,6 @@ def test_fp8_page_bytes_against_bf16():
     assert 2 * per_token(16, 128, jnp.uint8)[0] == per_token(16, 128, jnp.bfloat16)[0]
 
 
-@pytest.mark.timeout(300)
-def test_attention_benchmark_checks_fp8_off_tpu(tmp_path):
-    """benchmarks/attention_tpu.py --kv-dtype fp8 (the chip's stage kernels-fp8) at smoke sizes,
-    its kernels interpreted: the fp8 checks run and pass, so the stage's code path is exercised."""
-    import importlib.util
-    import json
-    import os
-
-    here = os.path.dirname(os.path.abspath(__file__))
-    path = os.path.join(here, "..", "..", "benchmarks", "attention_tpu.py")
-    spec = importlib.util.spec_from_file_location("attention_tpu_bench", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    out = tmp_path / "checks.json"
-    argv = ["--smoke", "--checks-only", "--rpa-v3", "off", "--kv-dtype", "fp8", "--check-dtypes", "bfloat16"]
-    assert bench.main(argv + ["--check-options", "plain", "--out", str(out)]) == 0
-    checks = json.loads(out.read_text())["checks"]
-    assert {c["dtype"] for c in checks} == {"bfloat16", "fp8"}
-    assert all(c["passed"] and c["kv_write_exact"] for c in checks)
-
-
 @pytest.mark.timeout(400)
 def test_dispatch_fp8_bytes_in_layer_scan():
     """The engine's call: dispatch (quantize_kv, then the kernel) in a jitted lax.scan over a
