@@ -430,11 +430,9 @@ def fp4_matmul_tpu(
     if isinstance(w, Mxfp4Weight):
         kind, sbytes = "mx", w.scale
     else:
-        # bytes held as u8 by a TPU engine (fp4.scales_as_bytes): a bitcast here would copy them
-        kind, sbytes = (
-            "nv",
-            w.scale if w.scale.dtype == jnp.uint8 else lax.bitcast_convert_type(w.scale, jnp.uint8),
-        )
+        kind, sbytes = "nv", w.scale
+        if sbytes.dtype != jnp.uint8:  # a TPU engine holds bytes (fp4.scales_as_bytes): no copy a step
+            sbytes = lax.bitcast_convert_type(sbytes, jnp.uint8)
     tm = _row_tile(m, x.dtype, block_m)
     mp = _round_up(m, tm)
     tn = block_n or _pick_tile(n, _MAX_TN, 128)
