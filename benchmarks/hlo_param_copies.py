@@ -7,8 +7,12 @@ write it somewhere else first each step (a layout change, a bitcast it does not 
 slice moved to another memory space), which costs a write and a read of the whole weight. Three
 such copies were found by hand on a v5e (the gate_up slice of a layer scan, MXFP4 expert bytes
 bitcast to int8, gpt-oss's embedding relaid row-major); this reads a dump for all of them at once.
-Only the entry computation is read: a layer scan's body reaches its weights through the loop's
-tuple (the gate_up slice copy was there), which this does not follow.
+Parameters are followed in the entry computation only. A layer scan's body reaches its weights
+through the loop's tuple, so in every while body (any depth) it lists instead the *data-movement
+writes* of at least ``--min-mib``: copies, transposes, bitcast-converts, slices, and loop fusions
+made only of those (XLA's ``dynamic-slice_bitcast_fusion`` that copied each layer's gate_up slice
+every step, found by hand on a v5e). Fused computations are not walked: what a fusion does inside
+writes no buffer of its own.
 
     XLA_FLAGS="--xla_dump_to=/tmp/x --xla_dump_hlo_module_re=.*_step.*" python benchmarks/tpu_e2e.py ...
     python benchmarks/hlo_param_copies.py /tmp/x           # every *after_optimizations.txt there
@@ -75,6 +79,75 @@ def param_copies(text: str, min_frac: float = 0.5, min_bytes: int = 1 << 20) -> 
     return sorted(hits, key=lambda h: -h["bytes"])
 
 
+# Ops that only move or re-type data: a loop fusion made of these (and parameters / constants) is a
+# copy of its input, whatever XLA named it.
+_MOVES = _VIEWS + ("copy", "transpose", "bitcast-convert", "slice", "dynamic-slice", "convert")
+_HEADER = re.compile(r"^(?:ENTRY\s+)?%([\w.\-]+) .*\{\s*$")
+
+
+def computations(text: str) -> dict[str, list[str]]:
+    """Computation name -> its instruction lines (HLO text: a header ending in ``{``, lines, ``}``)."""
+    comps: dict[str, list[str]] = {}
+    cur: list[str] | None = None
+    for line in text.splitlines():
+        m = _HEADER.match(line)
+        if m and not line.startswith(" "):
+            cur = comps.setdefault(m.group(1), [])
+        elif line.startswith("}"):
+            cur = None
+        elif cur is not None:
+            cur.append(line)
+    return comps
+
+
+def loop_bodies(comps: dict[str, list[str]]) -> list[str]:
+    """Names of every while body reachable from the computations that run as programs (not fused)."""
+    bodies, todo = [], [name for name, lines in comps.items() if any("while(" in ln for ln in lines)]
+    seen = set()
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        for line in comps.get(name, []):
+            m = re.search(r"\bbody=%([\w.\-]+)", line)
+            if " while(" in line and m:
+                bodies.append(m.group(1))
+                todo.append(m.group(1))
+    return sorted(set(bodies))
+
+
+def _only_moves(lines: list[str]) -> bool:
+    ops = [m.group(4) for m in map(_INSTR.match, lines) if m]
+    return bool(ops) and all(op in _MOVES or op in ("parameter", "constant") for op in ops)
+
+
+def loop_moves(text: str, min_bytes: int = 1 << 20) -> list[dict]:
+    """Data-movement writes of >= ``min_bytes`` in while bodies (module docstring), as dicts
+    (op, name, body, bytes), largest first: what every iteration writes, e.g. a layer's weight."""
+    comps = computations(text)
+    hits = []
+    for body in loop_bodies(comps):
+        for line in comps[body]:
+            m = _INSTR.match(line)
+            if not m:
+                continue
+            name, dtype, dims, op, _ = m.groups()
+            size = shape_bytes(dtype, dims)
+            if size < min_bytes or op in _VIEWS or "output_to_operand_aliasing" in line:
+                continue
+            called = re.search(r"\bcalls=%([\w.\-]+)", line)
+            moves = op in _MOVES or (
+                op == "fusion"
+                and "kind=kLoop" in line
+                and called
+                and _only_moves(comps.get(called.group(1), []))
+            )
+            if moves:
+                hits.append(dict(op=op, name=name, body=body, bytes=size))
+    return sorted(hits, key=lambda h: -h["bytes"])
+
+
 def read_text(path: str) -> str:
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rt") as f:
@@ -95,11 +168,18 @@ def main() -> None:
             else [path]
         )
     for f in files:
-        hits = param_copies(read_text(f), args.min_frac, int(args.min_mib * 2**20))
+        text = read_text(f)
+        hits = param_copies(text, args.min_frac, int(args.min_mib * 2**20))
         total = sum(h["bytes"] for h in hits)
         print(f"{os.path.basename(f)}: {len(hits)} weight copies, {total / 2**30:.2f} GiB written a step")
         for h in hits[:20]:
             print(f"  {h['bytes'] / 2**20:10.1f} MiB  {h['op']:<18} {h['name']}  <- {h['param']}")
+        moves = loop_moves(text, int(args.min_mib * 2**20))
+        if moves:
+            per = sum(h["bytes"] for h in moves)
+            print(f"  in loop bodies: {len(moves)} data-movement writes, {per / 2**20:.1f} MiB an iteration")
+            for h in moves[:20]:
+                print(f"  {h['bytes'] / 2**20:10.1f} MiB  {h['op']:<18} {h['name']}  (loop body {h['body']})")
 
 
 if __name__ == "__main__":
