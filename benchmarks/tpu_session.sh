@@ -13,6 +13,7 @@
 #   bash benchmarks/tpu_session.sh                       # every stage, within one call's 10 minutes
 #   STAGES="e2e-1b ab-256" bash benchmarks/tpu_session.sh
 #   STAGES=rpa bash benchmarks/tpu_session.sh            # then STAGES=rpa64 in a second call
+# Everything under $OUT comes back as session_all.tgz (PACK=0: loose files).
 # Stages run in the order given; each has its own time limit and is skipped when the call's
 # remaining time (BUDGET_S, default 540 s from the start) cannot hold it.
 set -uo pipefail
@@ -274,3 +275,9 @@ for s in $stages; do
   esac
 done
 echo "done in $(( $(date +%s) - start )) s" | tee -a "$out/session.log"
+# The device tool brings back a limited number of files (on 2026-12-07 a call's copies_*.txt were
+# left behind): everything the stages wrote goes back as one archive (PACK=0 keeps the files loose).
+if [ "${PACK:-1}" = 1 ]; then
+  tar czf /tmp/tpu_session_all.tgz -C "$out" . && find "$out" -mindepth 1 -delete \
+      && mv /tmp/tpu_session_all.tgz "$out/session_all.tgz" && echo "packed into $out/session_all.tgz"
+fi
