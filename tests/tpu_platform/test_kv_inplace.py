@@ -39,11 +39,15 @@ TPU = DeviceInfo("tpu", 1, "TPU v5 lite", 16 << 30)
 GIB = 1 << 30
 
 
-def _runner(impl: str, loop: str = "scan", device=TPU, num_pages=None, kv_scales=None, **kw):
+def _runner(impl: str, loop: str = "scan", device=TPU, num_pages=None, kv_scales=None, quantize=None, **kw):
     arch, _, params = tiny_model(
         "llama", layers=2, hidden=128, heads=4, kv_heads=2, head_dim=64, ffn=256, vocab=512
     )
     params = jax.tree.map(lambda a: a.astype(jnp.bfloat16), params)
+    if quantize is not None:  # the layers' matmuls as quantized records
+        from tpuserve.tpu_platform.models.quantize import quantize_params
+
+        params, _ = quantize_params(params, quantize)
     cfg = EngineConfig.from_kwargs(
         attention_impl=impl,
         layer_loop=loop,
@@ -407,26 +411,13 @@ def test_tpu_runner_holds_nvfp4_scales_as_bytes():
     """On a TPU the runner converts NVFP4 scales to their bytes once, in both layer trees (the
     kernels read bytes; a per-step bitcast was a copy on XLA:TPU); elsewhere they stay float8."""
     from tpuserve.quant import fp4
-    from tpuserve.tpu_platform.models.quantize import quantize_params
-
-    arch, _, params = tiny_model(
-        "llama", layers=2, hidden=128, heads=4, kv_heads=2, head_dim=64, ffn=256, vocab=512
-    )
-    qparams, _ = quantize_params(params, "nvfp4")
-    cfg = EngineConfig.from_kwargs(
-        attention_impl="blocked",
-        layer_loop="unroll",
-        max_num_seqs=8,
-        max_num_batched_tokens=64,
-        max_model_len=256,
-    )
 
     def scales(tree):
         recs = jax.tree.leaves(tree, is_leaf=lambda a: isinstance(a, fp4.Nvfp4Weight))
         return {r.scale.dtype for r in recs if isinstance(r, fp4.Nvfp4Weight)}
 
-    tpu = ModelRunner(cfg, arch, qparams, TPU, jnp.float32, None, 256)
+    tpu = _runner("blocked", "unroll", quantize="nvfp4")
     assert scales(tpu.params) == {jnp.dtype(jnp.uint8)}
     assert tpu._quick is not None and scales(tpu._quick[0]) == {jnp.dtype(jnp.uint8)}
-    cpu = ModelRunner(cfg, arch, qparams, DeviceInfo("cpu", 1, "cpu", None), jnp.float32, None, 256)
+    cpu = _runner("blocked", "unroll", device=DeviceInfo("cpu", 1, "cpu", None), quantize="nvfp4")
     assert scales(cpu.params) == {jnp.dtype(jnp.float8_e4m3fn)}
