@@ -87,7 +87,7 @@ than v5e are reasoned from VMEM and MXU sizes, not measured. Those token counts 
 16 combined heads x 128 lanes; wider rows (many KV heads; head_dim 64 also takes 128 lanes in
 VMEM) get fewer tokens, so the two KV buffers stay within 8 MiB (``_KV_BUFFER_BYTES``).
 
-Decode fast path (``single_item_decode``, off by default until measured on a chip): with bq = 1
+Decode fast path (``single_item_decode``, on by default on v5e for 16-bit caches, as measured): with bq = 1
 and a KV block as wide as the page table, every grid step is exactly one item, so the softmax is
 taken at once in registers (no running max / sum / accumulator in VMEM, no item loop).
 
@@ -132,6 +132,8 @@ class BlockSizes:
     num_queries_per_block: int
     kv_tokens_per_block: int
     decode_kv_tokens_per_block: int | None = None  # decode-only steps (None: kv_tokens_per_block)
+    # What ``single_item_decode=None`` means on this generation (the one-item decode path).
+    single_item_decode: bool = False
 
 
 # Keys are matched as substrings of ``jax.devices()[0].device_kind`` (lower-cased).
@@ -139,8 +141,10 @@ _BLOCK_SIZES_BY_GENERATION = {
     # v5e: 16 MiB scoped VMEM, 4x 128x128 MXU. Measured on one (benchmarks/attention_tpu.py
     # --sweep, 32 q / 8 KV heads, d 128, bf16): decode reads KV at the copy bandwidth with 1024-token
     # blocks (375 GB/s at 256); a 4x512 prefill takes 2.2 ms at 64 x 512 against 3.5 at 32 x 256.
-    "v5 lite": BlockSizes(64, 512, decode_kv_tokens_per_block=1024),
-    "v5e": BlockSizes(64, 512, decode_kv_tokens_per_block=1024),
+    # The one-item decode path, end to end on one (1B shape, 256-token rows, 2026-12-07): b32 step
+    # 4.63 -> 4.21 ms, b128 9.74-12.58 -> 8.23 ms, b1 even.
+    "v5 lite": BlockSizes(64, 512, decode_kv_tokens_per_block=1024, single_item_decode=True),
+    "v5e": BlockSizes(64, 512, decode_kv_tokens_per_block=1024, single_item_decode=True),
     "v5p": BlockSizes(32, 512),
     "v5": BlockSizes(32, 512),
     "v4": BlockSizes(32, 512),
@@ -162,6 +166,16 @@ def _device_kind() -> str:
         return ""
 
 
+def generation_block_sizes(device_kind: str | None = None) -> BlockSizes:
+    """The ``BlockSizes`` of a device kind (None: this process's first device)."""
+    kind = _device_kind() if device_kind is None else device_kind.lower()
+    if "tpu" in kind:
+        for key, value in _BLOCK_SIZES_BY_GENERATION.items():
+            if key in kind:
+                return value
+    return _FALLBACK_BLOCK_SIZES
+
+
 def default_block_sizes(
     page_size: int,
     num_tokens: int,
@@ -176,13 +190,7 @@ def default_block_sizes(
     (FP8) cache as many as 16-bit (its padded rows of up to 32 heads take bf16's bytes; its decode
     temporaries are not measured on a chip yet), and a cache with wider token rows (``cache_heads`` x ``head_dim``, the head dim in whole 128-lane tiles)
     as many as keep the two KV buffers within ``_KV_BUFFER_BYTES``."""
-    kind = _device_kind() if device_kind is None else device_kind.lower()
-    sizes = _FALLBACK_BLOCK_SIZES
-    if "tpu" in kind:
-        for key, value in _BLOCK_SIZES_BY_GENERATION.items():
-            if key in kind:
-                sizes = value
-                break
+    sizes = generation_block_sizes(device_kind)
     decode = num_tokens <= num_seq_slots
     bq = 1 if decode else min(sizes.num_queries_per_block, num_tokens)
     tokens = sizes.kv_tokens_per_block
@@ -704,7 +712,7 @@ def ragged_paged_attention_tpu_stacked(
     kv_dtype=None,
     interpret=None,
     sinks=None,
-    single_item_decode: bool = False,
+    single_item_decode: bool | None = None,
 ):
     """Ragged paged attention on layer ``layer`` of a stacked cache, updated in place.
 
@@ -726,8 +734,8 @@ def ragged_paged_attention_tpu_stacked(
     lane-padded 128 wide like m and l) would take up to MiBs of the scoped VMEM.
     ``single_item_decode``: when a step takes the decode path (bq = 1) and every sequence's pages
     fit one KV block (no sinks), run each grid step as its one item with the softmax taken at once
-    (``attend_single``). Off by default until it has been compiled and timed on a TPU: it passes
-    interpret mode and lowers to Mosaic, but Mosaic's own passes have not seen it yet.
+    (``attend_single``). None: the generation's ``BlockSizes.single_item_decode`` for a 16/32-bit
+    cache (a 1-byte cache's one-item path passes interpret mode but has not run compiled on a chip).
     """
     if mask_value is None:
         mask_value = DEFAULT_MASK_VALUE
@@ -796,6 +804,8 @@ def ragged_paged_attention_tpu_stacked(
     )
     q_spec = pl.BlockSpec((1, num_kv_heads, bq * group, head_dim), lambda i, *_: (i, 0, 0, 0))
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
+    if single_item_decode is None:  # the generation's default, measured on 16-bit caches only
+        single_item_decode = generation_block_sizes().single_item_decode and byte_values is None
     single_item = single_item_decode and bq == 1 and ppb >= pages_per_seq and sinks is None
     kernel = functools.partial(
         _kernel,
@@ -896,7 +906,7 @@ def ragged_paged_attention_tpu(
     kv_dtype=None,
     interpret=None,
     sinks=None,
-    single_item_decode: bool = False,
+    single_item_decode: bool | None = None,
 ):
     """Single-layer form: kv_pages [P, page_size, C, D]. Returns (out [T, Hq, D], kv_pages).
 

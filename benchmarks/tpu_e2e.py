@@ -16,6 +16,9 @@ Per model directory (random-weight checkpoints built on the machine with ``rando
   is the host and the gaps between steps (an estimate: attention over short contexts is small).
 - Prefill: ``n x len`` prompts with one new token; tok/s and MFU = 2 x matmul parameters x tokens
   (+ causal attention FLOPs) / wall time / peak FLOP/s.
+- ``--block-sizes JSON``: an A/B of the TPU attention kernel's per-generation defaults
+  (``attention.pallas_tpu.BlockSizes`` fields, e.g. ``{"single_item_decode": true}``), replaced in
+  this process before the engine compiles anything.
 
     python benchmarks/tpu_e2e.py --models /tmp/m/llama-1b-gqa --out e2e.json      # on the TPU
     python benchmarks/tpu_e2e.py --models $MODEL --dtype float32 --batches 1,4 \\
@@ -151,6 +154,18 @@ def empty_step_ms(runner, tokens: int, iters: int = 20) -> float:
     return best * 1e3
 
 
+def override_block_sizes(fields: dict) -> None:
+    """Replace ``fields`` of every generation's attention ``BlockSizes`` (benchmark A/B only)."""
+    import dataclasses
+
+    from tpuserve.attention import pallas_tpu
+
+    table = pallas_tpu._BLOCK_SIZES_BY_GENERATION
+    for key, sizes in table.items():
+        table[key] = dataclasses.replace(sizes, **fields)
+    pallas_tpu._FALLBACK_BLOCK_SIZES = dataclasses.replace(pallas_tpu._FALLBACK_BLOCK_SIZES, **fields)
+
+
 def run_model(model: str, args) -> dict:
     from tpuserve import LLM
 
@@ -283,8 +298,12 @@ def main(argv=None) -> int:
     p.add_argument("--prefill", default="8x1024,1x8192", help="n x length, comma-separated ('' for none)")
     p.add_argument("--hbm-gbs", type=float, default=V5E_HBM_GBS)
     p.add_argument("--peak-tflops", type=float, default=V5E_BF16_TFLOPS)
+    p.add_argument("--block-sizes", default="{}", help="attention BlockSizes fields to replace, as JSON")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
+    block_sizes = json.loads(args.block_sizes)
+    if block_sizes:
+        override_block_sizes(block_sizes)
     args.batches = [int(x) for x in args.batches.split(",") if x]
     args.prefill = [x for x in args.prefill.split(",") if x]
     out = dict(
@@ -292,6 +311,7 @@ def main(argv=None) -> int:
         jax=jax.__version__,
         command=" ".join([sys.executable] + sys.argv),
         when=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        block_sizes=block_sizes,
         models=[],
     )
     for model in args.models.split(","):

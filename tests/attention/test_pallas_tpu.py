@@ -8,6 +8,8 @@ per DMA, so the grids are tiny; a semaphore bug hangs, hence the timeouts.
 
 from __future__ import annotations
 
+import dataclasses
+
 import attention_cases as cases  # tests/attention/attention_cases.py
 import jax
 import jax.numpy as jnp
@@ -196,6 +198,54 @@ def test_lowers_to_mosaic(num_tokens, kv_dtype, options):
     assert "tpu_custom_call" in lowered.as_text()
     # the kernel is named after its path: the one-item decode path only where asked and possible
     assert ("_one_item" in lowered.as_text()) == bool(options.get("single_item_decode"))
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("generation_default", [False, True])
+def test_single_item_decode_unset_follows_the_generation(monkeypatch, generation_default):
+    """``single_item_decode=None`` (what the engine passes) takes the one-item path exactly when
+    the device generation's BlockSizes say so, on a 16-bit cache; CPU reads the fallback entry."""
+    from tpuserve.attention import pallas_tpu
+
+    assert (
+        pallas_tpu.generation_block_sizes("TPU v5 lite") is pallas_tpu._BLOCK_SIZES_BY_GENERATION["v5 lite"]
+    )
+    assert pallas_tpu.generation_block_sizes("cpu") is pallas_tpu._FALLBACK_BLOCK_SIZES
+    monkeypatch.setattr(
+        pallas_tpu,
+        "_FALLBACK_BLOCK_SIZES",
+        dataclasses.replace(pallas_tpu._FALLBACK_BLOCK_SIZES, single_item_decode=generation_default),
+    )
+    slots, hq, hkv, d, pps = 8, 8, 2, 128, 8
+    args = (
+        jax.ShapeDtypeStruct((slots, hq, d), jnp.bfloat16),
+        jax.ShapeDtypeStruct((slots, 2 * hkv, d), jnp.bfloat16),
+        # the jitted kernel reads the default at trace time: a shape per case, no cached trace
+        jax.ShapeDtypeStruct((1, 65 + generation_default, 16, 2 * hkv, d), jnp.bfloat16),
+        jax.ShapeDtypeStruct((), jnp.int32),
+        jax.ShapeDtypeStruct((slots,), jnp.int32),
+        jax.ShapeDtypeStruct((slots, pps), jnp.int32),
+        jax.ShapeDtypeStruct((slots + 1,), jnp.int32),
+        jax.ShapeDtypeStruct((1,), jnp.int32),
+    )
+    text = (
+        ragged_paged_attention_tpu_stacked.trace(*args, sm_scale=0.1)
+        .lower(lowering_platforms=("tpu",))
+        .as_text()
+    )
+    assert ("_one_item" in text) == generation_default
+    # a 1-byte (FP8) cache keeps the general path unless asked: its one-item path is unmeasured
+    fp8_args = list(args)
+    fp8_args[2] = jax.ShapeDtypeStruct((1, 67 + generation_default, 16, 32, d), jnp.uint8)
+    for asked in (None, True):
+        text = (
+            ragged_paged_attention_tpu_stacked.trace(
+                *fp8_args, sm_scale=0.1, kv_dtype=jnp.float8_e4m3fn, single_item_decode=asked
+            )
+            .lower(lowering_platforms=("tpu",))
+            .as_text()
+        )
+        assert ("_one_item" in text) == bool(asked)
 
 
 def test_compiled_kernel_refuses_a_cache_it_cannot_read_naming_the_dtype():
