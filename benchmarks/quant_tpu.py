@@ -17,6 +17,9 @@ made and quantized on the device layer by layer.
 side instead: for each FP4 format and decode, the compiled kernel checked against the reference on
 the device, then the layer scan with the records whole (the decoder's way), against bf16 and the
 roofline of the quantized bytes. The sliced and XLA ways and FP8 are skipped in that mode.
+``swar_tiled`` there is the "swar" decode of records in the tiled K order (``fp4.tile_k_order``):
+x enters the kernel as it is, without the column permutation the other SWAR scans run before
+each matmul.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from tpuserve.quant.pallas_tpu_matmul import (
     fp4_matmul_tpu,
     fp8_matmul_ref,
     fp8_matmul_tpu,
+    tile_records_for_kernel,
 )
 
 HBM_BYTES_PER_S = 819e9  # TPU v5e
@@ -165,16 +169,23 @@ def check_kernels(shapes, quantize, name: str, interpret, seed: int, decode=None
     return errs
 
 
+# --fp4-decode's extra entry: the "swar" decode of records in the tiled K order (what
+# tile_records_for_kernel makes: x then enters the kernel without its SWAR column permutation)
+TILED = "swar_tiled"
+
+
 def compare_fp4_decodes(args, formats, shapes, layers, hidden, q_cols, inter, result) -> dict:
     """For each FP4 format and decode: the on-device check, then the whole-record layer scan per M."""
     from jax.experimental.pallas import tpu as pltpu
 
     interpret = pltpu.InterpretParams() if args.interpret else None
     decodes = [d for d in args.fp4_decode.split(",") if d]
-    unknown = set(decodes) - set(FP4_DECODES)
+    unknown = set(decodes) - set(FP4_DECODES) - {TILED}
     if unknown:
         raise SystemExit(f"--fp4-decode: unknown {sorted(unknown)}; known: {FP4_DECODES}")
     rows = [int(r) for r in args.rows.split(",") if r]
+    # interpret mode (the tiny shape's K of 256) tiles where the compiled kernel could not
+    tile = functools.partial(tile_records_for_kernel, lane_quantum=128 if args.interpret else 512)
     out: dict = {}
     for name in [f for f in formats if f != "fp8"]:
         # one layer per matmul shape, 8 bf16 rows, and its reference (f32 at HIGHEST), shared by
@@ -195,10 +206,13 @@ def compare_fp4_decodes(args, formats, shapes, layers, hidden, q_cols, inter, re
         first_out: dict = {}  # M -> the first decode's scan output
         for decode in decodes:
             res: dict = {"rows": {}, "checks": {}}
+            tiled = decode == TILED
+            kernel_decode = "swar" if tiled else decode
             try:
                 for mname, (x, rec, want) in cases.items():
+                    rec = tile(rec) if tiled else rec
                     got = jax.jit(
-                        lambda x, r, d=decode: fp4_matmul_tpu(
+                        lambda x, r, d=kernel_decode: fp4_matmul_tpu(
                             x, r, out_dtype=jnp.float32, decode=d, interpret=interpret
                         )
                     )(x, rec)
@@ -211,15 +225,18 @@ def compare_fp4_decodes(args, formats, shapes, layers, hidden, q_cols, inter, re
                 print(f"{name} decode={decode}: FAILED {res['error']}")
                 out[name]["decodes"][decode] = res
                 continue
+            run_ws = tile(ws) if tiled else ws
             for max_tn in [int(t) for t in args.fp4_block_n.split(",") if t]:
-                scan = scan_fns(layers, q_cols, inter, interpret, decode=decode, max_tn=max_tn)["whole"]
+                scan = scan_fns(layers, q_cols, inter, interpret, decode=kernel_decode, max_tn=max_tn)[
+                    "whole"
+                ]
                 tn_note = f" tn<={max_tn}" if max_tn else ""
                 for m in rows:
                     key = f"{m}" + (f"/tn{max_tn}" if max_tn else "")
                     h = jnp.ones((m, hidden), jnp.bfloat16) * 0.01
                     try:
-                        t = median_seconds(scan, (h, ws), args.iters, args.repeats)
-                        y = np.asarray(scan(h, ws), np.float32)
+                        t = median_seconds(scan, (h, run_ws), args.iters, args.repeats)
+                        y = np.asarray(scan(h, run_ws), np.float32)
                     except Exception as e:
                         res["rows"][key] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
                         print(

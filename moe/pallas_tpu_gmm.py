@@ -364,9 +364,10 @@ def grouped_matmul_tpu(
     fp4 = isinstance(rhs, Mxfp4Weight)
     lead_dims = 2 if stacked else 1
     if isinstance(rhs, Mxfp4Weight):  # fp4, tested so mypy narrows rhs
-        if rhs_scale is not None or rhs.rotated:
+        if rhs_scale is not None or rhs.rotated or rhs.k_tile:
             raise ValueError(
-                "grouped_matmul_tpu: an MXFP4 rhs carries its own scales and must not be rotated"
+                "grouped_matmul_tpu: an MXFP4 rhs carries its own scales and must be in natural K "
+                "order, not rotated"
             )
         if rhs.packed.ndim != lead_dims + 2 or rhs.scale.shape != (
             *rhs.packed.shape[:-2],

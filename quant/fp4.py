@@ -33,6 +33,7 @@ from tpuserve.quant.codecs import (
     pack_nibbles,
     unpack_nibbles,
 )
+from tpuserve.quant.fp4_swar import tile_codes
 
 MXFP4_BLOCK = 32
 _E4M3_SMALLEST_NORMAL = 2.0**-6  # torchao's E4M3_EPS: block scales never go subnormal
@@ -54,7 +55,9 @@ class _PackedFp4:
 
 
 @functools.partial(
-    jax.tree_util.register_dataclass, data_fields=("packed", "scale"), meta_fields=("out_shape", "rotated")
+    jax.tree_util.register_dataclass,
+    data_fields=("packed", "scale"),
+    meta_fields=("out_shape", "rotated", "k_tile"),
 )
 @dataclasses.dataclass(frozen=True)
 class Mxfp4Weight(_PackedFp4):
@@ -67,12 +70,15 @@ class Mxfp4Weight(_PackedFp4):
       ``hadamard_blocks`` (one orthonormal 32 x 32 block per scale block), and a matmul reads
       ``(x R) @ (R W) = x W``. Rotating spreads a block's outliers over its 32 values, which suits
       a power-of-two scale (our calibrated quantizer's choice; checkpoints are never rotated).
+    k_tile: static. 0: codes in natural K order; else the TPU kernel's tiled K order for tiles of
+      that many elements (``quant/fp4_swar.py``, ``tile_k_order``); scales stay in natural order.
     """
 
     packed: jax.Array
     scale: jax.Array
     out_shape: tuple[int, ...]
     rotated: bool = False
+    k_tile: int = 0
 
     block = MXFP4_BLOCK
 
@@ -84,7 +90,7 @@ class Mxfp4Weight(_PackedFp4):
 @functools.partial(
     jax.tree_util.register_dataclass,
     data_fields=("packed", "scale", "global_scale"),
-    meta_fields=("out_shape", "global_divides"),
+    meta_fields=("out_shape", "global_divides", "k_tile"),
 )
 @dataclasses.dataclass(frozen=True)
 class Nvfp4Weight(_PackedFp4):
@@ -99,6 +105,7 @@ class Nvfp4Weight(_PackedFp4):
       False (ModelOpt ``weight_scale_2`` = amax/2688, torchao): ``w = e2m1 * (scale * global)``;
       True (compressed-tensors ``weight_global_scale`` = 2688/amax): ``w = e2m1 * (scale / global)``.
       Keeping the producer's number and operation makes our dequant bit-exact with each.
+    k_tile: static, as for ``Mxfp4Weight``.
     """
 
     packed: jax.Array
@@ -106,6 +113,7 @@ class Nvfp4Weight(_PackedFp4):
     global_scale: jax.Array
     out_shape: tuple[int, ...]
     global_divides: bool = False
+    k_tile: int = 0
 
     block = NVFP4_BLOCK
 
@@ -128,6 +136,21 @@ def unpack_codes(packed: jax.Array) -> jax.Array:
     lo, hi = unpack_nibbles(packed)
     codes = jnp.stack([lo, hi], axis=-2)  # [*L, K/2, 2, N]
     return codes.reshape(*packed.shape[:-2], packed.shape[-2] * 2, packed.shape[-1])
+
+
+def natural_codes(w) -> jax.Array:
+    """An FP4 record's codes ``[*L, K, N]`` in natural K order (undoing a tiled ``k_tile``)."""
+    codes = unpack_codes(w.packed)
+    return tile_codes(codes, w.k_tile, inverse=True) if w.k_tile else codes
+
+
+def tile_k_order(w, tk: int):
+    """The record with its codes in the TPU kernel's tiled K order for K tiles of ``tk`` elements
+    (``quant/fp4_swar.py``): x then goes into the kernel in natural order, with no transpose
+    before each matmul. Scales, global scales and every other field are unchanged."""
+    if w.k_tile:
+        raise ValueError(f"the record's K order is already tiled (k_tile={w.k_tile})")
+    return dataclasses.replace(w, packed=pack_codes(tile_codes(unpack_codes(w.packed), tk)), k_tile=tk)
 
 
 def pack_codes(codes: jax.Array) -> jax.Array:
@@ -167,7 +190,7 @@ def dequantize_mxfp4(w: Mxfp4Weight, dtype=jnp.float32) -> jax.Array:
     gguf's MXFP4 (after ``mxfp4_from_gguf``): every product is exact (2 significant bits times a
     power of two).
     """
-    vals = e2m1_lut_decode(unpack_codes(w.packed))
+    vals = e2m1_lut_decode(natural_codes(w))
     y = vals * _repeat_rows(e8m0_decode(w.scale), MXFP4_BLOCK)
     if w.rotated:  # back from R W to W (R is its own inverse)
         y = hadamard_blocks(y, axis=-2)
@@ -288,7 +311,7 @@ def dequantize_nvfp4(w: Nvfp4Weight, dtype=jnp.float32) -> jax.Array:
     s = nv_scale_values(w.scale)
     g = w.global_scale.astype(jnp.float32)
     block_factor = exact_div(s, g) if w.global_divides else s * g
-    vals = e2m1_lut_decode(unpack_codes(w.packed))
+    vals = e2m1_lut_decode(natural_codes(w))
     y = vals * _repeat_rows(block_factor, NVFP4_BLOCK)
     return y.reshape(*y.shape[:-1], *w.out_shape).astype(dtype)
 

@@ -39,6 +39,18 @@ Per word (8 weights): ~10 ops on all nibbles at once, then per output ~9 (MX) or
 with the scale terms, ~6 (MX) / ~9 (NV) VPU ops per weight (counted from the jaxpr; the "f32"
 decode is ~17 / ~18, "int" ~12 / ~14).
 
+Tiled K order (``k_tile`` of a record, ``tile_order``)
+-------------------------------------------------
+The order above asks the activations' K columns permuted before every matmul (``swar_x_order``):
+on a v5e that transpose was its own XLA op per matmul, ~3.5 us each at batch 1 (15.7 us a layer
+of the 8B shape, with the row pad: 5% of its MXFP4 step). A record can instead hold its codes in
+the order the decode emits, per K tile of ``tk`` elements: nibble ``j + 4h`` of word row ``i`` holds
+element ``j * tk/4 + 2i + h`` of the tile, so output ``j`` is x's natural columns ``[j * tk/4,
+(j+1) * tk/4)`` of the tile and x goes in untouched. The scales stay in natural order; output
+``j``'s word row ``i`` reads scale row ``j * tk/(4 block) + 2i // block`` of the tile, so each output
+has its own scale terms (``decode_words(..., output_terms=...)``), each scale row repeated over
+``block / 2`` word rows (16 MX, 8 NVFP4: whole 32-bit sublane tiles, a plain broadcast).
+
 Domain: bit-exact with ``dequantize_mxfp4`` / ``dequantize_nvfp4`` (then cast to bf16) for every
 code and e8m0 byte 1..252 (byte 1 with |code| 1, whose 2**-127 is subnormal, gives 0, as bf16
 math on a TPU does), and every finite nonzero e4m3 byte. e8m0 bytes 0 and 253..255 (values of
@@ -49,7 +61,7 @@ only for all-zero blocks.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -105,33 +117,75 @@ def scale_terms(sbytes: jax.Array, kind: str) -> tuple[jax.Array, ...]:
     return mx_scale_terms(sbytes) if kind == "mx" else nv_scale_terms(e4m3_bits_decode(sbytes))
 
 
-def decode_words(words: jax.Array, terms: tuple[jax.Array, ...], kind: str) -> Iterator[jax.Array]:
+def decode_words(
+    words: jax.Array,
+    terms: tuple[jax.Array, ...] | None,
+    kind: str,
+    output_terms: Sequence[tuple[jax.Array, ...]] | None = None,
+) -> Iterator[jax.Array]:
     """int32 words ``[r, n]`` (8 codes each) and their scale terms (each ``[r, n]``, or
     broadcastable) -> 4 int32 ``[r, n]``, one at a time: output j holds the bf16 bits of code j
     (low half) and code j + 4 (high half), scaled (module docstring). A generator, so a kernel that
-    consumes each output before asking for the next keeps one output live, not four."""
+    consumes each output before asking for the next keeps one output live, not four.
+
+    ``output_terms``: instead of ``terms``, one tuple per output (the tiled K order, where the four
+    outputs read different scale rows); an NVFP4 flip there is already at the halves' sign bits
+    (``& 0x80008000``)."""
     w = words.astype(jnp.int32)
     mag = w & _i32(0x77777777)
     nz = _srl(mag + _i32(0x77777777), 3) & _EACH_NIBBLE  # per nibble: mag + 7 >= 8 <=> mag >= 1
     sign = w & _SIGNS
+    per_output = output_terms is not None
     if kind == "mx":
-        (s,) = terms
         ge = _srl(mag + _i32(0x66666666), 3) & _EACH_NIBBLE  # mag >= 2
         f = mag + ge - nz  # mag if mag >= 2, else 0 (no nibble leaves 0..8: no carries)
     else:
-        a, d, flip = terms
-        sign = sign ^ flip
+        if not per_output:
+            assert terms is not None
+            sign = sign ^ terms[2]  # one flip for all four outputs
         gm = w & (_srl(w, 1) | _srl(w, 2)) & _EACH_NIBBLE  # m and e != 0
     for j in range(4):
+        t = output_terms[j] if output_terms is not None else terms
+        assert t is not None
         nz_j = _srl(nz, 4 * j) & _HALVES
         sign_j = _shift(sign, 12 - 4 * j) & _HALF_SIGNS
         if kind == "mx":
-            body = nz_j * s + (_shift(f, 6 - 4 * j) & _i32(0x01C001C0))
+            body = nz_j * t[0] + (_shift(f, 6 - 4 * j) & _i32(0x01C001C0))
         else:
             gm_j = _srl(gm, 4 * j) & _HALVES
             e_j = _shift(w, 6 - 4 * j) & _i32(0x01800180)  # the code's e (bits 1-2) at bits 7-8
-            body = nz_j * a + gm_j * d + e_j
+            body = nz_j * t[0] + gm_j * t[1] + e_j
+            if per_output:
+                sign_j = sign_j ^ t[2]
         yield body | sign_j
+
+
+def output_flip(flip: jax.Array) -> jax.Array:
+    """An NVFP4 flip of ``nv_scale_terms`` as ``decode_words``' ``output_terms`` take it (at the
+    halves' sign bits)."""
+    return flip & _HALF_SIGNS
+
+
+def tile_order(tk: int) -> np.ndarray:
+    """The tiled K order (module docstring): i32 ``[tk]``, entry ``p`` = the element of a K tile
+    whose code sits at nibble position ``p`` (``p = 8i + j + 4h`` holds ``j * tk/4 + 2i + h``)."""
+    if tk % 8:
+        raise ValueError(f"a tiled K order needs tk a multiple of 8, got {tk}")
+    i = np.arange(tk // 8)[:, None, None]
+    h = np.arange(2)[None, :, None]
+    j = np.arange(4)[None, None, :]
+    return (j * (tk // 4) + 2 * i + h).reshape(-1).astype(np.int32)  # [i, h, j]: p = 8i + 4h + j
+
+
+def tile_codes(codes: jax.Array, tk: int, inverse: bool = False) -> jax.Array:
+    """Codes ``[*L, K, N]`` in natural K order -> the tiled order of ``tk`` (``inverse``: back)."""
+    *lead, k, n = codes.shape
+    if k % tk:
+        raise ValueError(f"K={k} is no multiple of the tile {tk}")
+    order = tile_order(tk)
+    perm = np.argsort(order) if inverse else order
+    tiles = codes.reshape(*lead, k // tk, tk, n)
+    return jnp.take(tiles, jnp.asarray(perm), axis=-2).reshape(*lead, k, n)
 
 
 def words_to_bf16_reference(out: jax.Array) -> jax.Array:

@@ -91,12 +91,14 @@ def concat_out(ws: list, out_shape: tuple[int, ...] | None = None, ops: ArrayOps
             out_shape,
             first.act_quant,
         )
+    if len({w.k_tile for w in ws}) != 1:  # along N the tiled K order fuses as it is
+        raise ValueError("cannot fuse FP4 records with different K orders (k_tile)")
     packed = ops.concat([w.packed for w in ws])
     scale = ops.concat([w.scale for w in ws])
     if isinstance(first, Mxfp4Weight):
         if len({w.rotated for w in ws}) != 1:
             raise ValueError("cannot fuse rotated and plain MXFP4 records")
-        return Mxfp4Weight(packed, scale, out_shape, first.rotated)
+        return Mxfp4Weight(packed, scale, out_shape, first.rotated, first.k_tile)
     if len({w.global_divides for w in ws}) != 1:
         raise ValueError("cannot fuse NVFP4 records of both global-scale conventions")
     gs = [np.asarray(w.global_scale, np.float32) for w in ws]
@@ -109,7 +111,7 @@ def concat_out(ws: list, out_shape: tuple[int, ...] | None = None, ops: ArrayOps
                 for w in ws
             ]
         )
-    return Nvfp4Weight(packed, scale, g, out_shape, first.global_divides)
+    return Nvfp4Weight(packed, scale, g, out_shape, first.global_divides, first.k_tile)
 
 
 def take_out(w, index, out_shape: tuple[int, ...], ops: ArrayOps = JNP_OPS):

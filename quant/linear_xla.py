@@ -64,6 +64,11 @@ def fp4_block_factor(w) -> jax.Array:
 
 def fp4_linear_xla(x, w, bias=None, out_dtype=None):
     """``x [..., K] @ w`` for an MXFP4 / NVFP4 record (W4A16)."""
+    if w.k_tile:
+        raise ValueError(
+            f"fp4_linear_xla reads codes in natural K order; this record holds the TPU kernel's "
+            f"tiled order (k_tile={w.k_tile})"
+        )
     k = w.in_features
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k // 2, 2)

@@ -44,13 +44,19 @@ the current K tile are read with a dynamic sublane slice, so their block shape i
   outside to the decoded row order, 4 dots a tile; the two differ in how a scale row is repeated
   over the 4 (MX) or 2 (NVFP4) word rows it covers: an MXU product with a 0/1 matrix, or a
   broadcast + sub-tile reshape.
+* Records in the tiled K order (``k_tile``, ``fp4.tile_k_order``; ``quant/fp4_swar.py``): the SWAR
+  decode reads x in natural order, each output its own quarter of the tile's scale rows, so the
+  column permutation XLA otherwise runs before every matmul goes away. Verified in interpret mode
+  and lowered for TPU on CPU; not yet compiled on a chip (benchmarks/tpu_session.sh, stage
+  ``fp4-tiled``), so a TPU runner makes such records (``tile_records_for_kernel``) only with
+  ``TILE_RECORDS_FOR_KERNEL``, off until then.
 
 Status: verified in TPU interpret mode on CPU (tests/quant/test_pallas_tpu_matmul.py, and the
 decodes alone bit for bit in tests/quant/test_fp4_swar.py). Every kernel and decode is compiled by
 Mosaic and checked against its reference on a v5e (benchmarks/RESULTS.md, "Quantized matmuls on a
 TPU v5e" and the 2026-12-05 17:55 run): the 1B shape's 16-layer scan at M 1 / 8, MXFP4 f32 / int /
 swar / swar_bcast 3215 / 2366 / 1530 / 2076 us, NVFP4 3759 / 3055 / 2336 / 5554 us (bf16 2677 us),
-so "swar" is the default for both. FP8 is the default's only scoped-VMEM risk: ``_FP8_VMEM_LIMIT``.
+so "swar" is the default for both. FP8 is the default's only scoped-VMEM risk: ``_VMEM_LIMIT``.
 """
 
 from __future__ import annotations
@@ -65,12 +71,26 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from tpuserve.quant.codecs import e2m1_bits_decode, e4m3_bits_decode, e8m0_bits_decode
-from tpuserve.quant.fp4 import Mxfp4Weight, Nvfp4Weight, dequantize_mxfp4, dequantize_nvfp4
-from tpuserve.quant.fp4_swar import decode_words, expand_rows, lane_decode, nv_scale_terms, swar_x_order
+from tpuserve.quant.fp4 import Mxfp4Weight, Nvfp4Weight, dequantize_mxfp4, dequantize_nvfp4, tile_k_order
+from tpuserve.quant.fp4_swar import (
+    decode_words,
+    expand_rows,
+    lane_decode,
+    nv_scale_terms,
+    output_flip,
+    swar_x_order,
+)
 from tpuserve.quant.fp8 import Fp8Weight, dequantize_fp8, quantize_per_token, scale_columns
 
 _MAX_TK = 2048  # K rows per tile (fp8: 2 MiB of weight per 1024-lane tile)
 _MAX_TN = 512
+# FP4 row tiles of at most _FP4_WIDE_TM rows take N tiles up to 1024 wide (half as many grid
+# steps, each with its fixed cost). On a v5e (benchmarks/RESULTS.md, 2026-12-07) the 8B shape's
+# four MXFP4 matmuls at M 1 ran 2392 / 2316 / 2355 us at <= 512 / 1024 / 2048, the 1B shape's at
+# M 128 2284 / 2199 / 2240 us, NVFP4 even at M 1 and 2% faster at 128. Larger row tiles (prefill)
+# keep 512: not measured wider.
+_MAX_TN_FP4 = 1024
+_FP4_WIDE_TM = 128
 _MAX_TM = 256
 _U8_TILE_ROWS = 32  # sublanes of an 8-bit VMEM tile: dynamic u8 row slices must start at multiples
 
@@ -98,10 +118,11 @@ def _pad_rows(a: jax.Array, rows: int) -> jax.Array:
     return a if a.shape[0] == rows else jnp.pad(a, ((0, rows - a.shape[0]), (0, 0)))
 
 
-# Scoped VMEM the FP8 kernel may use. Mosaic's default is 16 MiB; the Llama-8B shape's down
+# Scoped VMEM the kernels may use. Mosaic's default is 16 MiB; the Llama-8B shape's down
 # projection (K 14336, per-channel scales) asked for 17.3 MB at 128 rows and 22 MB at 256 on a v5e
-# even with the upcast split (_MAX_SUB_ROWS). Every TPU since v4 has >= 64 MiB of VMEM per core.
-_FP8_VMEM_LIMIT = 48 * 1024 * 1024
+# even with the upcast split (_MAX_SUB_ROWS), and the FP4 kernels' 1024-wide N tiles asked for
+# 18 MB (NVFP4, K 8192). Every TPU since v4 has >= 64 MiB of VMEM per core.
+_VMEM_LIMIT = 48 * 1024 * 1024
 
 
 def _compiler_params(vmem_limit_bytes: int | None = None):
@@ -262,7 +283,7 @@ def fp8_matmul_tpu(
             scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32)],
         ),
         out_shape=jax.ShapeDtypeStruct((mp, n), out_dtype),
-        compiler_params=_compiler_params(_FP8_VMEM_LIMIT),
+        compiler_params=_compiler_params(_VMEM_LIMIT),
         interpret=interpret if interpret is not None else False,
     )(layer_arr, *args)
     return out[:m]
@@ -362,6 +383,47 @@ def _fp4_swar_kernel(layer_ref, x_ref, p_ref, s_ref, o_ref, acc_ref, *, scale_ro
         o_ref[...] = acc_ref[...].astype(o_ref.dtype)
 
 
+def _fp4_swar_tiled_kernel(layer_ref, x_ref, p_ref, s_ref, o_ref, acc_ref, *, tk, block, kind, nk):
+    """The SWAR decode of a record in the tiled K order (``quant/fp4_swar.py``): output ``j`` of a
+    word row is x's natural columns ``[j * tk/4, (j+1) * tk/4)`` of the tile, so x arrives as it is;
+    each output reads its own quarter of the tile's scale rows, each row broadcast over the
+    ``block / 2`` word rows it covers (whole 8-row sublane tiles)."""
+    del layer_ref  # read by the index maps only
+    kk = pl.program_id(2)
+
+    @pl.when(kk == 0)
+    def _init():
+        acc_ref[...] = jnp.zeros_like(acc_ref)
+
+    scale_rows = tk // block
+    sb = s_ref[pl.ds(kk * scale_rows, scale_rows), :].astype(jnp.int32)  # [tk/block, tn]
+    if kind == "mx":
+        terms: tuple[jax.Array, ...] = (jnp.maximum(sb - 1, 0) << 7,)
+    else:
+        a, d, flip = nv_scale_terms(e4m3_bits_decode(sb))
+        terms = (a, d, output_flip(flip))
+    per_output, rep = scale_rows // 4, block // 2
+    tn = sb.shape[1]
+
+    def rows(v, j):  # output j's scale rows, each repeated over its word rows: [tk/8, tn]
+        v = v[j * per_output : (j + 1) * per_output]
+        return jnp.broadcast_to(v[:, None, :], (per_output, rep, tn)).reshape(per_output * rep, tn)
+
+    output_terms = [tuple(rows(t, j) for t in terms) for j in range(4)]
+    words = pltpu.bitcast(p_ref[...], jnp.int32)  # [tk/8, tn]
+    q = tk // 4
+    acc = acc_ref[...]
+    for j, bits in enumerate(decode_words(words, None, kind, output_terms)):
+        w = pltpu.bitcast(bits, jnp.bfloat16)  # [tk/4, tn]: row r is element j * tk/4 + r
+        xj = x_ref[:, j * q : (j + 1) * q]
+        acc = acc + jnp.dot(xj, w.astype(xj.dtype), preferred_element_type=jnp.float32)
+    acc_ref[...] = acc
+
+    @pl.when(kk == nk - 1)
+    def _store():
+        o_ref[...] = acc_ref[...].astype(o_ref.dtype)
+
+
 # decode= of fp4_matmul_tpu: "f32" (one code per lane, f32 scale multiply, even/odd x halves),
 # "int" (one code per lane by an integer add, the MX scale folded in: fp4_swar.lane_decode),
 # "swar" (quant/fp4_swar.py, scale rows repeated by an MXU product), "swar_bcast" (the same, rows
@@ -388,6 +450,38 @@ def fp4_k_tile(k: int, blk: int, swar: bool, block_k: int | None = None, compile
             f"a tile) to be a multiple of {_U8_TILE_ROWS}, the u8 sublane tile"
         )
     return tk
+
+
+# Whether a TPU engine holds its dense FP4 records in the tiled K order (``tile_records_for_kernel``).
+# Off until the tiled kernel has been compiled by Mosaic and timed on a chip (stage fp4-tiled).
+TILE_RECORDS_FOR_KERNEL = False
+
+
+def tile_records_for_kernel(tree, lane_quantum: int = 512):
+    """``tree`` with each dense FP4 record the kernel takes (``[K/2, N]``, or stacked ``[L, K/2, N]``)
+    in the tiled K order of its default K tile, where that tile is a multiple of ``lane_quantum``
+    (compiled: 512, x's four column groups in whole 128-lane tiles). Stacks are tiled one layer at
+    a time (a whole stack's int32 codes can outgrow the device), once, at start-up; other leaves,
+    expert stacks and already tiled records are returned as they are."""
+
+    def one(w):
+        if not isinstance(w, (Mxfp4Weight, Nvfp4Weight)) or w.k_tile or w.packed.ndim not in (2, 3):
+            return w
+        tk = fp4_k_tile(w.in_features, w.block, True)
+        if tk % lane_quantum or tk % (4 * w.block):
+            return w
+        tile = jax.jit(lambda r: tile_k_order(r, tk))
+        if w.packed.ndim == 2:
+            return tile(w)
+        layers = [tile(jax.tree.map(lambda a, i=i: a[i], w)) for i in range(w.packed.shape[0])]
+        return jax.tree.map(lambda *a: jnp.stack(a), *layers)
+
+    return jax.tree.map(one, tree, is_leaf=lambda a: isinstance(a, (Mxfp4Weight, Nvfp4Weight)))
+
+
+def fp4_n_tile(n: int, tm: int, block_n: int | None = None) -> int:
+    """The FP4 kernels' N tile (``block_n``, or the default for N and the row tile ``tm``)."""
+    return block_n or _pick_tile(n, _MAX_TN_FP4 if tm <= _FP4_WIDE_TM else _MAX_TN, 128)
 
 
 def fp4_matmul_tpu(
@@ -426,6 +520,13 @@ def fp4_matmul_tpu(
     swar = decode.startswith("swar")
     out_dtype = out_dtype or x.dtype
     blk = w.block
+    if w.k_tile:  # codes in the tiled K order: the tile is the record's, and the decode SWAR
+        if not swar or (block_k and block_k != w.k_tile):
+            raise ValueError(
+                f"fp4_matmul_tpu: a record in the tiled K order (k_tile={w.k_tile}) takes a SWAR "
+                f"decode and its own K tile, not decode={decode!r}, block_k={block_k}"
+            )
+        block_k = w.k_tile
     tk = fp4_k_tile(k, blk, swar, block_k, compiled=not interpret)
     if isinstance(w, Mxfp4Weight):
         kind, sbytes = "mx", w.scale
@@ -435,13 +536,22 @@ def fp4_matmul_tpu(
             sbytes = lax.bitcast_convert_type(sbytes, jnp.uint8)
     tm = _row_tile(m, x.dtype, block_m)
     mp = _round_up(m, tm)
-    tn = block_n or _pick_tile(n, _MAX_TN, 128)
+    tn = fp4_n_tile(n, tm, block_n)
     nk = k // tk
     weight_specs = [
         _spec(stacked, (tk // 2, tn), lambda i, j, kk: (kk, j)),
         _spec(stacked, (k // blk, tn), lambda i, j, kk: (0, j)),
     ]
-    if swar:
+    if w.k_tile:
+        if tk % (4 * blk) or (interpret is None and tk % 512):
+            raise ValueError(
+                f"fp4_matmul_tpu: k_tile={tk} must be a multiple of {4 * blk} (a whole scale row per "
+                f"output) and, compiled, of 512 (x's four column groups in whole 128-lane tiles)"
+            )
+        x_args = [_pad_rows(x, mp)]  # natural order: the record's codes follow the decode
+        x_specs = [_act_spec((tm, tk), lambda i, j, kk: (i, kk))]
+        kernel = functools.partial(_fp4_swar_tiled_kernel, tk=tk, block=blk, kind=kind, nk=nk)
+    elif swar:
         x_args = [swar_x_order(_pad_rows(x, mp))]  # [4, mp, K/4]
         x_specs = [pl.BlockSpec((4, tm, tk // 4), lambda i, j, kk, layer: (0, i, kk))]
         kernel = functools.partial(
@@ -469,7 +579,7 @@ def fp4_matmul_tpu(
             scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32)],
         ),
         out_shape=jax.ShapeDtypeStruct((mp, n), jnp.float32 if kind == "nv" else out_dtype),
-        compiler_params=_compiler_params(),
+        compiler_params=_compiler_params(_VMEM_LIMIT),
         interpret=interpret if interpret is not None else False,
     )(layer_arr, *x_args, w.packed, sbytes)[:m]
     if isinstance(w, Nvfp4Weight):  # kind == "nv"

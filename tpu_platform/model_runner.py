@@ -46,7 +46,9 @@ from jax.sharding import PartitionSpec as P
 from tpuserve.attention.kv_cache_shape import kv_storage_dtype
 from tpuserve.attention.metadata import AttentionMetadata
 from tpuserve.attention.names import AttentionImpl
+from tpuserve.attention.pallas_tpu import generation_block_sizes
 from tpuserve.kv_cache.layout import RESERVED_PAGE, KVCacheSpec, gathered_table_format, kv_cache_format
+from tpuserve.quant import pallas_tpu_matmul
 from tpuserve.quant.fp4 import scales_as_bytes
 from tpuserve.tpu_platform import kv_scales as ks
 from tpuserve.tpu_platform.config import EngineConfig, LayerLoop
@@ -270,6 +272,11 @@ class ModelRunner:
         if device.backend == "tpu":  # the Pallas kernels read NVFP4 scales as bytes: convert once
             params = scales_as_bytes(params)
             stacked = None if stacked is None else scales_as_bytes(stacked)
+            # FP4 codes in the kernel's K order: no column permutation before each matmul. Whole
+            # K tiles on one device only (a row-split record would cut them).
+            if pallas_tpu_matmul.TILE_RECORDS_FOR_KERNEL and model_axis_size(mesh) == 1:
+                params = pallas_tpu_matmul.tile_records_for_kernel(params)
+                stacked = None if stacked is None else pallas_tpu_matmul.tile_records_for_kernel(stacked)
         table_format = gathered_table_format(config.compilation.attention_impl, params["embed"])
         if table_format is not None:  # one re-placed table, shared by both trees
             embed = jax.device_put(params["embed"], table_format)
@@ -1056,6 +1063,8 @@ class ModelRunner:
         # the devices by id: data-parallel replicas share a mesh shape, not devices, and an
         # executable runs on the devices it was compiled for
         mesh = None if self.mesh is None else (self.mesh.axis_names, [d.id for d in self.mesh.devices.flat])
+        # the TPU kernel reads its generation's block sizes at trace time (a benchmark A/B swaps them)
+        tpu_kernel = self.attn_impl in (AttentionImpl.PALLAS_TPU, AttentionImpl.PALLAS_TPU_INTERPRET)
         return "\n".join(
             repr(x)
             for x in (
@@ -1071,6 +1080,7 @@ class ModelRunner:
                 self.draft_aux_layers,
                 self.max_model_len,
                 mesh,
+                generation_block_sizes() if tpu_kernel else None,
             )
         )
 

@@ -371,6 +371,8 @@ def test_mxfp4_all_groups_empty_gives_zeros_and_bad_inputs_are_refused():
         grouped_matmul_tpu(x, rec, gs, jnp.ones((3, 1, 128)), interpret=RACES)
     with pytest.raises(ValueError, match="rotated"):
         grouped_matmul_tpu(x, dataclasses.replace(rec, rotated=True), gs, interpret=RACES)
+    with pytest.raises(ValueError, match="natural K order"):  # the dense kernel's tiled order
+        grouped_matmul_tpu(x, dataclasses.replace(rec, k_tile=64), gs, interpret=RACES)
     with pytest.raises(ValueError, match="MXFP4"):
         grouped_matmul_tpu(x, dataclasses.replace(rec, scale=rec.scale[:, :1]), gs, interpret=RACES)
 

@@ -8,6 +8,7 @@ padding, ragged FP8 edge blocks, several scale rows per K tile and one scale row
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -272,19 +273,27 @@ def test_fp4_decodes_export_for_tpu(shape, kind, decode):
             assert exported.out_avals[0].shape == (m, n)
 
 
-def test_fp8_kernel_asks_mosaic_for_more_scoped_vmem():
+def test_kernels_ask_mosaic_for_more_scoped_vmem():
     """On a v5e the Llama-8B shape's FP8 down projection (K 14336, per-channel scales) needed
     17-22 MB of scoped VMEM at 128-256 rows, over Mosaic's 16 MiB default, and the 8B model failed
-    to warm up. The exported call must carry the kernel's own limit (scoped_memory_configs)."""
-    from tpuserve.quant.pallas_tpu_matmul import _FP8_VMEM_LIMIT
+    to warm up; the NVFP4 kernel's 1024-wide N tiles at the 1B down projection (K 8192) asked for
+    18 MB. Each exported call must carry the kernels' own limit (scoped_memory_configs)."""
+    from tpuserve.quant.pallas_tpu_matmul import _VMEM_LIMIT
 
+    assert _VMEM_LIMIT > 16 * 1024 * 1024
+    layer = jax.ShapeDtypeStruct((), jnp.int32)
     rec = jax.eval_shape(fp8.quantize_fp8, jax.ShapeDtypeStruct((14336, 4096), jnp.float32))
     rec = jax.tree.map(lambda a: jax.ShapeDtypeStruct((2, *a.shape), a.dtype), rec)
     fn = jax.jit(lambda x, w, layer: fp8_matmul_tpu(x, w, layer=layer))
     x = jax.ShapeDtypeStruct((256, 14336), jnp.bfloat16)
-    text = jax.export.export(fn, platforms=["tpu"])(x, rec, jax.ShapeDtypeStruct((), jnp.int32)).mlir_module()
-    assert _FP8_VMEM_LIMIT > 16 * 1024 * 1024
-    assert f"\\22size\\22: {_FP8_VMEM_LIMIT}" in text
+    text = jax.export.export(fn, platforms=["tpu"])(x, rec, layer).mlir_module()
+    assert f"\\22size\\22: {_VMEM_LIMIT}" in text
+    nv = jax.eval_shape(fp4.quantize_nvfp4, jax.ShapeDtypeStruct((8192, 2048), jnp.float32))
+    fn = jax.jit(lambda x, w: fp4_matmul_tpu(x, w))
+    text = jax.export.export(fn, platforms=["tpu"])(
+        jax.ShapeDtypeStruct((8, 8192), jnp.bfloat16), nv
+    ).mlir_module()
+    assert f"\\22size\\22: {_VMEM_LIMIT}" in text
 
 
 def _ops_on(closed, avals) -> list[str]:
@@ -348,3 +357,82 @@ def test_fp4_k_tiles_slice_scales_at_whole_u8_tiles(blk, decode):
     with pytest.raises(ValueError, match="multiple of 32, the u8 sublane tile"):
         fp4_k_tile(14336, blk, swar, block_k=3584 if blk == 32 else 1792)
     assert fp4_k_tile(256, blk, swar, block_k=128, compiled=False) == 128  # interpret: any tile
+
+
+def test_fp4_n_tiles_widen_for_decode_rows_only():
+    """Row tiles up to 128 take N tiles up to 1024 (fewer grid steps: the 8B shape's MXFP4
+    matmuls at M 1 ran 3% faster on a v5e); larger row tiles keep 512, and an explicit block_n
+    always wins."""
+    from tpuserve.quant.pallas_tpu_matmul import fp4_n_tile
+
+    assert fp4_n_tile(14336 * 2, 16) == 1024  # 8B gate_up at M 1 (bf16 rows: a 16-row tile)
+    assert fp4_n_tile(4096, 32) == 1024
+    assert fp4_n_tile(4096, 128) == 1024 and fp4_n_tile(4096, 256) == 512
+    assert fp4_n_tile(3072, 16) == 1024 and fp4_n_tile(2560, 16) == 640  # the widest divisor <= 1024
+    assert fp4_n_tile(4096, 16, block_n=256) == 256
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("m", [1, 8, 130])
+@pytest.mark.parametrize("kind", ["mx", "nv"])
+def test_tiled_k_order_takes_x_as_it_is(kind, m):
+    """A record whose codes are in the kernel's tiled K order (fp4.tile_k_order) gives the same
+    product from x in natural order as the plain record does from x permuted: 3 K tiles of 128, 2
+    N tiles, one stacked layer picked by index; NVFP4 with some negative block scales (each output
+    flips its own signs) against the reference dequant of the same bytes."""
+    x, w = data(m, 384, 256, seed=17)
+    rec = fp4.quantize_mxfp4(w) if kind == "mx" else fp4.quantize_nvfp4(w)
+    if kind == "nv":  # e4m3 sign bit on every third scale: the per-output flip
+        flip = (jnp.arange(rec.scale.size).reshape(rec.scale.shape) % 3 == 0).astype(jnp.uint8) << 7
+        rec = dataclasses.replace(rec, scale=fp4.scales_as_bytes(rec).scale | flip)
+    tiled = fp4.tile_k_order(rec, 128)
+    assert tiled.k_tile == 128 and tiled.packed.shape == rec.packed.shape
+    np.testing.assert_array_equal(
+        fp4.dequantize_mxfp4(tiled) if kind == "mx" else fp4.dequantize_nvfp4(tiled),
+        fp4.dequantize_mxfp4(rec) if kind == "mx" else fp4.dequantize_nvfp4(rec),
+    )
+    stacked = jax.tree.map(lambda a: jnp.stack([a, a[::-1]]), tiled)  # layer 1: other bytes, same order
+    xb = x.astype(jnp.bfloat16)
+    want = fp4_matmul_ref(xb.astype(jnp.float32), rec, out_dtype=jnp.float32)
+    y = fp4_matmul_tpu(xb, tiled, out_dtype=jnp.float32, block_n=128, interpret=RACES)
+    check(y, want)
+    y1 = fp4_matmul_tpu(xb, stacked, out_dtype=jnp.float32, block_n=128, layer=jnp.int32(1), interpret=RACES)
+    check(y1, fp4_matmul_ref(xb.astype(jnp.float32), stacked, out_dtype=jnp.float32, layer=1))
+
+
+def test_tiled_k_order_refusals():
+    x, w = data(8, 256, 128)
+    tiled = fp4.tile_k_order(fp4.quantize_mxfp4(w), 128)
+    with pytest.raises(ValueError, match="already tiled"):
+        fp4.tile_k_order(tiled, 128)
+    with pytest.raises(ValueError, match="takes a SWAR decode and its own K tile"):
+        fp4_matmul_tpu(x, tiled, decode="f32", interpret=RACES)
+    with pytest.raises(ValueError, match="takes a SWAR decode and its own K tile"):
+        fp4_matmul_tpu(x, tiled, block_k=256, interpret=RACES)
+    from tpuserve.quant.linear_xla import fp4_linear_xla
+
+    with pytest.raises(ValueError, match="tiled order"):
+        fp4_linear_xla(x, tiled)
+    with pytest.raises(ValueError, match="compiled, of 512"):  # compiled: x's groups in whole lane tiles
+        jax.eval_shape(lambda x, r: fp4_matmul_tpu(x, r), x, fp4.tile_k_order(fp4.quantize_mxfp4(w), 256))
+
+
+@pytest.mark.parametrize("kind", ["mx", "nv"])
+def test_tiled_k_order_lowers_for_tpu_at_the_8b_shapes(kind):
+    """The tiled kernel lowers to Mosaic at the 8B shape's K's (one tile of 4096; 7 tiles of 2048)
+    with no XLA op between x and the kernel but the row pad."""
+    from tpuserve.quant.pallas_tpu_matmul import fp4_k_tile
+
+    quantize = fp4.quantize_mxfp4 if kind == "mx" else fp4.quantize_nvfp4
+    for k, n in ((4096, 6144), (14336, 4096)):
+        tk = fp4_k_tile(k, 32 if kind == "mx" else 16, True)
+        rec = jax.eval_shape(
+            lambda w, tk=tk: fp4.tile_k_order(quantize(w), tk), jax.ShapeDtypeStruct((k, n), jnp.float32)
+        )
+        rec = jax.tree.map(lambda a: jax.ShapeDtypeStruct((2, *a.shape), a.dtype), rec)
+        fn = jax.jit(lambda x, w, layer: fp4_matmul_tpu(x, w, layer=layer))
+        args = (jax.ShapeDtypeStruct((1, k), jnp.bfloat16), rec, jax.ShapeDtypeStruct((), jnp.int32))
+        exported = jax.export.export(fn, platforms=["tpu"])(*args)
+        assert "tpu_custom_call" in exported.mlir_module()
+        ops = {e.primitive.name for e in jax.make_jaxpr(fn)(*args).jaxpr.eqns}
+        assert "transpose" not in ops, ops

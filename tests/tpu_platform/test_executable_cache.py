@@ -183,3 +183,27 @@ def test_cached_jit_loads_each_signature_from_disk_on_a_restart(tmp_path):
     assert again["out"] == want and again["traces"] == [] and again["hits"] == 3 and again["misses"] == 0
     plain = run("none")  # no disk: the jitted function itself
     assert plain["out"] == want and plain["traces"] == [2, 3, 2] and plain["hits"] is None
+
+
+def test_runner_context_names_the_tpu_kernels_block_sizes(monkeypatch):
+    """The TPU attention kernel reads its generation's BlockSizes while tracing, so they are part
+    of the key: on a v5e (2026-12-07) a second engine with the one-item decode path switched on
+    loaded the first engine's stored programs and ran without it."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from tpuserve.attention import pallas_tpu
+    from tpuserve.attention.names import AttentionImpl
+    from tpuserve.tpu_platform.model_runner import ModelRunner
+
+    fields = dict.fromkeys(
+        "config arch layer_loop dtype kv_cache_dtype kv_storage_dtype kv_scales num_speculative_tokens "
+        "draft_aux_layers max_model_len mesh".split()
+    )
+    runner = SimpleNamespace(**fields, attn_impl=AttentionImpl.PALLAS_TPU_INTERPRET)
+    before = ModelRunner._program_context(runner)
+    swapped = dataclasses.replace(pallas_tpu._FALLBACK_BLOCK_SIZES, single_item_decode=True)
+    monkeypatch.setattr(pallas_tpu, "_FALLBACK_BLOCK_SIZES", swapped)
+    assert ModelRunner._program_context(runner) != before
+    blocked = SimpleNamespace(**fields, attn_impl=AttentionImpl.BLOCKED)
+    assert "BlockSizes" not in ModelRunner._program_context(blocked)

@@ -421,3 +421,36 @@ def test_tpu_runner_holds_nvfp4_scales_as_bytes():
     assert tpu._quick is not None and scales(tpu._quick[0]) == {jnp.dtype(jnp.uint8)}
     cpu = _runner("blocked", "unroll", device=DeviceInfo("cpu", 1, "cpu", None), quantize="nvfp4")
     assert scales(cpu.params) == {jnp.dtype(jnp.float8_e4m3fn)}
+
+
+@pytest.mark.parametrize("method", ["mxfp4", "nvfp4"])
+def test_tpu_runner_can_hold_fp4_codes_in_the_kernels_k_order(monkeypatch, method):
+    """With ``TILE_RECORDS_FOR_KERNEL`` a TPU runner re-orders its dense FP4 records' codes once
+    (both layer trees, stacks one layer at a time) and they dequantize to the plain records'
+    weights (the kernel on such records: tests/quant/test_pallas_tpu_matmul.py). Elsewhere, or
+    with the switch off, records stay as loaded. (The tiny model's K tiles of 128 / 256 stand in
+    for the compiled kernel's 512.)"""
+    import functools
+
+    from tpuserve.quant import fp4, pallas_tpu_matmul
+
+    is_rec = lambda a: isinstance(a, (fp4.Mxfp4Weight, fp4.Nvfp4Weight))  # noqa: E731
+    dequant = fp4.dequantize_mxfp4 if method == "mxfp4" else fp4.dequantize_nvfp4
+
+    def records(tree):
+        return [r for r in jax.tree.leaves(tree, is_leaf=is_rec) if is_rec(r)]
+
+    plain = _runner("blocked", "unroll", quantize=method)
+    assert {r.k_tile for r in records(plain.params)} == {0}
+    monkeypatch.setattr(pallas_tpu_matmul, "TILE_RECORDS_FOR_KERNEL", True)
+    tile_all = functools.partial(pallas_tpu_matmul.tile_records_for_kernel, lane_quantum=128)
+    monkeypatch.setattr(pallas_tpu_matmul, "tile_records_for_kernel", tile_all)
+    tiled = _runner("blocked", "unroll", quantize=method)
+    assert {r.k_tile for r in records(tiled.params)} == {128, 256}  # K 128 (qkv, o, gate_up), 256 (down)
+    assert tiled._quick is not None and plain._quick is not None
+    for ours, theirs in ((tiled.params, plain.params), (tiled._quick[0], plain._quick[0])):
+        for a, b in zip(records(ours), records(theirs), strict=True):
+            assert a.k_tile and not b.k_tile and a.packed.shape == b.packed.shape
+            np.testing.assert_array_equal(np.asarray(dequant(a)), np.asarray(dequant(b)))
+    cpu = _runner("blocked", "unroll", device=DeviceInfo("cpu", 1, "cpu", None), quantize=method)
+    assert {r.k_tile for r in records(cpu.params)} == {0}
