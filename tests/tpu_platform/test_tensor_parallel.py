@@ -38,8 +38,8 @@ def _child(*args: str, devices: int = 8, timeout: float = 600) -> str:
 @pytest.mark.timeout(900)
 def test_tp_logits_greedy_warmup_and_collectives():
     out = _child("runner")
-    for kv_heads in (1, 2, 8):
-        for tp in (2, 4, 8):
+    for kv_heads, tps in ((1, (2, 8)), (2, (4,)), (8, (2, 8))):
+        for tp in tps:
             assert f"OK logits Hkv={kv_heads} TP={tp} " in out, out
     assert "OK scanned layers TP=4" in out and "OK no compile after warm-up (TP=4)" in out, out
     assert "OK collectives: 5 all-reduces" in out, out
