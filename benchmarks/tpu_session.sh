@@ -192,6 +192,11 @@ for s in $stages; do
       stage kv8-quick "${KV8_LIMIT_S:-150}" python benchmarks/attention_tpu.py --rpa-v3 off --num-q-heads 32 \
           --num-kv-heads 8 --head-dim 64 --kv-dtype bfloat16,fp8 --check-dtypes fp8 --check-options plain \
           --steps decode --batches 32 --contexts 4096 --out "$out/kv8_quick.json" ;;
+    kv8-one-item) # the one-item decode path on an FP8 cache, compiled: checked on the chip, then timed
+               # against the general path (v5e turns it on for 16-bit caches only until this runs)
+      stage kv8-one-item "${KV8_LIMIT_S:-150}" python benchmarks/attention_tpu.py --rpa-v3 off --num-q-heads 32 \
+          --num-kv-heads 8 --head-dim 64 --kv-dtype fp8 --check-dtypes fp8 --check-options one_item \
+          --steps decode --batches 32,128 --contexts 192,1024 --out "$out/kv8_one_item.json" ;;
     fp8-kv)    # an FP8 KV cache through LLM(...) at 0.9: warm-up, generation, peak HBM, and whether
                # its step program copies the cache. "auto" runs it on the compiled kernel (uint8
                # storage, decoded in VMEM); before, a TPU refused it (the reference's step needed
@@ -213,6 +218,29 @@ for s in $stages; do
       stage fp4 240 python benchmarks/quant_tpu.py --shape llama-1b --rows 1,8 --formats mxfp4,nvfp4 \
           --fp4-decode "${FP4_DECODES:-f32,int,swar,swar_bcast}" --fp4-block-n "${FP4_BLOCK_N:-0}" \
           --out "$out/fp4_decode_1b.json" ;;
+    fp4-tiles) # the FP4 kernels' N tiles (fp4_n_tile: up to 1024 for decode row tiles since
+               # 2026-12-07, 512 before) at 512 / 1024 / 2048, SWAR decode, the 1B shape at M 1/8/128 and 8
+               # of the 8B shape's layers (MXFP4) at M 1/8, each checked on the chip
+      stage fp4-tiles-1b 150 python benchmarks/quant_tpu.py --shape llama-1b --rows 1,8,128 --formats mxfp4,nvfp4 \
+          --fp4-decode swar --fp4-block-n 512,1024,2048 --out "$out/fp4_tiles_1b.json"
+      stage fp4-tiles-8b 150 python benchmarks/quant_tpu.py --shape llama-8b --layers 8 --rows 1,8 \
+          --formats mxfp4 --fp4-decode swar --fp4-block-n 512,1024,2048 --out "$out/fp4_tiles_8b.json" ;;
+    fp4-tiled) # FP4 records in the tiled K order (fp4.tile_k_order: x enters the kernel without the
+               # SWAR column permutation, 4 XLA ops a layer, ~14 us at the 8B shape's b1 on
+               # 2026-12-07) against the plain SWAR decode: checked on the chip, then timed
+      stage fp4-tiled-1b 150 python benchmarks/quant_tpu.py --shape llama-1b --rows 1,8,128 --formats mxfp4,nvfp4 \
+          --fp4-decode swar,swar_tiled --out "$out/fp4_tiled_1b.json"
+      stage fp4-tiled-8b 150 python benchmarks/quant_tpu.py --shape llama-8b --layers 8 --rows 1,8 \
+          --formats mxfp4 --fp4-decode swar,swar_tiled --out "$out/fp4_tiled_8b.json" ;;
+    single-item) # the attention kernel's one-item decode path (BlockSizes.single_item_decode) off
+               # and on: the 1B shape's decode at b1/b32/b128 (pages 16 tokens, 256-token rows: one
+               # KV block), as two engines through LLM(...)
+      checkpoint llama-1b-gqa
+      for on in false true; do
+        stage "single-item-$on" 170 python benchmarks/tpu_e2e.py --models /tmp/m/llama-1b-gqa --rounds 1 \
+            --batches 1,32,128 --prefill "" --block-sizes "{\"single_item_decode\": $on}" \
+            --out "$out/single_item_$on.json"
+      done ;;
     e2e-8b-fp8) # the Llama-8B shape as a pre-quantized FP8 checkpoint (bf16 would not fit 16 GB): fit,
                # ready, decode at b1/b8 against the roofline of its quantized bytes
       [ -d /tmp/m/llama-8b-fp8 ] || python benchmarks/random_checkpoint.py --quantize fp8 --dtype float16 \
@@ -230,6 +258,24 @@ for s in $stages; do
               --like .tpu_carry/shapes/llama-8b-gqa --out /tmp/m/llama-8b-mxfp4 > /dev/null &&
           python benchmarks/tpu_e2e.py --models /tmp/m/llama-8b-mxfp4 --rounds 1 --batches 1,8 --prefill "" \
               --engine-args "{\"warmup\": false}" --out "$0/e2e_8b_mxfp4.json"' "$out" ;;
+    trace-8b-mxfp4) # the 8B MXFP4 shape's b1 decode with a device trace of one round: what the
+               # step spends beside the four matmul kernels (2026-12-07: 10.17 ms a step, the
+               # kernels alone ~9.26 ms by quant_tpu's 8-layer scan)
+      stage trace-8b-mxfp4 200 bash -c '[ -d /tmp/m/llama-8b-mxfp4 ] ||
+          python benchmarks/random_checkpoint.py --quantize mxfp4 --dtype float16 \
+              --like .tpu_carry/shapes/llama-8b-gqa --out /tmp/m/llama-8b-mxfp4 > /dev/null &&
+          python benchmarks/tpu_e2e.py --models /tmp/m/llama-8b-mxfp4 --rounds 1 --batches 1 --prefill "" \
+              --engine-args "{\"warmup\": false}" --device-trace "$0/trace_8b_mxfp4" --out "$0/trace_8b_mxfp4.json"' "$out"
+      find "$out" -name "*.xplane.pb" -size +8M -delete ;;
+    hlo-1b-mxfp4) # the 1B shape in MXFP4 at b1: a device trace of one round (ops by time) and the
+               # optimized HLO of its step programs, to name the XLA ops around the FP4 kernels
+      checkpoint llama-1b-gqa
+      rm -rf /tmp/xdump-hlo
+      XLA_FLAGS="--xla_dump_to=/tmp/xdump-hlo --xla_dump_hlo_module_re=.*_step.*" stage hlo-1b-mxfp4 150 \
+          python benchmarks/tpu_e2e.py --models /tmp/m/llama-1b-gqa --rounds 1 --batches 1 --prefill "" \
+          --quantization mxfp4 --engine-args '{"quantization_calibration": "rtn", "warmup": false}' \
+          --device-trace /tmp/trace-hlo --out "$out/hlo_1b_mxfp4.json"
+      mkdir -p "$out/hlo" && cp /tmp/xdump-hlo/*after_optimizations.txt "$out/hlo/" ;;
     e2e-quant) # the 1B shape through LLM(...) with each online quantization, round-to-nearest (GPTQ's
                # calibration costs start-up, not step time), decode only
       checkpoint llama-1b-gqa
@@ -265,6 +311,15 @@ for s in $stages; do
       stage prefill-sweep "${PSWEEP_LIMIT_S:-240}" python benchmarks/attention_tpu.py --sweep --num-q-heads 32 \
           --num-kv-heads 8 --head-dim 64 --sweep-prefill 1024x2048,1024x8192 --sweep-prefill-bqs 64,128,256 \
           --sweep-prefill-ppbs 32,64,128 --out "$out/prefill_sweep.json" ;;
+    prefill-bq) # the 1B shape's prefill with 64 (the v5e default) and 128 queries a block end to end:
+               # the kernel sweep (2026-12-07) gave bq 128 1.17x on a 1024-token chunk at 2k
+               # context, 1.02x at 8k (d 64; wider blocks ran out of scoped VMEM)
+      checkpoint llama-1b-gqa
+      for bq in 64 128; do
+        stage "prefill-bq$bq" 150 python benchmarks/tpu_e2e.py --models /tmp/m/llama-1b-gqa --rounds 1 \
+            --batches "" --block-sizes "{\"num_queries_per_block\": $bq}" \
+            --engine-args '{"warmup": false}' --out "$out/prefill_bq$bq.json"
+      done ;;
     parts)     # where a decode step's device time goes: matmuls alone, empty steps per bucket, the
                # optimized HLO of the 1- and 128-token steps with a trace of each, ops by device time
                # (2026-12-06: a ~45 us fusion a layer beside the four matmuls, unidentified)
