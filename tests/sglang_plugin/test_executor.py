@@ -82,3 +82,32 @@ def test_capacity_follows_max_total_tokens(executor):
     assert executor.capacity_tokens == 1024
     assert executor.num_pages == 1024 // PAGE + 1  # + page 0, reserved on both sides
     assert executor.runner.kv_cache.shape[1] == executor.num_pages
+
+
+def test_verify_accepts_exactly_the_greedy_prefix_of_each_chain(executor):
+    """SGLang's NGRAM path (spec_ngram.py) hands the executor chains: the last token, then drafts.
+    The oracle is the executor's own plain greedy decode of the same prompt (no drafts)."""
+    prompt = list(range(300, 340))
+    pages = [[9, 33, 21, 14]]
+    greedy = _greedy(executor, [prompt], pages, steps=6)[0]
+    # The prompt's K/V is in place (the greedy run wrote it); from the first sampled token on,
+    # verify chains whose drafts agree with greedy for 0, 2 and all 4 tokens, then diverge.
+    root, cont = greedy[0], greedy[1:5]
+    chains = {
+        0: [root, (cont[0] + 1) % 1000, cont[1]],
+        2: [root, cont[0], cont[1], (cont[2] + 7) % 1000],
+        4: [root, *cont],
+    }
+    for agree, chain in chains.items():
+        total = len(prompt) + len(chain)
+        seq = ScheduledSeq(
+            token_ids=[chain[0]],
+            num_computed=len(prompt),
+            page_ids=pages[0][: -(-total // PAGE)],
+            sampling=SamplingRow(),
+            draft_token_ids=chain[1:],
+        )
+        tokens, accepted = executor.verify([seq])
+        assert int(accepted[0]) == agree, (agree, tokens)
+        # The accepted drafts, then the token greedy decoding puts after them.
+        assert tokens[0, : agree + 1].tolist() == greedy[1 : agree + 2]

@@ -9,7 +9,8 @@ backend, the checkpoint's own format, and our dtype. A real ``python -m sglang.l
 serves each of the three (gpt-oss's sliding-window and full layers, attention sinks, MXFP4 or f32
 experts; Qwen3-MoE's routed experts; all in our JAX executor), and its greedy tokens must equal
 our standalone engine's on the same prompt ids, a prompt past SGLang's prefill chunk and a second
-request hitting SGLang's radix cache included. SGLang's chat endpoint renders a gpt-oss conversation
+request hitting SGLang's radix cache included; gpt-oss with float experts runs with SGLang's n-gram
+speculation on. SGLang's chat endpoint renders a gpt-oss conversation
 through the checkpoint's (harmony) chat template as openai_harmony does.
 """
 
@@ -97,6 +98,11 @@ def _reference(path: str, prompt_ids: list[list[int]]) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
+# gpt-oss with float experts is also served with SGLang's n-gram speculation (spec_ngram.py): its
+# greedy tokens must not change (every decode step is then a verify of SGLang's drafts).
+SPECULATE = {"gpt_oss": ("--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "4")}
+
+
 @pytest.mark.parametrize("kind", ["gpt_oss_mxfp4", "gpt_oss", "qwen3_moe"])
 def test_moe_served_greedy_equals_standalone(kind, checkpoints, tmp_path):
     import requests
@@ -107,7 +113,10 @@ def test_moe_served_greedy_equals_standalone(kind, checkpoints, tmp_path):
     tok = AutoTokenizer.from_pretrained(path)
     prompt_ids = [tok.encode(p) for p in PROMPTS]
     assert len(prompt_ids[2]) > 2 * CHUNK
-    with launch_sglang(path, str(tmp_path / "server.log"), "--chunked-prefill-size", str(CHUNK)) as server:
+    spec = SPECULATE.get(kind, ())
+    with launch_sglang(
+        path, str(tmp_path / "server.log"), "--chunked-prefill-size", str(CHUNK), *spec
+    ) as server:
         got = []
         for ids in prompt_ids:  # one at a time: the last one finds the previous one's prefix cached
             body = {
@@ -123,6 +132,8 @@ def test_moe_served_greedy_equals_standalone(kind, checkpoints, tmp_path):
     assert got[-1]["meta_info"]["cached_tokens"] >= 2 * 16, got[-1]["meta_info"]  # radix cache hit
     ref = _reference(path, prompt_ids)
     assert [g["output_ids"] for g in got] == ref
+    if spec:
+        assert all(g["meta_info"].get("spec_verify_ct", 0) > 0 for g in got), [g["meta_info"] for g in got]
 
 
 def test_gpt_oss_chat_renders_through_the_checkpoints_template(tmp_path):

@@ -66,14 +66,20 @@ _RESOLVE = textwrap.dedent("""
         except Exception as e:
             return {"error": f"{type(e).__name__}: {e}"}
         v = resolving_view(sa)
-        return {k: getattr(v, k) for k in ("device", "page_size", "chunked_prefill_size",
-                "max_running_requests", "disable_overlap_schedule", "attention_backend")}
+        keys = ("device", "page_size", "chunked_prefill_size", "max_running_requests",
+                "disable_overlap_schedule", "attention_backend")
+        if "--speculative-algorithm" in extra:
+            keys += ("speculative_num_draft_tokens", "speculative_ngram_max_bfs_breadth")
+        return {k: getattr(v, k) for k in keys}
 
     out = {"platform": type(platforms.current_platform).__name__,
            "oot": platforms.current_platform.is_out_of_tree(),
            "default": resolve(), "device_tpu": resolve("--device", "tpu"),
            "hicache": resolve("--enable-hierarchical-cache"), "hicache_alias": resolve("--enable-hicache"),
            "tp2": resolve("--tp-size", "2"),
+           "ngram": resolve("--speculative-algorithm", "NGRAM"),
+           "ngram_wide": resolve("--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "30"),
+           "eagle": resolve("--speculative-algorithm", "EAGLE"),
            "loader_typo": resolve("--model-loader-extra-config", '{"layer_lop": "scan"}'),
            "loader_bad": resolve("--model-loader-extra-config", '{"layer_loop": "loop"}')}
     activation.tpu_visible = lambda: True  # as on a TPU host (no torch device is involved)
@@ -120,6 +126,17 @@ def test_sglang_resolves_our_defaults(run_py, hf_dir):
     # Our loader options: a typo or a bad value is refused at start-up, naming it.
     assert "unknown key(s) layer_lop" in res["loader_typo"]["error"], res["loader_typo"]
     assert "layer_loop='loop'" in res["loader_bad"]["error"], res["loader_bad"]
+    # NGRAM: SGLang's corpus drafts a chain (breadth 1) for our runner to verify; SGLang's default
+    # of 12 tokens a verify stands, more than our runner's 16 drafts is refused, as is any other
+    # algorithm, naming the flag.
+    ngram = res["ngram"]
+    assert ngram["speculative_num_draft_tokens"] == 12 and ngram["speculative_ngram_max_bfs_breadth"] == 1, (
+        ngram
+    )
+    assert ngram["page_size"] == 16 and ngram["attention_backend"] == "tpuserve", ngram
+    assert "--speculative-num-draft-tokens 30" in res["ngram_wide"]["error"], res["ngram_wide"]
+    err = res["eagle"]["error"]
+    assert "--speculative-algorithm EAGLE is not supported" in err and "NGRAM" in err, err
     # SGLang's tensor parallelism is process groups of torch ranks: refused, naming ours.
     err = res["tp2"]["error"]
     assert "--tp-size > 1 is not supported" in err and "--tensor-parallel-size N" in err, err

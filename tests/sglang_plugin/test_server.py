@@ -176,3 +176,30 @@ def test_unsupported_features_refused_not_crashing(sglang_server):
             },
         )
     assert _generate(sglang_server, "The capital of France is", max_new=4)["text"]
+
+
+def test_ngram_speculation_greedy_equals_standalone(hf_dir, reference_llm, tmp_path):
+    """``--speculative-algorithm NGRAM``: SGLang's corpus drafts, our runner verifies (spec_ngram.py).
+    Greedy answers equal our engine's without speculation, batched together with a sampled request;
+    a repetitive prompt gets drafts accepted (several tokens a verify); a prefix-cache hit still
+    answers the same; the server stays up and serves a plain request afterwards."""
+    from conftest import launch_sglang
+
+    fruits = "Here is a list of fruits: apples, pears, plums, " * 3
+    prompts = [fruits, "1, 2, 3, 4, 5, 6,", "The capital of France is", STORY * 2 + "The villagers"]
+    ref = _reference(reference_llm, prompts)
+    spec = ("--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "5")
+    with launch_sglang(hf_dir, str(tmp_path / "server.log"), *spec) as server:
+        with cf.ThreadPoolExecutor(len(prompts) + 1) as pool:
+            sampled = pool.submit(_generate, server, fruits, temperature=0.8, ignore_eos=True)
+            got = list(pool.map(lambda p: _generate(server, p), prompts))
+            sampled = sampled.result()
+        again = _generate(server, prompts[3])  # its prefix is in SGLang's radix cache now
+        plain = _generate(server, "Once upon a time", max_new=4)
+    assert [g["output_ids"] for g in got] == [r[1] for r in ref]
+    assert again["output_ids"] == ref[3][1] and again["meta_info"]["cached_tokens"] > 0, again["meta_info"]
+    assert len(sampled["output_ids"]) == MAX_NEW and plain["text"]
+    meta = got[0]["meta_info"]
+    # Every decode step was a verify, and drafts were accepted: fewer verifies than tokens.
+    assert 0 < meta["spec_verify_ct"] < meta["completion_tokens"] - 1, meta
+    assert meta["spec_num_correct_drafts"] > 0, meta

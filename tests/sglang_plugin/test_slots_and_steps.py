@@ -72,3 +72,39 @@ def test_plan_respects_seq_slots_and_token_budget():
         assert len({p.index for p in step}) == len(step)  # a sequence at most once per step
     done = [p.index for step in steps for p in step if p.last]
     assert sorted(done) == list(range(6))
+
+
+def test_first_path_of_a_chain_and_of_a_tree():
+    from tpuserve.tpu_platform.sglang_plugin.tree import first_path
+
+    chain = np.tril(np.ones((4, 4), bool))  # each node's ancestors, itself included
+    assert first_path(chain) == [0, 1, 2, 3]
+    # root 0 -> {1, 2}; 1 -> {3, 4}; 2 -> {5}; 3 -> {6}: breadth-first, first child first.
+    parent = [-1, 0, 0, 1, 1, 2, 3]
+    tree = np.zeros((7, 7), bool)
+    for i in range(7):
+        j = parent[i]
+        while j >= 0:
+            tree[i, j] = True
+            j = parent[j]
+    assert first_path(tree) == [0, 1, 3, 6]
+    np.fill_diagonal(tree, True)
+    assert first_path(tree) == [0, 1, 3, 6]
+    assert first_path(np.eye(3, dtype=bool)) == [0]  # no match: the root alone
+    with pytest.raises(ValueError, match="square"):
+        first_path(np.ones((2, 3), bool))
+
+
+def test_plan_never_cuts_a_sequence_with_drafts():
+    drafted = [
+        ScheduledSeq(
+            token_ids=[7], num_computed=5, page_ids=[1, 2], sampling=SamplingRow(), draft_token_ids=[1, 2]
+        )
+        for _ in range(3)
+    ]
+    steps = plan_steps(drafted, page_size=4, max_tokens=7, max_seqs=4)
+    # Three tokens each (the token, two drafts): two fit a 7-token step, the third goes next.
+    assert [[p.index for p in s] for s in steps] == [[0, 1], [2]]
+    assert all(p.last and p.seq is drafted[p.index] for s in steps for p in s)
+    with pytest.raises(ValueError, match="verifying 2 drafts needs 3 tokens"):
+        plan_steps(drafted[:1], page_size=4, max_tokens=2, max_seqs=4)

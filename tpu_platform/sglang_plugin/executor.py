@@ -72,6 +72,10 @@ class ExecutorConfig:
     quantization: str | None = None
     kv_cache_dtype: str | None = None  # "auto" (model dtype) or "fp8_e4m3"
     warmup: bool | None = None  # None: compile every bucket up front on accelerators only
+    # Drafts a sequence verifies per step under SGLang's NGRAM speculation (its
+    # --speculative-num-draft-tokens minus the root); None: no speculation. The runner sizes and
+    # warms its draft slots by it.
+    num_speculative_tokens: int | None = None
 
     def engine_config(self) -> EngineConfig:
         """Our engine's configuration: the values SGLang set, EngineConfig's defaults for the rest."""
@@ -87,6 +91,11 @@ class ExecutorConfig:
             quantization=self.quantization,
             kv_cache_dtype=self.kv_cache_dtype,
             gpu_memory_utilization=self.gpu_memory_utilization,
+            speculative_config=(
+                {"method": "ngram", "num_speculative_tokens": self.num_speculative_tokens}
+                if self.num_speculative_tokens
+                else None
+            ),
             # +1: page 0 is reserved by both SGLang (padding) and us; SGLang's pages are 1..usable.
             num_gpu_blocks=(
                 max(1, self.max_total_tokens // self.page_size) + 1
@@ -116,7 +125,8 @@ def plan_steps(
     """Cut a batch into steps within the runner's limits; each sequence at most once per step.
 
     Chunks of one sequence land in consecutive steps in order, so each chunk finds the K/V of the
-    previous one already written. A chunk's page table covers only the tokens it reaches.
+    previous one already written. A chunk's page table covers only the tokens it reaches. A
+    sequence with drafts to verify is never cut: its token and drafts go into one step whole.
     """
     pending = [(i, 0) for i in range(len(seqs))]  # (caller index, tokens of it done)
     steps: list[list[_Piece]] = []
@@ -127,6 +137,19 @@ def plan_steps(
         for i, done in pending:
             s = seqs[i]
             left = len(s.token_ids) - done
+            if s.draft_token_ids:
+                whole = left + len(s.draft_token_ids)
+                if whole > max_tokens:
+                    raise ValueError(
+                        f"a sequence verifying {len(s.draft_token_ids)} drafts needs {whole} "
+                        f"tokens in one step, more than the step's {max_tokens}"
+                    )
+                if whole > budget or len(step) == max_seqs:
+                    later.append((i, done))
+                    continue
+                step.append(_Piece(i, s, last=True))
+                budget -= whole
+                continue
             if budget == 0 or len(step) == max_seqs:
                 later.append((i, done))
                 continue
@@ -213,16 +236,29 @@ class JaxExecutor:
 
     def run(self, seqs: list[ScheduledSeq]) -> np.ndarray:
         """Compute every sequence's scheduled tokens; return one sampled id per sequence (int32)."""
-        out = np.zeros(len(seqs), np.int32)
+        return self.verify(seqs)[0][:, 0]
+
+    def verify(self, seqs: list[ScheduledSeq]) -> tuple[np.ndarray, np.ndarray]:
+        """Compute every sequence's tokens and verify its drafts (``draft_token_ids``, may be empty).
+
+        Returns (token_ids [S, 1 + K] int32, num_accepted [S] int32), K the most drafts of any
+        sequence: sequence i's new tokens are ``token_ids[i, : num_accepted[i] + 1]`` (its accepted
+        drafts, then the token sampled after them); -1 pads. K/V of every verified draft is written
+        (StepOutput says why rejected ones are harmless).
+        """
+        width = 1 + max((len(s.draft_token_ids) for s in seqs), default=0)
+        tokens = np.full((len(seqs), width), -1, np.int32)
+        accepted = np.zeros(len(seqs), np.int32)
         if not seqs:
-            return out
+            return tokens, accepted
         sched = self.config.scheduler
         for step in plan_steps(seqs, self.cfg.page_size, sched.max_num_batched_tokens, sched.max_num_seqs):
-            batch = self.runner.build_batch([p.seq for p in step])
-            sampled = self.runner.execute(batch).token_ids[: len(step), 0]
+            out = self.runner.execute(self.runner.build_batch([p.seq for p in step]))
             self.model_calls += 1
-            for p, tok in zip(step, sampled):
+            for row, p in enumerate(step):
                 if p.last:
-                    out[p.index] = tok
+                    n = min(width, out.token_ids.shape[1])
+                    tokens[p.index, :n] = out.token_ids[row, :n]
+                    accepted[p.index] = out.num_accepted[row]
         self.steps += 1
-        return out
+        return tokens, accepted

@@ -18,6 +18,10 @@ hook body first asks which platform SGLang resolved.
     assert one of SGLang's torch attention kernels and force bfloat16 on its MXFP4 checkpoints for
     SGLang's Triton kernels; ours run in JAX, so our backend and dtype stay
     (model_specific_adjustments).
+  * ``mem_cache.allocation.get_last_loc`` and ``assign_req_to_token_pool_func`` (AROUND): the slot
+    bookkeeping of speculative decoding (``--speculative-algorithm NGRAM``) picks Triton kernels by
+    attention-backend name and host type, neither of which knows an out-of-tree platform; ours
+    are torch ops on SGLang's host tensors (the same arithmetic as the kernels).
   * ``--quantization`` choices: "nvfp4" is added through SGLang's extension point for out-of-tree
     platforms (``add_quantization_method_choices``) when our platform is active.
 """
@@ -41,6 +45,8 @@ RESOLUTION_PIPELINE = "sglang.srt.arg_groups.pipeline.run_resolution_pipeline"
 VALIDATE_REQUEST = "sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request"
 VERIFY_QUANTIZATION = "sglang.srt.configs.model_config.ModelConfig._verify_quantization"
 MODEL_ADJUSTMENTS = "sglang.srt.arg_groups.model_hook.handle_model_specific_adjustments"
+LAST_LOC = "sglang.srt.mem_cache.allocation.get_last_loc"
+ASSIGN_SLOTS = "sglang.srt.mem_cache.allocation.assign_req_to_token_pool_func"
 
 # Architectures whose model-specific adjustments assert one of SGLang's own torch attention
 # kernels (gpt-oss: sliding windows and sinks), and a kernel name from SGLang's list that stands in
@@ -198,6 +204,32 @@ def _architecture(server_args) -> str | None:
     return archs[0]
 
 
+def last_loc_on_host(original, req_to_token, req_pool_indices, prefix_lens):
+    """AROUND hook: each request's slot before position ``prefix_lens`` (-1 when it has none)."""
+    if not our_platform_active():
+        return original(req_to_token, req_pool_indices, prefix_lens)
+    import torch
+
+    last = req_to_token[req_pool_indices, (prefix_lens - 1).clamp(min=0)].to(prefix_lens.dtype)
+    return torch.where(prefix_lens > 0, last, torch.full_like(prefix_lens, -1))
+
+
+def assign_slots_on_host(
+    original, req_pool_indices, req_to_token, start_offset, end_offset, out_cache_loc, batch_size
+):
+    """AROUND hook: request i's positions start..end-1 take the next end-start slots of
+    ``out_cache_loc`` (requests in order)."""
+    if not our_platform_active():
+        return original(req_pool_indices, req_to_token, start_offset, end_offset, out_cache_loc, batch_size)
+    rows = req_pool_indices[:batch_size].tolist()
+    starts = start_offset[:batch_size].tolist()
+    ends = end_offset[:batch_size].tolist()
+    off = 0
+    for row, a, b in zip(rows, starts, ends):
+        req_to_token[row, a:b] = out_cache_loc[off : off + b - a].to(req_to_token.dtype)
+        off += b - a
+
+
 def add_quantization_choices() -> None:
     """Let argparse accept every ``--quantization`` method we serve (SGLang lacks "nvfp4")."""
     if not our_platform_active():
@@ -215,4 +247,6 @@ def register_all() -> None:
     HookRegistry.register(VALIDATE_REQUEST, refuse_unsupported_request, HookType.BEFORE)
     HookRegistry.register(VERIFY_QUANTIZATION, verify_quantization, HookType.AROUND)
     HookRegistry.register(MODEL_ADJUSTMENTS, model_specific_adjustments, HookType.AROUND)
+    HookRegistry.register(LAST_LOC, last_loc_on_host, HookType.AROUND)
+    HookRegistry.register(ASSIGN_SLOTS, assign_slots_on_host, HookType.AROUND)
     add_quantization_choices()

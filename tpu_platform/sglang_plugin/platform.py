@@ -18,6 +18,9 @@ What the platform declares, and why:
     platform the pages live in a JAX array those kernels cannot reach. tpuserve's own host tier
     (``tpuserve serve --kv-offloading-size GiB``, or vLLM with ``--device tpu
     --kv-offloading-size GiB``) is the supported way to keep evicted prefixes in host memory.
+  * ``--speculative-algorithm NGRAM`` runs SGLang's n-gram corpus with our runner verifying its
+    drafts as a chain (``--speculative-ngram-max-bfs-breadth`` is set to 1; spec_ngram.py); other
+    algorithms are refused naming the flag.
   * ``--model-loader-extra-config '{"layer_loop": "scan"}'`` chooses how our decoder runs its layers
     (executor.loader_options); unknown keys are refused here, at start-up.
   * ``--quantization`` fp8 / mxfp4 / nvfp4 (and pre-quantized checkpoints our loader reads) and
@@ -45,6 +48,41 @@ ATTENTION_BACKEND_NAME = "tpuserve"  # a registered name that is never built: at
 DEFAULT_PAGE_SIZE = CacheConfig().block_size
 DEFAULT_CHUNKED_PREFILL = SchedulerConfig().max_num_batched_tokens  # one runner step
 DEFAULT_MAX_RUNNING = SchedulerConfig().max_num_seqs
+MAX_DRAFT_TOKENS = 17  # NGRAM's root + our runner's most drafts a step (SpeculativeConfig: 16)
+
+
+def _speculative_refusal(algorithm) -> str:
+    return (
+        f"--speculative-algorithm {algorithm} is not supported by the tpuserve SGLang platform: "
+        "it serves NGRAM (SGLang's n-gram drafts, verified by tpuserve's runner). For EAGLE-3 or "
+        "MTP draft heads use `tpuserve serve MODEL --speculative-config` with method eagle3 or mtp"
+    )
+
+
+def _speculative_defaults(server_args) -> None:
+    """NGRAM runs as a chain of drafts (spec_ngram.py): one BFS branch per node. Anything else is
+    refused naming the flag."""
+    algorithm = getattr(server_args, "speculative_algorithm", None)
+    if algorithm is None:
+        return
+    if str(algorithm).upper() != "NGRAM":
+        raise ValueError(_speculative_refusal(algorithm))
+    if (server_args.speculative_ngram_max_bfs_breadth or 1) > 1:
+        log.warning(
+            "tpuserve: --speculative-ngram-max-bfs-breadth %s -> 1: tpuserve's runner verifies a "
+            "chain of drafts, so the n-gram corpus builds one",
+            server_args.speculative_ngram_max_bfs_breadth,
+        )
+        server_args.speculative_ngram_max_bfs_breadth = 1
+    if (server_args.speculative_ngram_min_bfs_breadth or 1) > 1:
+        server_args.speculative_ngram_min_bfs_breadth = 1
+    n = server_args.speculative_num_draft_tokens
+    if n is not None and not 1 <= n <= MAX_DRAFT_TOKENS:
+        raise ValueError(
+            f"--speculative-num-draft-tokens {n}: the tpuserve SGLang platform verifies 1 to "
+            f"{MAX_DRAFT_TOKENS} tokens a step (the last sampled token and up to "
+            f"{MAX_DRAFT_TOKENS - 1} drafts)"
+        )
 
 
 class TpuServeSRTPlatform(SRTPlatform):
@@ -101,6 +139,7 @@ class TpuServeSRTPlatform(SRTPlatform):
                     f"--tensor-parallel-size N` or `vllm serve MODEL --device tpu "
                     f"--tensor-parallel-size N`"
                 )
+        _speculative_defaults(server_args)
         if server_args.page_size is None:
             server_args.page_size = DEFAULT_PAGE_SIZE
         if server_args.chunked_prefill_size is None:
@@ -123,6 +162,14 @@ class TpuServeSRTPlatform(SRTPlatform):
             server_args.quantization,
             server_args.kv_cache_dtype,
         )
+
+    def get_speculative_worker_cls(self, algorithm: str):
+        if str(algorithm).upper() != "NGRAM":  # refused at start-up already (_speculative_defaults)
+            raise ValueError(_speculative_refusal(algorithm))
+        # on use: SGLang's speculative workers are a heavy import
+        from tpuserve.tpu_platform.sglang_plugin.spec_ngram import TpuServeNgramWorker
+
+        return TpuServeNgramWorker
 
     def get_default_attention_backend(self) -> str:
         return ATTENTION_BACKEND_NAME

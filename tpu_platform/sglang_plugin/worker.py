@@ -13,8 +13,10 @@ Nothing else crosses: no logits, no hidden states, no KV. SGLang's scheduler, ra
 allocator keep deciding what runs and where each token's K/V goes; ``slots.check_new_slots``
 proves each step that our writes land in exactly the slots SGLang chose.
 
+Speculative decoding (NGRAM only) drives ``verify_chains`` through spec_ngram.py's worker.
+
 Not supported on this path yet: logprobs, structured output (grammars), logit bias, custom logit
-processors, speculative decoding. Requests asking for them are refused at admission with a 400
+processors. Requests asking for them are refused at admission with a 400
 (hooks.refuse_unsupported_request); ``_refuse_unsupported`` here is the backstop.
 """
 
@@ -27,7 +29,7 @@ import numpy as np
 import torch
 from sglang.srt.managers.tp_worker import TpModelWorker
 from sglang.srt.managers.utils import GenerationBatchResult
-from sglang.srt.runtime_context import get_model, get_schedule
+from sglang.srt.runtime_context import get_model, get_schedule, get_spec
 
 from tpuserve.tpu_platform.sglang_plugin.executor import ExecutorConfig, JaxExecutor, loader_options
 from tpuserve.tpu_platform.sglang_plugin.quantization import engine_kv_cache_dtype, resolve_quantization
@@ -71,6 +73,9 @@ def executor_config(model_path: str, context_len: int) -> ExecutorConfig:
             f"--dtype {dtype} is not supported by tpuserve; use one of {sorted(_DTYPES)}"
         )
     chunk = sched.chunked_prefill_size
+    spec = get_spec()
+    # NGRAM: the root plus drafts make --speculative-num-draft-tokens (spec_ngram.py).
+    drafts = int(spec.speculative_num_draft_tokens) - 1 if spec.speculative_algorithm == "NGRAM" else None
     options = loader_options(getattr(model, "model_loader_extra_config", None) or {})
     return ExecutorConfig(
         layer_loop=options.get("layer_loop"),
@@ -84,6 +89,7 @@ def executor_config(model_path: str, context_len: int) -> ExecutorConfig:
         max_num_batched_tokens=chunk if chunk and chunk > 0 else None,
         quantization=resolve_quantization(model.quantization, model_path),
         kv_cache_dtype=engine_kv_cache_dtype(model.kv_cache_dtype),
+        num_speculative_tokens=drafts,
     )
 
 
@@ -167,6 +173,43 @@ def scheduled_seqs(
     return seqs
 
 
+def verify_seqs(
+    batch,
+    chains: list[list[int]],
+    req_to_token: torch.Tensor,
+    page_size: int,
+    vocab_size: int,
+    eos_token_ids=(),
+) -> list[ScheduledSeq]:
+    """A speculative decode batch -> our work items: each request's chain (root, then drafts) at
+    positions seq_len.. of its own slots, which SGLang allocated ahead of the verify."""
+    seq_lens = batch.seq_lens.cpu().numpy()  # committed lengths: the root's K/V is not written yet
+    pool_idx = batch.req_pool_indices.cpu().numpy()
+    table = req_to_token.numpy()
+    seqs: list[ScheduledSeq] = []
+    for i, req in enumerate(batch.reqs):
+        chain = chains[i]
+        last = req.output_ids[-1] if len(req.output_ids) else req.origin_input_ids[-1]
+        if not chain or int(chain[0]) != int(last):
+            raise RuntimeError(
+                f"request {req.rid}: the n-gram draft tree's root {chain[:1]} is not the request's "
+                f"last token {int(last)}"
+            )
+        start = int(seq_lens[i])
+        slots = table[int(pool_idx[i]), : start + len(chain)]
+        check_new_slots(slots, start, slots[start:], page_size, where=f"request {req.rid}: ")
+        seqs.append(
+            ScheduledSeq(
+                token_ids=[int(chain[0])],
+                num_computed=start,
+                page_ids=page_table(slots, page_size).tolist(),
+                sampling=request_sampling_row(req, vocab_size, eos_token_ids),
+                draft_token_ids=[int(t) for t in chain[1:]],
+            )
+        )
+    return seqs
+
+
 class TpuServeTpModelWorker(TpModelWorker):
     """SGLang's TP worker with our JAX executor in place of its torch model runner."""
 
@@ -243,3 +286,16 @@ class TpuServeTpModelWorker(TpModelWorker):
             can_run_cuda_graph=False,
             next_token_ids=torch.from_numpy(sampled.astype(np.int64)),
         )
+
+    def verify_chains(self, batch, chains: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+        """Verify each request's draft chain (spec_ngram.py): (tokens [bs, 1 + K], accepted [bs])."""
+        _refuse_unsupported(batch)
+        seqs = verify_seqs(
+            batch,
+            chains,
+            self.model_runner.req_to_token_pool.req_to_token,
+            self.model_runner.page_size,
+            self._vocab_size,
+            self._executor.arch.eos_token_ids,
+        )
+        return self._executor.verify(seqs)
