@@ -140,3 +140,47 @@ def test_sglang_resolves_our_defaults(run_py, hf_dir):
     # SGLang's tensor parallelism is process groups of torch ranks: refused, naming ours.
     err = res["tp2"]["error"]
     assert "--tp-size > 1 is not supported" in err and "--tensor-parallel-size N" in err, err
+
+
+_VERIFY_SEQS = textwrap.dedent("""
+    import json
+    from types import SimpleNamespace as NS
+    import torch
+    from tpuserve.tpu_platform.sglang_plugin.worker import verify_seqs
+
+    PAGE = 4
+    def row(pages, n):  # the req_to_token row SGLang's paged allocator writes
+        return [pages[p // PAGE] * PAGE + p % PAGE for p in range(n)]
+
+    table = torch.zeros((3, 32), dtype=torch.int32)
+    table[1, :12] = torch.tensor(row([7, 3, 9], 12))
+    table[2, :12] = torch.tensor(row([2, 5, 6], 12))
+    sp = NS(top_k=1, temperature=1.0, top_p=1.0, min_p=0.0, sampling_seed=1, repetition_penalty=1.0,
+            presence_penalty=0.0, frequency_penalty=0.0, min_new_tokens=0, stop_token_ids=None,
+            ignore_eos=True)
+    reqs = [NS(rid="a", sampling_params=sp, origin_input_ids=[5, 6], output_ids=[8, 9]),
+            NS(rid="b", sampling_params=sp, origin_input_ids=[4, 4, 4, 4, 4, 1], output_ids=[])]
+    batch = NS(reqs=reqs, seq_lens=torch.tensor([3, 5]), req_pool_indices=torch.tensor([1, 2]))
+    out = {}
+    seqs = verify_seqs(batch, [[9, 1, 2, 3], [1, 4]], table, PAGE, 100)
+    out["seqs"] = [(s.token_ids, s.draft_token_ids, s.num_computed, s.page_ids) for s in seqs]
+    seqs = verify_seqs(batch, [[9, 1, 2, 3], [1, 4]], table, PAGE, 100, max_model_len=5)
+    out["capped"] = [(s.token_ids, s.draft_token_ids) for s in seqs]
+    try:
+        verify_seqs(batch, [[8, 1], [1, 4]], table, PAGE, 100)
+    except RuntimeError as e:
+        out["bad_root"] = str(e)
+    print("RESULT" + json.dumps(out))
+""")
+
+
+@needs_sglang
+def test_verify_seqs_put_each_chain_after_its_committed_tokens(run_py):
+    """spec_ngram.py's chains as our work items: the root at the committed length, drafts after it,
+    pages from SGLang's own slots; drafts past max_model_len dropped; a root that is not the
+    request's last token refused (the corpus and the request disagree)."""
+    out = run_py(_VERIFY_SEQS)
+    res = json.loads([ln for ln in out.splitlines() if ln.startswith("RESULT")][-1][len("RESULT") :])
+    assert res["seqs"] == [[[9], [1, 2, 3], 3, [7, 3]], [[1], [4], 5, [2, 5]]]
+    assert res["capped"] == [[[9], [1]], [[1], []]]
+    assert "root [8] is not the request's last token 9" in res["bad_root"]

@@ -180,9 +180,11 @@ def verify_seqs(
     page_size: int,
     vocab_size: int,
     eos_token_ids=(),
+    max_model_len: int | None = None,
 ) -> list[ScheduledSeq]:
     """A speculative decode batch -> our work items: each request's chain (root, then drafts) at
-    positions seq_len.. of its own slots, which SGLang allocated ahead of the verify."""
+    positions seq_len.. of its own slots, which SGLang allocated ahead of the verify. Drafts that
+    would reach past ``max_model_len`` are dropped (SGLang ends such a request at its length)."""
     seq_lens = batch.seq_lens.cpu().numpy()  # committed lengths: the root's K/V is not written yet
     pool_idx = batch.req_pool_indices.cpu().numpy()
     table = req_to_token.numpy()
@@ -196,6 +198,8 @@ def verify_seqs(
                 f"last token {int(last)}"
             )
         start = int(seq_lens[i])
+        if max_model_len is not None:
+            chain = chain[: max(1, max_model_len - start)]
         slots = table[int(pool_idx[i]), : start + len(chain)]
         check_new_slots(slots, start, slots[start:], page_size, where=f"request {req.rid}: ")
         seqs.append(
@@ -297,5 +301,6 @@ class TpuServeTpModelWorker(TpModelWorker):
             self.model_runner.page_size,
             self._vocab_size,
             self._executor.arch.eos_token_ids,
+            max_model_len=self._executor.max_model_len,
         )
         return self._executor.verify(seqs)
