@@ -186,7 +186,7 @@ def test_ngram_speculation_greedy_equals_standalone(hf_dir, reference_llm, tmp_p
     from conftest import launch_sglang
 
     fruits = "Here is a list of fruits: apples, pears, plums, " * 3
-    prompts = [fruits, "1, 2, 3, 4, 5, 6,", "The capital of France is", STORY * 2 + "The villagers"]
+    prompts = [fruits, "The capital of France is", STORY * 2 + "The villagers"]
     ref = _reference(reference_llm, prompts)
     spec = ("--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "5")
     with launch_sglang(hf_dir, str(tmp_path / "server.log"), *spec) as server:
@@ -194,10 +194,10 @@ def test_ngram_speculation_greedy_equals_standalone(hf_dir, reference_llm, tmp_p
             sampled = pool.submit(_generate, server, fruits, temperature=0.8, ignore_eos=True)
             got = list(pool.map(lambda p: _generate(server, p), prompts))
             sampled = sampled.result()
-        again = _generate(server, prompts[3])  # its prefix is in SGLang's radix cache now
+        again = _generate(server, prompts[2])  # its prefix is in SGLang's radix cache now
         plain = _generate(server, "Once upon a time", max_new=4)
     assert [g["output_ids"] for g in got] == [r[1] for r in ref]
-    assert again["output_ids"] == ref[3][1] and again["meta_info"]["cached_tokens"] > 0, again["meta_info"]
+    assert again["output_ids"] == ref[2][1] and again["meta_info"]["cached_tokens"] > 0, again["meta_info"]
     assert len(sampled["output_ids"]) == MAX_NEW and plain["text"]
     meta = got[0]["meta_info"]
     # Every decode step was a verify, and drafts were accepted: fewer verifies than tokens.
