@@ -4,7 +4,9 @@ Same run, same weights (the default model exported to a Hugging Face directory),
 ids, greedy, ``ignore_eos`` so every request produces exactly ``--max-tokens`` tokens:
   * SGLang 0.5.23's offline ``sglang.Engine`` with the tpuserve platform (SGLANG_PLATFORM=tpuserve):
     its scheduler drives our executor through the plugin,
-  * tpuserve's own ``LLM.generate``.
+  * tpuserve's own ``LLM.generate``,
+  * with ``--ngram N``, also SGLang's engine with ``--speculative-algorithm NGRAM`` and N tokens a
+    verify (its corpus drafts, our runner verifies), and the ratio to SGLang without it.
 Each side runs in its own subprocess (one JAX owner at a time: a TPU admits one process), does one
 warm-up pass (compiles), then ``--repeats`` timed passes. Every pass uses a fresh prompt set - the
 same sets for both sides - so neither the radix cache nor our prefix cache replays a previous
@@ -68,11 +70,15 @@ def run_sglang(job: dict) -> list[dict]:
     os.environ["SGLANG_PLATFORM"] = "tpuserve"  # before SGLang's import picks its platform
     import sglang
 
+    spec = {}
+    if job.get("ngram"):
+        spec = {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": job["ngram"]}
     engine = sglang.Engine(
         model_path=job["hf_dir"],
         max_total_tokens=job["max_total_tokens"],
         skip_server_warmup=True,
         log_level="error",
+        **spec,
     )
     params = {"temperature": 0.0, "max_new_tokens": job["max_tokens"], "ignore_eos": True}
     passes = []
@@ -84,6 +90,8 @@ def run_sglang(job: dict) -> list[dict]:
                 {
                     "seconds": time.perf_counter() - t,
                     "tokens": sum(o["meta_info"]["completion_tokens"] for o in outs),
+                    # model calls that produced them (0 without speculation: one a token)
+                    "verifies": sum(o["meta_info"].get("spec_verify_ct", 0) for o in outs),
                 }
             )
     finally:
@@ -111,7 +119,9 @@ def run_ours(job: dict) -> list[dict]:
 def child(side: str, job_path: str) -> None:
     with open(job_path) as f:
         job = json.load(f)
-    passes = run_sglang(job) if side == "sglang" else run_ours(job)
+    if side == "sglang_ngram":
+        job = {**job, "ngram": job["ngram_tokens"]}
+    passes = run_ours(job) if side == "ours" else run_sglang(job)
     print("RESULT " + json.dumps(passes), flush=True)
 
 
@@ -121,7 +131,10 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--max-total-tokens", type=int, default=4096, help="SGLang's KV pool (tokens)")
-    ap.add_argument("--child", choices=["sglang", "ours"], help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--ngram", type=int, default=0, help="also run SGLang with NGRAM speculation, N tokens a verify"
+    )
+    ap.add_argument("--child", choices=["sglang", "sglang_ngram", "ours"], help=argparse.SUPPRESS)
     ap.add_argument("--job", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -146,12 +159,14 @@ def main() -> None:
         "sets": sets,
         "max_tokens": args.max_tokens,
         "max_total_tokens": args.max_total_tokens,
+        "ngram_tokens": args.ngram,
     }
+    sides = ("sglang", "ours") + (("sglang_ngram",) if args.ngram else ())
     results = {}
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(job, f)
     try:
-        for side in ("sglang", "ours"):
+        for side in sides:
             env = dict(os.environ)
             t = time.perf_counter()
             out = subprocess.run(
@@ -172,6 +187,9 @@ def main() -> None:
                 "warmup_s": passes[0]["seconds"],
                 "pass_s": [round(p["seconds"], 2) for p in timed],
                 "tokens_per_pass": timed[0]["tokens"],
+                "tokens_per_verify": (
+                    round(timed[0]["tokens"] / timed[0]["verifies"], 2) if timed[0].get("verifies") else None
+                ),
                 "wall_s_incl_startup": time.perf_counter() - t,
             }
     finally:
@@ -188,6 +206,13 @@ def main() -> None:
         )
     ratio = results["sglang"]["tok_per_s"] / results["ours"]["tok_per_s"]
     print(f"  ratio SGLang+plugin / standalone: {ratio:.2f}")
+    if args.ngram:
+        r = results["sglang_ngram"]
+        print(
+            f"  {'SGLang + plugin, NGRAM':26s} {r['tok_per_s']:8.1f} output tok/s  (passes {r['pass_s']} s, "
+            f"{r['tokens_per_verify']} tokens a verify)"
+        )
+        print(f"  ratio NGRAM / no speculation: {r['tok_per_s'] / results['sglang']['tok_per_s']:.2f}")
     print("JSON " + json.dumps({"num_prompts": args.num_prompts, "max_tokens": args.max_tokens, **results}))
 
 
