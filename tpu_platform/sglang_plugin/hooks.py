@@ -208,10 +208,9 @@ def last_loc_on_host(original, req_to_token, req_pool_indices, prefix_lens):
     """AROUND hook: each request's slot before position ``prefix_lens`` (-1 when it has none)."""
     if not our_platform_active():
         return original(req_to_token, req_pool_indices, prefix_lens)
-    import torch
+    from sglang.srt.mem_cache.allocation import get_last_loc_torch  # SGLang's own torch version
 
-    last = req_to_token[req_pool_indices, (prefix_lens - 1).clamp(min=0)].to(prefix_lens.dtype)
-    return torch.where(prefix_lens > 0, last, torch.full_like(prefix_lens, -1))
+    return get_last_loc_torch(req_to_token, req_pool_indices, prefix_lens)
 
 
 def assign_slots_on_host(
