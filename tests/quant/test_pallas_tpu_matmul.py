@@ -436,3 +436,14 @@ def test_tiled_k_order_lowers_for_tpu_at_the_8b_shapes(kind):
         assert "tpu_custom_call" in exported.mlir_module()
         ops = {e.primitive.name for e in jax.make_jaxpr(fn)(*args).jaxpr.eqns}
         assert "transpose" not in ops, ops
+
+
+def test_a_tpu_engine_tiles_mxfp4_records_only():
+    """By default a TPU engine re-orders MXFP4 records (faster tiled on a v5e) and leaves NVFP4
+    records plain (slower tiled there): ``TILE_RECORDS_FOR_KERNEL``."""
+    from tpuserve.quant.pallas_tpu_matmul import tile_records_for_kernel
+
+    _, w = data(8, 1024, 128)
+    tree = {"mx": fp4.quantize_mxfp4(w), "nv": fp4.quantize_nvfp4(w), "dense": w}
+    out = tile_records_for_kernel(tree)
+    assert out["mx"].k_tile == 1024 and out["nv"].k_tile == 0 and out["dense"] is w

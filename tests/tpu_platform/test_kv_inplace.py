@@ -442,7 +442,7 @@ def test_tpu_runner_can_hold_fp4_codes_in_the_kernels_k_order(monkeypatch, metho
 
     plain = _runner("blocked", "unroll", quantize=method)
     assert {r.k_tile for r in records(plain.params)} == {0}
-    monkeypatch.setattr(pallas_tpu_matmul, "TILE_RECORDS_FOR_KERNEL", True)
+    monkeypatch.setattr(pallas_tpu_matmul, "TILE_RECORDS_FOR_KERNEL", (fp4.Mxfp4Weight, fp4.Nvfp4Weight))
     tile_all = functools.partial(pallas_tpu_matmul.tile_records_for_kernel, lane_quantum=128)
     monkeypatch.setattr(pallas_tpu_matmul, "tile_records_for_kernel", tile_all)
     tiled = _runner("blocked", "unroll", quantize=method)
