@@ -80,7 +80,8 @@ Block sizes
 several short sequences; ``num_kv_pages_per_block`` sets the DMA/compute granularity and VMEM use
 (2 * kv_tokens * C * D * itemsize). Defaults (``default_block_sizes``), for 16-bit caches (a
 32-bit cache gets half the KV tokens, the same VMEM bytes): v5e, measured on one
-(benchmarks/attention_tpu.py --sweep; benchmarks/RESULTS.md), 64 queries x 512 KV tokens, and
+(benchmarks/attention_tpu.py --sweep, end to end with tpu_e2e.py; benchmarks/RESULTS.md), 128
+queries x 512 KV tokens (fewer queries for models with more than 32 query heads), and
 1024 KV tokens for decode steps, where smaller blocks left half the HBM bandwidth unused; v4 /
 v5p: (32, 512); v6e: 256x256 MXU, 32 MiB -> (64, 512); v7x: (64, 1024). The generations other
 than v5e are reasoned from VMEM and MXU sizes, not measured. Those token counts are for rows of
@@ -142,9 +143,11 @@ _BLOCK_SIZES_BY_GENERATION = {
     # --sweep, 32 q / 8 KV heads, d 128, bf16): decode reads KV at the copy bandwidth with 1024-token
     # blocks (375 GB/s at 256); a 4x512 prefill takes 2.2 ms at 64 x 512 against 3.5 at 32 x 256.
     # The one-item decode path, end to end on one (1B shape, 256-token rows, 2026-12-07): b32 step
-    # 4.63 -> 4.21 ms, b128 9.74-12.58 -> 8.23 ms, b1 even.
-    "v5 lite": BlockSizes(64, 512, decode_kv_tokens_per_block=1024, single_item_decode=True),
-    "v5e": BlockSizes(64, 512, decode_kv_tokens_per_block=1024, single_item_decode=True),
+    # 4.63 -> 4.21 ms, b128 9.74-12.58 -> 8.23 ms, b1 even. 128 queries a block, end to end
+    # (2026-12-07, tpu_session.sh prefill-bq / prefill-bq-8b): 1B 8 x 1024 66.6 -> 69.2% MFU,
+    # 1 x 8191 44.7 -> 45.9%; 8B (FP8) even, 76.6 / 67.7 -> 76.8 / 67.9%.
+    "v5 lite": BlockSizes(128, 512, decode_kv_tokens_per_block=1024, single_item_decode=True),
+    "v5e": BlockSizes(128, 512, decode_kv_tokens_per_block=1024, single_item_decode=True),
     "v5p": BlockSizes(32, 512),
     "v5": BlockSizes(32, 512),
     "v4": BlockSizes(32, 512),
@@ -157,6 +160,10 @@ _FALLBACK_BLOCK_SIZES = BlockSizes(32, 512)
 # it stays inside the 16 MiB of scoped VMEM, where a 32-KV-head, head_dim-64 model (rows of 64
 # heads x 128 lanes) at 512 tokens a block needed 19 MiB and did not compile on a v5e.
 _KV_BUFFER_BYTES = 8 << 20
+# Query rows a block may hold (bq x query heads x lane-padded head dim): the q, output and f32
+# accumulator blocks grow with it beside the KV buffers. 128 queries of 32 heads x 128 lanes (the
+# 8B shape) compiled and ran on a v5e; more query heads get proportionally fewer queries a block.
+_Q_BLOCK_ELEMS = 128 * 32 * 128
 
 
 def _device_kind() -> str:
@@ -184,15 +191,20 @@ def default_block_sizes(
     kv_itemsize: int = 2,
     cache_heads: int = 16,
     head_dim: int = 128,
+    num_q_heads: int = 32,
 ) -> tuple[int, int]:
     """(num_queries_per_block, num_kv_pages_per_block) for a step's static shapes. The KV token
     counts are for 16-bit caches; a 32-bit cache gets half as many (same VMEM bytes), a 1-byte
     (FP8) cache as many as 16-bit (its padded rows of up to 32 heads take bf16's bytes; its decode
     temporaries are not measured on a chip yet), and a cache with wider token rows (``cache_heads`` x ``head_dim``, the head dim in whole 128-lane tiles)
-    as many as keep the two KV buffers within ``_KV_BUFFER_BYTES``."""
+    as many as keep the two KV buffers within ``_KV_BUFFER_BYTES``. Queries a block are halved
+    while ``num_q_heads`` x that x the lane-padded head dim exceeds ``_Q_BLOCK_ELEMS``."""
     sizes = generation_block_sizes(device_kind)
     decode = num_tokens <= num_seq_slots
-    bq = 1 if decode else min(sizes.num_queries_per_block, num_tokens)
+    bq = sizes.num_queries_per_block
+    while bq > 8 and bq * num_q_heads * device_head_dim("pallas_tpu", head_dim) > _Q_BLOCK_ELEMS:
+        bq //= 2
+    bq = 1 if decode else min(bq, num_tokens)
     tokens = sizes.kv_tokens_per_block
     if decode and sizes.decode_kv_tokens_per_block is not None:
         tokens = sizes.decode_kv_tokens_per_block
@@ -774,6 +786,7 @@ def ragged_paged_attention_tpu_stacked(
         kv_itemsize=jnp.dtype(kv_cache.dtype).itemsize,
         cache_heads=cache_heads,
         head_dim=head_dim,
+        num_q_heads=num_q_heads,
     )
     bq = num_queries_per_block or bq
     ppb = min(num_kv_pages_per_block or ppb, pages_per_seq)

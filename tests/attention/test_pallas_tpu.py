@@ -153,14 +153,18 @@ def test_dispatch_in_layer_scan():
 
 def test_default_block_sizes_per_generation():
     assert default_block_sizes(16, 8, 8, "TPU v5 lite") == (1, 64)  # decode: one token per step
-    assert default_block_sizes(16, 512, 8, "TPU v5 lite") == (64, 32)
+    assert default_block_sizes(16, 512, 8, "TPU v5 lite") == (128, 32)
+    # More query heads than the 8B's 32 (at 128 lanes): fewer queries a block, the same VMEM
+    assert default_block_sizes(16, 512, 8, "TPU v5 lite", num_q_heads=64) == (64, 32)
+    assert default_block_sizes(16, 512, 8, "TPU v5 lite", num_q_heads=40, head_dim=64) == (64, 32)
+    assert default_block_sizes(16, 512, 8, "TPU v5 lite", num_q_heads=8, head_dim=256) == (128, 32)
     assert default_block_sizes(16, 8, 8, "TPU v5p") == (1, 32)  # no decode-only size: the same
     assert default_block_sizes(16, 512, 8, "TPU v6 lite") == (64, 32)
     assert default_block_sizes(128, 512, 8, "TPU7x") == (64, 8)
     assert default_block_sizes(16, 20, 8, "cpu") == (20, 32)
     # Wide token rows get fewer tokens a block: 64 combined heads of head_dim 64 (a lane-padded
     # 128) overflowed the v5e's 16 MiB scoped VMEM at 512 tokens (SmolLM2-1.7B's shape).
-    assert default_block_sizes(16, 512, 8, "TPU v5 lite", cache_heads=64, head_dim=64) == (64, 16)
+    assert default_block_sizes(16, 512, 8, "TPU v5 lite", cache_heads=64, head_dim=64) == (128, 16)
     assert default_block_sizes(16, 8, 8, "TPU v5 lite", cache_heads=64, head_dim=64) == (1, 16)
     assert default_block_sizes(16, 8, 8, "TPU v5 lite", kv_itemsize=4) == (1, 32)
 
