@@ -320,6 +320,25 @@ for s in $stages; do
             --batches "" --block-sizes "{\"num_queries_per_block\": $bq}" \
             --engine-args '{"warmup": false}' --out "$out/prefill_bq$bq.json"
       done ;;
+    prefill-bq-8b) # the same at the 8B shape (FP8 checkpoint; head_dim 128: twice the 1B's q/acc
+               # VMEM a query block): whether 128 queries a block still fits and wins there
+      [ -d /tmp/m/llama-8b-fp8 ] || python benchmarks/random_checkpoint.py --quantize fp8 --dtype float16 \
+          --like .tpu_carry/shapes/llama-8b-gqa --out /tmp/m/llama-8b-fp8 > /dev/null
+      for bq in 64 128; do
+        stage "prefill-bq$bq-8b" 170 python benchmarks/tpu_e2e.py --models /tmp/m/llama-8b-fp8 --rounds 1 \
+            --batches "" --block-sizes "{\"num_queries_per_block\": $bq}" \
+            --engine-args '{"warmup": false}' --out "$out/prefill_bq${bq}_8b.json"
+      done ;;
+    prefill-defaults) # the default prefill blocks (128 queries on v5e since 2026-12-07) compiled
+               # and checked against the reference at the 1B and 8B heads, then end to end on the
+               # wide-row SmolLM2-1.7B shape (64 combined heads of d 64) and the 135M
+      stage prefill-defaults-check 150 python benchmarks/attention_tpu.py --rpa-v3 off --checks-only \
+          --check-dtypes bfloat16 --check-options plain --out "$out/prefill_defaults_check.json"
+      for model in smollm2-1.7b smollm2-135m; do
+        checkpoint $model
+        stage "prefill-defaults-$model" 120 python benchmarks/tpu_e2e.py --models /tmp/m/$model --rounds 1 \
+            --batches "" --engine-args '{"warmup": false}' --out "$out/prefill_defaults_$model.json"
+      done ;;
     parts)     # where a decode step's device time goes: matmuls alone, empty steps per bucket, the
                # optimized HLO of the 1- and 128-token steps with a trace of each, ops by device time
                # (2026-12-06: a ~45 us fusion a layer beside the four matmuls, unidentified)
