@@ -454,7 +454,7 @@ def fp4_k_tile(k: int, blk: int, swar: bool, block_k: int | None = None, compile
 # The FP4 record types a TPU engine holds in the tiled K order (``tile_records_for_kernel``). On a
 # v5e (2026-12-07, stage fp4-tiled, exact) tiled MXFP4 ran 1.12x the plain SWAR decode at the 1B
 # shape (1348 vs 1507 us) and 1.09x at the 8B (2136 vs 2320 us); tiled NVFP4 ran 0.81x (2862 vs
-# 2328 us: its 16-wide scale blocks need more scale rows a tile), so NVFP4 stays plain.
+# 2328 us; why is not traced yet), so NVFP4 stays plain.
 TILE_RECORDS_FOR_KERNEL: tuple[type, ...] = (Mxfp4Weight,)
 
 
