@@ -65,13 +65,17 @@ grid = (NB,) over query blocks, "arbitrary" (sequential) because DMAs cross grid
   be in flight while the scalar core issues the next. Only pages below
   ``kv_len`` are fetched; the rest of the slot is stale (or NaN in interpret mode), so V rows past
   ``kv_len`` are zeroed and scores are masked with ``where`` (never multiplied) before use.
+* An item whose rows all belong to its sequence and all see its whole KV block (a long prompt's
+  blocks before the diagonal) skips the mask: no iota compares or ``where`` per score
+  (``_sees_whole_kv_block``); on long prefill chunks that VPU work, not the MXU, bounds the kernel.
 * Online softmax per KV head in f32 VMEM scratch (m, l: [Hkv, bq*G, 1]; acc: [Hkv, bq*G, D]).
   Rows of other sequences in the block are masked out of an item, which leaves their running
   state untouched (their max stays, their p is 0). ``m`` starts at ``mask_value`` (finite), so
   ``exp(m_prev - m_new)`` never sees inf - inf. With attention sinks (f32 [Hq] in SMEM) each
   row starts instead at its head's sink: m = s_h, l = 1 (a key with no value). Masks are built from integer products only
   (row >= (kv_pos - base) * G) - no vector integer division, which Mosaic handles poorly.
-* Scales: ``sm_scale * k_scale`` multiplies the scores, ``v_scale`` the final output (both are
+* Scales: ``sm_scale * k_scale`` multiplies the queries before the kernel (once a step, not once
+  per score of every KV block: a VPU multiply per score saved), ``v_scale`` the final output (both are
   linear), so FP8 pages are only decoded, never rescaled element-wise.
 
 Block sizes
@@ -246,11 +250,9 @@ def _kernel(
     cache_heads: int,
     pages_per_seq: int,
     pages_per_block: int,
-    sm_scale: float,
     sliding_window: int | None,
     soft_cap: float | None,
     mask_value: float,
-    k_scale: float | None,
     v_scale: float | None,
     packed_loads: bool,
     byte_values=None,
@@ -364,24 +366,23 @@ def _kernel(
         lax.fori_loop(0, jnp.minimum(total, _MAX_WRITES_IN_FLIGHT), drain, 0)
 
     # ---- one KV head over the block in ``slot``: its masked scores and its V ----
-    score_scale = sm_scale * (1.0 if k_scale is None else k_scale)
-
     def head_scores(h, slot, mask, v_ok, words):
         """(scores [rows, kv_block] f32 with masked entries at ``mask_value``, V [kv_block, D] in
-        the query dtype with rows past kv_len zeroed, the matmul precision) of KV head ``h``."""
+        the query dtype with rows past kv_len zeroed, the matmul precision) of KV head ``h``.
+        ``mask`` and ``v_ok`` None: every row sees every KV row of the block, all of them written."""
         q = q_ref[0, h]  # [rows, D]
         k, v = _load_kv_head(kv_buf.at[slot], h, kv_block, cache_heads, packed_loads, byte_values, words)
         k, v = k.astype(q.dtype), v.astype(q.dtype)
-        v = jnp.where(v_ok, v, jnp.zeros_like(v))  # stale / NaN rows past kv_len
+        if v_ok is not None:
+            v = jnp.where(v_ok, v, jnp.zeros_like(v))  # stale / NaN rows past kv_len
         precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
-        scores = (
-            lax.dot_general(
-                q, k, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
-            )
-            * score_scale
+        scores = lax.dot_general(  # q came scaled by sm_scale * k_scale
+            q, k, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
         )
         if soft_cap is not None:
             scores = soft_cap * jnp.tanh(scores / soft_cap)
+        if mask is None:
+            return scores, v, precision
         return jnp.where(mask, scores, mask_value), v, precision
 
     def weighted_values(p, v, precision):
@@ -401,25 +402,43 @@ def _kernel(
         kv_len = kv_lens_ref[s]
         # Block-relative token t_local has position base + t_local; row = t_local * G + g.
         base = kv_len - cu_q_lens_ref[s + 1] + blk * bq
-        row = lax.broadcasted_iota(jnp.int32, (rows, 1), 0)
-        kv_pos = kvb * kv_block + lax.broadcasted_iota(jnp.int32, (1, kv_block), 1)
-        dist = kv_pos - base  # kv position relative to the block's first token position
-        # t_local >= x  <=>  row >= x * G: masks from integer products only.
-        mask = (row >= q_start * group) & (row < q_end * group) & (row >= dist * group)
-        if sliding_window is not None:
-            mask &= row < (dist + sliding_window) * group
-        v_ok = (kvb * kv_block + lax.broadcasted_iota(jnp.int32, (kv_block, 1), 0)) < kv_len
+        # An item whose rows all belong to s and all see every KV row of the block (a long prompt's
+        # blocks before its diagonal: most of a long prefill's items) needs no mask: building and
+        # applying one is VPU work per score, which bounds the kernel on such chunks.
+        whole = _sees_whole_kv_block(q_start, q_end, base, kvb * kv_block, bq, kv_block, sliding_window)
 
-        words = {}  # 1-byte cache: one word load serves heads 2w and 2w + 1
-        for h in range(num_kv_heads):
-            scores, v, precision = head_scores(h, slot, mask, v_ok, words)
-            m_prev = m_ref[h]
-            m_new = jnp.maximum(m_prev, jnp.max(scores, axis=1, keepdims=True))
-            p = jnp.where(mask, jnp.exp(scores - m_new), 0.0)
-            alpha = jnp.exp(m_prev - m_new)
-            l_ref[h] = alpha * l_ref[h] + jnp.sum(p, axis=1, keepdims=True)
-            acc_ref[h] = alpha * acc_ref[h] + weighted_values(p, v, precision)
-            m_ref[h] = m_new
+        def masks():
+            row = lax.broadcasted_iota(jnp.int32, (rows, 1), 0)
+            kv_pos = kvb * kv_block + lax.broadcasted_iota(jnp.int32, (1, kv_block), 1)
+            dist = kv_pos - base  # kv position relative to the block's first token position
+            # t_local >= x  <=>  row >= x * G: masks from integer products only.
+            mask = (row >= q_start * group) & (row < q_end * group) & (row >= dist * group)
+            if sliding_window is not None:
+                mask &= row < (dist + sliding_window) * group
+            v_ok = (kvb * kv_block + lax.broadcasted_iota(jnp.int32, (kv_block, 1), 0)) < kv_len
+            return mask, v_ok
+
+        def update(mask, v_ok):
+            words = {}  # 1-byte cache: one word load serves heads 2w and 2w + 1
+            for h in range(num_kv_heads):
+                scores, v, precision = head_scores(h, slot, mask, v_ok, words)
+                m_prev = m_ref[h]
+                m_new = jnp.maximum(m_prev, jnp.max(scores, axis=1, keepdims=True))
+                p = jnp.exp(scores - m_new)
+                if mask is not None:
+                    p = jnp.where(mask, p, 0.0)
+                alpha = jnp.exp(m_prev - m_new)
+                l_ref[h] = alpha * l_ref[h] + jnp.sum(p, axis=1, keepdims=True)
+                acc_ref[h] = alpha * acc_ref[h] + weighted_values(p, v, precision)
+                m_ref[h] = m_new
+
+        @pl.when(whole)
+        def _():
+            update(None, None)
+
+        @pl.when(jnp.logical_not(whole))
+        def _():
+            update(*masks())
 
     # ---- decode fast path: one token per grid step, its sequence's pages in one KV block ----
     def attend_single(s, slot):
@@ -546,6 +565,19 @@ def _kernel(
         if v_scale is not None:
             out = out * v_scale
         o_ref[0, h] = out.astype(o_ref.dtype)
+
+
+def _sees_whole_kv_block(q_start, q_end, base, kv_first, bq: int, kv_block: int, sliding_window):
+    """Whether every row of a query block belongs to one sequence and sees every KV row of one of
+    its KV blocks, so the item needs no mask (and no zeroing of V rows: all are below kv_len).
+
+    ``q_start`` / ``q_end``: the sequence's token range relative to the block (rows ``0 .. bq-1``);
+    ``base``: the position of the block's first row; ``kv_first``: the KV block's first position.
+    Works on Python ints and traced int32 scalars alike."""
+    whole = (q_start <= 0) & (q_end >= bq) & (kv_first + kv_block - 1 <= base)
+    if sliding_window is not None:  # the last row's window must still reach the block's first row
+        whole = whole & (kv_first > base + bq - 1 - sliding_window)
+    return whole
 
 
 def _load_kv_head(
@@ -797,6 +829,9 @@ def ragged_paged_attention_tpu_stacked(
     q = jnp.pad(queries, ((0, padded - num_tokens), (0, 0), (0, 0)))
     q = q.reshape(num_blocks, bq, num_kv_heads, group, head_dim).transpose(0, 2, 1, 3, 4)
     q = q.reshape(num_blocks, num_kv_heads, bq * group, head_dim)
+    score_scale = sm_scale * (1.0 if k_scale is None else k_scale)
+    if score_scale != 1.0:  # in f32, rounded once to the query dtype (exact for powers of two)
+        q = (q.astype(jnp.float32) * score_scale).astype(queries.dtype)
     if new_kv is not None:
         if byte_values is None:
             new_kv = new_kv.astype(kv_cache.dtype)
@@ -829,11 +864,9 @@ def ragged_paged_attention_tpu_stacked(
         cache_heads=cache_heads,
         pages_per_seq=pages_per_seq,
         pages_per_block=ppb,
-        sm_scale=sm_scale,
         sliding_window=sliding_window,
         soft_cap=soft_cap,
         mask_value=mask_value,
-        k_scale=k_scale,
         v_scale=v_scale,
         packed_loads=interpret is None,
         byte_values=byte_values,

@@ -20,6 +20,7 @@ from pallas_interpret import RACES, fresh_interpreter, races_found  # noqa: F401
 from tpuserve.attention.dispatch import AttentionParams, kv_cache_shape, ragged_paged_attention, split_kv
 from tpuserve.attention.metadata import AttentionMetadata
 from tpuserve.attention.pallas_tpu import (
+    _sees_whole_kv_block,
     default_block_sizes,
     ragged_paged_attention_tpu,
     ragged_paged_attention_tpu_stacked,
@@ -86,6 +87,50 @@ def test_single_item_decode_path(name):
     run_and_check(
         case, kwargs, dtype, num_queries_per_block=1, num_kv_pages_per_block=pps, single_item_decode=True
     )
+
+
+@pytest.mark.parametrize("window", [None, 3, 7, 9])
+def test_whole_kv_block_predicate_matches_the_mask(window):
+    """``_sees_whole_kv_block`` is true exactly when the causal (+ window) mask of a query block's
+    rows over a KV block is all true and every row is the sequence's: checked against the mask
+    built row by row, over block offsets and sequence extents."""
+    bq, kv_block = 4, 4
+    seen = set()
+    for q_start in range(-2, 3):
+        for q_end in range(1, 7):
+            for base in range(0, 14):
+                for kv_first in range(0, 16, kv_block):
+                    rows = [t for t in range(bq) if q_start <= t < q_end]
+                    full = len(rows) == bq and all(
+                        kv_first + j <= base + t and (window is None or kv_first + j > base + t - window)
+                        for t in rows
+                        for j in range(kv_block)
+                    )
+                    got = bool(_sees_whole_kv_block(q_start, q_end, base, kv_first, bq, kv_block, window))
+                    assert got == full, (q_start, q_end, base, kv_first, window)
+                    seen.add(full)
+    # a window under bq + kv_block - 1 never shows a row a whole block
+    assert seen == ({False} if window is not None and window < bq + kv_block - 1 else {True, False})
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("kv_len,window", [(24, None), (22, None), (21, 8), (22, 9)])
+def test_long_chunk_blocks_before_the_diagonal(kv_len, window):
+    """A 12-token chunk ending at position kv_len - 1 in 4-query blocks over 4-token KV blocks: most
+    items see their whole KV block and skip the mask; the output still equals the reference and the
+    oracle. The offsets put KV blocks one position past a block's first row (22), so a predicate off
+    by one shows."""
+    case = cases.make_case(
+        5,
+        [(12, kv_len), (1, 9), (2, 5)],
+        num_q_heads=4,
+        num_kv_heads=1,
+        head_dim=64,
+        num_tokens=16,
+        **cases.SHAPES,
+    )
+    kwargs = dict(sm_scale=0.125) if window is None else dict(sm_scale=0.125, sliding_window=window)
+    run_and_check(case, kwargs, jnp.float32, num_queries_per_block=4, num_kv_pages_per_block=1)
 
 
 @pytest.mark.timeout(300)
