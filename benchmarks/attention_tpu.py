@@ -142,6 +142,13 @@ def parse_args(argv=None):
         "--sweep-prefill-bqs x --sweep-prefill-ppbs instead of the default shapes",
     )
     p.add_argument("--sweep-prefill-bqs", default="32,64,128,256")
+    p.add_argument(
+        "--sweep-vmem-mib",
+        type=int,
+        default=0,
+        help="with --sweep: the kernel's scoped VMEM limit in MiB (0: Mosaic's default, 16 MiB on v5e), "
+        "so blocks that need more can be timed",
+    )
     p.add_argument("--sweep-prefill-ppbs", default="16,32,64")
     p.add_argument("--sweep-bqs", default="1,4,8")
     p.add_argument("--sweep-page-sizes", default="16")
@@ -746,6 +753,7 @@ def _sweep(args, shapes, ps: int, ppbs) -> list[dict]:
                         sm_scale=d**-0.5,
                         num_queries_per_block=bq,
                         num_kv_pages_per_block=ppb,
+                        vmem_limit_bytes=(args.sweep_vmem_mib << 20) or None,
                         interpret=interpret_params(),
                     ),
                     donate_argnums=(0,),

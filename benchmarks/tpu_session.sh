@@ -311,6 +311,17 @@ for s in $stages; do
       stage prefill-sweep "${PSWEEP_LIMIT_S:-240}" python benchmarks/attention_tpu.py --sweep --num-q-heads 32 \
           --num-kv-heads 8 --head-dim 64 --sweep-prefill 1024x2048,1024x8192 --sweep-prefill-bqs 64,128,256 \
           --sweep-prefill-ppbs 32,64,128 --out "$out/prefill_sweep.json" ;;
+    prefill-whole) # mask-free items (a query block that sees a whole KV block) and queries scaled
+               # before the kernel (2026-12-07 afternoon): checked compiled, the prefill sweep again
+               # (bq 256 and 64-page blocks with 64 MiB of scoped VMEM), then the 1B's prefill end to end
+      stage whole-check 150 python benchmarks/attention_tpu.py --rpa-v3 off --checks-only \
+          --check-dtypes bfloat16 --check-options plain,window_cap --out "$out/whole_check.json"
+      stage whole-sweep "${PSWEEP_LIMIT_S:-200}" python benchmarks/attention_tpu.py --sweep --num-q-heads 32 \
+          --num-kv-heads 8 --head-dim 64 --sweep-prefill 1024x2048,1024x8192 --sweep-prefill-bqs 64,128,256 \
+          --sweep-prefill-ppbs 32,64 --sweep-vmem-mib 64 --out "$out/whole_sweep.json"
+      checkpoint llama-1b-gqa
+      stage whole-e2e 150 python benchmarks/tpu_e2e.py --models /tmp/m/llama-1b-gqa --rounds 1 \
+          --batches "" --engine-args '{"warmup": false}' --out "$out/whole_e2e.json" ;;
     prefill-bq) # the 1B shape's prefill with 64 (the v5e default) and 128 queries a block end to end:
                # the kernel sweep (2026-12-07) gave bq 128 1.17x on a 1024-token chunk at 2k
                # context, 1.02x at 8k (d 64; wider blocks ran out of scoped VMEM)

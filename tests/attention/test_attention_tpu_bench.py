@@ -39,7 +39,18 @@ def test_attention_benchmark_sweeps_prefill_chunks_off_tpu(bench, tmp_path):
     at 128 sees 97..128 keys a token)."""
     out = tmp_path / "sweep.json"
     argv = ["--smoke", "--sweep", "--sweep-prefill", "32x128", "--sweep-prefill-bqs", "8,16"]
-    argv += ["--sweep-prefill-ppbs", "4", "--num-q-heads", "4", "--num-kv-heads", "2", "--head-dim", "64"]
+    argv += [
+        "--sweep-prefill-ppbs",
+        "4",
+        "--sweep-vmem-mib",
+        "32",
+        "--num-q-heads",
+        "4",
+        "--num-kv-heads",
+        "2",
+        "--head-dim",
+        "64",
+    ]
     assert bench.main(argv + ["--iters", "1", "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["sweep"]
     assert [(r["bq"], r["pages_per_block"]) for r in rows] == [(8, 4), (16, 4)]
