@@ -322,6 +322,21 @@ for s in $stages; do
       checkpoint llama-1b-gqa
       stage whole-e2e 150 python benchmarks/tpu_e2e.py --models /tmp/m/llama-1b-gqa --rounds 1 \
           --batches "" --engine-args '{"warmup": false}' --out "$out/whole_e2e.json" ;;
+    prefill-kv1024) # 1024-token prefill KV blocks with 64 MiB of scoped VMEM (v5e default since
+               # 2026-12-07 afternoon): checked compiled at the defaults, the 1B's prefill A/B against
+               # the 512-token blocks at Mosaic's default VMEM, the 8B FP8 prefill at the defaults
+      stage kv1024-check 110 python benchmarks/attention_tpu.py --rpa-v3 off --checks-only \
+          --check-dtypes bfloat16 --check-options plain --out "$out/kv1024_check.json"
+      checkpoint llama-1b-gqa
+      for blocks in '{"kv_tokens_per_block": 512, "vmem_limit_bytes": null}' '{}'; do
+        tag=$([ "$blocks" = '{}' ] && echo 1024 || echo 512)
+        stage "kv1024-e2e-kv$tag" 100 python benchmarks/tpu_e2e.py --models /tmp/m/llama-1b-gqa --rounds 1 \
+            --batches "" --block-sizes "$blocks" --engine-args '{"warmup": false}' --out "$out/kv1024_e2e_kv$tag.json"
+      done
+      [ -d /tmp/m/llama-8b-fp8 ] || python benchmarks/random_checkpoint.py --quantize fp8 --dtype float16 \
+          --like .tpu_carry/shapes/llama-8b-gqa --out /tmp/m/llama-8b-fp8 > /dev/null
+      stage kv1024-8b 170 python benchmarks/tpu_e2e.py --models /tmp/m/llama-8b-fp8 --rounds 1 \
+          --batches "" --engine-args '{"warmup": false}' --out "$out/kv1024_8b.json" ;;
     prefill-bq) # the 1B shape's prefill with 64 (the v5e default) and 128 queries a block end to end:
                # the kernel sweep (2026-12-07) gave bq 128 1.17x on a 1024-token chunk at 2k
                # context, 1.02x at 8k (d 64; wider blocks ran out of scoped VMEM)

@@ -197,11 +197,13 @@ def test_dispatch_in_layer_scan():
 
 
 def test_default_block_sizes_per_generation():
+    from tpuserve.attention import pallas_tpu
+
     assert default_block_sizes(16, 8, 8, "TPU v5 lite") == (1, 64)  # decode: one token per step
-    assert default_block_sizes(16, 512, 8, "TPU v5 lite") == (128, 32)
+    assert default_block_sizes(16, 512, 8, "TPU v5 lite") == (128, 64)
     # More query heads than the 8B's 32 (at 128 lanes): fewer queries a block, the same VMEM
-    assert default_block_sizes(16, 512, 8, "TPU v5 lite", num_q_heads=64) == (64, 32)
-    assert default_block_sizes(16, 512, 8, "TPU v5 lite", num_q_heads=40, head_dim=64) == (64, 32)
+    assert default_block_sizes(16, 512, 8, "TPU v5 lite", num_q_heads=64) == (64, 64)
+    assert default_block_sizes(16, 512, 8, "TPU v5 lite", num_q_heads=40, head_dim=64) == (64, 64)
     assert default_block_sizes(16, 512, 8, "TPU v5 lite", num_q_heads=8, head_dim=256) == (128, 32)
     assert default_block_sizes(16, 8, 8, "TPU v5p") == (1, 32)  # no decode-only size: the same
     assert default_block_sizes(16, 512, 8, "TPU v6 lite") == (64, 32)
@@ -212,6 +214,41 @@ def test_default_block_sizes_per_generation():
     assert default_block_sizes(16, 512, 8, "TPU v5 lite", cache_heads=64, head_dim=64) == (128, 16)
     assert default_block_sizes(16, 8, 8, "TPU v5 lite", cache_heads=64, head_dim=64) == (1, 16)
     assert default_block_sizes(16, 8, 8, "TPU v5 lite", kv_itemsize=4) == (1, 32)
+    # the v5e's 1024-token prefill blocks compiled only with more than the default scoped VMEM
+    assert pallas_tpu.generation_block_sizes("TPU v5 lite").vmem_limit_bytes == 64 << 20
+    assert pallas_tpu.generation_block_sizes("cpu").vmem_limit_bytes is None
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("limit", [None, 48 << 20])
+def test_generation_vmem_limit_reaches_the_kernel(monkeypatch, limit):
+    """``vmem_limit_bytes=None`` (what the engine passes) asks Mosaic for the generation's scoped
+    VMEM: without it the v5e's 1024-token prefill blocks do not compile."""
+    from tpuserve.attention import pallas_tpu
+
+    monkeypatch.setattr(
+        pallas_tpu,
+        "_FALLBACK_BLOCK_SIZES",
+        dataclasses.replace(pallas_tpu._FALLBACK_BLOCK_SIZES, vmem_limit_bytes=limit),
+    )
+    slots, hq, hkv, d, pps = 8, 8, 2, 128, 8
+    args = (
+        jax.ShapeDtypeStruct((64, hq, d), jnp.bfloat16),
+        jax.ShapeDtypeStruct((64, 2 * hkv, d), jnp.bfloat16),
+        # the jitted kernel reads the default at trace time: a shape per case, no cached trace
+        jax.ShapeDtypeStruct((1, 70 + (limit is None), 16, 2 * hkv, d), jnp.bfloat16),
+        jax.ShapeDtypeStruct((), jnp.int32),
+        jax.ShapeDtypeStruct((slots,), jnp.int32),
+        jax.ShapeDtypeStruct((slots, pps), jnp.int32),
+        jax.ShapeDtypeStruct((slots + 1,), jnp.int32),
+        jax.ShapeDtypeStruct((1,), jnp.int32),
+    )
+    text = (
+        ragged_paged_attention_tpu_stacked.trace(*args, sm_scale=0.1)
+        .lower(lowering_platforms=("tpu",))
+        .as_text()
+    )
+    assert (str(48 << 20) in text) == (limit is not None)
 
 
 @pytest.mark.timeout(240)
