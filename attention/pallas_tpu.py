@@ -865,6 +865,8 @@ def ragged_paged_attention_tpu_stacked(
     if single_item_decode is None:  # the generation's default, measured on 16-bit caches only
         single_item_decode = generation_block_sizes().single_item_decode and byte_values is None
     single_item = single_item_decode and bq == 1 and ppb >= pages_per_seq and sinks is None
+    if vmem_limit_bytes is None:
+        vmem_limit_bytes = generation_block_sizes().vmem_limit_bytes
     kernel = functools.partial(
         _kernel,
         bq=bq,
