@@ -85,8 +85,9 @@ several short sequences; ``num_kv_pages_per_block`` sets the DMA/compute granula
 (2 * kv_tokens * C * D * itemsize). Defaults (``default_block_sizes``), for 16-bit caches (a
 32-bit cache gets half the KV tokens, the same VMEM bytes): v5e, measured on one
 (benchmarks/attention_tpu.py --sweep, end to end with tpu_e2e.py; benchmarks/RESULTS.md), 128
-queries x 512 KV tokens (fewer queries for models with more than 32 query heads), and
-1024 KV tokens for decode steps, where smaller blocks left half the HBM bandwidth unused; v4 /
+queries x 1024 KV tokens with 64 MiB of scoped VMEM (fewer queries for models with more than 32
+query heads, fewer tokens for GQA groups above 4: ``_SCORE_ELEMS``), and 1024 KV tokens for
+decode steps, where smaller blocks left half the HBM bandwidth unused; v4 /
 v5p: (32, 512); v6e: 256x256 MXU, 32 MiB -> (64, 512); v7x: (64, 1024). The generations other
 than v5e are reasoned from VMEM and MXU sizes, not measured. Those token counts are for rows of
 16 combined heads x 128 lanes; wider rows (many KV heads; head_dim 64 also takes 128 lanes in
@@ -171,13 +172,17 @@ _BLOCK_SIZES_BY_GENERATION = {
 _FALLBACK_BLOCK_SIZES = BlockSizes(32, 512)
 # VMEM for the two KV block buffers (both slots). The measured v5e decode block (1024 tokens of
 # 16 bf16 heads x 128) takes this much; with the query / output blocks and the f32 softmax state
-# it stays inside the 16 MiB of scoped VMEM, where a 32-KV-head, head_dim-64 model (rows of 64
-# heads x 128 lanes) at 512 tokens a block needed 19 MiB and did not compile on a v5e.
+# it stayed inside the 16 MiB default of scoped VMEM, where a 32-KV-head, head_dim-64 model (rows
+# of 64 heads x 128 lanes) at 512 tokens a block needed 19 MiB and did not compile on a v5e.
 _KV_BUFFER_BYTES = 8 << 20
 # Query rows a block may hold (bq x query heads x lane-padded head dim): the q, output and f32
 # accumulator blocks grow with it beside the KV buffers. 128 queries of 32 heads x 128 lanes (the
 # 8B shape) compiled and ran on a v5e; more query heads get proportionally fewer queries a block.
 _Q_BLOCK_ELEMS = 128 * 32 * 128
+# f32 scores of one KV head over one item (query rows x KV tokens): 128 queries x GQA 4 x 1024
+# tokens (the 1B and 8B shapes) compiled with 64 MiB of scoped VMEM on a v5e; models with wider
+# GQA groups get fewer KV tokens a prefill block rather than an untried VMEM footprint.
+_SCORE_ELEMS = 512 * 1024
 
 
 def _device_kind() -> str:
@@ -206,13 +211,16 @@ def default_block_sizes(
     cache_heads: int = 16,
     head_dim: int = 128,
     num_q_heads: int = 32,
+    num_kv_heads: int = 8,
 ) -> tuple[int, int]:
     """(num_queries_per_block, num_kv_pages_per_block) for a step's static shapes. The KV token
     counts are for 16-bit caches; a 32-bit cache gets half as many (same VMEM bytes), a 1-byte
     (FP8) cache as many as 16-bit (its padded rows of up to 32 heads take bf16's bytes; its decode
     temporaries are not measured on a chip yet), and a cache with wider token rows (``cache_heads`` x ``head_dim``, the head dim in whole 128-lane tiles)
     as many as keep the two KV buffers within ``_KV_BUFFER_BYTES``. Queries a block are halved
-    while ``num_q_heads`` x that x the lane-padded head dim exceeds ``_Q_BLOCK_ELEMS``."""
+    while ``num_q_heads`` x that x the lane-padded head dim exceeds ``_Q_BLOCK_ELEMS``, and a
+    prefill block's KV tokens while its f32 scores (queries x GQA group x tokens) exceed
+    ``_SCORE_ELEMS``."""
     sizes = generation_block_sizes(device_kind)
     decode = num_tokens <= num_seq_slots
     bq = sizes.num_queries_per_block
@@ -225,6 +233,8 @@ def default_block_sizes(
     tokens = tokens * 2 // max(kv_itemsize, 2)
     row_bytes = cache_heads * device_head_dim("pallas_tpu", head_dim) * kv_itemsize
     tokens = min(tokens, _KV_BUFFER_BYTES // (2 * row_bytes))
+    if not decode:
+        tokens = min(tokens, max(page_size, _SCORE_ELEMS // (bq * max(1, num_q_heads // num_kv_heads))))
     return bq, max(1, tokens // page_size)
 
 
@@ -829,6 +839,7 @@ def ragged_paged_attention_tpu_stacked(
         cache_heads=cache_heads,
         head_dim=head_dim,
         num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads,
     )
     bq = num_queries_per_block or bq
     ppb = min(num_kv_pages_per_block or ppb, pages_per_seq)

@@ -214,6 +214,9 @@ def test_default_block_sizes_per_generation():
     assert default_block_sizes(16, 512, 8, "TPU v5 lite", cache_heads=64, head_dim=64) == (128, 16)
     assert default_block_sizes(16, 8, 8, "TPU v5 lite", cache_heads=64, head_dim=64) == (1, 16)
     assert default_block_sizes(16, 8, 8, "TPU v5 lite", kv_itemsize=4) == (1, 32)
+    # a GQA group of 8 (Qwen3-MoE's 32 q / 4 KV heads): half the tokens, the scores the chip compiled
+    assert default_block_sizes(16, 512, 8, "TPU v5 lite", num_q_heads=32, num_kv_heads=4) == (128, 32)
+    assert default_block_sizes(16, 8, 8, "TPU v5 lite", num_q_heads=32, num_kv_heads=4) == (1, 64)
     # the v5e's 1024-token prefill blocks compiled only with more than the default scoped VMEM
     assert pallas_tpu.generation_block_sizes("TPU v5 lite").vmem_limit_bytes == 64 << 20
     assert pallas_tpu.generation_block_sizes("cpu").vmem_limit_bytes is None
