@@ -222,6 +222,30 @@ def test_default_block_sizes_per_generation():
     assert pallas_tpu.generation_block_sizes("cpu").vmem_limit_bytes is None
 
 
+def _small_step_args(
+    num_tokens: int, num_pages: int, slots: int = 8, hq: int = 8, hkv: int = 2, d: int = 128
+):
+    """Abstract kernel inputs of a small bf16 step (8 slots of 8 pages of 16 tokens)."""
+    return (
+        jax.ShapeDtypeStruct((num_tokens, hq, d), jnp.bfloat16),
+        jax.ShapeDtypeStruct((num_tokens, 2 * hkv, d), jnp.bfloat16),
+        jax.ShapeDtypeStruct((1, num_pages, 16, 2 * hkv, d), jnp.bfloat16),
+        jax.ShapeDtypeStruct((), jnp.int32),
+        jax.ShapeDtypeStruct((slots,), jnp.int32),
+        jax.ShapeDtypeStruct((slots, 8), jnp.int32),
+        jax.ShapeDtypeStruct((slots + 1,), jnp.int32),
+        jax.ShapeDtypeStruct((1,), jnp.int32),
+    )
+
+
+def _lowered_for_tpu(args, **kwargs) -> str:
+    return (
+        ragged_paged_attention_tpu_stacked.trace(*args, sm_scale=0.1, **kwargs)
+        .lower(lowering_platforms=("tpu",))
+        .as_text()
+    )
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("limit", [None, 48 << 20])
 def test_generation_vmem_limit_reaches_the_kernel(monkeypatch, limit):
@@ -234,23 +258,8 @@ def test_generation_vmem_limit_reaches_the_kernel(monkeypatch, limit):
         "_FALLBACK_BLOCK_SIZES",
         dataclasses.replace(pallas_tpu._FALLBACK_BLOCK_SIZES, vmem_limit_bytes=limit),
     )
-    slots, hq, hkv, d, pps = 8, 8, 2, 128, 8
-    args = (
-        jax.ShapeDtypeStruct((64, hq, d), jnp.bfloat16),
-        jax.ShapeDtypeStruct((64, 2 * hkv, d), jnp.bfloat16),
-        # the jitted kernel reads the default at trace time: a shape per case, no cached trace
-        jax.ShapeDtypeStruct((1, 70 + (limit is None), 16, 2 * hkv, d), jnp.bfloat16),
-        jax.ShapeDtypeStruct((), jnp.int32),
-        jax.ShapeDtypeStruct((slots,), jnp.int32),
-        jax.ShapeDtypeStruct((slots, pps), jnp.int32),
-        jax.ShapeDtypeStruct((slots + 1,), jnp.int32),
-        jax.ShapeDtypeStruct((1,), jnp.int32),
-    )
-    text = (
-        ragged_paged_attention_tpu_stacked.trace(*args, sm_scale=0.1)
-        .lower(lowering_platforms=("tpu",))
-        .as_text()
-    )
+    # the jitted kernel reads the default at trace time: a shape per case, no cached trace
+    text = _lowered_for_tpu(_small_step_args(64, 70 + (limit is None)))
     assert (str(48 << 20) in text) == (limit is not None)
 
 
@@ -305,35 +314,15 @@ def test_single_item_decode_unset_follows_the_generation(monkeypatch, generation
         "_FALLBACK_BLOCK_SIZES",
         dataclasses.replace(pallas_tpu._FALLBACK_BLOCK_SIZES, single_item_decode=generation_default),
     )
-    slots, hq, hkv, d, pps = 8, 8, 2, 128, 8
-    args = (
-        jax.ShapeDtypeStruct((slots, hq, d), jnp.bfloat16),
-        jax.ShapeDtypeStruct((slots, 2 * hkv, d), jnp.bfloat16),
-        # the jitted kernel reads the default at trace time: a shape per case, no cached trace
-        jax.ShapeDtypeStruct((1, 65 + generation_default, 16, 2 * hkv, d), jnp.bfloat16),
-        jax.ShapeDtypeStruct((), jnp.int32),
-        jax.ShapeDtypeStruct((slots,), jnp.int32),
-        jax.ShapeDtypeStruct((slots, pps), jnp.int32),
-        jax.ShapeDtypeStruct((slots + 1,), jnp.int32),
-        jax.ShapeDtypeStruct((1,), jnp.int32),
-    )
-    text = (
-        ragged_paged_attention_tpu_stacked.trace(*args, sm_scale=0.1)
-        .lower(lowering_platforms=("tpu",))
-        .as_text()
-    )
+    # the jitted kernel reads the default at trace time: a shape per case, no cached trace
+    args = _small_step_args(8, 65 + generation_default)
+    text = _lowered_for_tpu(args)
     assert ("_one_item" in text) == generation_default
     # a 1-byte (FP8) cache keeps the general path unless asked: its one-item path is unmeasured
     fp8_args = list(args)
-    fp8_args[2] = jax.ShapeDtypeStruct((1, 67 + generation_default, 16, 32, d), jnp.uint8)
+    fp8_args[2] = jax.ShapeDtypeStruct((1, 67 + generation_default, 16, 32, 128), jnp.uint8)
     for asked in (None, True):
-        text = (
-            ragged_paged_attention_tpu_stacked.trace(
-                *fp8_args, sm_scale=0.1, kv_dtype=jnp.float8_e4m3fn, single_item_decode=asked
-            )
-            .lower(lowering_platforms=("tpu",))
-            .as_text()
-        )
+        text = _lowered_for_tpu(fp8_args, kv_dtype=jnp.float8_e4m3fn, single_item_decode=asked)
         assert ("_one_item" in text) == bool(asked)
 
 
