@@ -23,8 +23,9 @@ On a TPU machine (JAX_PLATFORMS unset):
    and timed at every shape with its default block sizes, cache donated as ours, attending only
    and with its KV write. Ratios are speedups: "ours/RPA" = RPA's time / ours (> 1: ours faster),
    attend-only against attend-only, write against write; "jax/RPA" likewise, attend-only.
-   At head_dim 64 it reads a cache padded to 128 lanes (v3 pads head_dim; tpu-inference itself
-   switches to a separate head_dim-64 kernel, not loaded here).
+   At head_dim 64 the column is v3's head_dim-64 variant, as tpu-inference runs it there
+   (``rpa_v3_peer.for_head_dim``): a dense cache, K and V of a head in one 128-lane row, half the
+   bytes of ours; it always writes the step's K/V, so it is timed and compared with the write only.
 5. FP8 KV cache (--kv-dtype fp8, or bfloat16,fp8 for both): the checks gain an "fp8" dtype (bf16
    queries over a cache of float8_e4m3fn codes stored as uint8, as the engine stores it, k_scale /
    v_scale != 1; oracle: jax's reference on the dequantized f32 cache; the KV write exact byte for
@@ -275,6 +276,8 @@ def load_rpa_v3(args):
 def check_rpa_v3(kernel, q, new_kv, cache, md_np, hkv: int, dtype, kw: dict, real: int):
     """RPA v3 on a check's inputs (numpy f32, our order and layout) -> (output [real, Hq, D] in our
     token order, the cache it wrote in our layout [pages, ps, 2*Hkv, D]), both f32 numpy."""
+    kernel = rpa_v3_peer.for_head_dim(kernel, q.shape[-1])
+    hd64 = rpa_v3_peer.is_hd64(kernel)
     lay = rpa_v3_peer.StepLayout(*md_np, q.shape[0])
     keys, values = rpa_v3_peer.split_new_kv(jnp.asarray(lay.permute_tokens(new_kv), dtype))
     out, peer_cache = rpa_v3_peer.attention(
@@ -282,12 +285,12 @@ def check_rpa_v3(kernel, q, new_kv, cache, md_np, hkv: int, dtype, kw: dict, rea
         jnp.asarray(lay.permute_tokens(q), dtype),
         keys,
         values,
-        rpa_v3_peer.to_peer_cache(jnp.asarray(cache, dtype), hkv),
+        rpa_v3_peer.to_peer_cache(jnp.asarray(cache, dtype), hkv, hd64=hd64),
         *map(jnp.asarray, lay.metadata()),
         **kw,
     )
     out = lay.restore_tokens(out)[:real]
-    got_kv = rpa_v3_peer.from_peer_cache(peer_cache, hkv, cache.shape[-1])
+    got_kv = rpa_v3_peer.from_peer_cache(peer_cache, hkv, cache.shape[-1], hd64=hd64)
     return np.asarray(out.astype(jnp.float32)), np.asarray(got_kv.astype(jnp.float32))
 
 
@@ -475,13 +478,19 @@ def time_rpa_v3(kernel, base, num_pages: int, hkv: int, q, new_kv, md_np, out_ou
     """RPA v3 on one step shape: its cache (v3's layout) tiled from the same random pages as ours,
     donated like ours; attending only (update_kv_cache=False: it then reads every position from the
     cache, as ours attending only does) and with its KV write. Its attend-only output, back in our
-    token order, is compared with ours (same cache contents)."""
+    token order, is compared with ours (same cache contents). At head_dim 64 the peer is v3's
+    head_dim-64 variant (what tpu-inference runs there), which always writes: timed with the write
+    only, its output not compared (the checks compare it with the oracle)."""
     t, hq, d = q.shape
+    kernel = rpa_v3_peer.for_head_dim(kernel, d)
+    hd64 = rpa_v3_peer.is_hd64(kernel)
     lay = rpa_v3_peer.StepLayout(*md_np, t)
     md = tuple(jnp.asarray(a) for a in lay.metadata())
     q_p = lay.permute_tokens(q)
     keys, values = rpa_v3_peer.split_new_kv(lay.permute_tokens(new_kv))
-    cache = jax.jit(lambda b: rpa_v3_peer.to_peer_cache(b[jnp.arange(num_pages) % b.shape[0]], hkv))(base)
+    cache = jax.jit(
+        lambda b: rpa_v3_peer.to_peer_cache(b[jnp.arange(num_pages) % b.shape[0]], hkv, hd64=hd64)
+    )(base)
     kv_lens, pages = md_np[0], md_np[1]
     blocks = rpa_v3_peer.default_block_sizes(
         kernel, q.dtype, cache.dtype, hq, hkv, d, base.shape[1], t, len(kv_lens), pages.shape[1]
@@ -490,8 +499,11 @@ def time_rpa_v3(kernel, base, num_pages: int, hkv: int, q, new_kv, md_np, out_ou
         rpa_v3_blocks={k: list(v) for k, v in blocks.items()},
         rpa_v3_distribution=[int(x) for x in lay.distribution],
         rpa_v3_reordered=lay.reordered,
+        rpa_v3_kernel="kernel_hd64" if hd64 else "kernel",
+        rpa_v3_us=None,
+        rpa_v3_matches_ours=None,
     )
-    for update in (False, True):
+    for update in (True,) if hd64 else (False, True):
         fn = jax.jit(
             lambda cache, q, k, v, *md, update=update: rpa_v3_peer.attention(
                 kernel, q, k, v, cache, *md, sm_scale=d**-0.5, update_kv_cache=update
@@ -637,10 +649,10 @@ def timing_point(
             print(f"  RPA v3 failed on {name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
             rpa = dict(rpa_v3_error=f"{type(e).__name__}: {str(e)[:2000]}")
     t_rpa, t_rpa_write = rpa.get("rpa_v3_us"), rpa.get("rpa_v3_with_kv_write_us")
-    if t_rpa is not None:
-        rpa["ours_over_rpa_v3"] = t_rpa / (t_ours * 1e6)
+    if t_rpa_write is not None:
+        rpa["ours_over_rpa_v3"] = None if t_rpa is None else t_rpa / (t_ours * 1e6)
         rpa["ours_over_rpa_v3_with_kv_write"] = t_rpa_write / (t_write * 1e6)
-        rpa["jax_over_rpa_v3"] = None if t_peer is None else t_rpa / (t_peer * 1e6)
+        rpa["jax_over_rpa_v3"] = None if t_peer is None or t_rpa is None else t_rpa / (t_peer * 1e6)
     itemsize = jnp.dtype(cache_dtype).itemsize
     kv_bytes = int(np.sum(kv_lens)) * 2 * hkv * d * itemsize
     # What the DMAs move: whole padded token rows (C combined heads) of whole 128-lane tiles.
@@ -675,13 +687,21 @@ def timing_point(
         f"{row['tflops']:6.2f} TFLOP/s",
         flush=True,
     )
-    if t_rpa is not None:
-        jax_rpa_note = "-" if rpa["jax_over_rpa_v3"] is None else f"{rpa['jax_over_rpa_v3']:5.2f}x"
+    if t_rpa_write is not None:
+
+        def ratio(key):
+            return "-" if rpa[key] is None else f"{rpa[key]:5.2f}x"
+
+        attend = "-" if t_rpa is None else f"{t_rpa:9.1f}"
+        vs_ours = (
+            "-"
+            if rpa["rpa_v3_matches_ours"] is None
+            else f"{rpa['rpa_v3_vs_ours_max_abs_diff']:.1e}{'' if rpa['rpa_v3_matches_ours'] else ' MISMATCH'}"
+        )
         print(
-            f"     {'':24s} RPA v3 {t_rpa:9.1f} us (+write {t_rpa_write:9.1f})  "
-            f"ours/RPA {rpa['ours_over_rpa_v3']:5.2f}x (write {rpa['ours_over_rpa_v3_with_kv_write']:5.2f}x)  "
-            f"jax/RPA {jax_rpa_note}  vs ours {rpa['rpa_v3_vs_ours_max_abs_diff']:.1e}"
-            f"{'' if rpa['rpa_v3_matches_ours'] else ' MISMATCH'}  "
+            f"     {'':24s} RPA v3 [{rpa['rpa_v3_kernel']}] {attend} us (+write {t_rpa_write:9.1f})  "
+            f"ours/RPA {ratio('ours_over_rpa_v3')} (write {ratio('ours_over_rpa_v3_with_kv_write')})  "
+            f"jax/RPA {ratio('jax_over_rpa_v3')}  vs ours {vs_ours}  "
             f"blocks d{tuple(rpa['rpa_v3_blocks']['decode'])} m{tuple(rpa['rpa_v3_blocks']['mixed'])} "
             f"dist {tuple(rpa['rpa_v3_distribution'])}",
             flush=True,

@@ -23,8 +23,10 @@ Calling convention, next to ours (attention/pallas_tpu.py):
   (combined head ``2h`` is K of KV head ``h``, ``2h+1`` its V; C >= 2*Hkv, the rest zero padding).
   v3's is ``[pages, page_size, align(2*Hkv, packing) / packing, packing, align(D, 128)]`` with the
   same interleave, ``packing`` values of the dtype per 32-bit word (bf16: 2) and head_dim padded to
-  128 lanes (a head_dim-64 model reads twice its KV bytes through it). ``to_peer_cache`` /
-  ``from_peer_cache`` convert.
+  128 lanes (a head_dim-64 model reads twice its KV bytes through it). For head_dim 64
+  tpu-inference runs another kernel (``kernel_hd64``, ``for_head_dim``) whose cache is dense:
+  ``[pages, page_size, align(Hkv, packing) / packing, packing, 128]``, K of a KV head in lanes 0-63
+  and its V in 64-127. ``to_peer_cache`` / ``from_peer_cache`` convert (``hd64=True`` for that one).
 * new KV: ours takes this step's ``[T, 2*Hkv, D]`` interleaved; v3 takes keys and values apart
   (``split_new_kv``). Both kernels write them into the cache themselves.
 * sequences: v3 wants decode sequences first and a ``distribution`` = (end of decodes, end of
@@ -33,6 +35,10 @@ Calling convention, next to ours (attention/pallas_tpu.py):
   runner passes ``(decodes, decodes, total)``), and maps the output back to our token order.
 * page table: ours ``[slots, pages_per_seq]``, v3's flattened.
 * ``sm_scale`` is explicit (v3's default is 1.0): pass ``1/sqrt(D)``.
+* the head_dim-64 variant has no attend-only mode (it always writes the step's K/V), and takes its
+  block sizes from a tuned table keyed by the chip's name (``device_name``); that table's module
+  imports vllm and torch for a logger and the name, so stand-ins for those two helpers are
+  registered instead (``_stand_in_for_package_helpers``).
 * v3's jit donates queries, keys, values and the cache; called inside another jit only that outer
   function's donation counts (the benchmark donates the cache alone, as for ours).
 
@@ -59,6 +65,9 @@ import numpy as np
 
 VERSION = "0.32.0"
 KERNEL_MODULE = "tpu_inference.kernels.ragged_paged_attention.v3.kernel"
+# tpu-inference's attention backend runs this variant, not the one above, for head_dim-64 models.
+KERNEL_HD64_MODULE = "tpu_inference.kernels.ragged_paged_attention.v3.kernel_hd64"
+TUNED_HD64_MODULE = "tpu_inference.kernels.ragged_paged_attention.v3.tuned_block_sizes_hd64"
 CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "tpuserve", f"tpu-inference-{VERSION}")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 V5E_VMEM_BYTES = 128 * 2**20  # a v5e's VMEM capacity: v3's default vmem limit on that chip
@@ -180,6 +189,71 @@ def load(path: str | None = None) -> types.ModuleType:
     return kernel
 
 
+def is_hd64(kernel: types.ModuleType) -> bool:
+    return kernel.__name__ == KERNEL_HD64_MODULE
+
+
+def for_head_dim(kernel: types.ModuleType, head_dim: int) -> types.ModuleType:
+    """The v3 kernel tpu-inference runs for ``head_dim``: at 64 its head_dim-64 variant (a dense
+    cache: K and V of a KV head side by side in one 128-lane row), else ``kernel`` (from ``load``)."""
+    if head_dim != 64 or is_hd64(kernel):
+        return kernel
+    _stand_in_for_package_helpers()
+    import importlib
+
+    try:
+        hd64 = importlib.import_module(KERNEL_HD64_MODULE)
+    except ImportError as e:
+        raise PeerUnavailable(f"importing {KERNEL_HD64_MODULE} failed: {e}") from e
+    _add_missing_reciprocal(hd64)
+    return hd64
+
+
+class _OnceLogger:
+    """What the variant's block-size table asks of tpu-inference's logger: a logger with
+    ``warning_once`` / ``info_once``."""
+
+    def __init__(self, name: str):
+        import logging
+
+        self._log, self._seen = logging.getLogger(name), set()
+
+    def __getattr__(self, attr):
+        if attr.endswith("_once"):
+            level = attr[: -len("_once")]
+
+            def once(msg, *args):
+                if (level, msg, args) not in self._seen:
+                    self._seen.add((level, msg, args))
+                    getattr(self._log, level)(msg, *args)
+
+            return once
+        return getattr(self._log, attr)
+
+
+def device_name() -> str:
+    """The chip's name as the variant's tuned table keys it ("TPU v5e" for a v5e's "TPU v5 lite");
+    off a TPU, a v5e's."""
+    import jax
+
+    kind = jax.devices()[0].device_kind if on_tpu() else "TPU v5 lite"
+    return kind[: -len(" lite")] + "e" if kind.endswith(" lite") else kind
+
+
+def _stand_in_for_package_helpers() -> None:
+    """The variant's tuned table imports ``tpu_inference.logger`` (needs vllm) and
+    ``tpu_inference.utils`` (needs torch) for a logger and the device's name only: stand-ins for
+    both, registered once, so neither vllm nor torch is imported."""
+    for name, attr, value in (
+        ("tpu_inference.logger", "init_logger", _OnceLogger),
+        ("tpu_inference.utils", "get_device_name", lambda num_devices=None: device_name()),
+    ):
+        if name not in sys.modules:
+            module = types.ModuleType(name)
+            setattr(module, attr, value)
+            sys.modules[name] = module
+
+
 def _add_missing_reciprocal(kernel: types.ModuleType) -> None:
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import tpu as pltpu
@@ -209,12 +283,28 @@ def peer_cache_shape(num_pages: int, page_size: int, num_kv_heads: int, head_dim
     return (num_pages, page_size, align(2 * num_kv_heads, p) // p, p, align(head_dim, 128))
 
 
-def to_peer_cache(cache, num_kv_heads: int):
+def peer_cache_shape_hd64(num_pages: int, page_size: int, num_kv_heads: int, dtype):
+    p = packing(dtype)
+    return (num_pages, page_size, align(num_kv_heads, p) // p, p, 128)
+
+
+def to_peer_cache(cache, num_kv_heads: int, hd64: bool = False):
     """Our ``[..., pages, page_size, C, D]`` cache in v3's layout (padding heads dropped, v3's
-    own padding added: combined heads to the packing, head_dim to 128)."""
+    own padding added: combined heads to the packing, head_dim to 128). ``hd64``: the head_dim-64
+    variant's, ``[..., pages, page_size, align(Hkv, packing) / packing, packing, 128]`` with K of
+    a KV head in lanes 0-63 and its V in 64-127."""
     import jax.numpy as jnp
 
     *lead, pages, ps, _, d = cache.shape
+    if hd64:
+        p = packing(cache.dtype)
+        heads = align(num_kv_heads, p)
+        x = jnp.concatenate(
+            [cache[..., 0 : 2 * num_kv_heads : 2, :], cache[..., 1 : 2 * num_kv_heads : 2, :]], -1
+        )
+        if heads > num_kv_heads:
+            x = jnp.pad(x, [(0, 0)] * (len(lead) + 2) + [(0, heads - num_kv_heads), (0, 0)])
+        return x.reshape(*lead, pages, ps, heads // p, p, 2 * d)
     p = packing(cache.dtype)
     heads = align(2 * num_kv_heads, p)
     x = cache[..., : 2 * num_kv_heads, :]
@@ -224,12 +314,20 @@ def to_peer_cache(cache, num_kv_heads: int):
     return x.reshape(*lead, pages, ps, heads // p, p, align(d, 128))
 
 
-def from_peer_cache(peer_cache, num_kv_heads: int, head_dim: int, combined_heads: int | None = None):
-    """v3's cache back in our layout, with ``combined_heads`` (default 2*Hkv) combined heads."""
+def from_peer_cache(
+    peer_cache, num_kv_heads: int, head_dim: int, combined_heads: int | None = None, hd64: bool = False
+):
+    """v3's cache (``hd64``: its head_dim-64 variant's) back in our layout, with ``combined_heads``
+    (default 2*Hkv) combined heads."""
     import jax.numpy as jnp
 
     *lead, pages, ps, hp, p, dp = peer_cache.shape
-    x = peer_cache.reshape(*lead, pages, ps, hp * p, dp)[..., : 2 * num_kv_heads, :head_dim]
+    if hd64:
+        x = peer_cache.reshape(*lead, pages, ps, hp * p, dp)[..., :num_kv_heads, :]
+        x = jnp.stack([x[..., :head_dim], x[..., head_dim:]], axis=-2)  # [.., Hkv, 2, D]: K then V
+        x = x.reshape(*lead, pages, ps, 2 * num_kv_heads, head_dim)
+    else:
+        x = peer_cache.reshape(*lead, pages, ps, hp * p, dp)[..., : 2 * num_kv_heads, :head_dim]
     c = combined_heads or 2 * num_kv_heads
     if c > 2 * num_kv_heads:
         x = jnp.pad(x, [(0, 0)] * (len(lead) + 2) + [(0, c - 2 * num_kv_heads), (0, 0)])
@@ -295,16 +393,20 @@ def on_tpu() -> bool:
 
 @contextlib.contextmanager
 def _as_v5e_off_tpu(kernel):
-    """Off a TPU, v3 asks the device for its generation (-1: no defaults); answer 5 (a v5e)."""
+    """Off a TPU, v3 asks the device for its generation (-1: no defaults); answer 5 (a v5e). The
+    head_dim-64 variant asks from its block-size table's module."""
     if on_tpu():
         yield
         return
-    real = kernel.get_tpu_version
-    kernel.get_tpu_version = lambda: 5
+    modules = [sys.modules[TUNED_HD64_MODULE]] if is_hd64(kernel) else [kernel]
+    real = [m.get_tpu_version for m in modules]
+    for m in modules:
+        m.get_tpu_version = lambda: 5
     try:
         yield
     finally:
-        kernel.get_tpu_version = real
+        for m, f in zip(modules, real):
+            m.get_tpu_version = f
 
 
 def default_block_sizes(
@@ -335,6 +437,20 @@ def default_block_sizes(
         pages_per_seq,
     )
     out = {}
+    if is_hd64(kernel):  # one (pages, queries) pair from its tuned table, for every step
+        with _as_v5e_off_tpu(kernel):
+            tuned = sys.modules[TUNED_HD64_MODULE].get_tuned_block_sizes
+            bkv_p, bq = tuned(
+                q_dtype,
+                kv_dtype,
+                num_q_heads,
+                num_kv_heads,
+                head_dim,
+                page_size,
+                max_num_tokens,
+                pages_per_seq,
+            )
+        return {"decode": (bq, bkv_p * page_size), "mixed": (bq, bkv_p * page_size)}
     with _as_v5e_off_tpu(kernel):
         for name, case in (("decode", kernel.RpaCase.DECODE), ("mixed", kernel.RpaCase.MIXED)):
             b = kernel.get_default_block_sizes(*args, case=case)
@@ -385,13 +501,15 @@ def attention(
     is given. It runs compiled on a TPU only: off a TPU this is for lowering it for one
     (``jax.export(..., platforms=["tpu"])``). Pallas's interpret modes cannot run it on jax 0.10.2
     (the TPU interpreter has no reshaped-ref DMAs, the generic one no dynamic-size slices)."""
-    kw = dict(
-        sm_scale=sm_scale,
-        sliding_window=sliding_window,
-        soft_cap=soft_cap,
-        update_kv_cache=update_kv_cache,
-        **(blocks or {}),
-    )
+    kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, **(blocks or {}))
+    if is_hd64(kernel):  # the head_dim-64 variant: its own entry point, always writing the step's K/V
+        if not update_kv_cache:
+            raise ValueError("v3's head_dim-64 kernel always writes the step's K/V (no update_kv_cache)")
+        with _as_v5e_off_tpu(kernel):
+            return kernel.ragged_paged_attention_hd64(
+                q, keys, values, peer_cache, kv_lens, page_indices, cu_q_lens, distribution, **kw
+            )
+    kw["update_kv_cache"] = update_kv_cache
     if not on_tpu():
         kw["vmem_limit_bytes"] = V5E_VMEM_BYTES  # its default asks the attached chip
     with _as_v5e_off_tpu(kernel):

@@ -7,7 +7,9 @@
 * the step reordering (decodes first, ``distribution``) and its inverse;
 * the whole adapter through v3's own jnp reference (its semantics, in its layout and order) against
   jax's ``ref_ragged_paged_attention`` on our inputs: outputs and the written cache;
-* that the v3 call lowers for a TPU (Mosaic) at a decode and a mixed shape.
+* that the v3 call lowers for a TPU (Mosaic) at a decode and a mixed shape;
+* the same for v3's head_dim-64 variant (``kernel_hd64``, what tpu-inference runs for head_dim-64
+  models): its dense layout, its own jnp reference through the adapter, its lowering.
 
 v3's kernel itself does not run in Pallas's interpret modes on jax 0.10.2, so its compiled output
 is checked on the chip only (attention_tpu.py's ``rpa`` checks).
@@ -240,3 +242,111 @@ def test_lowers_for_tpu(kernel, name, tokens, slots):
     for case, sym in (("decode", "d"), ("mixed", "m")):  # the kernels ran with the reported blocks
         bq, bkv, bqc, bkvc = blocks[case]
         assert f"RPA{sym}-p_{ps}-bq_{bq}_{bqc}-bkv_{bkv}_{bkvc}" in text
+
+
+# ---- the head_dim-64 variant (kernel_hd64): what tpu-inference runs for head_dim-64 models ----
+
+
+@pytest.fixture(scope="module")
+def hd64(kernel):
+    return peer.for_head_dim(kernel, 64)
+
+
+def test_head_dim_picks_the_variant(kernel, hd64):
+    """At head_dim 64 the peer is the variant, loaded without vllm or torch; elsewhere the kernel."""
+    assert peer.is_hd64(hd64) and not peer.is_hd64(kernel)
+    assert peer.for_head_dim(kernel, 128) is kernel and peer.for_head_dim(hd64, 64) is hd64
+    # its block-size table's helpers are the stand-ins (the real ones import vllm and torch)
+    assert sys.modules["tpu_inference.logger"].init_logger is peer._OnceLogger
+    assert sys.modules["tpu_inference.utils"].get_device_name() == "TPU v5e"  # off a TPU: a v5e's
+
+
+@pytest.mark.parametrize("hkv, c, dtype", [(2, 16, jnp.bfloat16), (3, 8, jnp.float32), (1, 16, jnp.bfloat16)])
+def test_hd64_layout_round_trip_and_is_the_variants(hd64, hkv, c, dtype):
+    """Our padded cache into the variant's dense layout and back (real heads exact, padding heads
+    zero), packed as the variant's own merge_kv packs a step's K/V, in its cache shape."""
+    rng = np.random.default_rng(5)
+    cache = np.zeros((5, 4, c, 64), np.float32)
+    cache[:, :, : 2 * hkv] = rng.standard_normal((5, 4, 2 * hkv, 64))
+    cache = jnp.asarray(cache, dtype)
+    there = peer.to_peer_cache(cache, hkv, hd64=True)
+    assert there.shape == peer.peer_cache_shape_hd64(5, 4, hkv, dtype)
+    assert tuple(hd64.get_kv_cache_shape(5, 4, hkv, 64, dtype)) == there.shape
+    back = peer.from_peer_cache(there, hkv, 64, c, hd64=True)
+    np.testing.assert_array_equal(np.asarray(back, np.float32), np.asarray(cache, np.float32))
+    new_kv = _random(rng, (7, 2 * hkv, 64), dtype)
+    theirs = hd64.merge_kv(*peer.split_new_kv(new_kv))
+    ours = peer.to_peer_cache(new_kv[None], hkv, hd64=True)[0]
+    np.testing.assert_array_equal(np.asarray(ours, np.float32), np.asarray(theirs, np.float32))
+
+
+@pytest.mark.parametrize("options", [dict(), dict(sliding_window=8, soft_cap=20.0)])
+def test_adapter_through_the_hd64_reference(hd64, options):
+    """Our step through the adapter into the variant's own jnp reference gives jax's reference
+    output on our step, and the cache write_kv_ref writes (back in our layout)."""
+    rng = np.random.default_rng(4)
+    hkv, hq, d, ps, c, dtype, f32 = 2, 6, 64, 8, 16, jnp.bfloat16, jnp.float32
+    md, num_pages, t = _step(SEQS, ps, rng)
+    q = _random(rng, (t, hq, d), dtype)
+    new_kv = _random(rng, (t, 2 * hkv, d), dtype)
+    cache = np.zeros((num_pages, ps, c, d), np.float32)
+    cache[:, :, : 2 * hkv] = rng.standard_normal((num_pages, ps, 2 * hkv, d))
+    cache = jnp.asarray(cache, dtype)
+    mdj = tuple(map(jnp.asarray, md))
+    kw = dict(sm_scale=d**-0.5, **options)
+    want_kv = write_kv_ref(cache[:, :, : 2 * hkv].astype(f32), new_kv.astype(f32), *mdj)
+    want = jax_rpa.ref_ragged_paged_attention(q.astype(f32), want_kv, *mdj, **kw)
+    real = int(md[2][len(SEQS)])
+
+    lay = peer.StepLayout(*md, t)
+    keys, values = peer.split_new_kv(lay.permute_tokens(new_kv))
+    got, got_cache = hd64.ref_ragged_paged_attention_hd64(
+        lay.permute_tokens(q),
+        keys,
+        values,
+        peer.to_peer_cache(cache, hkv, hd64=True),
+        *map(jnp.asarray, lay.metadata()),
+        **kw,
+    )
+    got = lay.restore_tokens(got[:real])
+    np.testing.assert_allclose(np.asarray(got, f32), np.asarray(want[:real]), atol=5e-2, rtol=0)
+    back = peer.from_peer_cache(got_cache, hkv, d, c, hd64=True)
+    np.testing.assert_array_equal(
+        np.asarray(back[:, :, : 2 * hkv], f32), np.asarray(want_kv.astype(dtype), f32)
+    )
+    assert not np.asarray(back[:, :, 2 * hkv :], f32).any()
+
+
+def test_hd64_lowers_for_tpu(hd64):
+    """The adapter's call of the variant (its tuned v5e blocks, cache donated) lowers to Mosaic for a
+    v5e from CPU at the 1B shape's heads, and it refuses an attend-only call it has no mode for."""
+    hq, hkv, d, ps, pps, pages, tokens, slots = 32, 8, 64, 16, 128, 4097, 4 * 128 + 60, 64
+    bf = jnp.bfloat16
+    shapes = [
+        jax.ShapeDtypeStruct(peer.peer_cache_shape_hd64(pages, ps, hkv, bf), bf),
+        jax.ShapeDtypeStruct((tokens, hq, d), bf),
+        jax.ShapeDtypeStruct((tokens, hkv, d), bf),
+        jax.ShapeDtypeStruct((tokens, hkv, d), bf),
+        jax.ShapeDtypeStruct((slots,), jnp.int32),
+        jax.ShapeDtypeStruct((slots * pps,), jnp.int32),
+        jax.ShapeDtypeStruct((slots + 1,), jnp.int32),
+        jax.ShapeDtypeStruct((3,), jnp.int32),
+    ]
+    fn = jax.jit(
+        lambda cache, q, k, v, *md: peer.attention(hd64, q, k, v, cache, *md, sm_scale=d**-0.5),
+        donate_argnums=(0,),
+    )
+    with peer.v5e_lowering():
+        exported = jax.export.export(fn, platforms=["tpu"])(*shapes)
+    assert "tpu_custom_call" in exported.mlir_module()
+    bq, bkv = peer.default_block_sizes(hd64, bf, bf, hq, hkv, d, ps, tokens, slots, pps)["decode"]
+    assert bq >= 1 and bkv % ps == 0
+    with pytest.raises(ValueError, match="always writes"):
+        peer.attention(
+            hd64,
+            *[jnp.zeros(s.shape, s.dtype) for s in shapes[1:4]],
+            shapes[0],
+            *shapes[4:],
+            sm_scale=0.1,
+            update_kv_cache=False,
+        )
