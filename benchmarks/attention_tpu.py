@@ -115,6 +115,11 @@ def parse_args(argv=None):
     )
     p.add_argument("--checks-only", action="store_true")
     p.add_argument(
+        "--check-batches",
+        default="mixed,decode,prefill",
+        help="which checked batches run, comma-separated (a short device call can check one kind)",
+    )
+    p.add_argument(
         "--no-one-item",
         dest="one_item",
         action="store_false",
@@ -308,7 +313,8 @@ def check_against_oracle(args, rpa_v3=None) -> list[dict]:
     options = [CHECK_OPTIONS[name] for name in args.check_options.split(",")]
     results = []
     for hq, hkv, d in models:
-        for name, seqs in (SMOKE_BATCHES if args.smoke else CHECK_BATCHES).items():
+        batches = SMOKE_BATCHES if args.smoke else CHECK_BATCHES
+        for name, seqs in ((n, batches[n]) for n in args.check_batches.split(",") if n in batches):
             for dtype_name in args.check_dtypes.split(","):
                 fp8 = dtype_name == "fp8"
                 # fp8: bf16 queries and new K/V before quantization, a uint8 cache of e4m3 codes.

@@ -338,6 +338,11 @@ for s in $stages; do
           --like .tpu_carry/shapes/llama-8b-gqa --out /tmp/m/llama-8b-fp8 > /dev/null
       stage kv1024-8b 170 python benchmarks/tpu_e2e.py --models /tmp/m/llama-8b-fp8 --rounds 1 \
           --batches "" --engine-args '{"warmup": false}' --out "$out/kv1024_8b.json" ;;
+    rpa-hd64) # tpu-inference's head_dim-64 variant (what it runs for d64 models, a dense cache) beside
+               # ours at the 1B heads' b128 x 192 decode, the step issue 30's b128 point is made of
+      stage rpa-hd64 "${HD64_LIMIT_S:-200}" python benchmarks/attention_tpu.py --rpa-v3 require --num-q-heads 32 \
+          --num-kv-heads 8 --head-dim 64 --check-dtypes bfloat16 --check-options plain --check-batches decode \
+          --steps decode --batches 128 --contexts 192,1024 --out "$out/rpa_hd64.json" ;;
     prefill-bq) # the 1B shape's prefill with 64 (the v5e default) and 128 queries a block end to end:
                # the kernel sweep (2026-12-07) gave bq 128 1.17x on a 1024-token chunk at 2k
                # context, 1.02x at 8k (d 64; wider blocks ran out of scoped VMEM)
