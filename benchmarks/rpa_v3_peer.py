@@ -179,12 +179,16 @@ def load(path: str | None = None) -> types.ModuleType:
         raise PeerUnavailable(
             f"a different tpu_inference is already imported ({getattr(present, '__path__', None)})"
         )
+    return _import_kernel(KERNEL_MODULE, package_dir)
+
+
+def _import_kernel(name: str, package_dir: str) -> types.ModuleType:
     import importlib
 
     try:
-        kernel = importlib.import_module(KERNEL_MODULE)
+        kernel = importlib.import_module(name)
     except ImportError as e:
-        raise PeerUnavailable(f"importing {KERNEL_MODULE} from {package_dir} failed: {e}") from e
+        raise PeerUnavailable(f"importing {name} from {package_dir} failed: {e}") from e
     _add_missing_reciprocal(kernel)
     return kernel
 
@@ -199,14 +203,7 @@ def for_head_dim(kernel: types.ModuleType, head_dim: int) -> types.ModuleType:
     if head_dim != 64 or is_hd64(kernel):
         return kernel
     _stand_in_for_package_helpers()
-    import importlib
-
-    try:
-        hd64 = importlib.import_module(KERNEL_HD64_MODULE)
-    except ImportError as e:
-        raise PeerUnavailable(f"importing {KERNEL_HD64_MODULE} failed: {e}") from e
-    _add_missing_reciprocal(hd64)
-    return hd64
+    return _import_kernel(KERNEL_HD64_MODULE, sys.modules["tpu_inference"].__path__[0])
 
 
 class _OnceLogger:
@@ -424,7 +421,8 @@ def default_block_sizes(
     """The decode and mixed block sizes v3's formula gives at this shape (what it runs when none are
     passed; with its chunked-prefill group unused these are the two kernels a step launches), as
     ``{case: (bq, bkv, bq_compute, bkv_compute)}``. Off a TPU it answers for a v5e. A compute
-    size above its block (small steps) is clipped by the kernel, but refused if passed in."""
+    size above its block (small steps) is clipped by the kernel, but refused if passed in. The
+    head_dim-64 variant's are ``(bq, bkv)`` from its tuned table, the same for both cases."""
     args = (
         q_dtype,
         kv_dtype,
@@ -440,16 +438,7 @@ def default_block_sizes(
     if is_hd64(kernel):  # one (pages, queries) pair from its tuned table, for every step
         with _as_v5e_off_tpu(kernel):
             tuned = sys.modules[TUNED_HD64_MODULE].get_tuned_block_sizes
-            bkv_p, bq = tuned(
-                q_dtype,
-                kv_dtype,
-                num_q_heads,
-                num_kv_heads,
-                head_dim,
-                page_size,
-                max_num_tokens,
-                pages_per_seq,
-            )
+            bkv_p, bq = tuned(*args[:7], pages_per_seq)  # its table takes no max_num_seqs
         return {"decode": (bq, bkv_p * page_size), "mixed": (bq, bkv_p * page_size)}
     with _as_v5e_off_tpu(kernel):
         for name, case in (("decode", kernel.RpaCase.DECODE), ("mixed", kernel.RpaCase.MIXED)):

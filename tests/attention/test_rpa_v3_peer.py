@@ -210,17 +210,12 @@ def test_adapter_through_v3_reference(kernel, hkv, hq, d, dtype, options):
     assert not np.asarray(back[:, :, 2 * hkv :], f32).any()
 
 
-@pytest.mark.parametrize(
-    "name, tokens, slots",
-    [("decode b64", 64, 64), ("mixed 4x128 + 60 decodes", 4 * 128 + 60, 64)],
-)
-def test_lowers_for_tpu(kernel, name, tokens, slots):
-    """The adapter's v3 call (its default blocks, cache donated as the benchmark does) lowers to
-    Mosaic for a v5e from CPU: its decode and mixed kernels, one tpu_custom_call each."""
-    hq, hkv, d, ps, pps, pages = 32, 8, 128, 16, 128, 4097
+def _lowered_peer_call(kernel, cache_shape, tokens, hq, hkv, d, slots, pps):
+    """(abstract inputs, Mosaic text) of the adapter's bf16 call of ``kernel`` lowered for a v5e from
+    CPU, cache donated as the benchmark does."""
     bf = jnp.bfloat16
     shapes = [
-        jax.ShapeDtypeStruct(peer.peer_cache_shape(pages, ps, hkv, d, bf), bf),
+        jax.ShapeDtypeStruct(cache_shape, bf),
         jax.ShapeDtypeStruct((tokens, hq, d), bf),
         jax.ShapeDtypeStruct((tokens, hkv, d), bf),
         jax.ShapeDtypeStruct((tokens, hkv, d), bf),
@@ -234,8 +229,20 @@ def test_lowers_for_tpu(kernel, name, tokens, slots):
         donate_argnums=(0,),
     )
     with peer.v5e_lowering():
-        exported = jax.export.export(fn, platforms=["tpu"])(*shapes)
-    text = exported.mlir_module()
+        return shapes, jax.export.export(fn, platforms=["tpu"])(*shapes).mlir_module()
+
+
+@pytest.mark.parametrize(
+    "name, tokens, slots",
+    [("decode b64", 64, 64), ("mixed 4x128 + 60 decodes", 4 * 128 + 60, 64)],
+)
+def test_lowers_for_tpu(kernel, name, tokens, slots):
+    """The adapter's v3 call (its default blocks, cache donated as the benchmark does) lowers to
+    Mosaic for a v5e from CPU: its decode and mixed kernels, one tpu_custom_call each."""
+    hq, hkv, d, ps, pps, pages = 32, 8, 128, 16, 128, 4097
+    bf = jnp.bfloat16
+    cache = peer.peer_cache_shape(pages, ps, hkv, d, bf)
+    shapes, text = _lowered_peer_call(kernel, cache, tokens, hq, hkv, d, slots, pps)
     assert text.count("tpu_custom_call") == 2
     blocks = peer.default_block_sizes(kernel, bf, bf, hq, hkv, d, ps, tokens, slots, pps)
     assert blocks["decode"] == (1, 2048, 1, 2048)  # v3's v5e decode formula: all of a 2k context
@@ -322,23 +329,10 @@ def test_hd64_lowers_for_tpu(hd64):
     v5e from CPU at the 1B shape's heads, and it refuses an attend-only call it has no mode for."""
     hq, hkv, d, ps, pps, pages, tokens, slots = 32, 8, 64, 16, 128, 4097, 4 * 128 + 60, 64
     bf = jnp.bfloat16
-    shapes = [
-        jax.ShapeDtypeStruct(peer.peer_cache_shape_hd64(pages, ps, hkv, bf), bf),
-        jax.ShapeDtypeStruct((tokens, hq, d), bf),
-        jax.ShapeDtypeStruct((tokens, hkv, d), bf),
-        jax.ShapeDtypeStruct((tokens, hkv, d), bf),
-        jax.ShapeDtypeStruct((slots,), jnp.int32),
-        jax.ShapeDtypeStruct((slots * pps,), jnp.int32),
-        jax.ShapeDtypeStruct((slots + 1,), jnp.int32),
-        jax.ShapeDtypeStruct((3,), jnp.int32),
-    ]
-    fn = jax.jit(
-        lambda cache, q, k, v, *md: peer.attention(hd64, q, k, v, cache, *md, sm_scale=d**-0.5),
-        donate_argnums=(0,),
+    shapes, text = _lowered_peer_call(
+        hd64, peer.peer_cache_shape_hd64(pages, ps, hkv, bf), tokens, hq, hkv, d, slots, pps
     )
-    with peer.v5e_lowering():
-        exported = jax.export.export(fn, platforms=["tpu"])(*shapes)
-    assert "tpu_custom_call" in exported.mlir_module()
+    assert "tpu_custom_call" in text
     bq, bkv = peer.default_block_sizes(hd64, bf, bf, hq, hkv, d, ps, tokens, slots, pps)["decode"]
     assert bq >= 1 and bkv % ps == 0
     with pytest.raises(ValueError, match="always writes"):
