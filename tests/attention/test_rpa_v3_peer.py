@@ -167,15 +167,10 @@ def test_step_layout_orders_decodes_first():
     assert list(peer.StepLayout(*md3, t3).distribution) == [0, 0, 2]
 
 
-@pytest.mark.parametrize("hkv, hq, d, dtype", [(2, 4, 128, jnp.float32), (2, 6, 64, jnp.bfloat16)])
-@pytest.mark.parametrize("options", [dict(), dict(sliding_window=8, soft_cap=20.0)])
-def test_adapter_through_v3_reference(kernel, hkv, hq, d, dtype, options):
-    """Our step, converted by the adapter and fed to v3's own jnp reference (its layout, order and
-    distribution), gives jax's reference output on our step and the cache write_kv_ref writes."""
-    rng = np.random.default_rng(3)
-    ps = 8
+def _reference_step(rng, hkv, hq, d, ps, c, dtype, options):
+    """Our step over SEQS with a random padded cache (C = c) and what jax's reference says of it:
+    (metadata, tokens, q, new_kv, cache, kwargs, written cache f32, output f32, real tokens)."""
     md, num_pages, t = _step(SEQS, ps, rng)
-    c = 16 if dtype == jnp.bfloat16 else 2 * hkv  # our padded TPU cache for bf16
     q = _random(rng, (t, hq, d), dtype)
     new_kv = _random(rng, (t, 2 * hkv, d), dtype)
     cache = np.zeros((num_pages, ps, c, d), np.float32)
@@ -186,8 +181,18 @@ def test_adapter_through_v3_reference(kernel, hkv, hq, d, dtype, options):
     f32 = jnp.float32
     want_kv = write_kv_ref(cache[:, :, : 2 * hkv].astype(f32), new_kv.astype(f32), *mdj)
     want = jax_rpa.ref_ragged_paged_attention(q.astype(f32), want_kv, *mdj, **kw)
-    real = int(md[2][len(SEQS)])
+    return md, t, q, new_kv, cache, kw, want_kv, want, int(md[2][len(SEQS)])
 
+
+@pytest.mark.parametrize("hkv, hq, d, dtype", [(2, 4, 128, jnp.float32), (2, 6, 64, jnp.bfloat16)])
+@pytest.mark.parametrize("options", [dict(), dict(sliding_window=8, soft_cap=20.0)])
+def test_adapter_through_v3_reference(kernel, hkv, hq, d, dtype, options):
+    """Our step, converted by the adapter and fed to v3's own jnp reference (its layout, order and
+    distribution), gives jax's reference output on our step and the cache write_kv_ref writes."""
+    rng = np.random.default_rng(3)
+    c = 16 if dtype == jnp.bfloat16 else 2 * hkv  # our padded TPU cache for bf16
+    f32 = jnp.float32
+    md, t, q, new_kv, cache, kw, want_kv, want, real = _reference_step(rng, hkv, hq, d, 8, c, dtype, options)
     lay = peer.StepLayout(*md, t)
     keys, values = peer.split_new_kv(lay.permute_tokens(new_kv))
     got, got_cache = kernel.ref_ragged_paged_attention(
@@ -293,18 +298,7 @@ def test_adapter_through_the_hd64_reference(hd64, options):
     output on our step, and the cache write_kv_ref writes (back in our layout)."""
     rng = np.random.default_rng(4)
     hkv, hq, d, ps, c, dtype, f32 = 2, 6, 64, 8, 16, jnp.bfloat16, jnp.float32
-    md, num_pages, t = _step(SEQS, ps, rng)
-    q = _random(rng, (t, hq, d), dtype)
-    new_kv = _random(rng, (t, 2 * hkv, d), dtype)
-    cache = np.zeros((num_pages, ps, c, d), np.float32)
-    cache[:, :, : 2 * hkv] = rng.standard_normal((num_pages, ps, 2 * hkv, d))
-    cache = jnp.asarray(cache, dtype)
-    mdj = tuple(map(jnp.asarray, md))
-    kw = dict(sm_scale=d**-0.5, **options)
-    want_kv = write_kv_ref(cache[:, :, : 2 * hkv].astype(f32), new_kv.astype(f32), *mdj)
-    want = jax_rpa.ref_ragged_paged_attention(q.astype(f32), want_kv, *mdj, **kw)
-    real = int(md[2][len(SEQS)])
-
+    md, t, q, new_kv, cache, kw, want_kv, want, real = _reference_step(rng, hkv, hq, d, ps, c, dtype, options)
     lay = peer.StepLayout(*md, t)
     keys, values = peer.split_new_kv(lay.permute_tokens(new_kv))
     got, got_cache = hd64.ref_ragged_paged_attention_hd64(
