@@ -338,6 +338,10 @@ for s in $stages; do
           --like .tpu_carry/shapes/llama-8b-gqa --out /tmp/m/llama-8b-fp8 > /dev/null
       stage kv1024-8b 170 python benchmarks/tpu_e2e.py --models /tmp/m/llama-8b-fp8 --rounds 1 \
           --batches "" --engine-args '{"warmup": false}' --out "$out/kv1024_8b.json" ;;
+    layout-probe) # how XLA stores the dense head_dim-64 page candidates (HBM bytes, tiling) and whether
+               # a Pallas call reads them through a uint32 view and writes a token in place
+               # (docs/plans/dense-hd64-cache.md, the chip's first check)
+      stage layout-probe 120 python benchmarks/tpu_layout_probe.py --out "$out/layout_probe.json" ;;
     rpa-hd64) # tpu-inference's head_dim-64 variant (what it runs for d64 models, a dense cache) beside
                # ours at the 1B heads' b128 x 192 decode, the step issue 30's b128 point is made of
       stage rpa-hd64 "${HD64_LIMIT_S:-200}" python benchmarks/attention_tpu.py --rpa-v3 require --num-q-heads 32 \
