@@ -130,6 +130,15 @@ def combined_heads(impl: str, num_kv_heads: int, dtype) -> int:
     return 2 * num_kv_heads
 
 
+def lane_packed_rows(num_kv_heads: int) -> int:
+    """Rows C of a lane-packed page (``pallas_tpu.pack_kv_lanes``: row h of a token holds
+    ``[K_h | V_h]``, head_dim 64 in 128 lanes): Hkv rounded up to 8. XLA:TPU tiles a
+    ``[.., 8, 128]`` bf16 or f32 array in one (8, 128) tile (read on a v5e, 2026-12-07:
+    ``benchmarks/tpu_layout_probe.py``), so a token's write is one whole tile and the page's
+    2-D view a free reshape, at half the bytes of the padded ``[16, 128]`` rows."""
+    return -(-num_kv_heads // 8) * 8
+
+
 def device_head_dim(impl: str, head_dim: int) -> int:
     """Elements one cache row of ``head_dim`` really takes in device memory. The compiled TPU kernel
     needs the cache row-major (``kv_cache_format``), where a TPU stores the minor dim in whole

@@ -123,7 +123,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from tpuserve.attention.kv_cache_shape import device_head_dim
+from tpuserve.attention.kv_cache_shape import device_head_dim, lane_packed_rows
 from tpuserve.attention.reference import sink_array
 
 DEFAULT_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -278,6 +278,7 @@ def _kernel(
     packed_loads: bool,
     byte_values=None,
     single_item: bool = False,
+    lane_packed: bool = False,
 ):
     del kv_in_hbm  # same buffer as kv_hbm; every read and write goes through the output ref
     blk = pl.program_id(0)
@@ -392,7 +393,9 @@ def _kernel(
         the query dtype with rows past kv_len zeroed, the matmul precision) of KV head ``h``.
         ``mask`` and ``v_ok`` None: every row sees every KV row of the block, all of them written."""
         q = q_ref[0, h]  # [rows, D]
-        k, v = _load_kv_head(kv_buf.at[slot], h, kv_block, cache_heads, packed_loads, byte_values, words)
+        k, v = _load_kv_head(
+            kv_buf.at[slot], h, kv_block, cache_heads, packed_loads, byte_values, words, lane_packed
+        )
         k, v = k.astype(q.dtype), v.astype(q.dtype)
         if v_ok is not None:
             v = jnp.where(v_ok, v, jnp.zeros_like(v))  # stale / NaN rows past kv_len
@@ -602,7 +605,14 @@ def _sees_whole_kv_block(q_start, q_end, base, kv_first, bq: int, kv_block: int,
 
 
 def _load_kv_head(
-    buf, h: int, kv_block: int, cache_heads: int, packed_loads: bool, byte_values=None, words=None
+    buf,
+    h: int,
+    kv_block: int,
+    cache_heads: int,
+    packed_loads: bool,
+    byte_values=None,
+    words=None,
+    lane_packed: bool = False,
 ):
     """K and V ``[kv_block, D]`` of KV head ``h`` from one block buffer ``[kv_block*C, D]``.
 
@@ -618,7 +628,23 @@ def _load_kv_head(
     float8 type); K and V come back as f32 values, decoded with integer ops (``_fp8_to_f32``).
     ``words`` (a dict the caller keeps over one KV block's head loop): the loaded words by index,
     so heads 2w and 2w + 1 share one load of word w.
+
+    ``lane_packed`` (``pack_kv_lanes``'s layout, head_dim 64): row h of a token is ``[K_h | V_h]``
+    in 128 lanes, so K and V come back as that same ``[kv_block, 2*D]`` row: the queries carry
+    zeros in the V lanes (scores see K only) and the caller keeps the V lanes of ``p @ row``. In
+    bf16 one uint32 word row holds heads 2w (low half) and 2w + 1 (high half).
     """
+    if lane_packed:
+        if jnp.dtype(buf.dtype).itemsize == 4 or not packed_loads:
+            row = buf[pl.ds(h, kv_block, stride=cache_heads), :]
+            return row, row
+        words = {} if words is None else words
+        if h // 2 not in words:
+            words.clear()
+            words[h // 2] = buf.bitcast(jnp.uint32)[pl.ds(h // 2, kv_block, stride=cache_heads // 2), :]
+        packed = words[h // 2]
+        row = pltpu.bitcast(packed << 16 if h % 2 == 0 else packed & jnp.uint32(0xFFFF0000), jnp.float32)
+        return row, row
     if byte_values is not None:
         words = {} if words is None else words
         if h // 2 not in words:
@@ -729,6 +755,25 @@ def check_compiled_cache_dtype(dtype, num_combined_heads: int | None = None) -> 
         )
 
 
+def pack_kv_lanes(kv_pages, num_kv_heads: int, rows: int | None = None):
+    """The lane-packed layout of interleaved pages: ``[..., page_size, C >= 2*Hkv, D]`` ->
+    ``[..., page_size, rows, 2*D]`` with row h = ``[K_h | V_h]`` (a reshape: heads 2h and 2h + 1
+    are adjacent) and rows past Hkv zero. ``rows``: None for ``lane_packed_rows(Hkv)``. The kernel
+    takes a cache whose minor dim is twice the queries' as this layout."""
+    kv = kv_pages[..., : 2 * num_kv_heads, :]
+    packed = kv.reshape(*kv.shape[:-2], num_kv_heads, 2 * kv.shape[-1])
+    rows = lane_packed_rows(num_kv_heads) if rows is None else rows
+    pad = [(0, 0)] * (packed.ndim - 2) + [(0, rows - num_kv_heads), (0, 0)]
+    return jnp.pad(packed, pad)
+
+
+def unpack_kv_lanes(kv_pages, num_kv_heads: int):
+    """``pack_kv_lanes``' inverse on the real heads: ``[..., page_size, rows, 2*D]`` ->
+    ``[..., page_size, 2*Hkv, D]`` interleaved."""
+    kv = kv_pages[..., :num_kv_heads, :]
+    return kv.reshape(*kv.shape[:-2], 2 * num_kv_heads, kv.shape[-1] // 2)
+
+
 def _first_seq_per_block(cu_q_lens, num_blocks: int, bq: int):
     """i32[NB]: the sequence owning each query block's first token (0 for padding blocks)."""
     starts = jnp.arange(num_blocks, dtype=jnp.int32) * bq
@@ -814,13 +859,18 @@ def ragged_paged_attention_tpu_stacked(
         num_kv_heads = cache_heads // 2
     num_combined = 2 * num_kv_heads
     byte_values = fp8_value_dtype(kv_cache.dtype, kv_dtype)
+    lane_packed = head_dim_kv == 2 * head_dim  # pack_kv_lanes' layout: a head's K | V in one row
+    if lane_packed and byte_values is not None:
+        raise NotImplementedError(
+            "the lane-packed KV layout is for 16/32-bit caches; FP8 keeps the padded one"
+        )
     if interpret is None:
         check_compiled_cache_dtype(kv_cache.dtype, cache_heads)
     num_slots, pages_per_seq = page_indices.shape
     if (
-        head_dim_kv != head_dim
+        (head_dim_kv != head_dim and not lane_packed)
         or num_kv_heads < 1
-        or num_combined > cache_heads
+        or (num_kv_heads if lane_packed else num_combined) > cache_heads
         or num_q_heads % num_kv_heads
     ):
         raise ValueError(
@@ -854,6 +904,8 @@ def ragged_paged_attention_tpu_stacked(
     score_scale = sm_scale * (1.0 if k_scale is None else k_scale)
     if score_scale != 1.0:  # in f32, rounded once to the query dtype (exact for powers of two)
         q = (q.astype(jnp.float32) * score_scale).astype(queries.dtype)
+    if lane_packed:  # zeros against the V lanes: q . [K | V] = q . K
+        q = jnp.pad(q, ((0, 0), (0, 0), (0, 0), (0, head_dim)))
     if new_kv is not None:
         if byte_values is None:
             new_kv = new_kv.astype(kv_cache.dtype)
@@ -861,8 +913,10 @@ def ragged_paged_attention_tpu_stacked(
             new_kv = new_kv.astype(byte_values)
             if kv_cache.dtype != byte_values:
                 new_kv = lax.bitcast_convert_type(new_kv, kv_cache.dtype)
-        if cache_heads > num_combined:
-            new_kv = jnp.pad(new_kv, ((0, 0), (0, cache_heads - num_combined), (0, 0)))
+        if lane_packed:  # interleaved K0 V0 K1 V1 ... -> rows [K_h | V_h]
+            new_kv = new_kv.reshape(num_tokens, num_kv_heads, head_dim_kv)
+        if cache_heads > new_kv.shape[1]:
+            new_kv = jnp.pad(new_kv, ((0, 0), (0, cache_heads - new_kv.shape[1]), (0, 0)))
 
     scalars = (
         jnp.asarray(layer, jnp.int32).reshape(1),
@@ -872,7 +926,7 @@ def ragged_paged_attention_tpu_stacked(
         num_seqs.astype(jnp.int32).reshape(1),
         _first_seq_per_block(cu_q_lens.astype(jnp.int32), num_blocks, bq),
     )
-    q_spec = pl.BlockSpec((1, num_kv_heads, bq * group, head_dim), lambda i, *_: (i, 0, 0, 0))
+    q_spec = pl.BlockSpec((1, num_kv_heads, bq * group, head_dim_kv), lambda i, *_: (i, 0, 0, 0))
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     if single_item_decode is None:  # the generation's default, measured on 16-bit caches only
         single_item_decode = generation_block_sizes().single_item_decode and byte_values is None
@@ -895,6 +949,7 @@ def ragged_paged_attention_tpu_stacked(
         packed_loads=interpret is None,
         byte_values=byte_values,
         single_item=single_item,
+        lane_packed=lane_packed,
     )
     if sinks is None or new_kv is None:
         kernel = functools.partial(_without_optional_inputs, kernel, sinks is not None, new_kv is not None)
@@ -905,19 +960,19 @@ def ragged_paged_attention_tpu_stacked(
         in_specs=[q_spec] + sinks_spec + ([any_spec] if new_kv is not None else []) + [any_spec],
         out_specs=[q_spec, any_spec],
         scratch_shapes=[
-            pltpu.VMEM((2, ppb * page_size * cache_heads, head_dim), kv_cache.dtype),
+            pltpu.VMEM((2, ppb * page_size * cache_heads, head_dim_kv), kv_cache.dtype),
             pltpu.SemaphoreType.DMA((2,)),
             pltpu.SemaphoreType.DMA(()),
             pltpu.SMEM((1,), jnp.int32),
             pltpu.VMEM((num_kv_heads, bq * group, 1), jnp.float32),
             pltpu.VMEM((num_kv_heads, bq * group, 1), jnp.float32),
-            pltpu.VMEM((num_kv_heads, bq * group, head_dim), jnp.float32),
+            pltpu.VMEM((num_kv_heads, bq * group, head_dim_kv), jnp.float32),
         ],
     )
     operands = (q,) + ((sinks,) if sinks is not None else ()) + ((new_kv,) if new_kv is not None else ())
     operands += (kv_cache,)
     num_layers, num_pages = kv_cache.shape[:2]
-    cache_2d = kv_cache.reshape(num_layers, num_pages, page_size * cache_heads, head_dim)
+    cache_2d = kv_cache.reshape(num_layers, num_pages, page_size * cache_heads, head_dim_kv)
     operands = operands[:-1] + (cache_2d,)
     out, cache_2d = pl.pallas_call(
         kernel,
@@ -938,6 +993,8 @@ def ragged_paged_attention_tpu_stacked(
         name=f"ragged_paged_attention_bq{bq}_p{ppb}{'_one_item' if single_item else ''}",
     )(*scalars, *operands)
 
+    if lane_packed:  # p @ [K | V] = [p.K | p.V]: the V lanes are the output
+        out = out[..., head_dim:]
     out = out.reshape(num_blocks, num_kv_heads, bq, group, head_dim).transpose(0, 2, 1, 3, 4)
     out = out.reshape(padded, num_q_heads, head_dim)[:num_tokens]
     return out, cache_2d.reshape(kv_cache.shape)

@@ -58,8 +58,8 @@ from device_timing import copy_bandwidth, time_calls, time_donating
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas.ops.tpu import ragged_paged_attention as jax_rpa
 
-from tpuserve.attention.kv_cache_shape import combined_heads, device_head_dim
-from tpuserve.attention.pallas_tpu import ragged_paged_attention_tpu_stacked
+from tpuserve.attention.kv_cache_shape import combined_heads, device_head_dim, lane_packed_rows
+from tpuserve.attention.pallas_tpu import pack_kv_lanes, ragged_paged_attention_tpu_stacked, unpack_kv_lanes
 from tpuserve.attention.reference import ragged_paged_attention_ref, write_kv_ref
 from tpuserve.kv_cache.layout import kv_cache_format
 
@@ -114,6 +114,13 @@ def parse_args(argv=None):
         help="its wheel or unzipped package (default: rpa_v3_peer.find_package's search)",
     )
     p.add_argument("--checks-only", action="store_true")
+    p.add_argument(
+        "--kv-layout",
+        choices=("padded", "lanes"),
+        default="padded",
+        help="our cache at head_dim 64: padded (2*Hkv rows of 128 lanes, the engine's today) or "
+        "lanes (pack_kv_lanes: a head's K | V in one 128-lane row, half the bytes); bf16/f32 only",
+    )
     p.add_argument(
         "--check-batches",
         default="mixed,decode,prefill",
@@ -205,6 +212,11 @@ def on_tpu() -> bool:
 
 def interpret_params():
     return None if on_tpu() else pltpu.InterpretParams(detect_races=False)
+
+
+def lanes_layout(args, d: int, fp8: bool) -> bool:
+    """Whether our cache takes the lane-packed layout at this head_dim (``--kv-layout lanes``)."""
+    return args.kv_layout == "lanes" and d == 64 and not fp8
 
 
 def engine_layout(cache):
@@ -376,6 +388,9 @@ def check_against_oracle(args, rpa_v3=None) -> list[dict]:
                             jnp.asarray(cache, dtype)[None],
                             {},
                         )
+                    lanes = lanes_layout(args, d, fp8)
+                    if lanes:
+                        cache_d = pack_kv_lanes(cache_d[:, :, :, : 2 * hkv], hkv)
                     try:
                         out, got_cache = ragged_paged_attention_tpu_stacked(
                             q_d,
@@ -409,6 +424,15 @@ def check_against_oracle(args, rpa_v3=None) -> list[dict]:
                     real = int(cu[len(seqs)])
                     got = np.asarray(out[:real].astype(jnp.float32))
                     err = float(np.max(np.abs(got - want[:real])))
+                    if lanes:  # back to interleaved heads; padding rows from hkv on
+                        rows = got_cache.shape[-2]
+                        got_cache = jnp.concatenate(
+                            [
+                                unpack_kv_lanes(got_cache, hkv),
+                                unpack_kv_lanes(got_cache[..., hkv:, :], rows - hkv),
+                            ],
+                            axis=-2,
+                        )
                     got_kv = np.asarray(got_cache[0, :, :, : 2 * hkv].astype(jnp.float32))
                     # (fp8: the uint8 codes themselves, compared as numbers: bit for bit)
                     want_kv_d = np.asarray(jnp.asarray(want_kv, cache_dtype).astype(jnp.float32))
@@ -557,7 +581,9 @@ def timing_point(
     base = jax.random.normal(key, (min(num_pages, 256), ps, c, d), dtype)
     if fp8:  # e4m3 codes of values ~N(0, 8): a realistic spread of exponents, stored as bytes
         base = jax.lax.bitcast_convert_type((base * 8).astype(values), cache_dtype)
-    cache = jax.jit(lambda b: b[jnp.arange(num_pages) % b.shape[0]][None])(base)
+    lanes = lanes_layout(args, d, fp8)
+    tiled = pack_kv_lanes(base, hkv) if lanes else base
+    cache = jax.jit(lambda b: b[jnp.arange(num_pages) % b.shape[0]][None])(tiled)
     cache, pinned = engine_layout(cache)
     q = jax.random.normal(jax.random.fold_in(key, 1), (t, hq, d), dtype)
     new_kv = jax.random.normal(jax.random.fold_in(key, 2), (t, 2 * hkv, d), dtype)
@@ -617,7 +643,7 @@ def timing_point(
             one_item = dict(one_item_error=f"{type(e).__name__}: {str(e)[:2000]}")
             print(f"  one-item path failed on {name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
     t_peer = peer_err = peer_blocks = None
-    if on_tpu() and c == 2 * hkv and not fp8:
+    if on_tpu() and c == 2 * hkv and not fp8 and not lanes:
         # jax's kernel reads the cache only (no alias, no copy). Its default blocks overflow v5e's
         # 16 MiB scoped VMEM at these shapes, so smaller KV blocks are tried in turn.
         for blocks in (
@@ -663,6 +689,8 @@ def timing_point(
     kv_bytes = int(np.sum(kv_lens)) * 2 * hkv * d * itemsize
     # What the DMAs move: whole padded token rows (C combined heads) of whole 128-lane tiles.
     dma_bytes = int(np.sum(kv_lens)) * c * device_head_dim("pallas_tpu", d) * itemsize
+    if lanes:  # rows of [K | V], Hkv padded to lane_packed_rows
+        dma_bytes = int(np.sum(kv_lens)) * lane_packed_rows(hkv) * 2 * d * itemsize
     flops = 4 * hq * d * sum(q * kv for q, kv in seqs)  # QK^T and PV (causal halves ignored)
     row = dict(
         name=name,
@@ -681,6 +709,7 @@ def timing_point(
         tflops=flops / t_ours / 1e12,
         jax_vs_ours_max_abs_diff=peer_err,
         head_dim=d,
+        kv_layout="lanes" if lanes else "padded",
         **one_item,
         **rpa,
     )

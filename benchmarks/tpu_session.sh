@@ -338,6 +338,18 @@ for s in $stages; do
           --like .tpu_carry/shapes/llama-8b-gqa --out /tmp/m/llama-8b-fp8 > /dev/null
       stage kv1024-8b 170 python benchmarks/tpu_e2e.py --models /tmp/m/llama-8b-fp8 --rounds 1 \
           --batches "" --engine-args '{"warmup": false}' --out "$out/kv1024_8b.json" ;;
+    lanes-hd64) # the lane-packed head_dim-64 cache (pack_kv_lanes, half the bytes) compiled: checked on
+               # every option (bf16 + f32, both paths), then against kernel_hd64 at the 1B heads
+      stage lanes-checks 150 python benchmarks/attention_tpu.py --checks-only --rpa-v3 off --num-q-heads 32 \
+          --num-kv-heads 8 --head-dim 64 --kv-layout lanes --check-dtypes bfloat16 \
+          --check-options plain,window_cap,sinks,one_item --check-batches decode,mixed --out "$out/lanes_checks.json"
+      stage lanes-decode "${HD64_LIMIT_S:-240}" python benchmarks/attention_tpu.py --rpa-v3 require --num-q-heads 32 \
+          --num-kv-heads 8 --head-dim 64 --kv-layout lanes --check-dtypes bfloat16 --check-options plain \
+          --check-batches decode --steps decode --batches 32,128 --contexts 192,1024 --out "$out/lanes_decode.json" ;;
+    lanes-mixed) # the same layout on the prefill and mixed steps, against kernel_hd64
+      stage lanes-mixed 200 python benchmarks/attention_tpu.py --rpa-v3 require --num-q-heads 32 \
+          --num-kv-heads 8 --head-dim 64 --kv-layout lanes --check-dtypes bfloat16 --check-options plain \
+          --check-batches mixed --steps prefill,mixed --out "$out/lanes_mixed.json" ;;
     layout-probe) # how XLA stores the dense head_dim-64 page candidates (HBM bytes, tiling) and whether
                # a Pallas call reads them through a uint32 view and writes a token in place
                # (docs/plans/dense-hd64-cache.md, the chip's first check)
