@@ -13,7 +13,13 @@ from tpuserve.attention.blocked import ragged_paged_attention_blocked
 
 # resolve_impl and kv_cache_shape live in a jax-free module (KV sizing needs them before jax);
 # re-exported here, next to the entry point that uses the shapes.
-from tpuserve.attention.kv_cache_shape import PADDED_HEAD_IMPLS, combined_heads, kv_cache_shape, resolve_impl  # noqa: F401
+from tpuserve.attention.kv_cache_shape import (  # noqa: F401
+    PADDED_HEAD_IMPLS,
+    combined_heads,
+    kv_cache_shape,
+    lane_packed_rows,
+    resolve_impl,
+)
 from tpuserve.attention.metadata import AttentionMetadata
 from tpuserve.attention.names import ATTENTION_IMPLS
 from tpuserve.attention.pallas_gpu import ragged_paged_attention_gpu_stacked
@@ -50,8 +56,15 @@ def interleave_kv(k, v):
     return jnp.stack([k, v], axis=2).reshape(t, 2 * h, d)
 
 
-def split_kv(kv, num_kv_heads: int | None = None):
-    """[..., C, D] -> (K, V), each [..., Hkv, D]; pass ``num_kv_heads`` when C carries padding."""
+def split_kv(kv, num_kv_heads: int | None = None, head_dim: int | None = None):
+    """[..., C, D] -> (K, V), each [..., Hkv, D]; pass ``num_kv_heads`` when C carries padding.
+    ``head_dim``: the model's; a cache whose minor dim is twice it is lane-packed (row h = K_h | V_h,
+    ``kv_cache_shape.lane_packed``), split on its lanes (padding rows come along without
+    ``num_kv_heads``)."""
+    if head_dim is not None and kv.shape[-1] == 2 * head_dim:
+        if num_kv_heads is not None:
+            kv = kv[..., :num_kv_heads, :]
+        return kv[..., :head_dim], kv[..., head_dim:]
     if num_kv_heads is not None:
         kv = kv[..., : 2 * num_kv_heads, :]
     return kv[..., 0::2, :], kv[..., 1::2, :]
@@ -156,6 +169,8 @@ def _attend(
     cache_heads = kv_cache.shape[-2]
     # Only the TPU kernel knows padding heads; the others read C as 2*Hkv and would misplace heads.
     allowed = (num_combined, combined_heads(impl, new_k.shape[1], kv_cache.dtype))
+    if impl in PADDED_HEAD_IMPLS and kv_cache.shape[-1] == 2 * new_k.shape[-1]:
+        allowed = (lane_packed_rows(new_k.shape[1]),)  # lane-packed: a row per KV head, padded
     if cache_heads not in allowed:
         raise ValueError(
             f"attention impl {impl!r} needs the KV cache's combined-head axis to be "

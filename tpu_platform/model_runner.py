@@ -43,6 +43,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from tpuserve.attention.dispatch import split_kv
 from tpuserve.attention.kv_cache_shape import kv_storage_dtype
 from tpuserve.attention.metadata import AttentionMetadata
 from tpuserve.attention.names import AttentionImpl
@@ -516,10 +517,10 @@ class ModelRunner:
                     mesh=self.mesh,
                     expert_parallel=self.expert_parallel,
                 ).kv_cache
-            # Combined heads interleave K (even) and V (odd); padding heads and unwritten rows
-            # are zeros, which never raise an amax.
-            kv = jnp.abs(kv.astype(jnp.float32))
-            return jnp.max(kv[..., 0::2, :]), jnp.max(kv[..., 1::2, :])
+            # K and V as the cache's layout holds them (interleaved heads, or K | V lanes of a
+            # lane-packed row); padding and unwritten rows are zeros, which never raise an amax.
+            k, v = split_kv(kv, head_dim=self.arch.head_dim)
+            return jnp.max(jnp.abs(k.astype(jnp.float32))), jnp.max(jnp.abs(v.astype(jnp.float32)))
 
         k_amax, v_amax = jax.jit(amax)(
             self.params, cache, put(tokens), put(positions), md, jnp.asarray(self.arch.inv_freq())

@@ -443,11 +443,13 @@ def test_attend_without_writing_on_padded_cache():
 
 
 @pytest.mark.timeout(300)
-def test_dispatch_on_allocated_padded_cache():
-    """The engine's path: KVCacheSpec.allocate('pallas_tpu_interpret') (f32: 2 -> 8 heads), two
-    jitted layers through dispatch == 'reference' on the unpadded allocation."""
+@pytest.mark.parametrize("head_dim", [64, 32], ids=["lane-packed", "padded"])
+def test_dispatch_on_allocated_padded_cache(head_dim):
+    """The engine's path: KVCacheSpec.allocate('pallas_tpu_interpret'), two jitted layers through
+    dispatch == 'reference' on the unpadded allocation. head_dim 64: the lane-packed layout (one
+    row of K | V per head, 1 -> 8 rows); 32: the padded one (f32: 2 -> 8 combined heads)."""
     case_args, kwargs = PADDED_CASES["hkv1_g4"]
-    case = cases.make_case(2, **case_args, **cases.SHAPES)
+    case = cases.make_case(2, **{**case_args, "head_dim": head_dim}, **cases.SHAPES)
     spec = KVCacheSpec(2, *case.kv_pages.shape[:2], 1, case.kv_pages.shape[-1], jnp.float32)
     new_k, new_v = split_kv(case.new_kv)
     md = AttentionMetadata(*case.metadata)
@@ -466,9 +468,16 @@ def test_dispatch_on_allocated_padded_cache():
 
     got, out = step("pallas_tpu_interpret")
     want, want_out = step("reference")
-    assert got.shape == (2, *case.kv_pages.shape[:2], 8, case.kv_pages.shape[-1])
-    np.testing.assert_array_equal(cases.f32(got[..., :2, :]), cases.f32(want))
-    assert not cases.f32(got[..., 2:, :]).any()
+    packed = head_dim == 64
+    assert got.shape == (2, *case.kv_pages.shape[:2], 8, (2 if packed else 1) * head_dim)
+    if packed:
+        from tpuserve.attention.pallas_tpu import unpack_kv_lanes
+
+        np.testing.assert_array_equal(cases.f32(unpack_kv_lanes(got, 1)), cases.f32(want))
+        assert not cases.f32(got[..., 1:, :]).any()
+    else:
+        np.testing.assert_array_equal(cases.f32(got[..., :2, :]), cases.f32(want))
+        assert not cases.f32(got[..., 2:, :]).any()
     np.testing.assert_allclose(cases.f32(out), cases.f32(want_out), atol=1e-4, rtol=1e-4)
 
 

@@ -314,17 +314,19 @@ def test_exports_for_tpu(num_tokens, storage, options):
 
 
 def test_fp8_page_bytes_against_bf16():
-    """What the padded layout costs (the memory plan's page_bytes): with up to 8 KV heads a token of
-    an fp8 cache takes as many bytes as bf16's (32 rows of 1 byte vs 16 of 2); 16 KV heads halve it.
-    Llama-3.2-1B: 16 layers x 4,096 B = 64 KiB a token in both (kv_cache_shape's docstring)."""
+    """What each layout costs (the memory plan's page_bytes). head_dim 128: with up to 8 KV heads a
+    token of an fp8 cache takes as many bytes as bf16's (32 rows of 1 byte vs 16 of 2); 16 KV heads
+    halve it. head_dim 64 (Llama-3.2-1B): bf16 is lane-packed, 16 layers x 2,048 B = 32 KiB a token,
+    its payload; the fp8 cache keeps the padded 4,096 B (no lane-packed FP8 kernel yet), twice
+    bf16's."""
     hq, hkv, d = llama_1b_shape()
 
     def per_token(num_kv_heads, head_dim, dtype, layers=16):
         spec = KVCacheSpec(layers, 1, 16, num_kv_heads, head_dim, dtype)
         return spec.page_bytes("pallas_tpu") // 16, spec.bytes_per_page // 16
 
-    assert per_token(hkv, d, jnp.bfloat16) == (16 * 4096, 16 * 2048)
-    assert per_token(hkv, d, jnp.uint8) == (16 * 4096, 16 * 1024)  # same bytes, half the payload
+    assert per_token(hkv, d, jnp.bfloat16) == (16 * 2048, 16 * 2048)  # lane-packed: the payload
+    assert per_token(hkv, d, jnp.uint8) == (16 * 4096, 16 * 1024)  # padded: 4x its payload
     assert per_token(8, 128, jnp.uint8)[0] == per_token(8, 128, jnp.bfloat16)[0]  # Llama-3-8B
     assert 2 * per_token(16, 128, jnp.uint8)[0] == per_token(16, 128, jnp.bfloat16)[0]
 
