@@ -632,9 +632,17 @@ def _load_kv_head(
     ``lane_packed`` (``pack_kv_lanes``'s layout, head_dim 64): row h of a token is ``[K_h | V_h]``
     in 128 lanes, so K and V come back as that same ``[kv_block, 2*D]`` row: the queries carry
     zeros in the V lanes (scores see K only) and the caller keeps the V lanes of ``p @ row``. In
-    bf16 one uint32 word row holds heads 2w (low half) and 2w + 1 (high half).
+    bf16 one uint32 word row holds heads 2w (low half) and 2w + 1 (high half); with ``byte_values``
+    (1-byte FP8 codes) a word holds heads 4w .. 4w + 3, head 4w + j in byte j, decoded to f32.
     """
     if lane_packed:
+        if byte_values is not None:
+            words = {} if words is None else words
+            if h // 4 not in words:
+                words.clear()
+                words[h // 4] = _packed_byte_rows(buf, h // 4, kv_block, cache_heads, packed_loads)
+            row = _fp8_to_f32(lax.shift_right_logical(words[h // 4], 8 * (h % 4)) & 0xFF, byte_values)
+            return row, row
         if jnp.dtype(buf.dtype).itemsize == 4 or not packed_loads:
             row = buf[pl.ds(h, kv_block, stride=cache_heads), :]
             return row, row
@@ -860,10 +868,6 @@ def ragged_paged_attention_tpu_stacked(
     num_combined = 2 * num_kv_heads
     byte_values = fp8_value_dtype(kv_cache.dtype, kv_dtype)
     lane_packed = head_dim_kv == 2 * head_dim  # pack_kv_lanes' layout: a head's K | V in one row
-    if lane_packed and byte_values is not None:
-        raise NotImplementedError(
-            "the lane-packed KV layout is for 16/32-bit caches; FP8 keeps the padded one"
-        )
     if interpret is None:
         check_compiled_cache_dtype(kv_cache.dtype, cache_heads)
     num_slots, pages_per_seq = page_indices.shape

@@ -346,6 +346,12 @@ for s in $stages; do
       stage lanes-decode "${HD64_LIMIT_S:-240}" python benchmarks/attention_tpu.py --rpa-v3 require --num-q-heads 32 \
           --num-kv-heads 8 --head-dim 64 --kv-layout lanes --check-dtypes bfloat16 --check-options plain \
           --check-batches decode --steps decode --batches 32,128 --contexts 192,1024 --out "$out/lanes_decode.json" ;;
+    lanes-fp8) # the lane-packed FP8 cache (four heads' codes a word, 1 KiB a token a layer at the 1B
+               # shape) compiled: checked, then its b128 decode beside the bf16 lane-packed one
+      stage lanes-fp8 200 python benchmarks/attention_tpu.py --rpa-v3 off --num-q-heads 32 --num-kv-heads 8 \
+          --head-dim 64 --kv-layout lanes --kv-dtype bfloat16,fp8 --check-dtypes fp8 \
+          --check-options plain,window_cap,sinks,one_item --check-batches decode,mixed --steps decode \
+          --batches 128 --contexts 1024 --out "$out/lanes_fp8.json" ;;
     lanes-mixed) # the same layout on the prefill and mixed steps, against kernel_hd64
       stage lanes-mixed 200 python benchmarks/attention_tpu.py --rpa-v3 require --num-q-heads 32 \
           --num-kv-heads 8 --head-dim 64 --kv-layout lanes --check-dtypes bfloat16 --check-options plain \

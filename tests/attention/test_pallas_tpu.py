@@ -564,20 +564,26 @@ def test_lane_packed_cache_matches_reference_and_oracle(name, block):
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("num_tokens", [32, 64], ids=["decode", "mixed"])
-def test_lane_packed_cache_lowers_to_mosaic(num_tokens):
-    """The lane-packed bf16 kernel (the uint32 word loads of two heads' [K | V] rows) lowers for
-    TPU at the 1B shape (32 q / 8 KV heads, head_dim 64: an [8, 128] page row a token)."""
+@pytest.mark.parametrize(
+    "num_tokens,cache_dtype",
+    [(32, jnp.bfloat16), (64, jnp.bfloat16), (32, jnp.uint8)],
+    ids=["decode", "mixed", "decode-fp8"],
+)
+def test_lane_packed_cache_lowers_to_mosaic(num_tokens, cache_dtype):
+    """The lane-packed kernel (uint32 word loads of two bf16 heads' [K | V] rows, or four FP8
+    heads' codes) lowers for TPU at the 1B shape (32 q / 8 KV heads, head_dim 64: an [8, 128] page
+    row a token)."""
     slots, hq, hkv, d = 32, 32, 8, 64
+    fp8 = cache_dtype == jnp.uint8
     args = (
         jax.ShapeDtypeStruct((num_tokens, hq, d), jnp.bfloat16),
-        jax.ShapeDtypeStruct((num_tokens, 2 * hkv, d), jnp.bfloat16),
-        jax.ShapeDtypeStruct((2, 1025, 16, 8, 2 * d), jnp.bfloat16),
+        jax.ShapeDtypeStruct((num_tokens, 2 * hkv, d), jnp.float8_e4m3fn if fp8 else jnp.bfloat16),
+        jax.ShapeDtypeStruct((2, 1025, 16, 8, 2 * d), cache_dtype),
         jax.ShapeDtypeStruct((), jnp.int32),
         jax.ShapeDtypeStruct((slots,), jnp.int32),
         jax.ShapeDtypeStruct((slots, 64), jnp.int32),
         jax.ShapeDtypeStruct((slots + 1,), jnp.int32),
         jax.ShapeDtypeStruct((1,), jnp.int32),
     )
-    text = _lowered_for_tpu(args)
+    text = _lowered_for_tpu(args, **(dict(kv_dtype=jnp.float8_e4m3fn) if fp8 else {}))
     assert "tpu_custom_call" in text

@@ -368,3 +368,36 @@ def test_dispatch_fp8_bytes_in_layer_scan():
     np.testing.assert_array_equal(np.asarray(got)[..., : 2 * hkv, :], np.asarray(want))
     assert not np.asarray(got)[..., 2 * hkv :, :].any()
     np.testing.assert_allclose(cases.f32(out), cases.f32(want_out), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("name", ["decode_g4_d64", "mixed_g2_hkv3"])
+def test_fp8_lane_packed_cache_matches_reference(name):
+    """The lane-packed FP8 cache (a head's K | V codes in one 128-lane byte row, four heads a
+    32-bit word) == the reference reading the same bytes interleaved; the written bytes, unpacked,
+    == the quantized step's K/V placed as ``write_kv_ref`` places them."""
+    from tpuserve.attention.pallas_tpu import pack_kv_lanes, unpack_kv_lanes
+
+    case, kwargs, (bq, ppb), dtype, stored, old, new = fp8_step(name)
+    hkv = case.new_kv.shape[1] // 2
+    cache = pack_kv_lanes(jnp.asarray(as_bytes(old)), hkv)
+    assert cache.shape[-2:] == (8, 2 * old.shape[-1]) and cache.dtype == jnp.uint8
+    out, kv = ragged_paged_attention_tpu(
+        case.queries,
+        jnp.asarray(new),
+        cache,
+        *case.metadata,
+        kv_dtype=dtype,
+        interpret=RACES,
+        num_queries_per_block=bq,
+        num_kv_pages_per_block=ppb,
+        **kwargs,
+    )
+    jax.block_until_ready((out, kv))
+    assert not races_found(), "the race detector reported a data race"
+    want_kv = write_kv_ref(jnp.asarray(as_bytes(old)), jnp.asarray(as_bytes(new)), *case.metadata)
+    written = unpack_kv_lanes(kv, hkv)
+    np.testing.assert_array_equal(as_bytes(written), as_bytes(want_kv))
+    assert not as_bytes(kv[..., hkv:, :]).any()
+    ref = ragged_paged_attention_ref(case.queries, written, *case.metadata, kv_dtype=dtype, **kwargs)
+    np.testing.assert_allclose(cases.f32(out), cases.f32(ref), **cases.tolerance(jnp.float32))
