@@ -26,6 +26,13 @@ In the 2-D view K of head h for a KV block is one sublane-strided load
 (``pl.ds(2*h, kv_block, stride=C)``), the pattern jax's own TPU kernel uses; for bf16 the compiled
 kernel strides a uint32 view instead (``_load_kv_head``).
 
+Lane-packed cache (head_dim 64: ``pack_kv_lanes``, ``kv_cache_shape.lane_packed``): a cache whose
+minor dim is twice the queries' holds row h = ``[K_h | V_h]`` (C = Hkv rounded up to 8), half the
+bytes of padding 64 to 128 lanes. The queries are zero-padded to 128 lanes, so ``q . [K | V]`` is
+``q . K``, and ``p @ [K | V]`` carries ``p . V`` in its upper 64 lanes, which the wrapper returns:
+no lane slicing inside the kernel. bf16 words hold heads 2w / 2w + 1, FP8 words heads 4w .. 4w + 3.
+On a v5e (1B heads) a b128 x 1024 decode step took 516 us against 792 padded.
+
 FP8 cache: 1-byte float8_e4m3fn / float8_e5m2 codes, stored as uint8 by the engine
 (``kv_storage_dtype``, ``kv_dtype=`` here; a float8-typed cache works too). Pages move by the same
 DMAs; the new rows arrive quantized (``quantize_kv``) and are DMA'd as bytes. Reads stride the
