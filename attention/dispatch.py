@@ -168,7 +168,7 @@ def _attend(
     num_combined = 2 * new_k.shape[1]
     cache_heads = kv_cache.shape[-2]
     # Only the TPU kernel knows padding heads; the others read C as 2*Hkv and would misplace heads.
-    allowed = (num_combined, combined_heads(impl, new_k.shape[1], kv_cache.dtype))
+    allowed: tuple[int, ...] = (num_combined, combined_heads(impl, new_k.shape[1], kv_cache.dtype))
     if impl in PADDED_HEAD_IMPLS and kv_cache.shape[-1] == 2 * new_k.shape[-1]:
         allowed = (lane_packed_rows(new_k.shape[1]),)  # lane-packed: a row per KV head, padded
     if cache_heads not in allowed:

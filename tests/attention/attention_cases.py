@@ -113,6 +113,17 @@ def oracle(case: Case, kv_pages, **kwargs):
     return run(case.queries, kv_pages)
 
 
+def check_step(case: Case, kwargs: dict, dtype, out, kv_pages):
+    """A kernel's step against both oracles: ``kv_pages`` (the written cache, in the interleaved
+    layout) == the reference's exactly, ``out`` == the reference's and == jax's oracle's on the real
+    tokens, within ``dtype``'s tolerance."""
+    want, want_kv = expected(case, **kwargs)
+    np.testing.assert_array_equal(f32(kv_pages), f32(want_kv))
+    np.testing.assert_allclose(f32(out), f32(want), **tolerance(dtype))
+    n = case.num_real_tokens
+    np.testing.assert_allclose(f32(out[:n]), f32(oracle(case, want_kv, **kwargs)), **tolerance(dtype))
+
+
 def f32(x):
     return np.asarray(jnp.asarray(x, jnp.float32))
 

@@ -39,13 +39,7 @@ def run_and_check(case, kwargs, dtype, **config):
     out, kv = ragged_paged_attention_gpu(
         case.queries, case.new_kv, case.kv_pages, *case.metadata, interpret=True, **config, **kwargs
     )
-    want, want_kv = cases.expected(case, **kwargs)
-    np.testing.assert_array_equal(cases.f32(kv), cases.f32(want_kv))
-    np.testing.assert_allclose(cases.f32(out), cases.f32(want), **cases.tolerance(dtype))
-    n = case.num_real_tokens
-    np.testing.assert_allclose(
-        cases.f32(out[:n]), cases.f32(cases.oracle(case, want_kv, **kwargs)), **cases.tolerance(dtype)
-    )
+    cases.check_step(case, kwargs, dtype, out, kv)
 
 
 @pytest.mark.timeout(240)

@@ -34,13 +34,7 @@ def run_and_check(case, kwargs, dtype, **block):
     )
     jax.block_until_ready((out, kv))
     assert not races_found(), "the race detector reported a data race"
-    want, want_kv = cases.expected(case, **kwargs)
-    np.testing.assert_array_equal(cases.f32(kv), cases.f32(want_kv))
-    np.testing.assert_allclose(cases.f32(out), cases.f32(want), **cases.tolerance(dtype))
-    n = case.num_real_tokens
-    np.testing.assert_allclose(
-        cases.f32(out[:n]), cases.f32(cases.oracle(case, want_kv, **kwargs)), **cases.tolerance(dtype)
-    )
+    cases.check_step(case, kwargs, dtype, out, kv)
     return out
 
 
@@ -553,14 +547,8 @@ def test_lane_packed_cache_matches_reference_and_oracle(name, block):
     )
     jax.block_until_ready((out, kv))
     assert not races_found(), "the race detector reported a data race"
-    want, want_kv = cases.expected(case, **kwargs)
-    np.testing.assert_array_equal(cases.f32(unpack_kv_lanes(kv, hkv)), cases.f32(want_kv))
+    cases.check_step(case, kwargs, dtype, out, unpack_kv_lanes(kv, hkv))
     assert not cases.f32(kv[..., hkv:, :]).any()
-    np.testing.assert_allclose(cases.f32(out), cases.f32(want), **cases.tolerance(dtype))
-    n = case.num_real_tokens
-    np.testing.assert_allclose(
-        cases.f32(out[:n]), cases.f32(cases.oracle(case, want_kv, **kwargs)), **cases.tolerance(dtype)
-    )
 
 
 @pytest.mark.timeout(240)
