@@ -214,10 +214,9 @@ def interpret_params():
     return None if on_tpu() else pltpu.InterpretParams(detect_races=False)
 
 
-def lanes_layout(args, d: int, fp8: bool) -> bool:
+def lanes_layout(args, d: int) -> bool:
     """Whether our cache takes the lane-packed layout at this head_dim (``--kv-layout lanes``; an
     FP8 cache too, four heads' codes a 32-bit word)."""
-    del fp8
     return args.kv_layout == "lanes" and d == 64
 
 
@@ -390,7 +389,7 @@ def check_against_oracle(args, rpa_v3=None) -> list[dict]:
                             jnp.asarray(cache, dtype)[None],
                             {},
                         )
-                    lanes = lanes_layout(args, d, fp8)
+                    lanes = lanes_layout(args, d)
                     if lanes:
                         cache_d = pack_kv_lanes(cache_d[:, :, :, : 2 * hkv], hkv)
                     try:
@@ -583,7 +582,7 @@ def timing_point(
     base = jax.random.normal(key, (min(num_pages, 256), ps, c, d), dtype)
     if fp8:  # e4m3 codes of values ~N(0, 8): a realistic spread of exponents, stored as bytes
         base = jax.lax.bitcast_convert_type((base * 8).astype(values), cache_dtype)
-    lanes = lanes_layout(args, d, fp8)
+    lanes = lanes_layout(args, d)
     tiled = pack_kv_lanes(base, hkv) if lanes else base
     cache = jax.jit(lambda b: b[jnp.arange(num_pages) % b.shape[0]][None])(tiled)
     cache, pinned = engine_layout(cache)
