@@ -19,7 +19,7 @@ What that costs an FP8 cache (``page_bytes``; the memory plan counts it): a toke
 ``C x 128-lane rows x itemsize`` bytes a layer. With 2*Hkv <= 16 per device, bf16 pads to 16 rows
 of 2 bytes and fp8 to 32 rows of 1 byte: the same bytes. Llama-3.2-1B (8 KV heads, head_dim 64 in
 128 lanes) in this padded layout: 4,096 B a token a layer in bf16 and in fp8 (payload 2,048 and
-1,024); its bf16 cache is lane-packed instead (below: 2,048 B), its fp8 one not yet. Llama-3-8B (8 KV
+1,024); it is lane-packed instead (below: 2,048 B bf16, 1,024 B fp8). Llama-3-8B (8 KV
 heads, d 128): 4,096 both. Only 2*Hkv > 16 per device gains (2x at 16 KV heads). Follow-up for a
 dense 8-bit layout: two token rows of 16 combined heads sharing one 32-row tile - the cache as
 ``[L, P, page_size / 2, 32, D]`` (or 4-D ``[L, P, page_size*C, D]``), whose 2-D view is the same
@@ -28,10 +28,10 @@ half a tile, which Mosaic cannot DMA into HBM (a read-modify-write of the tile, 
 to an in-place XLA scatter outside the kernel), and every consumer of the 5-D page shape (write_kv_ref,
 the page movers, host tier, P/D transfer between impls) must take the new shape.
 
-Lane-packed (the TPU kernel, head_dim 64, 16/32-bit: ``lane_packed``): a page is ``[page_size, C,
+Lane-packed (the TPU kernel, head_dim 64, any cache width: ``lane_packed``): a page is ``[page_size, C,
 128]`` with row h = ``[K_h | V_h]`` and C = Hkv rounded up to 8 per shard (``lane_packed_rows``),
 so head_dim 64 no longer leaves half of every 128-lane row empty: 2,048 B a token a layer at the 1B
-shape, its payload. Measured on a v5e (benchmarks/RESULTS.md, 2026-12-07): a b128 x 1024 decode
+shape in bf16 and 1,024 B in fp8 (eight 1-byte rows: one (8, 128) tile of 4-row words), its payload. Measured on a v5e (benchmarks/RESULTS.md, 2026-12-07): a b128 x 1024 decode
 step's attention 792 -> 516 us.
 """
 
@@ -182,6 +182,7 @@ def kv_cache_shape(impl: str, spec) -> tuple[int, int, int, int, int]:
 
 def lane_packed(impl: str, head_dim: int, dtype) -> bool:
     """Whether ``impl``'s cache is lane-packed (``lane_packed_rows``): the TPU kernel's, for
-    head_dim 64 (K | V fill one 128-lane row) and 16/32-bit values. A 1-byte cache keeps the
-    padded layout (its kernel reads four heads' bytes a word; not written for this one yet)."""
-    return impl in PADDED_HEAD_IMPLS and 2 * head_dim == TPU_LANES and np.dtype(dtype).itemsize >= 2
+    head_dim 64 (K | V fill one 128-lane row), at every cache width (a 1-byte cache's kernel reads
+    four heads' codes a 32-bit word)."""
+    del dtype  # every width the kernel takes (checked compiled on a v5e, benchmarks/RESULTS.md)
+    return impl in PADDED_HEAD_IMPLS and 2 * head_dim == TPU_LANES

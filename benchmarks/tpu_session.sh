@@ -352,6 +352,12 @@ for s in $stages; do
           --head-dim 64 --kv-layout lanes --kv-dtype bfloat16,fp8 --check-dtypes fp8 \
           --check-options plain,window_cap,sinks,one_item --check-batches decode,mixed --steps decode \
           --batches 128 --contexts 1024 --out "$out/lanes_fp8.json" ;;
+    e2e-1b-kv8) # the 1B shape's decode with an FP8 KV cache (lane-packed since 2026-12-07: 1 KiB a
+               # token a layer), as e2e-1b's decode points: what --kv-cache-dtype fp8 costs a user
+      checkpoint llama-1b-gqa
+      stage e2e-1b-kv8 220 python benchmarks/tpu_e2e.py --models /tmp/m/llama-1b-gqa --rounds 1 \
+          --batches 1,32,128 --prefill "" --engine-args '{"kv_cache_dtype": "fp8"}' \
+          --out "$out/e2e_1b_kv8.json" ;;
     lanes-mixed) # the same layout on the prefill and mixed steps, against kernel_hd64
       stage lanes-mixed 200 python benchmarks/attention_tpu.py --rpa-v3 require --num-q-heads 32 \
           --num-kv-heads 8 --head-dim 64 --kv-layout lanes --check-dtypes bfloat16 --check-options plain \

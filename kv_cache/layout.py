@@ -18,7 +18,7 @@ The attention backend chooses C (``attention/kv_cache_shape.py``, ``kv_cache_sha
   last two dims, so a ``[C, D]`` slice below the tile costs a whole tile anyway; padding makes the
   kernel's ``[page_size*C, D]`` page view a free bitcast. Combined heads ``2*Hkv .. C-1`` are
   padding: zero at allocation, never written, never read into the attention math.
-* ``pallas_tpu`` for head_dim 64 with a 16/32-bit cache: *lane-packed*, ``[page_size, C, 128]``
+* ``pallas_tpu`` for head_dim 64 (any cache width): *lane-packed*, ``[page_size, C, 128]``
   with row h = ``[K_h | V_h]`` and C = Hkv rounded up to 8 (``kv_cache_shape.lane_packed``;
   ``pack_kv_lanes`` / ``unpack_kv_lanes`` convert). Page movers, the host tier and P/D move its
   pages as bytes like any other; ``KVLayout`` tells the two layouts apart by C and D.

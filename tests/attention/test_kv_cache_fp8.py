@@ -66,9 +66,14 @@ def bits(x):
 
 
 def padded(pages, impl, num_kv_heads, dtype):
-    """[P, ps, 2*Hkv, D] -> impl's [1, P, ps, C, D] layer-stacked cache (padding heads zero)."""
+    """[P, ps, 2*Hkv, D] -> impl's [1, P, ps, C, D] layer-stacked cache (padding heads zero; the
+    TPU kernel's head_dim-64 cache lane-packed, row h = [K_h | V_h])."""
     spec = KVCacheSpec(1, pages.shape[0], pages.shape[1], num_kv_heads, pages.shape[3], dtype)
     shape = kv_cache_shape(impl, spec)
+    if shape[-1] == 2 * pages.shape[3]:
+        from tpuserve.attention.pallas_tpu import pack_kv_lanes
+
+        return pack_kv_lanes(jnp.asarray(pages), num_kv_heads, shape[-2])[None]
     out = np.zeros(shape, np.asarray(pages).dtype)
     out[0, ..., : pages.shape[2], :] = np.asarray(pages)
     return jnp.asarray(out)

@@ -27,7 +27,7 @@ import pytest
 from pallas_interpret import RACES, fresh_interpreter, races_found  # noqa: F401 (autouse fixture)
 
 from tpuserve.attention.dispatch import kv_cache_shape
-from tpuserve.attention.kv_cache_shape import kv_storage_dtype
+from tpuserve.attention.kv_cache_shape import combined_heads, kv_storage_dtype
 from tpuserve.attention.pallas_tpu import (
     _fp8_to_f32,
     check_compiled_cache_dtype,
@@ -132,9 +132,9 @@ def fp8_step(name, seed=0):
 
 
 def padded_cache(old, num_kv_heads, stored):
-    """Unpadded [P, ps, 2*Hkv, D] codes -> the kernel's [P, ps, C, D] cache in ``stored`` dtype."""
-    spec = KVCacheSpec(1, old.shape[0], old.shape[1], num_kv_heads, old.shape[3], stored)
-    shape = kv_cache_shape("pallas_tpu", spec)[1:]
+    """Unpadded [P, ps, 2*Hkv, D] codes -> the kernel's padded [P, ps, C, D] cache in ``stored``
+    dtype (the engine's layout for head_dim 128; head_dim 64 it lane-packs, tested below)."""
+    shape = (*old.shape[:2], combined_heads("pallas_tpu", num_kv_heads, stored), old.shape[3])
     assert shape[2] % 32 == 0, shape  # the 8-bit tile
     out = np.zeros(shape, np.uint8)
     out[..., : old.shape[2], :] = old.view(np.uint8)
@@ -270,7 +270,8 @@ def llama_1b_shape():
 )
 def test_exports_for_tpu(num_tokens, storage, options):
     """``jax.export`` for platforms=["tpu"] of a jitted step over the FP8 kernel, the cache donated,
-    at the Llama-3.2-1B shape (32 q / 8 KV heads, head_dim 64: C = 32 byte rows) with the engine's
+    at the Llama-3.2-1B shape (32 q / 8 KV heads, head_dim 64: the engine's lane-packed cache, 8
+    rows of a head's K | V codes in 128 byte lanes) with the engine's
     default block sizes: the kernel lowers to a Mosaic custom call without a TPU, and the cache
     stays aliased to the output (updated in place). Mosaic's own passes run only on a chip."""
     hq, hkv, d = llama_1b_shape()
@@ -278,7 +279,7 @@ def test_exports_for_tpu(num_tokens, storage, options):
     stored = np.dtype(np.uint8) if storage == "bytes" else np.dtype(E4M3)
     spec = KVCacheSpec(layers, pages, ps, hkv, d, stored)
     shape = kv_cache_shape("pallas_tpu", spec)
-    assert shape[3] == 32
+    assert shape[3:] == (8, 2 * d)
     args = (
         jax.ShapeDtypeStruct((num_tokens, hq, d), jnp.bfloat16),
         jax.ShapeDtypeStruct((num_tokens, 2 * hkv, d), E4M3),
@@ -316,9 +317,8 @@ def test_exports_for_tpu(num_tokens, storage, options):
 def test_fp8_page_bytes_against_bf16():
     """What each layout costs (the memory plan's page_bytes). head_dim 128: with up to 8 KV heads a
     token of an fp8 cache takes as many bytes as bf16's (32 rows of 1 byte vs 16 of 2); 16 KV heads
-    halve it. head_dim 64 (Llama-3.2-1B): bf16 is lane-packed, 16 layers x 2,048 B = 32 KiB a token,
-    its payload; the fp8 cache keeps the padded 4,096 B (no lane-packed FP8 kernel yet), twice
-    bf16's."""
+    halve it. head_dim 64 (Llama-3.2-1B): both are lane-packed, their payload: 16 layers x 2,048 B
+    = 32 KiB a token in bf16, half that in fp8."""
     hq, hkv, d = llama_1b_shape()
 
     def per_token(num_kv_heads, head_dim, dtype, layers=16):
@@ -326,7 +326,7 @@ def test_fp8_page_bytes_against_bf16():
         return spec.page_bytes("pallas_tpu") // 16, spec.bytes_per_page // 16
 
     assert per_token(hkv, d, jnp.bfloat16) == (16 * 2048, 16 * 2048)  # lane-packed: the payload
-    assert per_token(hkv, d, jnp.uint8) == (16 * 4096, 16 * 1024)  # padded: 4x its payload
+    assert per_token(hkv, d, jnp.uint8) == (16 * 1024, 16 * 1024)  # lane-packed: the payload
     assert per_token(8, 128, jnp.uint8)[0] == per_token(8, 128, jnp.bfloat16)[0]  # Llama-3-8B
     assert 2 * per_token(16, 128, jnp.uint8)[0] == per_token(16, 128, jnp.bfloat16)[0]
 

@@ -249,7 +249,7 @@ def test_tpu_step_runs_an_fp8_cache_in_the_kernel_in_place(loop):
     b = r._empty_batch(8, r.page_buckets[0])
     spec = r._cache_spec(64)
     shape = spec.shape_for(r.attn_impl)
-    assert shape[3] == 32  # 2 KV heads -> 4 combined heads, padded to the 32-row 8-bit tile
+    assert shape[3:] == (8, 128)  # head_dim 64: lane-packed, 2 KV heads' [K | V] rows padded to 8
     cache = jax.ShapeDtypeStruct(shape, spec.dtype)
     text = r._step.trace(*r.step_args(b, kv_cache=cache)).lower(lowering_platforms=("tpu",)).as_text()
     main = next(line for line in text.splitlines() if "func.func public @main" in line)
