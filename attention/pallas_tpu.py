@@ -107,9 +107,6 @@ Decode fast path (``single_item_decode``, on by default on v5e for 16-bit caches
 and a KV block as wide as the page table, every grid step is exactly one item, so the softmax is
 taken at once in registers (no running max / sum / accumulator in VMEM, no item loop).
 
-The one-item path keeps ``decode_prefetch`` KV slots: the pages of that many sequences minus one
-are in flight while one is computed, since a short row's compute takes less than a DMA's latency.
-
 Decode path: when the step has no more tokens than sequence slots (a decode or near-decode batch)
 the default is bq = 1, so each grid step is one sequence with exactly G MXU rows instead of bq*G
 mostly-masked ones, and the cross-step prefetch keeps the KV stream continuous - the classic
@@ -152,9 +149,6 @@ class BlockSizes:
     decode_kv_tokens_per_block: int | None = None  # decode-only steps (None: kv_tokens_per_block)
     # What ``single_item_decode=None`` means on this generation (the one-item decode path).
     single_item_decode: bool = False
-    # KV slots of the one-item decode path (``decode_prefetch``): the pages of the next slots - 1
-    # sequences stream while one is computed.
-    decode_prefetch: int = 2
     # Scoped VMEM the kernel asks Mosaic for (None: Mosaic's default, 16 MiB on v5e), so blocks
     # whose softmax temporaries outgrow the default still compile.
     vmem_limit_bytes: int | None = None
@@ -270,8 +264,8 @@ def _kernel(
     o_ref,  # VMEM [1, Hkv, bq*G, D]
     kv_hbm,  # ANY [L, P, page_size*C, D]: row r*C + c is token row r, combined head c
     # scratch
-    kv_buf,  # VMEM [kv_slots, kv_block*C, D], same row order
-    kv_sems,  # DMA semaphores [kv_slots]
+    kv_buf,  # VMEM [2, kv_block*C, D], same row order
+    kv_sems,  # DMA semaphores [2]
     write_sem,  # DMA semaphore [1]
     next_slot_ref,  # SMEM i32[1]: slot holding the current step's first KV block
     m_ref,  # VMEM f32 [Hkv, bq*G, 1]
@@ -293,7 +287,6 @@ def _kernel(
     byte_values=None,
     single_item: bool = False,
     lane_packed: bool = False,
-    kv_slots: int = 2,
 ):
     del kv_in_hbm  # same buffer as kv_hbm; every read and write goes through the output ref
     blk = pl.program_id(0)
@@ -503,30 +496,28 @@ def _kernel(
 
     if single_item:
         # bq == 1 and no sequence has more pages than a KV block: grid step ``blk`` is exactly one
-        # item, (the sequence of token blk, KV block 0), in slot blk mod kv_slots. Each step starts
-        # the pages of the step kv_slots - 1 ahead before waiting for its own, so that many
-        # sequences' DMAs are in flight while one is computed: a short row's compute is shorter
-        # than a DMA's latency, which two slots left exposed once a sequence.
+        # item, (the sequence of token blk, KV block 0). Each step starts the next step's pages
+        # into the other slot before waiting for its own, as the general path's last item does.
         @pl.when(blk == 0)
         def _prologue_single():
             if new_kv_hbm is not None:
                 write_new_kv()
-            for j in range(kv_slots - 1):
 
-                @pl.when(j < total)
-                def _(j=j):
-                    start_fetch(first_seq_ref[j], 0, j)
+            @pl.when(total > 0)
+            def _():
+                start_fetch(first_seq_ref[0], 0, 0)
+                next_slot_ref[0] = 0
 
         @pl.when(blk < total)
         def _work_single():
             s = first_seq_ref[blk]
-            ahead = blk + (kv_slots - 1)
+            slot = next_slot_ref[0]
 
-            @pl.when(ahead < total)
-            def _():  # its slot was last read by step blk - 1, which has finished
-                start_fetch(first_seq_ref[ahead], 0, lax.rem(ahead, kv_slots))
+            @pl.when(blk + 1 < total)
+            def _():
+                start_fetch(first_seq_ref[blk + 1], 0, 1 - slot)
 
-            slot = lax.rem(blk, kv_slots)
+            next_slot_ref[0] = 1 - slot
             wait_fetch(s, 0, slot)
             attend_single(s, slot)
 
@@ -822,7 +813,6 @@ def _first_seq_per_block(cu_q_lens, num_blocks: int, bq: int):
         "kv_dtype",
         "interpret",
         "single_item_decode",
-        "decode_prefetch",
     ),
 )
 def ragged_paged_attention_tpu_stacked(
@@ -849,7 +839,6 @@ def ragged_paged_attention_tpu_stacked(
     interpret=None,
     sinks=None,
     single_item_decode: bool | None = None,
-    decode_prefetch: int | None = None,
 ):
     """Ragged paged attention on layer ``layer`` of a stacked cache, updated in place.
 
@@ -873,9 +862,6 @@ def ragged_paged_attention_tpu_stacked(
     fit one KV block (no sinks), run each grid step as its one item with the softmax taken at once
     (``attend_single``). None: the generation's ``BlockSizes.single_item_decode`` for a 16/32-bit
     cache (a 1-byte cache's one-item path passes interpret mode but has not run compiled on a chip).
-    ``decode_prefetch``: KV slots of the one-item path, so that many sequences' pages are fetched
-    ahead of the one computed (at least 2; fewer when the slots would pass ``_KV_BUFFER_BYTES``).
-    None: the generation's ``BlockSizes.decode_prefetch``.
     """
     if mask_value is None:
         mask_value = DEFAULT_MASK_VALUE
@@ -957,13 +943,6 @@ def ragged_paged_attention_tpu_stacked(
     if single_item_decode is None:  # the generation's default, measured on 16-bit caches only
         single_item_decode = generation_block_sizes().single_item_decode and byte_values is None
     single_item = single_item_decode and bq == 1 and ppb >= pages_per_seq and sinks is None
-    slot_bytes = ppb * page_size * cache_heads * head_dim_kv * jnp.dtype(kv_cache.dtype).itemsize
-    kv_slots = 2
-    if single_item:
-        depth = generation_block_sizes().decode_prefetch if decode_prefetch is None else decode_prefetch
-        if depth < 2:
-            raise ValueError(f"decode_prefetch must be >= 2, got {decode_prefetch}")
-        kv_slots = max(2, min(depth, _KV_BUFFER_BYTES // slot_bytes))
     if vmem_limit_bytes is None:
         vmem_limit_bytes = generation_block_sizes().vmem_limit_bytes
     kernel = functools.partial(
@@ -983,7 +962,6 @@ def ragged_paged_attention_tpu_stacked(
         byte_values=byte_values,
         single_item=single_item,
         lane_packed=lane_packed,
-        kv_slots=kv_slots,
     )
     if sinks is None or new_kv is None:
         kernel = functools.partial(_without_optional_inputs, kernel, sinks is not None, new_kv is not None)
@@ -994,8 +972,8 @@ def ragged_paged_attention_tpu_stacked(
         in_specs=[q_spec] + sinks_spec + ([any_spec] if new_kv is not None else []) + [any_spec],
         out_specs=[q_spec, any_spec],
         scratch_shapes=[
-            pltpu.VMEM((kv_slots, ppb * page_size * cache_heads, head_dim_kv), kv_cache.dtype),
-            pltpu.SemaphoreType.DMA((kv_slots,)),
+            pltpu.VMEM((2, ppb * page_size * cache_heads, head_dim_kv), kv_cache.dtype),
+            pltpu.SemaphoreType.DMA((2,)),
             pltpu.SemaphoreType.DMA(()),
             pltpu.SMEM((1,), jnp.int32),
             pltpu.VMEM((num_kv_heads, bq * group, 1), jnp.float32),
@@ -1024,7 +1002,7 @@ def ragged_paged_attention_tpu_stacked(
             disable_bounds_checks=True,
         ),
         interpret=interpret if interpret is not None else False,
-        name=f"ragged_paged_attention_bq{bq}_p{ppb}{f'_one_item{kv_slots}' if single_item else ''}",
+        name=f"ragged_paged_attention_bq{bq}_p{ppb}{'_one_item' if single_item else ''}",
     )(*scalars, *operands)
 
     if lane_packed:  # p @ [K | V] = [p.K | p.V]: the V lanes are the output
@@ -1068,7 +1046,6 @@ def ragged_paged_attention_tpu(
     interpret=None,
     sinks=None,
     single_item_decode: bool | None = None,
-    decode_prefetch: int | None = None,
 ):
     """Single-layer form: kv_pages [P, page_size, C, D]. Returns (out [T, Hq, D], kv_pages).
 
@@ -1097,6 +1074,5 @@ def ragged_paged_attention_tpu(
         interpret=interpret,
         sinks=sinks,
         single_item_decode=single_item_decode,
-        decode_prefetch=decode_prefetch,
     )
     return out, kv_cache[0]

@@ -127,12 +127,6 @@ def parse_args(argv=None):
         help="which checked batches run, comma-separated (a short device call can check one kind)",
     )
     p.add_argument(
-        "--decode-prefetch",
-        default="",
-        help="also time the one-item path with these KV slot counts (comma-separated, >= 2; "
-        "attention/pallas_tpu.py decode_prefetch) on decode steps",
-    )
-    p.add_argument(
         "--no-one-item",
         dest="one_item",
         action="store_false",
@@ -268,10 +262,6 @@ CHECK_OPTIONS = {
     # the one-item decode path (attention/pallas_tpu.py, single_item_decode): one token a grid
     # step, a KV block as wide as the page table; ours only (the keys in OURS_ONLY)
     "one_item": dict(single_item_decode=True, num_queries_per_block=1, num_kv_pages_per_block=1 << 16),
-    # the same with 4 KV slots (decode_prefetch): three sequences' pages in flight, not one
-    "one_item_deep": dict(
-        single_item_decode=True, num_queries_per_block=1, num_kv_pages_per_block=1 << 16, decode_prefetch=4
-    ),
     "one_item_window_cap": dict(
         single_item_decode=True,
         num_queries_per_block=1,
@@ -280,7 +270,7 @@ CHECK_OPTIONS = {
         soft_cap=30.0,
     ),
 }
-OURS_ONLY = ("single_item_decode", "num_queries_per_block", "num_kv_pages_per_block", "decode_prefetch")
+OURS_ONLY = ("single_item_decode", "num_queries_per_block", "num_kv_pages_per_block")
 
 
 def load_rpa_v3(args):
@@ -623,11 +613,9 @@ def timing_point(
     t_ours, cache = time_donating(attend, cache, q, *md, iters=args.iters)
     out_ours, cache = attend(cache, q, *md)
     one_item = {}
-    depths = [None] + [int(x) for x in args.decode_prefetch.split(",") if x]
-    for depth in depths if args.one_item and t <= slots else []:
-        # a decode step: also the one-item path (at each prefetch depth), checked against ours
+    if args.one_item and t <= slots:  # a decode step: also the one-item path, checked against ours
         attend_one = jax.jit(
-            lambda cache, q, *md, depth=depth: ragged_paged_attention_tpu_stacked(
+            lambda cache, q, *md: ragged_paged_attention_tpu_stacked(
                 q,
                 None,
                 cache,
@@ -636,28 +624,25 @@ def timing_point(
                 num_kv_heads=hkv,
                 interpret=interp,
                 single_item_decode=True,
-                decode_prefetch=depth,
                 **kw,
             ),
             donate_argnums=(0,),
             out_shardings=pinned,
         )
-        tag = "one_item" if depth is None else f"one_item_depth{depth}"
         try:
             t_one, cache = time_donating(attend_one, cache, q, *md, iters=args.iters)
             out_one, cache = attend_one(cache, q, *md)
             diff = float(jnp.max(jnp.abs(out_one.astype(jnp.float32) - out_ours.astype(jnp.float32))))
-            one_item.update(
-                {f"ours_{tag}_us": t_one * 1e6, f"{tag}_speedup": t_ours / t_one, f"{tag}_max_abs_diff": diff}
+            one_item = dict(
+                ours_one_item_us=t_one * 1e6, one_item_speedup=t_ours / t_one, one_item_max_abs_diff=diff
             )
-            label = "one-item path" if depth is None else f"one-item, {depth} slots"
             print(
-                f"     {'':24s} {label:17s} {t_one * 1e6:9.1f} us ({t_ours / t_one:5.2f}x ours), max |diff| {diff:.1e}",
+                f"     {'':24s} one-item path {t_one * 1e6:9.1f} us ({t_ours / t_one:5.2f}x ours), max |diff| {diff:.1e}",
                 flush=True,
             )
         except Exception as e:  # a Mosaic error: recorded, the other columns still measured
-            one_item[f"{tag}_error"] = f"{type(e).__name__}: {str(e)[:2000]}"
-            print(f"  {tag} failed on {name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+            one_item = dict(one_item_error=f"{type(e).__name__}: {str(e)[:2000]}")
+            print(f"  one-item path failed on {name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
     t_peer = peer_err = peer_blocks = None
     if on_tpu() and c == 2 * hkv and not fp8 and not lanes:
         # jax's kernel reads the cache only (no alias, no copy). Its default blocks overflow v5e's

@@ -358,17 +358,6 @@ for s in $stages; do
       stage e2e-1b-kv8 220 python benchmarks/tpu_e2e.py --models /tmp/m/llama-1b-gqa --rounds 1 \
           --batches 1,32,128 --prefill "" --engine-args '{"kv_cache_dtype": "fp8"}' \
           --out "$out/e2e_1b_kv8.json" ;;
-    decode-depth) # the one-item decode path's KV slots (decode_prefetch): checked compiled with 4
-               # slots, timed with 2-8 beside kernel_hd64 on the 1B heads' short rows, then the 1B
-               # shape end to end at b32 / b128 with 4 slots (A/B against e2e-1b's numbers)
-      stage depth-kernel 280 python benchmarks/attention_tpu.py --rpa-v3 require --num-q-heads 32 \
-          --num-kv-heads 8 --head-dim 64 --kv-layout lanes --check-dtypes bfloat16 \
-          --check-options one_item,one_item_deep --check-batches decode,mixed --steps decode \
-          --batches 32,128 --contexts 192,1024 --decode-prefetch 3,4,8 --out "$out/decode_depth.json"
-      checkpoint llama-1b-gqa
-      stage depth-e2e 200 python benchmarks/tpu_e2e.py --models /tmp/m/llama-1b-gqa --rounds 1 \
-          --batches 32,128 --prefill "" --block-sizes "{\"decode_prefetch\": ${DEPTH:-4}}" \
-          --out "$out/e2e_1b_depth.json" ;;
     lanes-mixed) # the same layout on the prefill and mixed steps, against kernel_hd64
       stage lanes-mixed 200 python benchmarks/attention_tpu.py --rpa-v3 require --num-q-heads 32 \
           --num-kv-heads 8 --head-dim 64 --kv-layout lanes --check-dtypes bfloat16 --check-options plain \

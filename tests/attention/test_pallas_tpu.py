@@ -83,40 +83,6 @@ def test_single_item_decode_path(name):
     )
 
 
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize(
-    "name,depth",
-    [("decode_g8", 3), ("decode_g8", 8), ("window_g8", 5), ("soft_cap_g1", 4)],
-    ids=["decode-3", "decode-deeper-than-batch", "window-5", "mixed-4"],
-)
-def test_single_item_decode_prefetch_depths(name, depth):
-    """The one-item path with ``decode_prefetch`` slots (pages of the next depth - 1 sequences in
-    flight): exact writes, the reference's and jax's oracle's outputs and no race, for batches
-    shorter and longer than the depth."""
-    case, kwargs, dtype = cases.build(name)
-    pps = cases.SHAPES["pages_per_seq"]
-    block = dict(num_queries_per_block=1, num_kv_pages_per_block=pps, single_item_decode=True)
-    run_and_check(case, kwargs, dtype, decode_prefetch=depth, **block)
-
-
-def test_decode_prefetch_below_two_is_refused():
-    case, kwargs, _ = cases.build("decode_g8")
-    pps = cases.SHAPES["pages_per_seq"]
-    with pytest.raises(ValueError, match="decode_prefetch must be >= 2"):
-        ragged_paged_attention_tpu(
-            case.queries,
-            case.new_kv,
-            case.kv_pages,
-            *case.metadata,
-            interpret=RACES,
-            num_queries_per_block=1,
-            num_kv_pages_per_block=pps,
-            single_item_decode=True,
-            decode_prefetch=1,
-            **kwargs,
-        )
-
-
 @pytest.mark.parametrize("window", [None, 3, 7, 9])
 def test_whole_kv_block_predicate_matches_the_mask(window):
     """``_sees_whole_kv_block`` is true exactly when the causal (+ window) mask of a query block's
@@ -324,21 +290,6 @@ def test_lowers_to_mosaic(num_tokens, kv_dtype, options):
     assert "tpu_custom_call" in lowered.as_text()
     # the kernel is named after its path: the one-item decode path only where asked and possible
     assert ("_one_item" in lowered.as_text()) == bool(options.get("single_item_decode"))
-
-
-@pytest.mark.timeout(240)
-@pytest.mark.parametrize(
-    "depth,num_pages,want_slots",
-    [(None, 90, 2), (4, 91, 4), (100, 92, 64)],
-    ids=["default", "four", "capped"],
-)
-def test_decode_prefetch_depth_lowers_with_its_slots(depth, num_pages, want_slots):
-    """The one-item path lowers for TPU with ``decode_prefetch`` KV slots (named in the kernel),
-    the CPU fallback's 2 when unset, and no more than ``_KV_BUFFER_BYTES`` holds (8 pages of 16
-    tokens x 4 bf16 rows x 128 lanes: 128 KiB a slot, 64 slots)."""
-    args = _small_step_args(8, num_pages)
-    text = _lowered_for_tpu(args, single_item_decode=True, decode_prefetch=depth)
-    assert f"_one_item{want_slots}" in text
 
 
 @pytest.mark.timeout(240)
@@ -577,13 +528,6 @@ def test_lowers_to_mosaic_padded_cache():
             "mixed_g3_d128",  # 2 KV heads: rows padded 2 -> 8
             dict(num_queries_per_block=1, num_kv_pages_per_block=6, single_item_decode=True),
             id="mixed_g3_d128-one-item",
-        ),
-        pytest.param(
-            "decode_g8",
-            dict(
-                num_queries_per_block=1, num_kv_pages_per_block=6, single_item_decode=True, decode_prefetch=3
-            ),
-            id="decode_g8-one-item-depth3",
         ),
     ],
 )
