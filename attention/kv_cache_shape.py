@@ -28,11 +28,12 @@ half a tile, which Mosaic cannot DMA into HBM (a read-modify-write of the tile, 
 to an in-place XLA scatter outside the kernel), and every consumer of the 5-D page shape (write_kv_ref,
 the page movers, host tier, P/D transfer between impls) must take the new shape.
 
-Lane-packed (the TPU kernel, head_dim 64, any cache width: ``lane_packed``): a page is ``[page_size, C,
-128]`` with row h = ``[K_h | V_h]`` and C = Hkv rounded up to 8 per shard (``lane_packed_rows``),
-so head_dim 64 no longer leaves half of every 128-lane row empty: 2,048 B a token a layer at the 1B
-shape in bf16 and 1,024 B in fp8 (eight 1-byte rows: one (8, 128) tile of 4-row words), its payload. Measured on a v5e (benchmarks/RESULTS.md, 2026-12-07): a b128 x 1024 decode
-step's attention 792 -> 516 us.
+Lane-packed (the TPU kernel, head_dim 64, any cache width: ``lane_packed``): a page is
+``[page_size, C, 128]`` with row h = ``[K_h | V_h]`` and C = Hkv rounded up to 8 per shard
+(``lane_packed_rows``), so head_dim 64 no longer leaves half of every 128-lane row empty: 2,048 B a
+token a layer at the 1B shape in bf16 and 1,024 B in fp8 (eight 1-byte rows: one (8, 128) tile of 4-row words), its
+payload. Measured on a v5e (benchmarks/RESULTS.md, 2026-12-07): a b128 x 1024 decode step's
+attention 792 -> 516 us (bf16).
 """
 
 from __future__ import annotations
@@ -173,16 +174,15 @@ def kv_cache_shape(impl: str, spec) -> tuple[int, int, int, int, int]:
     of each device's own cache on C, so padding (if ``impl`` pads) applies per shard.
     """
     shards = getattr(spec, "num_shards", 1)
-    if lane_packed(impl, spec.head_dim, spec.dtype):
+    if lane_packed(impl, spec.head_dim):
         rows = lane_packed_rows(spec.num_kv_heads // shards)
         return (spec.num_layers, spec.num_pages, spec.page_size, shards * rows, 2 * spec.head_dim)
     per_shard = combined_heads(impl, spec.num_kv_heads // shards, spec.dtype)
     return (spec.num_layers, spec.num_pages, spec.page_size, shards * per_shard, spec.head_dim)
 
 
-def lane_packed(impl: str, head_dim: int, dtype) -> bool:
+def lane_packed(impl: str, head_dim: int) -> bool:
     """Whether ``impl``'s cache is lane-packed (``lane_packed_rows``): the TPU kernel's, for
-    head_dim 64 (K | V fill one 128-lane row), at every cache width (a 1-byte cache's kernel reads
-    four heads' codes a 32-bit word)."""
-    del dtype  # every width the kernel takes (checked compiled on a v5e, benchmarks/RESULTS.md)
+    head_dim 64 (K | V fill one 128-lane row), at every cache width the kernel reads (a 1-byte
+    cache four heads' codes a 32-bit word; all compiled on a v5e, benchmarks/RESULTS.md)."""
     return impl in PADDED_HEAD_IMPLS and 2 * head_dim == TPU_LANES
