@@ -152,6 +152,11 @@ class BlockSizes:
     # Scoped VMEM the kernel asks Mosaic for (None: Mosaic's default, 16 MiB on v5e), so blocks
     # whose softmax temporaries outgrow the default still compile.
     vmem_limit_bytes: int | None = None
+    # What ``fused_heads=None`` means on this generation: the one-item decode path on a
+    # lane-packed 16/32-bit cache takes every KV head of its sequence in one matmul pair
+    # (``attend_fused``), over chunks of ``fused_chunk_rows`` cache rows (tokens x C).
+    fused_head_decode: bool = False
+    fused_chunk_rows: int = 1024
 
 
 _V5E = BlockSizes(
@@ -287,6 +292,7 @@ def _kernel(
     byte_values=None,
     single_item: bool = False,
     lane_packed: bool = False,
+    fused_chunk_tokens: int = 0,
 ):
     del kv_in_hbm  # same buffer as kv_hbm; every read and write goes through the output ref
     blk = pl.program_id(0)
@@ -494,6 +500,89 @@ def _kernel(
                 out = out * v_scale
             o_ref[0, h] = out.astype(o_ref.dtype)
 
+    # ---- decode fast path on a lane-packed cache: every KV head of the sequence at once ----
+    def attend_fused(s, slot):
+        """``attend_single`` with all KV heads in one matmul pair (``fused_chunk_tokens`` > 0).
+
+        The block buffer ``[kv_block * C, 2D]`` is used as it lies: row ``t*C + c`` is ``[K_c | V_c]``
+        of token t. ``q_ref[0, 0]`` holds all ``Hq`` query rows (row ``h*G + g``, zeros in the V
+        lanes), so ``q @ rows^T`` scores every query head against every head's keys; a score
+        counts only where the column's head ``c = col mod C`` (C a power of two: an AND) is the
+        row's (``c*G <= row < c*G + G``), and ``p @ rows`` then carries ``p . V_h`` in the V lanes.
+        That is C times the MXU and softmax work of the per-head loop, traded for no strided
+        loads, no bf16 unpacking and one matmul pair a chunk instead of one a head. The KV block
+        is walked in chunks of ``fused_chunk_tokens`` tokens, only those the token can see (not
+        the whole page-table bucket), with an online softmax in registers; only a chunk that
+        crosses ``pos`` or the window's start needs the position mask and has rows past kv_len
+        (never fetched: stale or NaN in VMEM) zeroed."""
+        kv_len = kv_lens_ref[s]
+        pos = kv_len - cu_q_lens_ref[s + 1] + blk  # the token's position in its sequence
+        q = q_ref[0, 0]  # [Hq, 2D]
+        num_rows = q.shape[0]
+        chunk = fused_chunk_tokens
+        chunk_rows = chunk * cache_heads
+        log_c = cache_heads.bit_length() - 1
+        precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+        col = lax.broadcasted_iota(jnp.int32, (num_rows, chunk_rows), 1)
+        row = lax.broadcasted_iota(jnp.int32, (num_rows, chunk_rows), 0)
+        head_first_row = (col & (cache_heads - 1)) * group
+        own_head = (row >= head_first_row) & (row < head_first_row + group)
+        col_token = lax.shift_right_logical(col, log_c)
+        kv_row_token = lax.shift_right_logical(lax.broadcasted_iota(jnp.int32, (chunk_rows, 1), 0), log_c)
+
+        def step(i, carry, edge: bool):
+            m, l, acc = carry
+            start = i * chunk
+            kv = kv_buf[slot, pl.ds(pl.multiple_of(i * chunk_rows, chunk_rows), chunk_rows), :]
+            mask = own_head
+            if edge:
+                kv = jnp.where(start + kv_row_token < kv_len, kv, jnp.zeros_like(kv))
+                token = start + col_token
+                mask = mask & (token <= pos)
+                if sliding_window is not None:
+                    mask = mask & (token > pos - sliding_window)
+            kv = kv.astype(q.dtype)
+            scores = lax.dot_general(  # q came scaled by sm_scale * k_scale
+                q, kv, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
+            )
+            if soft_cap is not None:
+                scores = soft_cap * jnp.tanh(scores / soft_cap)
+            # Every row has a visible key of its own head in every chunk walked, so m_new is a real
+            # score and exp(mask_value - m_new) is exactly 0: no second where on p.
+            scores = jnp.where(mask, scores, mask_value)
+            m_new = jnp.maximum(m, jnp.max(scores, axis=1, keepdims=True))
+            p = jnp.exp(scores - m_new)
+            alpha = jnp.exp(m - m_new)
+            l = alpha * l + jnp.sum(p, axis=1, keepdims=True)
+            acc = alpha * acc + lax.dot_general(
+                p.astype(kv.dtype),
+                kv,
+                (((1,), (0,)), ((), ())),
+                precision=precision,
+                preferred_element_type=jnp.float32,
+            )
+            return m_new, l, acc
+
+        def body(i, carry):
+            clean = (i * chunk + chunk - 1) <= pos
+            if sliding_window is not None:
+                clean = jnp.logical_and(clean, i * chunk > pos - sliding_window)
+            return lax.cond(
+                clean, functools.partial(step, edge=False), functools.partial(step, edge=True), i, carry
+            )
+
+        first = 0 if sliding_window is None else lax.div(jnp.maximum(pos - sliding_window + 1, 0), chunk)
+        init = (
+            jnp.full((num_rows, 1), mask_value, jnp.float32),
+            jnp.zeros((num_rows, 1), jnp.float32),
+            jnp.zeros(q.shape, jnp.float32),
+        )
+        _, l, acc = lax.fori_loop(first, lax.div(pos, chunk) + 1, body, init)
+        out = acc / l  # l >= 1: the max counts exp(0)
+        if v_scale is not None:
+            out = out * v_scale
+        o_ref[0, 0] = out.astype(o_ref.dtype)
+
     if single_item:
         # bq == 1 and no sequence has more pages than a KV block: grid step ``blk`` is exactly one
         # item, (the sequence of token blk, KV block 0). Each step starts the next step's pages
@@ -519,7 +608,10 @@ def _kernel(
 
             next_slot_ref[0] = 1 - slot
             wait_fetch(s, 0, slot)
-            attend_single(s, slot)
+            if fused_chunk_tokens:
+                attend_fused(s, slot)
+            else:
+                attend_single(s, slot)
 
         @pl.when(blk >= total)
         def _padding_single():
@@ -813,6 +905,8 @@ def _first_seq_per_block(cu_q_lens, num_blocks: int, bq: int):
         "kv_dtype",
         "interpret",
         "single_item_decode",
+        "fused_heads",
+        "fused_chunk_rows",
     ),
 )
 def ragged_paged_attention_tpu_stacked(
@@ -839,6 +933,8 @@ def ragged_paged_attention_tpu_stacked(
     interpret=None,
     sinks=None,
     single_item_decode: bool | None = None,
+    fused_heads: bool | None = None,
+    fused_chunk_rows: int | None = None,
 ):
     """Ragged paged attention on layer ``layer`` of a stacked cache, updated in place.
 
@@ -862,6 +958,9 @@ def ragged_paged_attention_tpu_stacked(
     fit one KV block (no sinks), run each grid step as its one item with the softmax taken at once
     (``attend_single``). None: the generation's ``BlockSizes.single_item_decode`` for a 16/32-bit
     cache (a 1-byte cache's one-item path passes interpret mode but has not run compiled on a chip).
+    ``fused_heads``: on the one-item path over a lane-packed 16/32-bit cache (C a power of two),
+    take every KV head of a sequence in one matmul pair over chunks of ``fused_chunk_rows`` cache
+    rows (``attend_fused``). None: the generation's ``BlockSizes`` for both.
     """
     if mask_value is None:
         mask_value = DEFAULT_MASK_VALUE
@@ -943,6 +1042,16 @@ def ragged_paged_attention_tpu_stacked(
     if single_item_decode is None:  # the generation's default, measured on 16-bit caches only
         single_item_decode = generation_block_sizes().single_item_decode and byte_values is None
     single_item = single_item_decode and bq == 1 and ppb >= pages_per_seq and sinks is None
+    if fused_heads is None:
+        fused_heads = generation_block_sizes().fused_head_decode
+    fused_chunk_tokens = 0
+    if fused_heads and single_item and lane_packed and byte_values is None and _is_power_of_two(cache_heads):
+        if fused_chunk_rows is None:
+            fused_chunk_rows = generation_block_sizes().fused_chunk_rows
+        fused_chunk_tokens = _chunk_tokens(ppb * page_size, cache_heads, fused_chunk_rows)
+        # [NB, Hkv, G, 2D] -> [NB, 1, Hq, 2D] (bq = 1): row h*G + g is query head h*G + g
+        q = q.reshape(num_blocks, 1, num_q_heads, head_dim_kv)
+        q_spec = pl.BlockSpec((1, 1, num_q_heads, head_dim_kv), lambda i, *_: (i, 0, 0, 0))
     if vmem_limit_bytes is None:
         vmem_limit_bytes = generation_block_sizes().vmem_limit_bytes
     kernel = functools.partial(
@@ -962,6 +1071,7 @@ def ragged_paged_attention_tpu_stacked(
         byte_values=byte_values,
         single_item=single_item,
         lane_packed=lane_packed,
+        fused_chunk_tokens=fused_chunk_tokens,
     )
     if sinks is None or new_kv is None:
         kernel = functools.partial(_without_optional_inputs, kernel, sinks is not None, new_kv is not None)
@@ -1002,14 +1112,30 @@ def ragged_paged_attention_tpu_stacked(
             disable_bounds_checks=True,
         ),
         interpret=interpret if interpret is not None else False,
-        name=f"ragged_paged_attention_bq{bq}_p{ppb}{'_one_item' if single_item else ''}",
+        name=f"ragged_paged_attention_bq{bq}_p{ppb}{'_one_item' if single_item else ''}"
+        f"{f'_fused{fused_chunk_tokens}' if fused_chunk_tokens else ''}",
     )(*scalars, *operands)
+    out = out.reshape(num_blocks, num_kv_heads, bq * group, head_dim_kv)
 
     if lane_packed:  # p @ [K | V] = [p.K | p.V]: the V lanes are the output
         out = out[..., head_dim:]
     out = out.reshape(num_blocks, num_kv_heads, bq, group, head_dim).transpose(0, 2, 1, 3, 4)
     out = out.reshape(padded, num_q_heads, head_dim)[:num_tokens]
     return out, cache_2d.reshape(kv_cache.shape)
+
+
+def _is_power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def _chunk_tokens(kv_block: int, cache_heads: int, chunk_rows: int) -> int:
+    """Tokens a chunk of the fused decode path: the largest divisor of ``kv_block`` whose rows
+    (tokens x C) are at most ``chunk_rows`` and fill whole 16-row bf16 tiles, else the whole
+    block."""
+    for tokens in range(min(kv_block, max(1, chunk_rows // cache_heads)), 0, -1):
+        if kv_block % tokens == 0 and (tokens * cache_heads) % 16 == 0:
+            return tokens
+    return kv_block
 
 
 def _without_optional_inputs(kernel, has_sinks: bool, has_new_kv: bool, *refs):
@@ -1046,6 +1172,8 @@ def ragged_paged_attention_tpu(
     interpret=None,
     sinks=None,
     single_item_decode: bool | None = None,
+    fused_heads: bool | None = None,
+    fused_chunk_rows: int | None = None,
 ):
     """Single-layer form: kv_pages [P, page_size, C, D]. Returns (out [T, Hq, D], kv_pages).
 
@@ -1074,5 +1202,7 @@ def ragged_paged_attention_tpu(
         interpret=interpret,
         sinks=sinks,
         single_item_decode=single_item_decode,
+        fused_heads=fused_heads,
+        fused_chunk_rows=fused_chunk_rows,
     )
     return out, kv_cache[0]

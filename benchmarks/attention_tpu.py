@@ -127,6 +127,12 @@ def parse_args(argv=None):
         help="which checked batches run, comma-separated (a short device call can check one kind)",
     )
     p.add_argument(
+        "--fused-chunk-rows",
+        default="",
+        help="also time the one-item path with every KV head in one matmul pair (fused_heads, "
+        "lane-packed layout) at these chunk sizes in cache rows, comma-separated, on decode steps",
+    )
+    p.add_argument(
         "--no-one-item",
         dest="one_item",
         action="store_false",
@@ -262,6 +268,24 @@ CHECK_OPTIONS = {
     # the one-item decode path (attention/pallas_tpu.py, single_item_decode): one token a grid
     # step, a KV block as wide as the page table; ours only (the keys in OURS_ONLY)
     "one_item": dict(single_item_decode=True, num_queries_per_block=1, num_kv_pages_per_block=1 << 16),
+    # the one-item path with every KV head in one matmul pair (lane-packed layout only; other
+    # layouts run the per-head loop), in 256-row chunks so a row of a few pages spans several
+    "one_item_fused": dict(
+        single_item_decode=True,
+        num_queries_per_block=1,
+        num_kv_pages_per_block=1 << 16,
+        fused_heads=True,
+        fused_chunk_rows=256,
+    ),
+    "one_item_fused_window_cap": dict(
+        single_item_decode=True,
+        num_queries_per_block=1,
+        num_kv_pages_per_block=1 << 16,
+        fused_heads=True,
+        fused_chunk_rows=256,
+        sliding_window=40,
+        soft_cap=30.0,
+    ),
     "one_item_window_cap": dict(
         single_item_decode=True,
         num_queries_per_block=1,
@@ -270,7 +294,13 @@ CHECK_OPTIONS = {
         soft_cap=30.0,
     ),
 }
-OURS_ONLY = ("single_item_decode", "num_queries_per_block", "num_kv_pages_per_block")
+OURS_ONLY = (
+    "single_item_decode",
+    "num_queries_per_block",
+    "num_kv_pages_per_block",
+    "fused_heads",
+    "fused_chunk_rows",
+)
 
 
 def load_rpa_v3(args):
@@ -613,9 +643,16 @@ def timing_point(
     t_ours, cache = time_donating(attend, cache, q, *md, iters=args.iters)
     out_ours, cache = attend(cache, q, *md)
     one_item = {}
-    if args.one_item and t <= slots:  # a decode step: also the one-item path, checked against ours
+    # A decode step: also the one-item path, and its fused-heads form at each asked chunk size
+    # (lane-packed caches), each checked against ours.
+    variants = [("one_item", {})] + [
+        (f"fused{rows}", dict(fused_heads=True, fused_chunk_rows=int(rows)))
+        for rows in args.fused_chunk_rows.split(",")
+        if rows and lanes and not fp8
+    ]
+    for tag, extra in variants if args.one_item and t <= slots else []:
         attend_one = jax.jit(
-            lambda cache, q, *md: ragged_paged_attention_tpu_stacked(
+            lambda cache, q, *md, extra=extra: ragged_paged_attention_tpu_stacked(
                 q,
                 None,
                 cache,
@@ -624,6 +661,7 @@ def timing_point(
                 num_kv_heads=hkv,
                 interpret=interp,
                 single_item_decode=True,
+                **extra,
                 **kw,
             ),
             donate_argnums=(0,),
@@ -633,16 +671,17 @@ def timing_point(
             t_one, cache = time_donating(attend_one, cache, q, *md, iters=args.iters)
             out_one, cache = attend_one(cache, q, *md)
             diff = float(jnp.max(jnp.abs(out_one.astype(jnp.float32) - out_ours.astype(jnp.float32))))
-            one_item = dict(
-                ours_one_item_us=t_one * 1e6, one_item_speedup=t_ours / t_one, one_item_max_abs_diff=diff
+            one_item.update(
+                {f"ours_{tag}_us": t_one * 1e6, f"{tag}_speedup": t_ours / t_one, f"{tag}_max_abs_diff": diff}
             )
+            label = "one-item path" if tag == "one_item" else f"one-item, {tag}"
             print(
-                f"     {'':24s} one-item path {t_one * 1e6:9.1f} us ({t_ours / t_one:5.2f}x ours), max |diff| {diff:.1e}",
+                f"     {'':24s} {label:17s} {t_one * 1e6:9.1f} us ({t_ours / t_one:5.2f}x ours), max |diff| {diff:.1e}",
                 flush=True,
             )
         except Exception as e:  # a Mosaic error: recorded, the other columns still measured
-            one_item = dict(one_item_error=f"{type(e).__name__}: {str(e)[:2000]}")
-            print(f"  one-item path failed on {name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+            one_item[f"{tag}_error"] = f"{type(e).__name__}: {str(e)[:2000]}"
+            print(f"  {tag} failed on {name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
     t_peer = peer_err = peer_blocks = None
     if on_tpu() and c == 2 * hkv and not fp8 and not lanes:
         # jax's kernel reads the cache only (no alias, no copy). Its default blocks overflow v5e's

@@ -575,3 +575,81 @@ def test_lane_packed_cache_lowers_to_mosaic(num_tokens, cache_dtype):
     )
     text = _lowered_for_tpu(args, **(dict(kv_dtype=jnp.float8_e4m3fn) if fp8 else {}))
     assert "tpu_custom_call" in text
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    "name,chunk_rows",
+    [
+        ("decode_g8", 64),  # 8-token chunks of a 24-token block: 1-3 walked, the last one cut
+        ("decode_g8", None),  # the generation's chunk: the whole block
+        ("window_g8", 64),  # the walk starts at the window's chunk; a 6-token chunk sees earlier rows
+        ("soft_cap_g1", 32),  # f32, 2 KV heads, G = 1: chunks of 4 tokens
+        pytest.param("mixed_g3_d128", 64, id="mixed_g3_d128-64"),  # G = 3, 2 of 8 rows real
+        pytest.param("bf16_g3_d128", 64, id="bf16_g3_d128-64", marks=pytest.mark.slow),
+    ],
+)
+def test_fused_head_decode_matches_reference_and_oracle(name, chunk_rows):
+    """The one-item path with every KV head in one matmul pair (``fused_heads``) on the
+    lane-packed cache == the jnp reference and jax's oracle, for decodes and for the other tokens
+    of mixed batches (a prompt's earlier tokens see fewer chunks than kv_len holds)."""
+    from tpuserve.attention.pallas_tpu import pack_kv_lanes, unpack_kv_lanes
+
+    case, kwargs, dtype = cases.build(name)
+    hkv = case.new_kv.shape[1] // 2
+    packed = pack_kv_lanes(case.kv_pages, hkv)
+    out, kv = ragged_paged_attention_tpu(
+        case.queries,
+        case.new_kv,
+        packed,
+        *case.metadata,
+        interpret=RACES,
+        num_queries_per_block=1,
+        num_kv_pages_per_block=cases.SHAPES["pages_per_seq"],
+        single_item_decode=True,
+        fused_heads=True,
+        fused_chunk_rows=chunk_rows,
+        **kwargs,
+    )
+    jax.block_until_ready((out, kv))
+    assert not races_found(), "the race detector reported a data race"
+    cases.check_step(case, kwargs, dtype, out, unpack_kv_lanes(kv, hkv))
+
+
+@pytest.mark.parametrize(
+    "kv_block,heads,rows,want",
+    [
+        (256, 8, 1024, 128),
+        (192, 8, 1024, 96),
+        (24, 8, 64, 8),
+        (24, 8, 1024, 24),
+        (16, 16, 1024, 16),
+        (6, 8, 8, 6),
+    ],
+)
+def test_fused_chunk_divides_the_block_in_whole_tiles(kv_block, heads, rows, want):
+    from tpuserve.attention.pallas_tpu import _chunk_tokens
+
+    got = _chunk_tokens(kv_block, heads, rows)
+    assert got == want and kv_block % got == 0 and (got * heads) % 16 == 0
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("fused", [False, True])
+def test_fused_head_decode_lowers_to_mosaic(fused):
+    """The fused one-item path lowers for TPU at the 1B shape (an [8, 128] lane-packed row a
+    token), named ``_fused<chunk tokens>``; unset it follows the generation (off on CPU's entry)."""
+    slots, hq, hkv, d = 32, 32, 8, 64
+    args = (
+        jax.ShapeDtypeStruct((slots, hq, d), jnp.bfloat16),
+        jax.ShapeDtypeStruct((slots, 2 * hkv, d), jnp.bfloat16),
+        jax.ShapeDtypeStruct((2, 1025, 16, 8, 2 * d), jnp.bfloat16),
+        jax.ShapeDtypeStruct((), jnp.int32),
+        jax.ShapeDtypeStruct((slots,), jnp.int32),
+        jax.ShapeDtypeStruct((slots, 16), jnp.int32),
+        jax.ShapeDtypeStruct((slots + 1,), jnp.int32),
+        jax.ShapeDtypeStruct((1,), jnp.int32),
+    )
+    text = _lowered_for_tpu(args, single_item_decode=True, fused_heads=True if fused else None)
+    assert "tpu_custom_call" in text
+    assert ("_fused128" in text) == fused
