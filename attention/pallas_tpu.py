@@ -154,9 +154,11 @@ class BlockSizes:
     vmem_limit_bytes: int | None = None
     # What ``fused_heads=None`` means on this generation: the one-item decode path on a
     # lane-packed 16/32-bit cache takes every KV head of its sequence in one matmul pair
-    # (``attend_fused``), over chunks of ``fused_chunk_rows`` cache rows (tokens x C).
+    # (``_fused_decode_steps``), over chunks of ``fused_chunk_rows`` cache rows (tokens x C),
+    # ``fused_items`` tokens a grid step.
     fused_head_decode: bool = False
     fused_chunk_rows: int = 1024
+    fused_items: int = 4
 
 
 _V5E = BlockSizes(
@@ -189,6 +191,8 @@ _FALLBACK_BLOCK_SIZES = BlockSizes(32, 512)
 # it stayed inside the 16 MiB default of scoped VMEM, where a 32-KV-head, head_dim-64 model (rows
 # of 64 heads x 128 lanes) at 512 tokens a block needed 19 MiB and did not compile on a v5e.
 _KV_BUFFER_BYTES = 8 << 20
+# VMEM for the fused decode path's two KV buffers (``fused_items`` blocks each).
+_FUSED_BUFFER_BYTES = 16 << 20
 # Query rows a block may hold (bq x query heads x lane-padded head dim): the q, output and f32
 # accumulator blocks grow with it beside the KV buffers. 128 queries of 32 heads x 128 lanes (the
 # 8B shape) compiled and ran on a v5e; more query heads get proportionally fewer queries a block.
@@ -293,6 +297,7 @@ def _kernel(
     single_item: bool = False,
     lane_packed: bool = False,
     fused_chunk_tokens: int = 0,
+    fused_items: int = 1,
 ):
     del kv_in_hbm  # same buffer as kv_hbm; every read and write goes through the output ref
     blk = pl.program_id(0)
@@ -348,26 +353,28 @@ def _kernel(
         return ns, nkvb, jnp.logical_or(same_seq, more_seqs)
 
     # ---- KV block DMAs: one per page below kv_len; start and wait loop over the same count ----
-    def page_copy(s, kvb, j, slot):
+    def page_copy(s, kvb, j, slot, row0=0):
         page = page_indices_ref[s * pages_per_seq + kvb * pages_per_block + j]
         return pltpu.make_async_copy(
-            kv_hbm.at[layer, page], kv_buf.at[slot, pl.ds(j * page_rows, page_rows)], kv_sems.at[slot]
+            kv_hbm.at[layer, page], kv_buf.at[slot, pl.ds(row0 + j * page_rows, page_rows)], kv_sems.at[slot]
         )
 
     def pages_in_block(s, kvb):
         pages_of_seq = lax.div(kv_lens_ref[s] + page_size - 1, page_size)
         return jnp.clip(pages_of_seq - kvb * pages_per_block, 0, pages_per_block)
 
-    def start_fetch(s, kvb, slot):
+    def start_fetch(s, kvb, slot, row0=0):
+        """Start the DMAs of (s, kvb)'s pages into ``slot`` from buffer row ``row0`` on."""
+
         def body(j, carry):
-            page_copy(s, kvb, j, slot).start()
+            page_copy(s, kvb, j, slot, row0).start()
             return carry
 
         lax.fori_loop(0, pages_in_block(s, kvb), body, 0)
 
-    def wait_fetch(s, kvb, slot):
+    def wait_fetch(s, kvb, slot, row0=0):
         def body(j, carry):
-            page_copy(s, kvb, j, slot).wait()
+            page_copy(s, kvb, j, slot, row0).wait()
             return carry
 
         lax.fori_loop(0, pages_in_block(s, kvb), body, 0)
@@ -500,88 +507,32 @@ def _kernel(
                 out = out * v_scale
             o_ref[0, h] = out.astype(o_ref.dtype)
 
-    # ---- decode fast path on a lane-packed cache: every KV head of the sequence at once ----
-    def attend_fused(s, slot):
-        """``attend_single`` with all KV heads in one matmul pair (``fused_chunk_tokens`` > 0).
-
-        The block buffer ``[kv_block * C, 2D]`` is used as it lies: row ``t*C + c`` is ``[K_c | V_c]``
-        of token t. ``q_ref[0, 0]`` holds all ``Hq`` query rows (row ``h*G + g``, zeros in the V
-        lanes), so ``q @ rows^T`` scores every query head against every head's keys; a score
-        counts only where the column's head ``c = col mod C`` (C a power of two: an AND) is the
-        row's (``c*G <= row < c*G + G``), and ``p @ rows`` then carries ``p . V_h`` in the V lanes.
-        That is C times the MXU and softmax work of the per-head loop, traded for no strided
-        loads, no bf16 unpacking and one matmul pair a chunk instead of one a head. The KV block
-        is walked in chunks of ``fused_chunk_tokens`` tokens, only those the token can see (not
-        the whole page-table bucket), with an online softmax in registers; only a chunk that
-        crosses ``pos`` or the window's start needs the position mask and has rows past kv_len
-        (never fetched: stale or NaN in VMEM) zeroed."""
-        kv_len = kv_lens_ref[s]
-        pos = kv_len - cu_q_lens_ref[s + 1] + blk  # the token's position in its sequence
-        q = q_ref[0, 0]  # [Hq, 2D]
-        num_rows = q.shape[0]
-        chunk = fused_chunk_tokens
-        chunk_rows = chunk * cache_heads
-        log_c = cache_heads.bit_length() - 1
-        precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
-        col = lax.broadcasted_iota(jnp.int32, (num_rows, chunk_rows), 1)
-        row = lax.broadcasted_iota(jnp.int32, (num_rows, chunk_rows), 0)
-        head_first_row = (col & (cache_heads - 1)) * group
-        own_head = (row >= head_first_row) & (row < head_first_row + group)
-        col_token = lax.shift_right_logical(col, log_c)
-        kv_row_token = lax.shift_right_logical(lax.broadcasted_iota(jnp.int32, (chunk_rows, 1), 0), log_c)
-
-        def step(i, carry, edge: bool):
-            m, l, acc = carry
-            start = i * chunk
-            kv = kv_buf[slot, pl.ds(pl.multiple_of(i * chunk_rows, chunk_rows), chunk_rows), :]
-            mask = own_head
-            if edge:
-                kv = jnp.where(start + kv_row_token < kv_len, kv, jnp.zeros_like(kv))
-                token = start + col_token
-                mask = mask & (token <= pos)
-                if sliding_window is not None:
-                    mask = mask & (token > pos - sliding_window)
-            kv = kv.astype(q.dtype)
-            scores = lax.dot_general(  # q came scaled by sm_scale * k_scale
-                q, kv, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
-            )
-            if soft_cap is not None:
-                scores = soft_cap * jnp.tanh(scores / soft_cap)
-            # Every row has a visible key of its own head in every chunk walked, so m_new is a real
-            # score and exp(mask_value - m_new) is exactly 0: no second where on p.
-            scores = jnp.where(mask, scores, mask_value)
-            m_new = jnp.maximum(m, jnp.max(scores, axis=1, keepdims=True))
-            p = jnp.exp(scores - m_new)
-            alpha = jnp.exp(m - m_new)
-            l = alpha * l + jnp.sum(p, axis=1, keepdims=True)
-            acc = alpha * acc + lax.dot_general(
-                p.astype(kv.dtype),
-                kv,
-                (((1,), (0,)), ((), ())),
-                precision=precision,
-                preferred_element_type=jnp.float32,
-            )
-            return m_new, l, acc
-
-        def body(i, carry):
-            clean = (i * chunk + chunk - 1) <= pos
-            if sliding_window is not None:
-                clean = jnp.logical_and(clean, i * chunk > pos - sliding_window)
-            return lax.cond(
-                clean, functools.partial(step, edge=False), functools.partial(step, edge=True), i, carry
-            )
-
-        first = 0 if sliding_window is None else lax.div(jnp.maximum(pos - sliding_window + 1, 0), chunk)
-        init = (
-            jnp.full((num_rows, 1), mask_value, jnp.float32),
-            jnp.zeros((num_rows, 1), jnp.float32),
-            jnp.zeros(q.shape, jnp.float32),
+    # ---- decode fast path on a lane-packed cache: every KV head at once, several tokens a step ----
+    if fused_chunk_tokens:
+        _fused_decode_steps(
+            kv_lens_ref,
+            cu_q_lens_ref,
+            first_seq_ref,
+            q_ref,
+            o_ref,
+            kv_buf,
+            next_slot_ref,
+            start_fetch=start_fetch,
+            wait_fetch=wait_fetch,
+            write_new_kv=None if new_kv_hbm is None else write_new_kv,
+            total=total,
+            group=group,
+            page_size=page_size,
+            cache_heads=cache_heads,
+            kv_block=kv_block,
+            chunk=fused_chunk_tokens,
+            items=fused_items,
+            sliding_window=sliding_window,
+            soft_cap=soft_cap,
+            mask_value=mask_value,
+            v_scale=v_scale,
         )
-        _, l, acc = lax.fori_loop(first, lax.div(pos, chunk) + 1, body, init)
-        out = acc / l  # l >= 1: the max counts exp(0)
-        if v_scale is not None:
-            out = out * v_scale
-        o_ref[0, 0] = out.astype(o_ref.dtype)
+        return
 
     if single_item:
         # bq == 1 and no sequence has more pages than a KV block: grid step ``blk`` is exactly one
@@ -608,10 +559,7 @@ def _kernel(
 
             next_slot_ref[0] = 1 - slot
             wait_fetch(s, 0, slot)
-            if fused_chunk_tokens:
-                attend_fused(s, slot)
-            else:
-                attend_single(s, slot)
+            attend_single(s, slot)
 
         @pl.when(blk >= total)
         def _padding_single():
@@ -689,6 +637,195 @@ def _kernel(
         if v_scale is not None:
             out = out * v_scale
         o_ref[0, h] = out.astype(o_ref.dtype)
+
+
+def _fused_decode_steps(
+    kv_lens_ref,
+    cu_q_lens_ref,
+    first_seq_ref,
+    q_ref,  # VMEM [k, 1, Hq, 2D]: tokens blk*k .. blk*k + k - 1, row h*G + g = query head h*G + g
+    o_ref,  # VMEM [k, 1, Hq, 2D]
+    kv_buf,  # VMEM [2, k * kv_block * C, 2D]: item i's block from row i * kv_block * C
+    next_slot_ref,
+    *,
+    start_fetch,
+    wait_fetch,
+    write_new_kv,
+    total,
+    group: int,
+    page_size: int,
+    cache_heads: int,
+    kv_block: int,
+    chunk: int,
+    items: int,
+    sliding_window: int | None,
+    soft_cap: float | None,
+    mask_value: float,
+    v_scale: float | None,
+):
+    """The one-item decode path on a lane-packed cache with every KV head in one matmul pair, for
+    ``items`` tokens a grid step (``fused_heads``).
+
+    A block buffer ``[kv_block * C, 2D]`` is used as it lies: row ``t*C + c`` is ``[K_c | V_c]`` of
+    token t. All ``Hq`` query rows (zeros in the V lanes) score every head's keys in one matmul; a
+    score counts only where the column's head ``c = col mod C`` (C a power of two: an AND) is the
+    row's (``c*G <= row < c*G + G``), and ``p @ rows`` carries ``p . V_h`` in the V lanes. That is
+    C times the MXU and softmax work of the per-head loop, traded for no strided loads, no bf16
+    unpacking and one matmul pair a chunk instead of one a head. Each token walks only the chunks
+    of ``chunk`` tokens it can see (not the whole page-table bucket), online softmax in registers.
+    On a v5e one token's chunks form a serial chain (scores -> softmax -> PV -> next chunk), so
+    the ``items`` tokens of a grid step advance together, chunk c of every item in one loop body,
+    for the scheduler to overlap their chains. Rows past kv_len up to the last chunk read are
+    zeroed in VMEM after the fetch (unfetched pages are stale or NaN there, and 0 * NaN is NaN)."""
+    blk = pl.program_id(0)
+    block_rows = kv_block * cache_heads
+    chunk_rows = chunk * cache_heads
+    page_rows = page_size * cache_heads
+    num_chunks = kv_block // chunk
+    log_c = cache_heads.bit_length() - 1
+
+    def each_item(step, slot, fetch):
+        """``fetch`` (start or wait) the blocks of grid step ``step``'s real tokens in ``slot``."""
+        for i in range(items):
+            t = step * items + i
+
+            @pl.when(t < total)
+            def _():
+                fetch(first_seq_ref[t], 0, slot, i * block_rows)
+
+    @pl.when(blk == 0)
+    def _prologue():
+        if write_new_kv is not None:
+            write_new_kv()
+
+        @pl.when(total > 0)
+        def _():
+            each_item(0, 0, start_fetch)
+            next_slot_ref[0] = 0
+
+    def zero_tail(slot, i, kv_len, last):
+        """Zero item i's rows from token kv_len to the end of chunk ``last`` (whole pages)."""
+        base = i * block_rows
+        first_page = lax.div(kv_len, page_size)
+
+        @pl.when(lax.rem(kv_len, page_size) != 0)
+        def _():
+            rows = kv_buf.at[slot, pl.ds(pl.multiple_of(base + first_page * page_rows, page_rows), page_rows)]
+            token = first_page * page_size + lax.shift_right_logical(
+                lax.broadcasted_iota(jnp.int32, (page_rows, 1), 0), log_c
+            )
+            x = rows[...]
+            rows[...] = jnp.where(token < kv_len, x, jnp.zeros_like(x))
+
+        def body(j, carry):
+            start = pl.multiple_of(base + j * page_rows, page_rows)
+            kv_buf[slot, pl.ds(start, page_rows), :] = jnp.zeros((page_rows, kv_buf.shape[-1]), kv_buf.dtype)
+            return carry
+
+        end_page = lax.div((last + 1) * chunk + page_size - 1, page_size)
+        lax.fori_loop(lax.div(kv_len + page_size - 1, page_size), end_page, body, 0)
+
+    def compute(slot):
+        num_rows = q_ref.shape[2]
+        precision = lax.Precision.HIGHEST if q_ref.dtype == jnp.float32 else None
+        state = []
+        for i in range(items):
+            t = blk * items + i
+            valid = t < total
+            s = first_seq_ref[t]
+            kv_len = kv_lens_ref[s]
+            pos = kv_len - cu_q_lens_ref[s + 1] + t  # the token's position in its sequence
+            first = jnp.int32(0)
+            if sliding_window is not None:
+                first = lax.div(jnp.maximum(pos - sliding_window + 1, 0), chunk)
+            last = lax.div(jnp.maximum(pos, 0), chunk)
+            count = jnp.where(valid, last - first + 1, 0)
+
+            @pl.when(valid)
+            def _():
+                zero_tail(slot, i, kv_len, last)
+
+            state.append((valid, pos, first, jnp.minimum(last, num_chunks - 1), count))
+
+        def body(c, carry):
+            col = lax.broadcasted_iota(jnp.int32, (num_rows, chunk_rows), 1)
+            row = lax.broadcasted_iota(jnp.int32, (num_rows, chunk_rows), 0)
+            head_first_row = (col & (cache_heads - 1)) * group
+            own_head = (row >= head_first_row) & (row < head_first_row + group)
+            col_token = lax.shift_right_logical(col, log_c)
+            out = []
+            for i in range(items):
+                m, l, acc = carry[i]
+                _, pos, first, last, count = state[i]
+                ci = jnp.maximum(jnp.minimum(first + c, last), 0)  # past its chunks: masked re-read
+                start = pl.multiple_of(i * block_rows + ci * chunk_rows, chunk_rows)
+                kv = kv_buf[slot, pl.ds(start, chunk_rows), :]
+                q = q_ref[i, 0]  # [Hq, 2D], scaled by sm_scale * k_scale
+                token = ci * chunk + col_token
+                mask = own_head & (token <= pos) & (c < count)
+                if sliding_window is not None:
+                    mask = mask & (token > pos - sliding_window)
+                scores = lax.dot_general(
+                    q,
+                    kv.astype(q.dtype),
+                    (((1,), (1,)), ((), ())),
+                    precision=precision,
+                    preferred_element_type=jnp.float32,
+                )
+                if soft_cap is not None:
+                    scores = soft_cap * jnp.tanh(scores / soft_cap)
+                # A real token's first chunk holds a visible key of every row's head, so from then
+                # on m is a real score and a masked entry's exp(mask_value - m) is exactly 0.
+                scores = jnp.where(mask, scores, mask_value)
+                m_new = jnp.maximum(m, jnp.max(scores, axis=1, keepdims=True))
+                p = jnp.exp(scores - m_new)
+                alpha = jnp.exp(m - m_new)
+                l = alpha * l + jnp.sum(p, axis=1, keepdims=True)
+                acc = alpha * acc + lax.dot_general(
+                    p.astype(kv.dtype),
+                    kv,
+                    (((1,), (0,)), ((), ())),
+                    precision=precision,
+                    preferred_element_type=jnp.float32,
+                )
+                out.append((m_new, l, acc))
+            return tuple(out)
+
+        init = tuple(
+            (
+                jnp.full((num_rows, 1), mask_value, jnp.float32),
+                jnp.zeros((num_rows, 1), jnp.float32),
+                jnp.zeros((num_rows, q_ref.shape[3]), jnp.float32),
+            )
+            for _ in range(items)
+        )
+        steps = state[0][4]
+        for item in state[1:]:
+            steps = jnp.maximum(steps, item[4])
+        final = lax.fori_loop(0, steps, body, init)
+        for i in range(items):
+            _, l, acc = final[i]
+            out = acc / jnp.where(l > 0.0, l, 1.0)  # l >= 1 for a real token: the max counts exp(0)
+            if v_scale is not None:
+                out = out * v_scale
+            # a padding token's state saw no fetched rows (stale, maybe NaN): its output is zeros
+            o_ref[i, 0] = jnp.where(state[i][0], out, 0.0).astype(o_ref.dtype)
+
+    @pl.when(blk * items < total)
+    def _work():
+        slot = next_slot_ref[0]
+
+        @pl.when((blk + 1) * items < total)
+        def _():
+            each_item(blk + 1, 1 - slot, start_fetch)
+
+        next_slot_ref[0] = 1 - slot
+        each_item(blk, slot, wait_fetch)
+        compute(slot)
+
+    @pl.when(blk * items >= total)
+    def _padding():
+        o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
 
 
 def _sees_whole_kv_block(q_start, q_end, base, kv_first, bq: int, kv_block: int, sliding_window):
@@ -907,6 +1044,7 @@ def _first_seq_per_block(cu_q_lens, num_blocks: int, bq: int):
         "single_item_decode",
         "fused_heads",
         "fused_chunk_rows",
+        "fused_items",
     ),
 )
 def ragged_paged_attention_tpu_stacked(
@@ -935,6 +1073,7 @@ def ragged_paged_attention_tpu_stacked(
     single_item_decode: bool | None = None,
     fused_heads: bool | None = None,
     fused_chunk_rows: int | None = None,
+    fused_items: int | None = None,
 ):
     """Ragged paged attention on layer ``layer`` of a stacked cache, updated in place.
 
@@ -960,7 +1099,8 @@ def ragged_paged_attention_tpu_stacked(
     cache (a 1-byte cache's one-item path passes interpret mode but has not run compiled on a chip).
     ``fused_heads``: on the one-item path over a lane-packed 16/32-bit cache (C a power of two),
     take every KV head of a sequence in one matmul pair over chunks of ``fused_chunk_rows`` cache
-    rows (``attend_fused``). None: the generation's ``BlockSizes`` for both.
+    rows, ``fused_items`` tokens a grid step (``_fused_decode_steps``). None: the generation's
+    ``BlockSizes`` for each.
     """
     if mask_value is None:
         mask_value = DEFAULT_MASK_VALUE
@@ -1005,7 +1145,21 @@ def ragged_paged_attention_tpu_stacked(
     )
     bq = num_queries_per_block or bq
     ppb = min(num_kv_pages_per_block or ppb, pages_per_seq)
-    num_blocks = pl.cdiv(num_tokens, bq)
+    if single_item_decode is None:  # the generation's default, measured on 16-bit caches only
+        single_item_decode = generation_block_sizes().single_item_decode and byte_values is None
+    single_item = single_item_decode and bq == 1 and ppb >= pages_per_seq and sinks is None
+    if fused_heads is None:
+        fused_heads = generation_block_sizes().fused_head_decode
+    fused_chunk_tokens, items = 0, 1  # items: tokens a grid step (the fused path's)
+    if fused_heads and single_item and lane_packed and byte_values is None and _is_power_of_two(cache_heads):
+        if fused_chunk_rows is None:
+            fused_chunk_rows = generation_block_sizes().fused_chunk_rows
+        if fused_items is None:
+            fused_items = generation_block_sizes().fused_items
+        fused_chunk_tokens = _chunk_tokens(ppb * page_size, cache_heads, fused_chunk_rows)
+        block_bytes = ppb * page_size * cache_heads * head_dim_kv * jnp.dtype(kv_cache.dtype).itemsize
+        items = max(1, min(fused_items, num_tokens, _FUSED_BUFFER_BYTES // (2 * block_bytes)))
+    num_blocks = pl.cdiv(num_tokens, bq * items) * items
     padded = num_blocks * bq
 
     # [T, Hq, D] -> [NB, Hkv, bq*G, D]: row t*G + g of KV head h is query head h*G + g.
@@ -1039,19 +1193,11 @@ def ragged_paged_attention_tpu_stacked(
     )
     q_spec = pl.BlockSpec((1, num_kv_heads, bq * group, head_dim_kv), lambda i, *_: (i, 0, 0, 0))
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
-    if single_item_decode is None:  # the generation's default, measured on 16-bit caches only
-        single_item_decode = generation_block_sizes().single_item_decode and byte_values is None
-    single_item = single_item_decode and bq == 1 and ppb >= pages_per_seq and sinks is None
-    if fused_heads is None:
-        fused_heads = generation_block_sizes().fused_head_decode
-    fused_chunk_tokens = 0
-    if fused_heads and single_item and lane_packed and byte_values is None and _is_power_of_two(cache_heads):
-        if fused_chunk_rows is None:
-            fused_chunk_rows = generation_block_sizes().fused_chunk_rows
-        fused_chunk_tokens = _chunk_tokens(ppb * page_size, cache_heads, fused_chunk_rows)
-        # [NB, Hkv, G, 2D] -> [NB, 1, Hq, 2D] (bq = 1): row h*G + g is query head h*G + g
+    if fused_chunk_tokens:
+        # [NB, Hkv, G, 2D] -> [NB, 1, Hq, 2D] (bq = 1): row h*G + g is query head h*G + g; a grid
+        # step takes ``items`` tokens
         q = q.reshape(num_blocks, 1, num_q_heads, head_dim_kv)
-        q_spec = pl.BlockSpec((1, 1, num_q_heads, head_dim_kv), lambda i, *_: (i, 0, 0, 0))
+        q_spec = pl.BlockSpec((items, 1, num_q_heads, head_dim_kv), lambda i, *_: (i, 0, 0, 0))
     if vmem_limit_bytes is None:
         vmem_limit_bytes = generation_block_sizes().vmem_limit_bytes
     kernel = functools.partial(
@@ -1072,17 +1218,18 @@ def ragged_paged_attention_tpu_stacked(
         single_item=single_item,
         lane_packed=lane_packed,
         fused_chunk_tokens=fused_chunk_tokens,
+        fused_items=items,
     )
     if sinks is None or new_kv is None:
         kernel = functools.partial(_without_optional_inputs, kernel, sinks is not None, new_kv is not None)
     sinks_spec = [pl.BlockSpec(memory_space=pltpu.SMEM)] if sinks is not None else []
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=len(scalars),
-        grid=(num_blocks,),
+        grid=(num_blocks // items,),
         in_specs=[q_spec] + sinks_spec + ([any_spec] if new_kv is not None else []) + [any_spec],
         out_specs=[q_spec, any_spec],
         scratch_shapes=[
-            pltpu.VMEM((2, ppb * page_size * cache_heads, head_dim_kv), kv_cache.dtype),
+            pltpu.VMEM((2, items * ppb * page_size * cache_heads, head_dim_kv), kv_cache.dtype),
             pltpu.SemaphoreType.DMA((2,)),
             pltpu.SemaphoreType.DMA(()),
             pltpu.SMEM((1,), jnp.int32),
@@ -1113,7 +1260,7 @@ def ragged_paged_attention_tpu_stacked(
         ),
         interpret=interpret if interpret is not None else False,
         name=f"ragged_paged_attention_bq{bq}_p{ppb}{'_one_item' if single_item else ''}"
-        f"{f'_fused{fused_chunk_tokens}' if fused_chunk_tokens else ''}",
+        f"{f'_fused{fused_chunk_tokens}x{items}' if fused_chunk_tokens else ''}",
     )(*scalars, *operands)
     out = out.reshape(num_blocks, num_kv_heads, bq * group, head_dim_kv)
 
@@ -1174,6 +1321,7 @@ def ragged_paged_attention_tpu(
     single_item_decode: bool | None = None,
     fused_heads: bool | None = None,
     fused_chunk_rows: int | None = None,
+    fused_items: int | None = None,
 ):
     """Single-layer form: kv_pages [P, page_size, C, D]. Returns (out [T, Hq, D], kv_pages).
 
@@ -1204,5 +1352,6 @@ def ragged_paged_attention_tpu(
         single_item_decode=single_item_decode,
         fused_heads=fused_heads,
         fused_chunk_rows=fused_chunk_rows,
+        fused_items=fused_items,
     )
     return out, kv_cache[0]

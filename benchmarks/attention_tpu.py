@@ -133,6 +133,11 @@ def parse_args(argv=None):
         "lane-packed layout) at these chunk sizes in cache rows, comma-separated, on decode steps",
     )
     p.add_argument(
+        "--fused-items",
+        default="4",
+        help="tokens a grid step of those fused timings (fused_items), comma-separated",
+    )
+    p.add_argument(
         "--no-one-item",
         dest="one_item",
         action="store_false",
@@ -646,9 +651,10 @@ def timing_point(
     # A decode step: also the one-item path, and its fused-heads form at each asked chunk size
     # (lane-packed caches), each checked against ours.
     variants = [("one_item", {})] + [
-        (f"fused{rows}", dict(fused_heads=True, fused_chunk_rows=int(rows)))
+        (f"fused{rows}x{items}", dict(fused_heads=True, fused_chunk_rows=int(rows), fused_items=int(items)))
         for rows in args.fused_chunk_rows.split(",")
-        if rows and lanes and not fp8
+        for items in args.fused_items.split(",")
+        if rows and items and lanes and not fp8
     ]
     for tag, extra in variants if args.one_item and t <= slots else []:
         attend_one = jax.jit(

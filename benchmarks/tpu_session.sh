@@ -347,9 +347,9 @@ for s in $stages; do
           --num-kv-heads 8 --head-dim 64 --kv-layout lanes --check-dtypes bfloat16 --check-options plain \
           --check-batches decode --steps decode --batches 32,128 --contexts 192,1024 --out "$out/lanes_decode.json" ;;
     fused)     # the one-item decode path with every KV head in one matmul pair (fused_heads,
-               # docs/plans/short-row-decode.md step 3): checked compiled, timed at three chunk sizes
-               # beside the per-head path and kernel_hd64 on the 1B heads, then end to end at b32 /
-               # b128 with it on (A/B against e2e-1b's numbers)
+               # docs/plans/short-row-decode.md steps 3-4): checked compiled, timed at two chunk sizes
+               # x 1 / 4 / 8 tokens a grid step beside the per-head path and kernel_hd64 on the 1B
+               # heads, then end to end at b32 / b128 with it on (A/B against e2e-1b's numbers)
       stage fused-checks 120 python benchmarks/attention_tpu.py --checks-only --rpa-v3 off --num-q-heads 32 \
           --num-kv-heads 8 --head-dim 64 --kv-layout lanes --check-dtypes bfloat16 \
           --check-options one_item_fused,one_item_fused_window_cap --check-batches decode,mixed \
@@ -357,10 +357,11 @@ for s in $stages; do
       stage fused-kernel 200 python benchmarks/attention_tpu.py --rpa-v3 require --num-q-heads 32 \
           --num-kv-heads 8 --head-dim 64 --kv-layout lanes --check-dtypes bfloat16 --check-options plain \
           --check-batches decode --steps decode --batches 32,128 --contexts 192,1024 \
-          --fused-chunk-rows "${FUSED_ROWS:-512,1024,2048}" --out "$out/fused_kernel.json"
+          --fused-chunk-rows "${FUSED_ROWS:-1024,2048}" --fused-items "${FUSED_ITEMS:-1,4,8}" \
+          --out "$out/fused_kernel.json"
       checkpoint llama-1b-gqa
       stage fused-e2e 200 python benchmarks/tpu_e2e.py --models /tmp/m/llama-1b-gqa --rounds 1 \
-          --batches 32,128 --prefill "" --block-sizes "{\"fused_head_decode\": true, \"fused_chunk_rows\": ${FUSED_E2E_ROWS:-1024}}" \
+          --batches 32,128 --prefill "" --block-sizes "{\"fused_head_decode\": true, \"fused_chunk_rows\": ${FUSED_E2E_ROWS:-1024}, \"fused_items\": ${FUSED_E2E_ITEMS:-8}}" \
           --out "$out/e2e_1b_fused.json" ;;
     lanes-fp8) # the lane-packed FP8 cache (four heads' codes a word, 1 KiB a token a layer at the 1B
                # shape) compiled: checked, then its b128 decode beside the bf16 lane-packed one

@@ -579,20 +579,22 @@ def test_lane_packed_cache_lowers_to_mosaic(num_tokens, cache_dtype):
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
-    "name,chunk_rows",
+    "name,chunk_rows,items",
     [
-        ("decode_g8", 64),  # 8-token chunks of a 24-token block: 1-3 walked, the last one cut
-        ("decode_g8", None),  # the generation's chunk: the whole block
-        ("window_g8", 64),  # the walk starts at the window's chunk; a 6-token chunk sees earlier rows
-        ("soft_cap_g1", 32),  # f32, 2 KV heads, G = 1: chunks of 4 tokens
-        pytest.param("mixed_g3_d128", 64, id="mixed_g3_d128-64"),  # G = 3, 2 of 8 rows real
-        pytest.param("bf16_g3_d128", 64, id="bf16_g3_d128-64", marks=pytest.mark.slow),
+        ("decode_g8", 64, 1),  # 8-token chunks of a 24-token block: 1-3 walked, the last one cut
+        ("decode_g8", 64, 3),  # 3 tokens a step: items of 1-3 chunks together, 2 padding items
+        ("decode_g8", None, None),  # the generation's chunk (the whole block) and items
+        ("window_g8", 64, 2),  # the walk starts at the window's chunk; a 6-token chunk sees earlier rows
+        ("soft_cap_g1", 32, 4),  # f32, 2 KV heads, G = 1: chunks of 4 tokens
+        pytest.param("mixed_g3_d128", 64, 4, id="mixed_g3_d128-64"),  # G = 3, 2 of 8 rows real
+        pytest.param("bf16_g3_d128", 64, 5, id="bf16_g3_d128-64", marks=pytest.mark.slow),
     ],
 )
-def test_fused_head_decode_matches_reference_and_oracle(name, chunk_rows):
+def test_fused_head_decode_matches_reference_and_oracle(name, chunk_rows, items):
     """The one-item path with every KV head in one matmul pair (``fused_heads``) on the
     lane-packed cache == the jnp reference and jax's oracle, for decodes and for the other tokens
-    of mixed batches (a prompt's earlier tokens see fewer chunks than kv_len holds)."""
+    of mixed batches (a prompt's earlier tokens see fewer chunks than kv_len holds), one or several
+    tokens a grid step."""
     from tpuserve.attention.pallas_tpu import pack_kv_lanes, unpack_kv_lanes
 
     case, kwargs, dtype = cases.build(name)
@@ -609,6 +611,7 @@ def test_fused_head_decode_matches_reference_and_oracle(name, chunk_rows):
         single_item_decode=True,
         fused_heads=True,
         fused_chunk_rows=chunk_rows,
+        fused_items=items,
         **kwargs,
     )
     jax.block_until_ready((out, kv))
@@ -652,4 +655,4 @@ def test_fused_head_decode_lowers_to_mosaic(fused):
     )
     text = _lowered_for_tpu(args, single_item_decode=True, fused_heads=True if fused else None)
     assert "tpu_custom_call" in text
-    assert ("_fused128" in text) == fused
+    assert ("_fused128x4" in text) == fused
