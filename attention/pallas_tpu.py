@@ -156,13 +156,23 @@ class BlockSizes:
     # lane-packed 16/32-bit cache takes every KV head of its sequence in one matmul pair
     # (``_fused_decode_steps``), over chunks of ``fused_chunk_rows`` cache rows (tokens x C),
     # ``fused_items`` tokens a grid step.
+    # ``fused_heads=None`` takes it only for KV blocks (page-table buckets) of at most
+    # ``fused_max_kv_tokens`` tokens: it does C times the per-head loop's score work, which long
+    # rows pay for (v5e, b128 x 1024: 631-700 us against 512 per head).
     fused_head_decode: bool = False
     fused_chunk_rows: int = 1024
     fused_items: int = 4
+    fused_max_kv_tokens: int = 256
 
 
 _V5E = BlockSizes(
-    128, 1024, decode_kv_tokens_per_block=1024, single_item_decode=True, vmem_limit_bytes=64 << 20
+    128,
+    1024,
+    decode_kv_tokens_per_block=1024,
+    single_item_decode=True,
+    vmem_limit_bytes=64 << 20,
+    fused_head_decode=True,
+    fused_items=8,
 )
 # Keys are matched as substrings of ``jax.devices()[0].device_kind`` (lower-cased).
 _BLOCK_SIZES_BY_GENERATION = {
@@ -1149,7 +1159,8 @@ def ragged_paged_attention_tpu_stacked(
         single_item_decode = generation_block_sizes().single_item_decode and byte_values is None
     single_item = single_item_decode and bq == 1 and ppb >= pages_per_seq and sinks is None
     if fused_heads is None:
-        fused_heads = generation_block_sizes().fused_head_decode
+        sizes = generation_block_sizes()
+        fused_heads = sizes.fused_head_decode and ppb * page_size <= sizes.fused_max_kv_tokens
     fused_chunk_tokens, items = 0, 1  # items: tokens a grid step (the fused path's)
     if fused_heads and single_item and lane_packed and byte_values is None and _is_power_of_two(cache_heads):
         if fused_chunk_rows is None:

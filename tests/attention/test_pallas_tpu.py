@@ -656,3 +656,40 @@ def test_fused_head_decode_lowers_to_mosaic(fused):
     text = _lowered_for_tpu(args, single_item_decode=True, fused_heads=True if fused else None)
     assert "tpu_custom_call" in text
     assert ("_fused128x4" in text) == fused
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("pages_per_seq,fused", [(16, True), (64, False)])
+def test_fused_head_decode_unset_takes_short_buckets_only(monkeypatch, pages_per_seq, fused):
+    """``fused_heads=None`` (what the engine passes) takes the fused path where the generation
+    turns it on and the page-table bucket holds at most ``fused_max_kv_tokens`` tokens (256 here:
+    16 pages of 16), and the per-head loop for longer buckets, where the fused path's C-fold score
+    work cost more on a v5e."""
+    from tpuserve.attention import pallas_tpu
+
+    monkeypatch.setattr(
+        pallas_tpu,
+        "_FALLBACK_BLOCK_SIZES",
+        dataclasses.replace(
+            pallas_tpu._FALLBACK_BLOCK_SIZES,
+            single_item_decode=True,
+            decode_kv_tokens_per_block=1024,
+            fused_head_decode=True,
+            fused_max_kv_tokens=256,
+        ),
+    )
+    slots, hq, hkv, d = 32, 32, 8, 64
+    args = (
+        jax.ShapeDtypeStruct((slots, hq, d), jnp.bfloat16),
+        jax.ShapeDtypeStruct((slots, 2 * hkv, d), jnp.bfloat16),
+        # a page count per case: the jitted kernel reads the defaults at trace time
+        jax.ShapeDtypeStruct((2, 1030 + pages_per_seq, 16, 8, 2 * d), jnp.bfloat16),
+        jax.ShapeDtypeStruct((), jnp.int32),
+        jax.ShapeDtypeStruct((slots,), jnp.int32),
+        jax.ShapeDtypeStruct((slots, pages_per_seq), jnp.int32),
+        jax.ShapeDtypeStruct((slots + 1,), jnp.int32),
+        jax.ShapeDtypeStruct((1,), jnp.int32),
+    )
+    text = _lowered_for_tpu(args)
+    assert "_one_item" in text
+    assert ("_fused" in text) == fused
