@@ -366,9 +366,9 @@ for s in $stages; do
     fused-default) # the 1B shape end to end with the generation's defaults (fused-heads decode on
                # for buckets of <= 256 tokens, 8 tokens a grid step), 2 rounds; then 4 tokens a step
       checkpoint llama-1b-gqa
-      stage fused-default 230 python benchmarks/tpu_e2e.py --models /tmp/m/llama-1b-gqa --rounds 2 \
+      stage fused-default 200 python benchmarks/tpu_e2e.py --models /tmp/m/llama-1b-gqa --rounds 2 \
           --batches 1,32,128 --prefill "" --out "$out/e2e_1b_default.json"
-      stage fused-items4 170 python benchmarks/tpu_e2e.py --models /tmp/m/llama-1b-gqa --rounds 2 \
+      stage fused-items4 150 python benchmarks/tpu_e2e.py --models /tmp/m/llama-1b-gqa --rounds 2 \
           --batches 128 --prefill "" --block-sizes '{"fused_items": 4}' --out "$out/e2e_1b_items4.json" ;;
     lanes-fp8) # the lane-packed FP8 cache (four heads' codes a word, 1 KiB a token a layer at the 1B
                # shape) compiled: checked, then its b128 decode beside the bf16 lane-packed one
