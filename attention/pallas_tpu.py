@@ -107,6 +107,12 @@ Decode fast path (``single_item_decode``, on by default on v5e for 16-bit caches
 and a KV block as wide as the page table, every grid step is exactly one item, so the softmax is
 taken at once in registers (no running max / sum / accumulator in VMEM, no item loop).
 
+Fused-heads decode (``fused_heads``, ``_fused_decode_steps``; on by default on v5e for lane-packed
+16-bit caches whose page-table bucket holds <= 256 tokens): the one-item path with every KV head of
+a token in one matmul pair over the lane-packed block as it lies, a head mask on the scores, and
+several tokens a grid step whose chunk chains advance together. On a v5e (1B shape, b128, 128-256
+token rows) the decode-only step went 7.13 -> 5.55 ms; long rows keep the per-head loop.
+
 Decode path: when the step has no more tokens than sequence slots (a decode or near-decode batch)
 the default is bq = 1, so each grid step is one sequence with exactly G MXU rows instead of bq*G
 mostly-masked ones, and the cross-step prefetch keeps the KV stream continuous - the classic
@@ -172,13 +178,15 @@ _V5E = BlockSizes(
     single_item_decode=True,
     vmem_limit_bytes=64 << 20,
     fused_head_decode=True,
-    fused_items=8,
 )
 # Keys are matched as substrings of ``jax.devices()[0].device_kind`` (lower-cased).
 _BLOCK_SIZES_BY_GENERATION = {
     # v5e: 128 MiB VMEM (16 MiB scoped by default), 4x 128x128 MXU. Measured on one (benchmarks/attention_tpu.py
     # --sweep, 32 q / 8 KV heads, d 128, bf16): decode reads KV at the copy bandwidth with 1024-token
     # blocks (375 GB/s at 256); a 4x512 prefill takes 2.2 ms at 64 x 512 against 3.5 at 32 x 256.
+    # Fused-heads decode (1B shape end to end, 128-256-token rows, 2026-12-07, tpu_session.sh
+    # fused / fused-default): b128 decode-only step 7.13 (per head) -> 6.11 (1 token a grid step)
+    # -> 5.55 ms (4), TPOT 8.50 -> 7.00 ms; 8 a step 5.64 ms; b32 TPOT 4.21 -> 3.85; b1 even.
     # The one-item decode path, end to end on one (1B shape, 256-token rows, 2026-12-07): b32 step
     # 4.63 -> 4.21 ms, b128 9.74-12.58 -> 8.23 ms, b1 even. 128 queries a block, end to end
     # (2026-12-07, tpu_session.sh prefill-bq / prefill-bq-8b): 1B 8 x 1024 66.6 -> 69.2% MFU,

@@ -364,7 +364,8 @@ for s in $stages; do
           --batches 32,128 --prefill "" --block-sizes "{\"fused_head_decode\": true, \"fused_chunk_rows\": ${FUSED_E2E_ROWS:-1024}, \"fused_items\": ${FUSED_E2E_ITEMS:-8}}" \
           --out "$out/e2e_1b_fused.json" ;;
     fused-default) # the 1B shape end to end with the generation's defaults (fused-heads decode on
-               # for buckets of <= 256 tokens, 8 tokens a grid step), 2 rounds; then 4 tokens a step
+               # for buckets of <= 256 tokens), 2 rounds; then 4 tokens a grid step asked for
+               # explicitly (2026-12-07 the default was 8 here, 4 after this stage measured both)
       checkpoint llama-1b-gqa
       stage fused-default 200 python benchmarks/tpu_e2e.py --models /tmp/m/llama-1b-gqa --rounds 2 \
           --batches 1,32,128 --prefill "" --out "$out/e2e_1b_default.json"
