@@ -266,6 +266,13 @@ CHECK_BATCHES = {
 }
 SMOKE_BATCHES = {"mixed": [(1, 9), (7, 7), (5, 21), (1, 1)], "decode": [(1, 60), (1, 17), (1, 3)]}
 # Attention options checked, by name: plain, sliding window + soft cap, and gpt-oss's sinks.
+_ONE_ITEM_FUSED = dict(
+    single_item_decode=True,
+    num_queries_per_block=1,
+    num_kv_pages_per_block=1 << 16,
+    fused_heads=True,
+    fused_chunk_rows=256,
+)
 CHECK_OPTIONS = {
     "plain": dict(),
     "window_cap": dict(sliding_window=64, soft_cap=30.0),
@@ -275,22 +282,8 @@ CHECK_OPTIONS = {
     "one_item": dict(single_item_decode=True, num_queries_per_block=1, num_kv_pages_per_block=1 << 16),
     # the one-item path with every KV head in one matmul pair (lane-packed layout only; other
     # layouts run the per-head loop), in 256-row chunks so a row of a few pages spans several
-    "one_item_fused": dict(
-        single_item_decode=True,
-        num_queries_per_block=1,
-        num_kv_pages_per_block=1 << 16,
-        fused_heads=True,
-        fused_chunk_rows=256,
-    ),
-    "one_item_fused_window_cap": dict(
-        single_item_decode=True,
-        num_queries_per_block=1,
-        num_kv_pages_per_block=1 << 16,
-        fused_heads=True,
-        fused_chunk_rows=256,
-        sliding_window=40,
-        soft_cap=30.0,
-    ),
+    "one_item_fused": _ONE_ITEM_FUSED,
+    "one_item_fused_window_cap": dict(_ONE_ITEM_FUSED, sliding_window=40, soft_cap=30.0),
     "one_item_window_cap": dict(
         single_item_decode=True,
         num_queries_per_block=1,
